@@ -1,0 +1,42 @@
+# kvgate: one place for the commands a developer or CI runs.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+MODEL   ?= ../shared/models/stories260K
+
+.PHONY: setup redis proto test test-kernels lint bench-engine run clean
+
+setup: $(BIN)/.installed redis
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU wheel of exactly this version is on the machine.
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	touch $@
+
+redis:
+	@command -v redis-server >/dev/null || { \
+		echo "redis-server not found: installing it with apt-get"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+proto: $(BIN)/.installed
+	$(PYTHON) -m common.protogen
+
+test: setup proto
+	$(PYTHON) -m pytest -q -ra tests
+
+test-kernels: setup
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -ra tests/kernels
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench-engine: setup
+	$(PYTHON) -m bench.bench_engine --out bench/results/engine.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,223 @@
+"""The in-process engine: add requests, step, read tokens. No Redis, no gRPC.
+
+engine = Engine(EngineConfig(model="../shared/models/stories260K"))
+engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32, temperature=0))
+while engine.has_unfinished():
+    for output in engine.step():
+        ...
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from executor.config import EngineConfig
+from executor.kv_cache import KVCacheManager
+from executor.model_runner import ModelRunner
+from executor.request import FinishReason, Request
+from executor.sampler import Sampler, SamplingBatch, TokenLogprobs
+from executor.sampling_params import SamplingParams
+from executor.scheduler import SchedulerOutput, StepScheduler
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # tokens produced this step
+    logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_cached_tokens: int  # prompt tokens served from the prefix or session cache
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_hit_tokens: int  # cumulative prompt tokens served from the cache
+    num_session_pins: int  # sessions holding blocks now
+    num_session_blocks: int  # blocks those sessions hold
+    num_preemptions: int  # cumulative
+    num_evicted_blocks: int  # cumulative cached blocks reused for new data
+    num_evicted_sessions: int  # cumulative sessions dropped under memory pressure
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            session_ttl_s=config.session_ttl_s,
+        )
+        self.scheduler = StepScheduler(config, self.kv_cache, self.max_model_len)
+        self.sampler = Sampler(list(self.model_config.eos_token_ids), self.runner.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    # ---- API ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; it runs from the next `step()`.
+
+        Raises:
+            ValueError: a field is invalid (the message names it), or the id is in use.
+        """
+        self._validate(request_id, prompt_token_ids, params, priority, session_id)
+        generator = None
+        if params.seed is not None:
+            generator = Sampler.make_generator(params.seed, self.runner.device)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival_seq=next(self._arrivals),
+            priority=priority,
+            session_id=session_id,
+            cache_salt=cache_salt,
+            generator=generator,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; it produces no further output.
+
+        Raises:
+            ValueError: no unfinished request has this id.
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
+        self.scheduler.finish(req, FinishReason.ABORT)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the current batch and return what it produced."""
+        self.kv_cache.expire_sessions()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.execute(out)
+        return self._update(out, logits)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def release_session(self, session_id: str) -> bool:
+        """Unpin a session's blocks; False when the engine holds nothing for it."""
+        return self.kv_cache.release_session(session_id)
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
+            num_session_pins=len(kv.sessions),
+            num_session_blocks=kv.num_session_blocks(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evicted_blocks=kv.num_evicted_blocks,
+            num_evicted_sessions=kv.num_evicted_sessions,
+        )
+
+    # ---- step internals -----------------------------------------------------------------
+
+    def _update(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv_cache.register_computed_blocks(s.request)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        if not sampling:
+            return []
+        sampled = self.sampler(logits, self._sampling_batch(sampling))
+        outputs = []
+        for req, token_id, logprobs in zip(
+            sampling, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            req.all_token_ids.append(token_id)
+            reason = self._finish_reason(req, token_id)
+            if reason is not None:
+                self.requests.pop(req.request_id, None)
+                self.scheduler.finish(req, reason)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token_id],
+                    logprobs=None if logprobs is None else [logprobs],
+                    finished=reason is not None,
+                    finish_reason=None if reason is None else reason.value,
+                    num_cached_tokens=req.num_cached_tokens or 0,
+                )
+            )
+        return outputs
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        return SamplingBatch(
+            params=[r.params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[r.generator for r in reqs],
+        )
+
+    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in self.model_config.eos_token_ids:
+                return FinishReason.STOP
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _validate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        session_id: str | None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+        self._validate_prompt(prompt_token_ids)
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens; it must be shorter than "
+                f"max_model_len ({self.max_model_len}) to leave room for output"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < vocab]  # fmt: skip
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")

@@ -1,0 +1,280 @@
+"""Paged KV cache manager: block pool, block tables, prefix cache and session pins.
+
+Blocks are reference counted. A block with no reference is free; if it holds a full,
+hashed block of tokens it stays findable in the prefix cache until it is reused
+(least recently freed first). A finished request with a session id hands its blocks to
+the session, which keeps them referenced until the session's next turn, `release_session`,
+its TTL, or eviction under memory pressure (least recently used session first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from executor.request import Request
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set while the block is published in the prefix cache
+    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to confirm a hit
+
+
+@dataclass(slots=True)
+class Session:
+    """The KV a finished turn left behind for the session's next turn."""
+
+    session_id: str
+    cache_salt: str | None
+    token_ids: list[int]  # tokens whose K/V the blocks hold, in order
+    block_ids: list[int]  # one reference each, owned by the session
+    last_used_s: float = 0.0
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def hash_block(parent: bytes | None, token_ids: tuple[int, ...], cache_salt: str | None) -> bytes:
+    """Chained hash of one full block: the parent's hash (or the salt, for the first block)."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent is None:
+        h.update(b"salt:" + (cache_salt or "").encode())
+    else:
+        h.update(parent)
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+class KVCacheManager:
+    """Owns every KV block; requests and sessions hold references to them."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        session_ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.session_ttl_s = session_ttl_s
+        self._clock = clock
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._hash_to_block: dict[bytes, int] = {}
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU first
+        self.num_evicted_blocks = 0
+        self.num_evicted_sessions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    # ---- hashing ------------------------------------------------------------------------
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend `req.block_hashes` to cover every full block of its tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+            req.block_hashes.append(hash_block(parent, tokens, req.cache_salt))
+
+    def register_computed_blocks(self, req: Request) -> None:
+        """Publish the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(req)
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        bs = self.block_size
+        for i in range(req.num_registered_blocks, num_full):
+            block = self.blocks[req.block_table[i]]
+            block_hash = req.block_hashes[i]
+            if block.block_hash is None and block_hash not in self._hash_to_block:
+                block.block_hash = block_hash
+                block.token_ids = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+                self._hash_to_block[block_hash] = block.block_id
+        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def acquire_cached_prefix(self, req: Request) -> int:
+        """Give a request with no blocks the longest cached prefix of its tokens.
+
+        The session's own blocks and the prefix cache are both tried; the longer hit wins. A
+        hit never covers the last token, whose logits the request still needs. The caller
+        releases the session once the request is admitted (this turn replaces it).
+
+        Returns:
+            The number of tokens whose K/V the request now holds.
+        """
+        assert not req.block_table and req.num_computed_tokens == 0
+        max_tokens = req.num_tokens - 1
+        session_hit = self._match_session(req, max_tokens)
+        prefix_hit = self._match_prefix(req, max_tokens)
+        hit = session_hit if session_hit.num_tokens >= prefix_hit.num_tokens else prefix_hit
+        for block_id in hit.block_ids:
+            self._incref(block_id)
+        if hit is session_hit and session_hit.num_tokens % self.block_size:
+            self._unpublish(hit.block_ids[-1])  # its tail will be overwritten by this request
+        req.block_table = list(hit.block_ids)
+        req.num_computed_tokens = hit.num_tokens
+        req.num_registered_blocks = hit.num_tokens // self.block_size if hit is prefix_hit else 0
+        return hit.num_tokens
+
+    def _match_prefix(self, req: Request, max_tokens: int) -> PrefixHit:
+        hit = PrefixHit()
+        if not self.enable_prefix_caching:
+            return hit
+        self.update_block_hashes(req)
+        bs = self.block_size
+        for i in range(min(max_tokens // bs, len(req.block_hashes))):
+            block_id = self._hash_to_block.get(req.block_hashes[i])
+            tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hit.block_ids.append(block_id)
+        hit.num_tokens = len(hit.block_ids) * bs
+        return hit
+
+    def _match_session(self, req: Request, max_tokens: int) -> PrefixHit:
+        session = self.sessions.get(req.session_id) if req.session_id is not None else None
+        if session is None or session.cache_salt != req.cache_salt:
+            return PrefixHit()
+        num_common = _common_prefix_len(session.token_ids, req.all_token_ids, max_tokens)
+        num_full = num_common // self.block_size
+        block_ids = session.block_ids[:num_full]
+        partial = num_common % self.block_size
+        if partial and self.blocks[session.block_ids[num_full]].ref_count == 1:
+            block_ids.append(session.block_ids[num_full])  # held by the session alone
+        else:
+            num_common = num_full * self.block_size
+        return PrefixHit(block_ids, num_common)
+
+    # ---- allocation ---------------------------------------------------------------------
+
+    def num_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        total = req.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(req.block_table))
+
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens of K/V; False (and no change) if full."""
+        needed = self.num_blocks_needed(req, num_new_tokens)
+        if not self._make_room(needed):
+            return False
+        for _ in range(needed):
+            req.block_table.append(self._pop_free_block())
+        return True
+
+    def free(self, req: Request) -> None:
+        """Drop the request's references; its published blocks stay in the prefix cache."""
+        for block_id in reversed(req.block_table):
+            self._decref(block_id)
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+
+    def _make_room(self, num_blocks: int) -> bool:
+        while self.num_free_blocks < num_blocks and self.sessions:
+            self._evict_session(next(iter(self.sessions)))
+        return self.num_free_blocks >= num_blocks
+
+    def _pop_free_block(self) -> int:
+        if self._free_plain:
+            block_id = self._free_plain.pop()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+            self._unpublish(block_id)
+            self.num_evicted_blocks += 1
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _incref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free_cached[block_id]
+        block.ref_count += 1
+
+    def _decref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed twice")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._free_cached[block_id] = None
+            else:
+                self._free_plain.append(block_id)
+
+    def _unpublish(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self._hash_to_block[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    def pin_session(self, req: Request) -> None:
+        """Hand a finished request's blocks to its session instead of freeing them."""
+        assert req.session_id is not None
+        self.release_session(req.session_id)
+        num_kv_tokens = req.num_computed_tokens
+        self.sessions[req.session_id] = Session(
+            session_id=req.session_id,
+            cache_salt=req.cache_salt,
+            token_ids=req.all_token_ids[:num_kv_tokens],
+            block_ids=req.block_table,
+            last_used_s=self._clock(),
+        )
+        req.block_table = []
+        req.num_computed_tokens = 0
+
+    def release_session(self, session_id: str) -> bool:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        for block_id in reversed(session.block_ids):
+            self._decref(block_id)
+        return True
+
+    def expire_sessions(self) -> int:
+        """Release sessions idle longer than `session_ttl_s`; returns how many."""
+        deadline = self._clock() - self.session_ttl_s
+        expired = [s.session_id for s in self.sessions.values() if s.last_used_s < deadline]
+        for session_id in expired:
+            self.release_session(session_id)
+        return len(expired)
+
+    def _evict_session(self, session_id: str) -> None:
+        self.release_session(session_id)
+        self.num_evicted_sessions += 1
+
+    def num_session_blocks(self) -> int:
+        return sum(len(s.block_ids) for s in self.sessions.values())
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

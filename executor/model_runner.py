@@ -1,0 +1,156 @@
+"""Owns the model, its KV cache tensors and the per-step input tensors."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from executor.config import EngineConfig
+from executor.models.config import ModelConfig
+from executor.models.llama import AttentionMetadata, ForwardContext
+from executor.models.loader import load_model
+from executor.scheduler import ScheduledRequest, SchedulerOutput
+from kernels import build_cos_sin_cache, get_kernels
+
+logger = logging.getLogger("kvgate.executor")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CUDA_ACTIVATION_RESERVE_BYTES = 1 << 30  # headroom for activations and the allocator
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[
+            config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
+        ]
+        self.block_size = config.block_size
+        self.kernels = get_kernels(self.device, config.kernels)
+        self.model, self.model_config = load_model(config.model, self.device, self.dtype)
+        self.num_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(config)
+        self.kv_caches = self._allocate_kv_caches()
+        self.max_model_len = self._max_model_len(config)
+        mc = self.model_config
+        self.cos_sin_cache = build_cos_sin_cache(
+            mc.head_dim, self.max_model_len, mc.rope_theta, mc.rope_scaling, self.device
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        mc = self.model_config
+        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def _num_blocks_from_memory(self, config: EngineConfig) -> int:
+        if self.device.type == "cpu":
+            budget = int(config.kv_cache_gib * (1 << 30))
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * config.gpu_memory_utilization) - used
+            budget -= _CUDA_ACTIVATION_RESERVE_BYTES
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for a single KV block of {self.block_bytes} bytes: raise "
+                "kv_cache_gib (CPU) or gpu_memory_utilization (CUDA)"
+            )
+        return num_blocks
+
+    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.model_config
+        shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        caches = []
+        for _ in range(mc.num_hidden_layers):
+            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            caches.append((kv[0], kv[1]))
+        logger.info("kv cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+        return caches
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        mc: ModelConfig = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            logger.warning("sliding window attention is not implemented: max_model_len is "
+                           "capped at the window, %d tokens", mc.sliding_window)  # fmt: skip
+            limit = mc.sliding_window
+        limit = min(limit, self.num_blocks * self.block_size)
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len must be <= {limit} (the model's positions, window and KV "
+                f"cache), got {config.max_model_len}"
+            )
+        return config.max_model_len
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one forward pass.
+
+        Returns:
+            [num_sampling, vocab] float32 logits, one row per scheduled request that samples,
+            in batch order.
+        """
+        input_ids, positions, attn, sample_rows = self._prepare(out.scheduled)
+        ctx = ForwardContext(positions, attn, self.cos_sin_cache, self.kernels)
+        hidden = self.model(input_ids, self.kv_caches, ctx)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def _prepare(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for s in scheduled:
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            table = req.block_table
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+        attn = self._attention_metadata(scheduled, slots)
+        return (
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            attn,
+            self._tensor(sample_rows, torch.int64),
+        )
+
+    def _attention_metadata(
+        self, scheduled: list[ScheduledRequest], slots: list[int]
+    ) -> AttentionMetadata:
+        num_decode = sum(1 for s in scheduled if s.num_new_tokens == 1)
+        decode, prefill = scheduled[:num_decode], scheduled[num_decode:]
+        cu_seqlens = [0]
+        for s in prefill:
+            cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=num_decode,
+            decode_block_tables=self._block_tables(decode),
+            decode_context_lens=self._context_lens(decode),
+            prefill_block_tables=self._block_tables(prefill),
+            prefill_cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
+            prefill_context_lens=self._context_lens(prefill),
+        )
+
+    def _block_tables(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        width = max((len(s.request.block_table) for s in scheduled), default=0)
+        rows = [
+            s.request.block_table + [0] * (width - len(s.request.block_table)) for s in scheduled
+        ]
+        return self._tensor(rows, torch.int32).view(len(scheduled), width)
+
+    def _context_lens(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        lens = [s.request.num_computed_tokens + s.num_new_tokens for s in scheduled]
+        return self._tensor(lens, torch.int32)
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)

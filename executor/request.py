@@ -1,0 +1,72 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or one of stop_token_ids
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted by the caller
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation: its tokens, how far its KV is computed, and its blocks.
+
+    There is no prefill or decode phase: `num_computed_tokens` trails `num_tokens`, and each
+    step the scheduler gives the request some of the difference (all of it, or a chunk).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_seq: int  # FCFS order among requests of one priority
+    priority: int = 0  # lower runs first
+    session_id: str | None = None
+    cache_salt: str | None = None
+    generator: torch.Generator | None = None
+    all_token_ids: list[int] = field(default_factory=list)  # prompt followed by output
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_registered_blocks: int = 0  # leading blocks published in the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)

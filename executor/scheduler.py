@@ -1,0 +1,132 @@
+"""Step scheduler: which requests run in the next forward pass, and how many tokens each.
+
+Running requests go first (each gets what it still needs, within the token budget), then
+waiting ones in (priority, arrival) order while sequences, budget and blocks allow. A long
+prompt is cut into chunks by the budget, so decodes keep flowing beside it. When blocks run
+out, the lowest-priority, newest running request is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from executor.config import EngineConfig
+from executor.kv_cache import KVCacheManager
+from executor.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens of K/V computed for it this step
+    samples: bool  # the step reaches its last known token, so a new token is sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The decision for one step, in batch order: one-token requests first, then the rest."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0  # total new tokens in the step
+    preempted_ids: list[str] = field(default_factory=list)  # sent back to the waiting queue
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class StepScheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: set[str] = set()
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, num_new, scheduled, out):
+                continue
+            scheduled.add(req.request_id)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        while not self.kv_cache.allocate_slots(req, num_new):
+            victim = max(
+                (r for r in self.running if r.request_id not in scheduled),
+                key=lambda r: r.sort_key,
+            )
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req)
+        self.num_preemptions += 1
+        self.add(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_cached = self.kv_cache.acquire_cached_prefix(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(req, num_new):
+                self.kv_cache.free(req)
+                break
+            if req.session_id is not None:
+                self.kv_cache.release_session(req.session_id)  # this turn replaces it
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_cached
+                self.prefix_hit_tokens += num_cached
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.sort_key)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        samples = req.num_computed_tokens + num_new == req.num_tokens
+        return ScheduledRequest(req, num_new, samples)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Take a request out of the queues and give back (or pin) its blocks."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req.session_id is not None and reason is not FinishReason.ABORT:
+            self.kv_cache.pin_session(req)
+        else:
+            self.kv_cache.free(req)
