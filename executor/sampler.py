@@ -1,0 +1,296 @@
+"""Batched next-token sampling: masks, penalties, temperature, top-k/top-p/min-p, logprobs.
+
+Order of operations per step (as in vLLM):
+  1. min_tokens: EOS (unless ignore_eos) and stop_token_ids get -inf until a
+     request has produced min_tokens tokens;
+  2. penalties: repetition over prompt + output tokens, presence and frequency
+     over output tokens;
+  3. greedy rows take the argmax; the others go through
+     temperature -> min_p -> top_k -> top_p and are sampled.
+
+Sampling uses the exponential race: token = argmax(probs / q) with q ~ Exp(1)
+drawn independently per vocabulary entry, which picks token i with probability
+probs[i]. A seeded request draws its q from its own generator, one row of
+vocab_size numbers per sampled step, so its tokens do not depend on what else
+is in the batch.
+
+Logprobs are the log_softmax of the raw model logits, before min_tokens masking,
+penalties and temperature: they describe what the model predicted, not the
+distribution the token was drawn from (vLLM's default "raw_logprobs").
+"""
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from executor.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token and the model's top candidates at that step."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its logprob under the raw model logits
+    top: list[tuple[int, float]]  # top-n (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Sampling inputs, one row per request whose next token is sampled this step."""
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]  # tokens the request has produced so far
+    generators: list[torch.Generator | None]  # the request's own generator when seeded
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per batch row, with logprobs where the request asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Chooses the next token of every row of a batch of logits."""
+
+    def __init__(self, eos_token_ids: list[int], device: torch.device | str = "cpu") -> None:
+        """Build a sampler for one model on one device.
+
+        Args:
+            eos_token_ids: the model's end-of-sequence ids, masked by min_tokens
+                unless a request sets ignore_eos.
+            device: where the logits live; seeded requests' generators must be
+                made there (`Sampler.make_generator(seed, sampler.device)`).
+        """
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = torch.device(device)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: [num_rows, vocab_size] logits of the last position of each
+                row, on the sampler's device (float32; other float dtypes are
+                converted outside the argmax fast path). Not modified.
+            batch: the rows' parameters, token histories and generators.
+
+        Returns:
+            The sampled token ids, and per row its logprobs or None.
+        """
+        if _argmax_only(batch):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(batch.params))
+        processed = apply_min_tokens(logits.float(), batch, self.eos_token_ids)
+        processed = apply_penalties(processed, batch)
+        token_ids = self._choose(processed, batch)
+        return SamplerOutput(token_ids.tolist(), _token_logprobs(logits, token_ids, batch))
+
+    @staticmethod
+    def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+        """Build the per-request generator of a seeded request.
+
+        Args:
+            seed: the request's SamplingParams.seed.
+            device: the sampler's device (a generator draws only on its own device).
+
+        Returns:
+            A generator to keep with the request for its whole life.
+        """
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)
+        rows = [i for i, params in enumerate(batch.params) if not params.is_greedy]
+        if not rows:
+            return token_ids
+        row_index = torch.tensor(rows, device=logits.device)
+        probs = _filtered_probs(logits[row_index], [batch.params[i] for i in rows])
+        races = _exponentials(probs, [batch.generators[i] for i in rows])
+        token_ids[row_index] = (probs / races).argmax(dim=-1)
+        return token_ids
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, batch: SamplingBatch, eos_token_ids: list[int]
+) -> torch.Tensor:
+    """Mask stop tokens of rows that have not produced min_tokens tokens yet.
+
+    Args:
+        logits: [num_rows, vocab_size] logits.
+        batch: the rows' parameters and output tokens.
+        eos_token_ids: masked too, except for rows with ignore_eos.
+
+    Returns:
+        The logits with -inf at every masked (row, token); the input itself when
+        nothing is masked, else a new tensor.
+    """
+    rows: list[int] = []
+    token_ids: list[int] = []
+    vocab_size = logits.shape[-1]
+    for row, (params, output) in enumerate(zip(batch.params, batch.output_token_ids, strict=True)):
+        if len(output) >= params.min_tokens:
+            continue
+        stops = (
+            params.stop_token_ids if params.ignore_eos else params.stop_token_ids + eos_token_ids
+        )
+        masked = {token_id for token_id in stops if token_id < vocab_size}
+        rows.extend([row] * len(masked))
+        token_ids.extend(masked)
+    if not rows:
+        return logits
+    index = (
+        torch.tensor(rows, device=logits.device),
+        torch.tensor(token_ids, device=logits.device),
+    )
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Apply repetition, presence and frequency penalties to the rows that set them.
+
+    Repetition (HF/vLLM): a token seen in the prompt or the output has its logit
+    divided by the penalty when positive, multiplied when not. Presence and
+    frequency (OpenAI): logit -= frequency * count_in_output + presence * (count > 0).
+
+    Args:
+        logits: [num_rows, vocab_size] logits.
+        batch: the rows' parameters and token histories.
+
+    Returns:
+        The penalized logits; the input itself when no row has penalties, else a new tensor.
+    """
+    rows = [i for i, params in enumerate(batch.params) if params.has_penalties]
+    if not rows:
+        return logits
+    device, vocab_size = logits.device, logits.shape[-1]
+    params = [batch.params[i] for i in rows]
+    output_counts = _token_counts([batch.output_token_ids[i] for i in rows], vocab_size, device)
+    prompt_counts = _token_counts([batch.prompt_token_ids[i] for i in rows], vocab_size, device)
+    row_index = torch.tensor(rows, device=device)
+    penalized = _repetition_penalized(
+        logits[row_index],
+        (prompt_counts + output_counts) > 0,
+        _column(params, "repetition_penalty", device),
+    )
+    penalized -= _column(params, "frequency_penalty", device) * output_counts
+    penalized -= _column(params, "presence_penalty", device) * (output_counts > 0)
+    return logits.index_put((row_index,), penalized)
+
+
+def _argmax_only(batch: SamplingBatch) -> bool:
+    """True when every row is a plain argmax: greedy, no penalties, masks or logprobs."""
+    for params, output in zip(batch.params, batch.output_token_ids, strict=True):
+        if (
+            not params.is_greedy
+            or params.has_penalties
+            or params.logprobs is not None
+            or len(output) < params.min_tokens
+        ):
+            return False
+    return True
+
+
+def _column(params: list[SamplingParams], name: str, device: torch.device) -> torch.Tensor:
+    """One parameter of every row as a float32 [num_rows, 1] tensor."""
+    values = [getattr(p, name) for p in params]
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _token_counts(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """How often each token occurs in each list, as a float32 [num_lists, vocab_size] tensor."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    flat = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    list_index = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    counts = torch.bincount(list_index * vocab_size + flat, minlength=len(token_lists) * vocab_size)
+    return counts.view(len(token_lists), vocab_size).to(torch.float32)
+
+
+def _repetition_penalized(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, scaled, logits)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then min_p, top_k and top_p masks; the probabilities to sample from."""
+    device = logits.device
+    logits = logits / _column(params, "temperature", device)
+    if any(p.min_p > 0.0 for p in params):
+        logits = _apply_min_p(logits, _column(params, "min_p", device))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _apply_top_k_top_p(logits, params)
+    return logits.softmax(dim=-1)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Keep the top_k most likely tokens, then the smallest prefix holding top_p of their mass.
+
+    Sorts once (stable, so ties keep the lower token id first). top_k = 0 and
+    top_p = 1 leave a row unchanged; the most likely token is always kept.
+    """
+    device, vocab_size = logits.device, logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    top_k = torch.tensor([p.top_k or vocab_size for p in params], device=device).unsqueeze(1)
+    positions = torch.arange(vocab_size, device=device)
+    sorted_logits = sorted_logits.masked_fill(positions >= top_k, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1)[:, :-1]
+    mass_before = torch.cat([torch.zeros_like(mass_before[:, :1]), mass_before], dim=-1)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def _exponentials(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) draws shaped like probs: seeded rows from their own generator, others shared."""
+    races = torch.empty_like(probs)
+    unseeded = [row for row, generator in enumerate(generators) if generator is None]
+    if len(unseeded) == len(generators):
+        races.exponential_()
+    else:
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                races[row].exponential_(generator=generator)
+        if unseeded:
+            races[torch.tensor(unseeded, device=probs.device)] = torch.empty(
+                len(unseeded), probs.shape[-1], device=probs.device
+            ).exponential_()
+    # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks.
+    return races.clamp_(min=torch.finfo(races.dtype).tiny)
+
+
+def _token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+) -> list[TokenLogprobs | None]:
+    """Logprobs under the raw logits for the rows that asked for them."""
+    result: list[TokenLogprobs | None] = [None] * len(batch.params)
+    rows = [i for i, params in enumerate(batch.params) if params.logprobs is not None]
+    if not rows:
+        return result
+    row_index = torch.tensor(rows, device=logits.device)
+    logprobs = logits[row_index].float().log_softmax(dim=-1)
+    chosen = token_ids[row_index]
+    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    num_top = min(max(batch.params[i].logprobs for i in rows), logprobs.shape[-1])
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()
+    for j, (row, token_id) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+        n = batch.params[row].logprobs
+        top = list(zip(top_ids[j][:n], top_logprobs[j][:n], strict=True))
+        result[row] = TokenLogprobs(token_id, chosen_logprobs[j], top)
+    return result

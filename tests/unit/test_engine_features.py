@@ -1,0 +1,188 @@
+"""Engine behaviour on stories260K: sessions, tenants, preemption, priority, chunking, bad input."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from executor.config import EngineConfig
+from executor.engine import Engine
+from executor.sampling_params import SamplingParams
+from tests.helpers import STORIES_260K, run_to_completion
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(STORIES_260K)
+
+
+def make_engine(**overrides) -> Engine:
+    overrides.setdefault("kv_cache_gib", 0.02)
+    return Engine(EngineConfig(model=str(STORIES_260K), **overrides))
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def drain(engine: Engine) -> list:
+    outputs = []
+    while engine.has_unfinished():
+        outputs.extend(engine.step())
+    return outputs
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, f"blocks still held: {stats}"
+
+
+def test_session_turn_two_reuses_turn_one_and_matches_cold_run(tokenizer):
+    turn1 = tokenizer("Once upon a time").input_ids
+    engine = make_engine(block_size=4)
+    engine.add_request("t1", turn1, greedy(20), session_id="s")
+    reply1 = run_to_completion(engine)["t1"]
+    assert engine.stats().num_session_pins == 1
+    turn2 = turn1 + reply1 + tokenizer("Then the dog", add_special_tokens=False).input_ids
+    engine.add_request("t2", turn2, greedy(20), session_id="s")
+    outputs = drain(engine)
+    reply2 = [t for o in outputs for t in o.new_token_ids]
+    # every token of turn 1 had its K/V computed except the last reply token, never fed back
+    expected_cached = len(turn1) + len(reply1) - 1
+    assert outputs[0].num_cached_tokens == expected_cached, (
+        f"expected {expected_cached} cached tokens, got {outputs[0].num_cached_tokens}"
+    )
+    cold = make_engine(block_size=4, enable_prefix_caching=False)
+    cold.add_request("cold", turn2, greedy(20))
+    assert reply2 == run_to_completion(cold)["cold"], "session turn differs from a cold run"
+    assert engine.release_session("s") is True
+    assert engine.release_session("s") is False
+    assert_all_blocks_free(engine)
+
+
+def test_session_expires_after_ttl(tokenizer):
+    engine = make_engine(session_ttl_s=0.05)
+    engine.add_request("t1", tokenizer("Once upon a time").input_ids, greedy(4), session_id="s")
+    run_to_completion(engine)
+    assert engine.stats().num_session_pins == 1
+    time.sleep(0.1)
+    engine.step()
+    assert engine.stats().num_session_pins == 0, "session outlived its TTL"
+
+
+def test_tenants_never_share_cached_blocks(tokenizer):
+    prompt = tokenizer("The cat jumped over the fence and ran to the big house").input_ids
+    engine = make_engine(block_size=4)
+    engine.add_request("a1", prompt, greedy(4), cache_salt="tenant-a")
+    run_to_completion(engine)
+    engine.add_request("b1", prompt, greedy(4), cache_salt="tenant-b")
+    engine.add_request("a2", prompt, greedy(4), cache_salt="tenant-a")
+    cached = {o.request_id: o.num_cached_tokens for o in drain(engine)}
+    assert cached["b1"] == 0, f"tenant b read tenant a's blocks: {cached}"
+    assert cached["a2"] > 0, f"tenant a did not reuse its own prefix: {cached}"
+
+
+def test_preemption_keeps_every_request_correct(tokenizer):
+    texts = ("Once upon a time", "The dog ran", "Mom said", "A big red ball", "Lily", "The sun")
+    prompts = [tokenizer(t).input_ids for t in texts]
+    free = make_engine(block_size=4)
+    tight = make_engine(block_size=4, num_gpu_blocks=30)
+    for engine in (free, tight):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, greedy(40))
+    expected = run_to_completion(free)
+    got = run_to_completion(tight)
+    assert tight.stats().num_preemptions > 0, "the tight cache was expected to preempt"
+    assert got == expected, "preempted requests produced different tokens"
+    assert_all_blocks_free(tight)
+
+
+def test_priority_runs_lower_value_first_fcfs_within(tokenizer):
+    engine = make_engine(max_num_seqs=1)
+    prompt = tokenizer("Once upon a time").input_ids
+    for request_id, priority in [("late", 2), ("first", 0), ("mid-a", 1), ("mid-b", 1)]:
+        engine.add_request(request_id, prompt, greedy(3), priority=priority)
+    finished = [o.request_id for o in drain(engine) if o.finished]
+    assert finished == ["first", "mid-a", "mid-b", "late"], f"finish order {finished}"
+
+
+def test_chunked_prefill_lets_running_requests_decode(tokenizer):
+    engine = make_engine(max_num_batched_tokens=6)
+    engine.add_request("short", tokenizer("Once").input_ids, greedy(30))
+    engine.step()
+    long_prompt = tokenizer("The cat jumped over the fence and ran to the big house where "
+                            "the old man lived with his dog").input_ids  # fmt: skip
+    engine.add_request("long", long_prompt, greedy(2))
+    steps_until_long_starts = 0
+    while True:
+        outputs = {o.request_id: o for o in engine.step()}
+        assert "short" in outputs, "the running request stalled during a chunked prefill"
+        if "long" in outputs:
+            break
+        steps_until_long_starts += 1
+    assert steps_until_long_starts >= 2, "the long prompt was expected to take several chunks"
+
+
+def test_seeded_sampling_is_independent_of_batch_mates(tokenizer):
+    prompt = tokenizer("Once upon a time").input_ids
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234)
+    alone = make_engine()
+    alone.add_request("x", prompt, params)
+    expected = run_to_completion(alone)["x"]
+    crowded = make_engine()
+    crowded.add_request("noise1", tokenizer("The dog").input_ids, SamplingParams(max_tokens=30))
+    crowded.add_request("x", prompt, params)
+    crowded.add_request("noise2", prompt, SamplingParams(max_tokens=10, seed=7))
+    assert run_to_completion(crowded)["x"] == expected
+
+
+@pytest.mark.parametrize(
+    "field, call",
+    [
+        ("prompt_token_ids", lambda e: e.add_request("bad", [], greedy(4))),
+        ("prompt_token_ids", lambda e: e.add_request("bad", [5] * 600, greedy(4))),
+        ("prompt_token_ids", lambda e: e.add_request("bad", [5, 99999], greedy(4))),
+        ("max_tokens", lambda e: e.add_request("bad", [1, 5], SamplingParams(max_tokens=0))),
+        ("temperature", lambda e: e.add_request("bad", [1], SamplingParams(temperature=-1))),
+        ("top_p", lambda e: e.add_request("bad", [1], SamplingParams(top_p=0.0))),
+        ("top_p", lambda e: e.add_request("bad", [1], SamplingParams(top_p=1.5))),
+        ("top_k", lambda e: e.add_request("bad", [1], SamplingParams(top_k=-1))),
+        ("request_id", lambda e: e.abort("nobody")),
+        ("request_id", lambda e: e.add_request("good", [1, 5], greedy(4))),  # duplicate
+        ("priority", lambda e: e.add_request("bad", [1], greedy(4), priority="high")),
+    ],
+)
+def test_bad_input_names_field_and_spares_others(tokenizer, field, call):
+    engine = make_engine()
+    prompt = tokenizer("Once upon a time").input_ids
+    engine.add_request("good", prompt, greedy(12))
+    engine.step()
+    with pytest.raises(ValueError, match=field):
+        call(engine)
+    got = run_to_completion(engine)
+    reference = make_engine()
+    reference.add_request("good", prompt, greedy(12))
+    assert got["good"][-11:] == run_to_completion(reference)["good"][-11:]
+    assert_all_blocks_free(engine)
+
+
+def test_abort_frees_blocks_and_stops_output(tokenizer):
+    engine = make_engine()
+    engine.add_request("a", tokenizer("Once upon a time").input_ids, greedy(50))
+    engine.add_request("b", tokenizer("The dog").input_ids, greedy(5))
+    engine.step()
+    engine.abort("a")
+    outputs = drain(engine)
+    assert {o.request_id for o in outputs} == {"b"}, "an aborted request kept producing"
+    assert_all_blocks_free(engine)
+
+
+def test_max_model_len_ends_with_length(tokenizer):
+    engine = make_engine(max_model_len=16)
+    prompt = tokenizer("Once upon a time").input_ids
+    engine.add_request("a", prompt, greedy(100))
+    outputs = drain(engine)
+    assert len(prompt) + len(outputs) == 16
+    assert outputs[-1].finish_reason == "length"

@@ -1,0 +1,117 @@
+"""SamplingParams: every bad value is a ValueError naming the field."""
+
+import math
+
+import pytest
+
+from executor.sampling_params import SamplingParams
+
+BAD_VALUES = [
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", 2.0),
+    ("max_tokens", True),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", "1"),
+    ("temperature", True),
+    ("top_k", -1),
+    ("top_k", 1.5),
+    ("top_k", False),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", math.nan),
+    ("min_p", -0.01),
+    ("min_p", 1.01),
+    ("min_p", math.nan),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", math.nan),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.01),
+    ("presence_penalty", math.nan),
+    ("frequency_penalty", -3.0),
+    ("frequency_penalty", 2.01),
+    ("frequency_penalty", math.nan),
+    ("seed", -1),
+    ("seed", 2**64),
+    ("seed", 1.0),
+    ("seed", True),
+    ("min_tokens", -1),
+    ("min_tokens", 17),
+    ("min_tokens", True),
+    ("stop_token_ids", [1, -2]),
+    ("stop_token_ids", [1, True]),
+    ("stop_token_ids", 5),
+    ("ignore_eos", 1),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", True),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_bad_value_is_rejected_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(**{field: value})
+    assert field in str(raised.value), (
+        f"expected the error for {field}={value!r} to name {field!r}, got {str(raised.value)!r}"
+    )
+
+
+def test_error_message_states_allowed_range() -> None:
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(top_p=1.5)
+    assert str(raised.value) == "top_p must be in (0, 1], got 1.5", (
+        f"expected the range in the message, got {str(raised.value)!r}"
+    )
+
+
+def test_edge_values_are_accepted() -> None:
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0,
+        top_k=0,
+        top_p=1.0,
+        min_p=1.0,
+        repetition_penalty=0.01,
+        presence_penalty=-2.0,
+        frequency_penalty=2,
+        seed=2**64 - 1,
+        min_tokens=1,
+        stop_token_ids=(0, 3),
+        ignore_eos=True,
+        logprobs=20,
+    )
+    assert params.stop_token_ids == [0, 3], f"expected a list, got {params.stop_token_ids!r}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "greedy"),
+    [
+        ({"temperature": 0.0}, True),
+        ({"top_k": 1}, True),
+        ({"temperature": 0.7, "top_k": 1}, True),
+        ({"temperature": 1e-6}, True),
+        ({"temperature": 0.7}, False),
+        ({"temperature": 0.7, "top_k": 2}, False),
+    ],
+)
+def test_is_greedy(kwargs: dict, greedy: bool) -> None:
+    got = SamplingParams(**kwargs).is_greedy
+    assert got is greedy, f"expected is_greedy={greedy} for {kwargs}, got {got}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "penalized"),
+    [
+        ({}, False),
+        ({"repetition_penalty": 1.1}, True),
+        ({"presence_penalty": 0.5}, True),
+        ({"frequency_penalty": -0.5}, True),
+    ],
+)
+def test_has_penalties(kwargs: dict, penalized: bool) -> None:
+    got = SamplingParams(**kwargs).has_penalties
+    assert got is penalized, f"expected has_penalties={penalized} for {kwargs}, got {got}"
