@@ -102,3 +102,14 @@ def run_to_completion(engine, max_steps: int = 100_000) -> dict[str, list[int]]:
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     raise AssertionError(f"engine still had unfinished requests after {max_steps} steps")
+
+
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of `transformers` generate itself (stops early only at the model's EOS)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from executor.config import EngineConfig
 from executor.engine import Engine
 from executor.sampling_params import SamplingParams
-from tests.helpers import STORIES_260K, hf_greedy, run_to_completion
+from tests.helpers import STORIES_260K, hf_generate, run_to_completion
 
 PROMPTS = [
     "Once upon a time",
@@ -51,7 +51,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def test_once_upon_a_time_100_tokens_identical(tokenizer, hf_model):
     prompt = tokenizer("Once upon a time").input_ids
-    expected = hf_greedy(hf_model, prompt, 100).token_ids
+    expected = hf_generate(hf_model, prompt, 100)
     engine = make_engine()
     engine.add_request("story", prompt, greedy(100))
     got = run_to_completion(engine)["story"]
@@ -73,7 +73,7 @@ def test_sixteen_prompts_together_equal_each_alone(tokenizer, hf_model):
     together = run_to_completion(together_engine)
     for i in range(len(prompts)):
         assert together[f"p{i}"] == alone[f"p{i}"], f"prompt {PROMPTS[i]!r} differs in a batch"
-    first = hf_greedy(hf_model, prompts[9], 48).token_ids
+    first = hf_generate(hf_model, prompts[9], 48)
     assert alone["p9"] == first, "the longest prompt alone differs from transformers"
 
 

@@ -1,0 +1,244 @@
+"""Engine benchmark: kvgate's Engine against transformers on one workload, in one process.
+
+    python -m bench.bench_engine --out bench/results/engine.json
+
+Measures output tokens/s of (a) `transformers` generate one request at a time, (b)
+`transformers` generate_batch (its continuous batching), (c) kvgate's Engine; the machine's
+limit (measured matmul FLOP/s divided by 2 x parameters); and the decode step time at batch 8
+for several context lengths. Prints the ratios and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from executor.config import EngineConfig
+from executor.engine import Engine
+from executor.sampling_params import SamplingParams
+
+BENCH_SHAPE = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1376,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass
+class Workload:
+    num_requests: int = 64
+    prompt_len: int = 128
+    output_len: int = 128
+    seed: int = 0
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(self.seed)
+        shape = (self.num_requests, self.prompt_len)
+        return torch.randint(3, vocab_size, shape, generator=gen).tolist()
+
+
+def build_model(shape: dict, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def save_model(model: LlamaForCausalLM, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    return folder
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def matmul_flops_per_s(
+    device: str, dtype: torch.dtype, size: int = 2048, repeats: int = 10
+) -> float:
+    """Best measured FLOP/s of a square matmul: the machine's practical compute limit."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def hf_generate_tokens_per_s(model, prompts: list[list[int]], output_len: int) -> float:
+    """`transformers` generate, one request at a time (a sample of the workload)."""
+    config = _greedy_config(output_len)
+    device = model.device
+    start = time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    _sync(str(device))
+    return len(prompts) * output_len / (time.perf_counter() - start)
+
+
+def hf_generate_batch_tokens_per_s(model, prompts: list[list[int]], output_len: int) -> float:
+    config = _greedy_config(output_len)
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=prompts, generation_config=config)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in outputs.values())
+    return produced / elapsed
+
+
+def _greedy_config(output_len: int) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def kvgate_tokens_per_s(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}", prompt, params)
+    produced = 0
+    while engine.has_unfinished():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    _sync(engine.config.device)
+    return produced / (time.perf_counter() - start)
+
+
+def decode_step_ms(engine: Engine, context_len: int, batch: int = 8, steps: int = 8) -> float:
+    """Median time of one decode step for `batch` sequences at `context_len` tokens."""
+    gen = torch.Generator().manual_seed(context_len)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+        engine.add_request(f"ctx{context_len}-{i}", prompt, params)
+    while engine.stats().num_waiting or _any_prefilling(engine):
+        engine.step()
+    times = []
+    while engine.has_unfinished():
+        _sync(engine.config.device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(engine.config.device)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[:steps])
+
+
+def _any_prefilling(engine: Engine) -> bool:
+    return any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running)
+
+
+def run(args: argparse.Namespace) -> dict:
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    workload = Workload(args.num_requests, args.prompt_len, args.output_len)
+    model = build_model(BENCH_SHAPE, torch.float32).to(dtype)
+    prompts = workload.prompts(BENCH_SHAPE["vocab_size"])
+    num_params = count_parameters(model)
+    flops = matmul_flops_per_s(args.device, dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        save_model(model, Path(folder))
+        engine = Engine(_engine_config(folder, args))
+        kvgate_tokens_per_s(engine, prompts[:4], 8)  # warm-up
+        kvgate = kvgate_tokens_per_s(engine, prompts, workload.output_len)
+        step_ms = {str(c): decode_step_ms(engine, c) for c in args.contexts}
+    model = model.to(args.device)
+    hf_one = hf_generate_tokens_per_s(model, prompts[: args.hf_sample], workload.output_len)
+    hf_batch = hf_generate_batch_tokens_per_s(model, prompts, workload.output_len)
+    roofline = flops / (2 * num_params)
+    return {
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "workload": vars(workload),
+        "model_shape": BENCH_SHAPE,
+        "num_parameters": num_params,
+        "matmul_flops_per_s": flops,
+        "hf_generate_sample_requests": args.hf_sample,
+        "hf_generate_tokens_per_s": hf_one,
+        "hf_generate_batch_tokens_per_s": hf_batch,
+        "kvgate_tokens_per_s": kvgate,
+        "roofline_tokens_per_s": roofline,
+        "step_ms_by_context": step_ms,
+        "kvgate_over_hf_generate": kvgate / hf_one,
+        "kvgate_over_hf_generate_batch": kvgate / hf_batch,
+        "kvgate_fraction_of_roofline": kvgate / roofline,
+    }
+
+
+def _engine_config(folder: str, args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=folder,
+        device=args.device,
+        max_num_seqs=args.num_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_gib=args.kv_cache_gib,
+    )
+
+
+def print_summary(result: dict) -> None:
+    print(f"parameters                 {result['num_parameters'] / 1e6:.1f} M")
+    print(f"matmul                     {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
+    print(f"roofline                   {result['roofline_tokens_per_s']:.0f} tokens/s")
+    print(f"transformers generate      {result['hf_generate_tokens_per_s']:.1f} tokens/s")
+    print(f"transformers generate_batch {result['hf_generate_batch_tokens_per_s']:.1f} tokens/s")
+    print(f"kvgate Engine              {result['kvgate_tokens_per_s']:.1f} tokens/s")
+    print(f"kvgate / generate          {result['kvgate_over_hf_generate']:.2f}x")
+    print(f"kvgate / generate_batch    {result['kvgate_over_hf_generate_batch']:.2f}x")
+    print(f"kvgate / roofline          {100 * result['kvgate_fraction_of_roofline']:.1f}%")
+    steps = result["step_ms_by_context"]
+    for context, ms in steps.items():
+        print(f"decode step, batch 8, context {context:>5}: {ms:.2f} ms")
+    first, last = min(steps, key=int), "1024"
+    if last in steps:
+        print(f"step(1024) / step({first})    {steps[last] / steps[first]:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench/results/engine.json")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-sample", type=int, default=4,
+                        help="requests measured for one-at-a-time generate (a rate)")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    result = run(args)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print_summary(result)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

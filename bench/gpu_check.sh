@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU checks for kvgate on one CUDA machine (sized for an H200, well under 8 minutes).
+# Installs nothing: the machine is offline and must already have torch with CUDA and triton.
+#
+#   bash bench/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
+#
+# Prints one table: every Triton kernel against its PyTorch reference in bfloat16, float16
+# and float32, then paged decode/prefill attention timings next to PyTorch SDPA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The first interpreter that has torch with CUDA and triton; PYTHON overrides the search.
+cuda_ready='import sys, torch, triton; sys.exit(0 if torch.cuda.is_available() else 3)'
+if [[ -n "${PYTHON:-}" ]]; then
+    candidates=("$PYTHON")
+else
+    candidates=(.venv/bin/python python3 python)
+fi
+PYTHON=""
+for candidate in "${candidates[@]}"; do
+    command -v "$candidate" >/dev/null || continue
+    code=0
+    "$candidate" -c "$cuda_ready" 2>/dev/null || code=$?
+    if [[ $code == 0 ]]; then
+        PYTHON="$candidate"
+        break
+    elif [[ $code == 3 ]]; then
+        echo "gpu_check: $candidate has torch and triton but sees no CUDA device" >&2
+    else
+        echo "gpu_check: $candidate cannot import torch and triton" >&2
+    fi
+done
+if [[ -z "$PYTHON" ]]; then
+    echo "gpu_check: no interpreter with CUDA torch and triton found; set PYTHON" >&2
+    exit 2
+fi
+echo "gpu_check: using $PYTHON"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+# The Triton kernels, not the interpreter and not the reference, are what is measured here.
+unset TRITON_INTERPRET KVGATE_KERNELS
+
+status=0
+timeout 420 "$PYTHON" -m bench.gpu_kernels || status=$?
+
+# ---------------------------------------------------------------------------------------
+# ENGINE BENCHMARK HOOK: the engine benchmark on the GPU goes here, e.g.
+#   timeout 240 "$PYTHON" -m bench.bench_engine --gpu ... || status=$?
+# ---------------------------------------------------------------------------------------
+
+exit "$status"

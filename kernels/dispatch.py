@@ -1,0 +1,127 @@
+"""Choose the kernel backend for a device: Triton on CUDA, the PyTorch reference elsewhere."""
+
+import functools
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("kvgate.kernels")
+
+BACKEND_ENV = "KVGATE_KERNELS"
+BACKENDS = ("triton", "reference")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """One set of kernels, all with the signatures of kernels.reference."""
+
+    name: str
+    store_kvcache: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _why_triton_cannot_run(device: torch.device) -> str | None:
+    """A reason Triton kernels cannot run on `device`, or None when they can."""
+    if not _triton_importable():
+        return "the triton package is not installed (pip install triton, Linux x86_64 only)"
+    if device.type != "cuda" and not _interpreter_on():
+        return (
+            f"device is {device} and TRITON_INTERPRET is not 1 (Triton needs a CUDA device, "
+            "or TRITON_INTERPRET=1 set before start to run it in the slow CPU interpreter)"
+        )
+    return None
+
+
+def _requested_backend(backend: str | None) -> str | None:
+    """The backend asked for by argument or by KVGATE_KERNELS; None when neither says."""
+    requested = backend if backend is not None else os.environ.get(BACKEND_ENV) or None
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(
+            f"{BACKEND_ENV}={requested!r} is not a kernel backend; allowed: {', '.join(BACKENDS)}"
+        )
+    return requested
+
+
+def _choose_backend(device: torch.device, requested: str | None) -> str:
+    if requested == "reference":
+        return "reference"
+    reason = _why_triton_cannot_run(device)
+    if requested == "triton" and reason is not None:
+        raise RuntimeError(
+            f"{BACKEND_ENV}=triton cannot run: {reason}. Unset {BACKEND_ENV} or set it to "
+            "'reference' to run the PyTorch reference kernels instead."
+        )
+    if requested is None and device.type == "cuda" and reason is not None:
+        logger.warning(
+            "Triton kernels cannot run on %s: %s; using the reference kernels", device, reason
+        )
+        return "reference"
+    return "triton" if requested == "triton" or device.type == "cuda" else "reference"
+
+
+def _reference_backend() -> KernelBackend:
+    from kernels import reference
+
+    return KernelBackend(
+        name="reference",
+        store_kvcache=reference.store_kvcache,
+        paged_decode_attention=reference.paged_decode_attention,
+        paged_prefill_attention=reference.paged_prefill_attention,
+        rms_norm=reference.rms_norm,
+        rotary_embedding=reference.rotary_embedding,
+    )
+
+
+def _triton_backend() -> KernelBackend:
+    # Imported here: triton is optional, and TRITON_INTERPRET is read when kernels are defined.
+    from kernels import triton_attention, triton_cache, triton_norm
+
+    return KernelBackend(
+        name="triton",
+        store_kvcache=triton_cache.store_kvcache,
+        paged_decode_attention=triton_attention.paged_decode_attention,
+        paged_prefill_attention=triton_attention.paged_prefill_attention,
+        rms_norm=triton_norm.rms_norm,
+        rotary_embedding=triton_norm.rotary_embedding,
+    )
+
+
+@functools.cache
+def _log_choice(name: str, device_type: str) -> None:
+    logger.info("kernel backend %s on %s", name, device_type)
+
+
+def get_kernels(device: torch.device, backend: str | None = None) -> KernelBackend:
+    """The kernels to run on `device`.
+
+    Args:
+        device: where the model and KV cache live.
+        backend: "triton" or "reference"; None reads KVGATE_KERNELS, and when that is unset
+            too, picks Triton on CUDA and the reference kernels elsewhere.
+
+    Returns:
+        The chosen KernelBackend.
+
+    Raises:
+        ValueError: the backend name is unknown.
+        RuntimeError: Triton was asked for where it cannot run.
+    """
+    name = _choose_backend(torch.device(device), _requested_backend(backend))
+    kernels = _triton_backend() if name == "triton" else _reference_backend()
+    _log_choice(name, torch.device(device).type)
+    return kernels

@@ -1,0 +1,228 @@
+"""PyTorch reference kernels: the production path on CPU and the twin of every Triton kernel.
+
+Attention accumulates in float32 whatever the input dtype and returns the input dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.validation import (
+    check_decode,
+    check_prefill,
+    check_rms_norm,
+    check_rotary,
+    check_store_kvcache,
+)
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its cache slot, in place.
+
+    Args:
+        key: [N, Hkv, D] new keys.
+        value: [N, Hkv, D] new values.
+        k_cache: [num_blocks, block_size, Hkv, D] key cache, written in place.
+        v_cache: [num_blocks, block_size, Hkv, D] value cache, written in place.
+        slot_mapping: [N] int64, slot = block_id * block_size + offset; -1 skips the token.
+    """
+    check_store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    stored = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping.index_select(0, stored)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.index_select(0, stored))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.index_select(0, stored))
+
+
+def _gather_context(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_context_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the first `max_context_len` cached tokens of every sequence: [B, T, Hkv, D] each.
+
+    Block-table entries past a sequence's blocks may hold anything; they are clamped into range
+    here and their tokens are masked by the caller.
+    """
+    num_blocks, block_size = k_cache.shape[:2]
+    blocks_per_seq = -(-max_context_len // block_size)
+    tables = block_tables[:, :blocks_per_seq].long().clamp(0, num_blocks - 1).flatten()
+    gathered_shape = (block_tables.shape[0], blocks_per_seq * block_size, *k_cache.shape[2:])
+    keys = k_cache.index_select(0, tables).view(gathered_shape)[:, :max_context_len]
+    values = v_cache.index_select(0, tables).view(gathered_shape)[:, :max_context_len]
+    return keys, values
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over that sequence's cached tokens.
+
+    Args:
+        q: [B, Hq, D] query of the token at position context_lens[b] - 1.
+        k_cache: [num_blocks, block_size, Hkv, D]; Hq must be a multiple of Hkv (GQA).
+        v_cache: [num_blocks, block_size, Hkv, D].
+        block_tables: [B, max_blocks] int32; entries past a sequence's blocks are ignored.
+        context_lens: [B] int32 tokens in the cache for each sequence, this one included (>= 1).
+        scale: multiplier of q.k before the softmax.
+
+    Returns:
+        [B, Hq, D] attention output in q.dtype.
+    """
+    check_decode(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    num_kv_heads = k_cache.shape[2]
+    max_context_len = int(context_lens.max())
+    keys, values = _gather_context(k_cache, v_cache, block_tables, max_context_len)
+    positions = torch.arange(max_context_len, device=q.device)
+    valid = positions[None, :] < context_lens[:, None]
+    grouped_q = q.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped_q,
+        keys.float().transpose(1, 2),
+        values.float().transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _sequence_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached keys and values, [context_len, Hkv, D] each."""
+    block_size = k_cache.shape[1]
+    blocks = block_table[: -(-context_len // block_size)].long()
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+    return keys, values
+
+
+def _causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of the last q.shape[0] positions over all keys, in float32.
+
+    Args:
+        q: [L, Hq, D] queries at positions T - L .. T - 1.
+        keys: [T, Hkv, D].
+        values: [T, Hkv, D].
+        scale: multiplier of q.k before the softmax.
+
+    Returns:
+        [L, Hq, D] float32.
+    """
+    query_len, context_len = q.shape[0], keys.shape[0]
+    key_positions = torch.arange(context_len, device=q.device)
+    query_positions = torch.arange(query_len, device=q.device) + (context_len - query_len)
+    mask = key_positions[None, :] <= query_positions[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1).unsqueeze(0),
+        keys.float().transpose(0, 1).unsqueeze(0),
+        values.float().transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' cached tokens.
+
+    Args:
+        q: [N, Hq, D] queries of B sequences packed; sequence b owns q[cu[b]:cu[b+1]], at
+            positions context_lens[b] - qlen_b .. context_lens[b] - 1.
+        k_cache: [num_blocks, block_size, Hkv, D], already holding every key 0..context_lens[b]-1.
+        v_cache: [num_blocks, block_size, Hkv, D].
+        block_tables: [B, max_blocks] int32.
+        cu_seqlens_q: [B + 1] int32 cumulative query counts, starting at 0.
+        context_lens: [B] int32 cached tokens per sequence, the new ones included.
+        scale: multiplier of q.k before the softmax.
+
+    Returns:
+        [N, Hq, D] attention output in q.dtype.
+    """
+    check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        start, end = starts[seq], starts[seq + 1]
+        if end - start > context_len:
+            raise ValueError(
+                f"sequence {seq} has {end - start} queries but context_lens[{seq}] is "
+                f"{context_len}; the cache must already hold every query's key"
+            )
+        if end == start:
+            continue
+        keys, values = _sequence_kv(k_cache, v_cache, block_tables[seq], context_len)
+        out[start:end] = _causal_attention(q[start:end], keys, values, scale).to(q.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with an optional residual add first, as Hugging Face's LlamaRMSNorm computes it.
+
+    Args:
+        x: [N, H] hidden states.
+        weight: [H] scale, same dtype as x.
+        eps: added to the mean square before the reciprocal square root.
+        residual: [N, H] added to x before normalizing, or None.
+
+    Returns:
+        (normalized r times weight, r) where r = x + residual (or x), both in x.dtype.
+    """
+    check_rms_norm(x, weight, residual)
+    summed = x if residual is None else x + residual
+    as_float = summed.float()
+    mean_square = as_float.pow(2).mean(dim=-1, keepdim=True)
+    normed = (as_float * torch.rsqrt(mean_square + eps)).to(x.dtype)
+    return weight * normed, summed
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [N, H, D] by rotate_half (neox) style with [N, 1, D/2] cos and sin, in float32."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embedding (Hugging Face Llama rotate_half style) to q and k.
+
+    Args:
+        positions: [N] int64 position of each token.
+        q: [N, Hq, D] queries.
+        k: [N, Hkv, D] keys.
+        cos_sin_cache: [max_position, D] float32; first D/2 columns cos, last D/2 sin.
+
+    Returns:
+        (rotated q, rotated k), new tensors in q.dtype.
+    """
+    check_rotary(positions, q, k, cos_sin_cache)
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,407 @@
+"""Triton paged attention: flash-decoding for one query per sequence, and varlen causal prefill.
+
+Both read keys and values through the block table a tile of tokens at a time and keep an
+online softmax in float32.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.validation import (
+    check_decode,
+    check_prefill,
+    expect_inner_contiguous,
+    expect_triton_device,
+)
+
+MAX_HEAD_DIM = 256
+DECODE_PARTITION_SIZE = 512
+PREFILL_BLOCK_M = 64
+MIN_DOT_SIZE = 16
+
+
+@triton.jit
+def _kv_rows(
+    block_table_ptr,
+    tokens,
+    token_mask,
+    kv_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Element offsets of `tokens`' rows for one kv head in a contiguous paged cache."""
+    blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+    slots = blocks.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE
+    return (slots * NUM_KV_HEADS + kv_head) * HEAD_DIM
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    scale,
+    q_stride_seq,
+    q_stride_head,
+    block_tables_stride,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    MAX_PARTITIONS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = partition * PARTITION_SIZE
+    if start >= context_len:
+        return
+    end = tl.minimum(start + PARTITION_SIZE, context_len)
+    groups = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + groups
+    head_mask = groups < GROUP
+    dim_mask = dims < HEAD_DIM
+    q_offsets = seq.to(tl.int64) * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        rows = _kv_rows(
+            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM
+        )
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * rescale[:, None] + pv
+        running_max = new_max
+    part_index = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + heads) * MAX_PARTITIONS + partition
+    out_offsets = part_index[:, None] * HEAD_DIM + dims[None, :]
+    out_mask = head_mask[:, None] & dim_mask[None, :]
+    tl.store(part_out_ptr + out_offsets, acc / running_sum[:, None], mask=out_mask)
+    tl.store(part_max_ptr + part_index, running_max, mask=head_mask)
+    tl.store(part_sum_ptr + part_index, running_sum, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    context_lens_ptr,
+    out_ptr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    MAX_PARTITIONS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    parts = tl.arange(0, BLOCK_P)
+    part_mask = parts < tl.cdiv(context_len, PARTITION_SIZE)
+    base = (seq.to(tl.int64) * NUM_HEADS + head) * MAX_PARTITIONS
+    maxes = tl.load(part_max_ptr + base + parts, mask=part_mask, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + base + parts, mask=part_mask, other=0.0)
+    weights = tl.where(part_mask, tl.exp(maxes - tl.max(maxes, axis=0)) * sums, 0.0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    out_offsets = (base + parts)[:, None] * HEAD_DIM + dims[None, :]
+    outs = tl.load(
+        part_out_ptr + out_offsets, mask=part_mask[:, None] & dim_mask[None, :], other=0.0
+    )
+    out = tl.sum(outs * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    out_index = (seq.to(tl.int64) * NUM_HEADS + head) * HEAD_DIM + dims
+    tl.store(out_ptr + out_index, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """Exact float32 products for float32 inputs (TF32 would lose precision); default otherwise."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _kv_tile_size(head_dim: int) -> int:
+    return 32 if head_dim > 128 else 64
+
+
+def _num_warps(head_dim: int) -> int:
+    """More warps for wide heads keep the float32 accumulator tile in registers."""
+    return 8 if head_dim > 128 else 4
+
+
+def _check_triton_attention(
+    q: torch.Tensor, block_tables: torch.Tensor, int_tensors: dict[str, torch.Tensor]
+) -> None:
+    """Layout checks the Triton attention kernels need beyond the shared argument checks."""
+    if q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {q.shape[2]}")
+    expect_triton_device("q", q)
+    expect_inner_contiguous("q", q, 1)
+    expect_inner_contiguous("block_tables", block_tables, 1)
+    for name, tensor in int_tensors.items():
+        expect_inner_contiguous(name, tensor, 1)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    partition_size: int = DECODE_PARTITION_SIZE,
+) -> torch.Tensor:
+    """Flash-decoding attention of one query per sequence over its cached tokens.
+
+    Each (sequence, kv head, partition of `partition_size` tokens) runs as one program over
+    all query heads of the group; a second kernel merges the partitions. The number of
+    partitions comes from block_tables.shape[1], so the host never waits for the device.
+
+    Args:
+        q: [B, Hq, D] query at position context_lens[b] - 1; the last dim contiguous.
+        k_cache: [num_blocks, block_size, Hkv, D] contiguous; Hq a multiple of Hkv; D <= 256.
+        v_cache: [num_blocks, block_size, Hkv, D] contiguous.
+        block_tables: [B, max_blocks] int32, rows contiguous; entries past a sequence's
+            blocks are never read.
+        context_lens: [B] int32 tokens in the cache per sequence, this one included (>= 1).
+        scale: multiplier of q.k before the softmax.
+        partition_size: tokens per partition, a power of two >= 16.
+
+    Returns:
+        [B, Hq, D] contiguous attention output in q.dtype.
+    """
+    check_decode(q, k_cache, v_cache, block_tables, context_lens)
+    _check_triton_attention(q, block_tables, {"context_lens": context_lens})
+    if partition_size < MIN_DOT_SIZE or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    num_seqs, num_heads, head_dim = q.shape
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition_size)
+    if num_seqs == 0 or max_partitions == 0:
+        return out
+    part_shape = (num_seqs, num_heads, max_partitions)
+    part_out = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
+    part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    group = num_heads // num_kv_heads
+    block_d = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
+    _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part_out,
+        part_max,
+        part_sum,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        PARTITION_SIZE=partition_size,
+        MAX_PARTITIONS=max_partitions,
+        BLOCK_G=max(MIN_DOT_SIZE, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=min(partition_size, _kv_tile_size(head_dim)),
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=_num_warps(head_dim),
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_max,
+        part_sum,
+        context_lens,
+        out,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        PARTITION_SIZE=partition_size,
+        MAX_PARTITIONS=max_partitions,
+        BLOCK_P=triton.next_power_of_2(max_partitions),
+        BLOCK_D=block_d,
+    )
+    return out
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_ptr, q_block, num_seqs, BLOCK_M: tl.constexpr):
+    """The sequence owning global query block `q_block`.
+
+    Sequence b's query blocks are numbered from cu_seqlens[b] // BLOCK_M + b on, which leaves
+    room for every sequence's partial last block without knowing the lengths on the host.
+    """
+    low: tl.int32 = 0
+    high = num_seqs
+    while low < high:
+        mid = (low + high) // 2
+        first_block = tl.load(cu_seqlens_ptr + mid) // BLOCK_M + mid
+        if first_block <= q_block:
+            low = mid + 1
+        else:
+            high = mid
+    return low - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    num_seqs,
+    q_stride_token,
+    q_stride_head,
+    block_tables_stride,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = _find_sequence(cu_seqlens_ptr, q_block, num_seqs, BLOCK_M)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    query_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_M + seq)
+    if local_block * BLOCK_M >= query_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    rows = local_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < query_len
+    positions = context_len - query_len + rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    tokens_q = (q_start + rows).to(tl.int64)
+    q_offsets = tokens_q[:, None] * q_stride_token + head * q_stride_head + dims[None, :]
+    q_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
+    kv_head = head // GROUP
+    kv_end = tl.minimum(context_len, context_len - query_len + (local_block + 1) * BLOCK_M)
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    for tile_start in range(0, kv_end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < kv_end
+        rows_kv = _kv_rows(
+            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM
+        )
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + rows_kv[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp(running_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        v = tl.load(v_cache_ptr + rows_kv[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * rescale[:, None] + pv
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    out_offsets = (tokens_q[:, None] * (GROUP * NUM_KV_HEADS) + head) * HEAD_DIM + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' cached tokens.
+
+    One program per (query block of a sequence, query head); the grid is sized from the
+    shapes alone (N // BLOCK_M + B blocks), so the host never waits for the device.
+
+    Args:
+        q: [N, Hq, D] queries of B sequences packed, the last dim contiguous; sequence b owns
+            q[cu[b]:cu[b+1]] at positions context_lens[b] - qlen_b .. context_lens[b] - 1.
+        k_cache: [num_blocks, block_size, Hkv, D] contiguous, already holding every key.
+        v_cache: [num_blocks, block_size, Hkv, D] contiguous.
+        block_tables: [B, max_blocks] int32, rows contiguous.
+        cu_seqlens_q: [B + 1] int32 cumulative query counts, starting at 0.
+        context_lens: [B] int32 cached tokens per sequence, the new ones included
+            (>= the sequence's query count).
+        scale: multiplier of q.k before the softmax.
+
+    Returns:
+        [N, Hq, D] contiguous attention output in q.dtype.
+    """
+    check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    int_tensors = {"cu_seqlens_q": cu_seqlens_q, "context_lens": context_lens}
+    _check_triton_attention(q, block_tables, int_tensors)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_q_blocks = num_tokens // PREFILL_BLOCK_M + num_seqs
+    _prefill_kernel[(num_q_blocks, num_heads)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        scale,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=_kv_tile_size(head_dim),
+        BLOCK_D=max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=_num_warps(head_dim),
+    )
+    return out
