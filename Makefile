@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis proto test test-kernels lint bench-engine run clean
+.PHONY: setup redis proto test test-kernels lint bench-engine bench-serve run clean
 
 setup: $(BIN)/.installed redis
 
@@ -32,11 +32,18 @@ test-kernels: setup
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -ra tests/kernels
 
 lint: setup
+	$(BIN)/buf lint protos
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 bench-engine: setup
 	$(PYTHON) -m bench.bench_engine --out bench/results/engine.json
+
+bench-serve: setup proto
+	$(PYTHON) -m bench.bench_serve --out bench/results/serve.json
+
+run: setup proto
+	$(PYTHON) -m deploy.local
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

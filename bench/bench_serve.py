@@ -1,0 +1,201 @@
+"""Serving benchmark: the whole stack (gateway, Redis, scheduler, executor) against the
+in-process Engine, on the engine benchmark's model and workload, in one run.
+
+    python -m bench.bench_serve --out bench/results/serve.json
+
+Reports the throughput ratio grpc / in-process (target >= 0.9) and the TTFT p50 at
+1 request/s; the stack's TTFT minus batch_window_ms is compared with the in-process
+TTFT (target: at most 3 ms more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from bench.bench_engine import BENCH_SHAPE, Workload, build_model
+from deploy.stack import Stack, StackConfig, free_port
+from executor.config import EngineConfig
+from executor.engine import Engine
+from executor.sampling_params import SamplingParams
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
+
+
+def write_model(folder: Path) -> None:
+    """Saves the engine benchmark's model with a word-level tokenizer over its whole vocabulary."""
+    build_model(BENCH_SHAPE, torch.float32).save_pretrained(folder)
+    vocab = {f"w{i}": i for i in range(BENCH_SHAPE["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"unk_token": "w0"}))
+
+
+def engine_config(folder: Path, args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=str(folder),
+        device=args.device,
+        max_num_seqs=args.num_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_gib=args.kv_cache_gib,
+    )
+
+
+def inprocess_tokens_per_s(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"tput-{index}", prompt, params)
+    produced = 0
+    while engine.has_unfinished():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def inprocess_ttft_ms(engine: Engine, prompts: list[list[int]], interval_s: float) -> list[float]:
+    """TTFT of requests arriving every `interval_s`, each alone in the engine."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ttfts = []
+    for index, prompt in enumerate(prompts):
+        time.sleep(interval_s)
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{index}", prompt, params)
+        while not any(o.new_token_ids for o in engine.step()):
+            pass
+        ttfts.append(1000 * (time.perf_counter() - start))
+        while engine.has_unfinished():
+            engine.step()
+    return ttfts
+
+
+def grpc_request(prompt: list[int], max_tokens: int) -> inference_pb2.GenerateRequest:
+    params = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return inference_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
+
+
+def grpc_tokens_per_s(address: str, prompts: list[list[int]], output_len: int) -> float:
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        def stream(prompt: list[int]) -> int:
+            chunks = stub.Generate(grpc_request(prompt, output_len), timeout=3600)
+            return sum(len(chunk.token_ids) for chunk in chunks)
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            produced = sum(pool.map(stream, prompts))
+    return produced / (time.perf_counter() - start)
+
+
+def grpc_ttft_ms(address: str, prompts: list[list[int]], interval_s: float) -> list[float]:
+    ttfts = []
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for prompt in prompts:
+            time.sleep(interval_s)
+            start = time.perf_counter()
+            chunks = stub.Generate(grpc_request(prompt, 4), timeout=600)
+            next(c for c in chunks if c.token_ids)
+            ttfts.append(1000 * (time.perf_counter() - start))
+            list(chunks)
+    return ttfts
+
+
+def run_inprocess(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    engine = Engine(engine_config(folder, args))
+    inprocess_tokens_per_s(engine, prompts[:4], 8)
+    tokens_per_s = inprocess_tokens_per_s(engine, prompts, args.output_len)
+    ttft = inprocess_ttft_ms(engine, prompts[: args.ttft_requests], args.ttft_interval_s)
+    del engine
+    return {"tokens_per_s": tokens_per_s, "ttft_ms": ttft}
+
+
+def run_stack(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    executor_flags = [
+        "--device",
+        args.device,
+        "--max-num-seqs",
+        str(args.num_requests),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+    ]
+    config = StackConfig(
+        model=str(folder),
+        port=free_port(),
+        log_dir=folder / "logs",
+        executor_flags=executor_flags,
+        scheduler_flags=["--batch-window-ms", str(args.batch_window_ms)],
+        gateway_flags=["--max-queue-len", str(4 * args.num_requests)],
+    )
+    stack = Stack(config)
+    try:
+        stack.start_all()
+        grpc_tokens_per_s(stack.address, prompts[:4], 8)
+        tokens_per_s = grpc_tokens_per_s(stack.address, prompts, args.output_len)
+        ttft = grpc_ttft_ms(stack.address, prompts[: args.ttft_requests], args.ttft_interval_s)
+    finally:
+        stack.stop_all()
+    return {"tokens_per_s": tokens_per_s, "ttft_ms": ttft}
+
+
+def run(args: argparse.Namespace) -> dict:
+    workload = Workload(args.num_requests, args.prompt_len, args.output_len)
+    prompts = workload.prompts(BENCH_SHAPE["vocab_size"])
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_model(folder)
+        inprocess = run_inprocess(folder, prompts, args)
+        stack = run_stack(folder, prompts, args)
+    ttft_inprocess = statistics.median(inprocess["ttft_ms"])
+    ttft_grpc = statistics.median(stack["ttft_ms"])
+    return {
+        "device": args.device,
+        "workload": vars(workload),
+        "batch_window_ms": args.batch_window_ms,
+        "inprocess_tokens_per_s": inprocess["tokens_per_s"],
+        "grpc_tokens_per_s": stack["tokens_per_s"],
+        "throughput_ratio": stack["tokens_per_s"] / inprocess["tokens_per_s"],
+        "ttft_p50_ms_inprocess": ttft_inprocess,
+        "ttft_p50_ms_grpc": ttft_grpc,
+        "ttft_p50_ms_grpc_minus_window_over_inprocess": (
+            ttft_grpc - args.batch_window_ms - ttft_inprocess
+        ),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--batch-window-ms", type=float, default=2.0)
+    parser.add_argument("--ttft-requests", type=int, default=10)
+    parser.add_argument("--ttft-interval-s", type=float, default=1.0, help="1 request/s")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/serve.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    results = run(args)
+    print(json.dumps(results, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

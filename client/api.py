@@ -1,0 +1,194 @@
+"""A blocking Python client for a kvgate gateway.
+
+with KvgateClient("127.0.0.1:50051") as client:
+    print(client.generate("Once upon a time", max_tokens=32, temperature=0).text)
+    chat = client.chat()
+    for piece in chat.send("Tell me a story"):
+        print(piece.chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole completion, gathered from its chunks."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "stop", "length", "abort" or "error"
+    usage: inference_pb2.Usage | None = None
+    timings: inference_pb2.Timings | None = None
+
+    def add(self, chunk: inference_pb2.GenerateResponse) -> None:
+        """Append one streamed chunk."""
+        self.request_id = chunk.request_id
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason:
+            name = inference_pb2.FinishReason.Name(chunk.finish_reason)
+            self.finish_reason = name.removeprefix("FINISH_REASON_").lower()
+            self.usage = chunk.usage
+            self.timings = chunk.timings
+
+
+def sampling_params(
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    stop: list[str] | None = None,
+) -> inference_pb2.SamplingParams:
+    """SamplingParams with only the given fields set (the gateway fills in the rest)."""
+    params = inference_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop=stop or [])
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(params, name, value)
+    return params
+
+
+class KvgateClient:
+    """One channel to a gateway; thread-safe like the grpc channel under it."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float | None = None) -> None:
+        """
+        Args:
+            target: the gateway's HOST:PORT.
+            timeout_s: deadline of each call; None: none.
+        """
+        self.channel = grpc.insecure_channel(target)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> KvgateClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate_stream(
+        self,
+        prompt: str,
+        params: inference_pb2.SamplingParams | None = None,
+        *,
+        session_id: str = "",
+        priority: int = 0,
+    ) -> Iterator[inference_pb2.GenerateResponse]:
+        """Stream the completion of `prompt` chunk by chunk.
+
+        Raises:
+            grpc.RpcError: with the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...).
+        """
+        request = inference_pb2.GenerateRequest(
+            prompt=prompt, params=params, session_id=session_id, priority=priority
+        )
+        yield from self.stub.Generate(request, timeout=self.timeout_s)
+
+    def generate(self, prompt: str, **params: object) -> Completion:
+        """The whole completion of `prompt`; keyword arguments as `sampling_params`."""
+        completion = Completion()
+        for chunk in self.generate_stream(prompt, sampling_params(**params)):
+            completion.add(chunk)
+        return completion
+
+    def chat(self, system_prompt: str = "", session_id: str = "") -> ChatSession:
+        """Open a Chat stream (a new session, or `session_id` resumed)."""
+        return ChatSession(self.stub, system_prompt, session_id, self.timeout_s)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self.stub.Tokenize(request, timeout=self.timeout_s).token_ids)
+
+    def model_info(self) -> inference_pb2.GetModelInfoResponse:
+        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+
+    def end_session(self, session_id: str) -> bool:
+        request = inference_pb2.EndSessionRequest(session_id=session_id)
+        return self.stub.EndSession(request, timeout=self.timeout_s).ended
+
+
+class ChatSession:
+    """One bidirectional Chat stream: send turns, read each reply as it streams."""
+
+    def __init__(
+        self,
+        stub: inference_pb2_grpc.InferenceStub,
+        system_prompt: str,
+        session_id: str,
+        timeout_s: float | None,
+    ) -> None:
+        self._outgoing: queue.Queue[inference_pb2.ChatRequest | None] = queue.Queue()
+        self._responses = stub.Chat(iter(self._outgoing.get, None), timeout=timeout_s)
+        self._first_turn = True
+        self._turn_open = False
+        self.system_prompt = system_prompt
+        self.session_id = session_id
+
+    def send(
+        self, content: str, params: inference_pb2.SamplingParams | None = None
+    ) -> Iterator[inference_pb2.ChatResponse]:
+        """Send a user turn and yield the reply's responses until its last chunk."""
+        turn = inference_pb2.ChatTurn(content=content, params=params)
+        if self._first_turn:
+            turn.system_prompt = self.system_prompt
+            turn.session_id = self.session_id
+            self._first_turn = False
+        self._outgoing.put(inference_pb2.ChatRequest(turn=turn))
+        self._turn_open = True
+        yield from self._rest_of_turn()
+
+    def _rest_of_turn(self) -> Iterator[inference_pb2.ChatResponse]:
+        for response in self._responses:
+            self.session_id = response.session_id
+            if response.chunk.finish_reason:
+                self._turn_open = False
+            yield response
+            if not self._turn_open:
+                return
+
+    def ask(self, content: str, **params: object) -> Completion:
+        """Send a turn and gather its whole reply; keyword arguments as `sampling_params`."""
+        completion = Completion()
+        for response in self.send(content, sampling_params(**params)):
+            completion.add(response.chunk)
+        return completion
+
+    def cancel(self) -> Completion:
+        """Stop the running turn and read the rest of its reply (finish reason "abort").
+
+        Returns:
+            The part of the reply that came after the cancel was sent.
+        """
+        rest = Completion()
+        if self._turn_open:
+            self._outgoing.put(inference_pb2.ChatRequest(cancel=inference_pb2.CancelTurn()))
+            for response in self._rest_of_turn():
+                rest.add(response.chunk)
+        return rest
+
+    def close(self) -> None:
+        """Close the stream (the session stays until EndSession or its TTL)."""
+        self._outgoing.put(None)
+        self._responses.cancel()

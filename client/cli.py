@@ -1,0 +1,117 @@
+"""The `kvgate` command: generate text or chat with a running gateway.
+
+kvgate generate "Once upon a time" --max-tokens 64 --temperature 0
+kvgate chat --system "You tell short stories."
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from client.api import DEFAULT_TARGET, ChatSession, KvgateClient, sampling_params
+
+
+def default_target() -> str:
+    """KVGATE_TARGET, else KVGATE_HOST:KVGATE_PORT, else 127.0.0.1:50051."""
+    if "KVGATE_TARGET" in os.environ:
+        return os.environ["KVGATE_TARGET"]
+    host, _, port = DEFAULT_TARGET.partition(":")
+    return f"{os.environ.get('KVGATE_HOST', host)}:{os.environ.get('KVGATE_PORT', port)}"
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=None, help="0: greedy (default 1)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description="Talk to a kvgate gateway.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="complete a text and print the completion")
+    generate.add_argument("text", help="the prompt")
+    _add_sampling_flags(generate)
+    chat = commands.add_parser("chat", help="a chat REPL (Ctrl-C stops a reply, Ctrl-D quits)")
+    chat.add_argument("--system", default="", help="system prompt")
+    chat.add_argument("--session-id", default="", help="resume this session")
+    _add_sampling_flags(chat)
+    return parser
+
+
+def _params(args: argparse.Namespace) -> object:
+    return sampling_params(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop,
+    )
+
+
+def run_generate(client: KvgateClient, args: argparse.Namespace) -> int:
+    """Print the completion as it streams."""
+    for chunk in client.generate_stream(args.text, _params(args)):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.error_message:
+            print(f"\nkvgate: {chunk.error_message}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _stream_reply(session: ChatSession, content: str, args: argparse.Namespace) -> None:
+    try:
+        for response in session.send(content, _params(args)):
+            sys.stdout.write(response.chunk.text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        sys.stdout.write(session.cancel().text + " [stopped]")
+    sys.stdout.write("\n")
+
+
+def run_chat(client: KvgateClient, args: argparse.Namespace) -> int:
+    """Read a line, stream the reply, repeat; end the session on exit."""
+    session = client.chat(system_prompt=args.system, session_id=args.session_id)
+    try:
+        while True:
+            try:
+                content = input("you> ").strip()
+            except EOFError:
+                break
+            if content:
+                sys.stdout.write("kvgate> ")
+                _stream_reply(session, content, args)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        session.close()
+        if session.session_id:
+            client.end_session(session.session_id)
+    print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with KvgateClient(args.target) as client:
+        try:
+            if args.command == "generate":
+                return run_generate(client, args)
+            return run_chat(client, args)
+        except grpc.RpcError as error:
+            print(f"kvgate: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

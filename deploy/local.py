@@ -1,0 +1,79 @@
+"""`make run`: start a local kvgate stack and keep it up until Ctrl-C.
+
+python -m deploy.local [--host H] [--port P] [--executors N]
+(KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL as defaults). Prints the address once
+every process serves; Ctrl-C or SIGTERM stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+from common.config import check_range, env_int, env_str
+from deploy.models import choose_model
+from deploy.stack import Stack, StackConfig
+
+
+@dataclass(slots=True)
+class LauncherConfig:
+    """Flags of the local launcher; validated in `__post_init__`."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    executors: int = 1
+    redis_port: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("--host must be a host name or address, got ''")
+        check_range("--port", self.port, min_value=1, max_value=65535)
+        check_range("--executors", self.executors, min_value=1, max_value=16)
+        check_range("--redis-port", self.redis_port, min_value=0, max_value=65535)
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> LauncherConfig:
+        """Args: command-line flags (None: sys.argv). Returns: the validated config."""
+        parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__)
+        parser.add_argument("--host", default=env_str("KVGATE_HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=env_int("KVGATE_PORT", 50051))
+        parser.add_argument("--executors", type=int, default=1)
+        parser.add_argument(
+            "--redis-port", type=int, default=env_int("KVGATE_REDIS_PORT", 0), help="0: a free port"
+        )
+        return cls(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Args: command-line flags (None: sys.argv). Returns: the exit status."""
+    try:
+        config = LauncherConfig.from_args(argv)
+    except ValueError as error:
+        print(f"deploy.local: {error}", file=sys.stderr)
+        return 2
+    model = choose_model()
+    stack = Stack(
+        StackConfig(
+            model=str(model), host=config.host, port=config.port, redis_port=config.redis_port
+        )
+    )
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    try:
+        print(f"starting kvgate on model {model} (logs in {stack.config.log_dir})", flush=True)
+        stack.start_all(num_executors=config.executors)
+        print(f"kvgate serving on {stack.address}  (Ctrl-C stops it)", flush=True)
+        while not stopped.wait(0.5) and all(p.poll() is None for p in stack.procs.values()):
+            pass
+    finally:
+        print("stopping kvgate", flush=True)
+        stack.stop_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

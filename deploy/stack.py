@@ -1,0 +1,249 @@
+"""A local kvgate stack as child processes: redis-server, scheduler, executors, gateways.
+
+Used by `make run` (deploy/local.py), the integration tests and bench/bench_serve.py.
+Every child gets its own session (a terminal's Ctrl-C reaches only the
+launcher, which stops them in order) and dies with the launcher (PR_SET_PDEATHSIG),
+so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.keys import RedisKeys
+from protos.kvgate.v1 import internal_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+# Seconds a child gets to exit after SIGTERM before SIGKILL.
+STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """Returns: a TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    """Returns: the redis-server binary; installs it with apt-get when missing."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    print("redis-server not found: installing it with apt-get", file=sys.stderr)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=True, env=env)
+    found = shutil.which("redis-server")
+    if not found:
+        raise RuntimeError("redis-server is still missing after apt-get install")
+    return found
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, proc=None) -> None:
+    """Polls `ready` until it is true; raises TimeoutError naming `what` (or when proc exits)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with status {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not ready after {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+@dataclass(slots=True)
+class StackConfig:
+    """How the local stack is laid out."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 50051  # public gateway port of the first gateway
+    redis_port: int = 0  # 0: a free port
+    log_dir: Path = ROOT / ".run" / "logs"
+    redis_prefix: str = "kvgate:"
+    executor_flags: list[str] = field(default_factory=list)
+    scheduler_flags: list[str] = field(default_factory=list)
+    gateway_flags: list[str] = field(default_factory=list)
+    start_timeout_s: float = 120.0
+
+
+class Stack:
+    """Starts and stops the processes of one local stack."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.redis_port = config.redis_port or free_port()
+        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.keys = RedisKeys(config.redis_prefix)
+        self.gateway_ports: dict[str, int] = {}
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def address(self) -> str:
+        """The public address of the first gateway."""
+        return f"{self.config.host}:{self.config.port}"
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis(port=self.redis_port, socket_timeout=5.0)
+
+    def start_all(self, num_executors: int = 1) -> None:
+        """Starts redis, the scheduler, executors and the gateway, and waits until all serve."""
+        self.start_redis()
+        self.start_scheduler("scheduler")
+        for index in range(num_executors):
+            self.start_executor(f"executor-{index}", wait=False)
+        self.start_gateway("gateway", self.config.port)
+        for index in range(num_executors):
+            self.wait_executor(f"executor-{index}")
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """Starts one child process logging to log_dir/NAME.log."""
+        log_file = open(self.config.log_dir / f"{name}.log", "ab")
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "KVGATE_REDIS_URL": self.redis_url,
+            "KVGATE_REDIS_PREFIX": self.config.redis_prefix,
+        }
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log_file.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_redis(self) -> None:
+        argv = [
+            find_redis_server(),
+            "--port",
+            str(self.redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        proc = self.spawn("redis", argv)
+        wait_until(self._redis_answers, 10.0, "redis-server", proc)
+
+    def _redis_answers(self) -> bool:
+        try:
+            return bool(self.redis().ping())
+        except redis.ConnectionError:
+            return False
+
+    def start_scheduler(self, name: str, wait: bool = True) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "scheduler",
+            "--scheduler-id",
+            name,
+            *self.config.scheduler_flags,
+        ]
+        proc = self.spawn(name, argv)
+        if wait:
+            leader = self.keys.scheduler_leader
+            wait_until(lambda: self.redis().exists(leader) == 1, 30.0, name, proc)
+
+    def start_executor(self, executor_id: str, wait: bool = True) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "executor.service",
+            "--model",
+            self.config.model,
+            "--executor-id",
+            executor_id,
+            *self.config.executor_flags,
+        ]
+        self.spawn(executor_id, argv)
+        if wait:
+            self.wait_executor(executor_id)
+
+    def wait_executor(self, executor_id: str) -> None:
+        def ready() -> bool:
+            return self.executor_status(executor_id) is not None
+
+        wait_until(ready, self.config.start_timeout_s, executor_id, self.procs[executor_id])
+
+    def executor_status(self, executor_id: str) -> internal_pb2.ExecutorStatus | None:
+        """Returns: the executor's last heartbeat, None when it has none alive."""
+        raw = self.redis().get(self.keys.executor_status(executor_id))
+        return None if raw is None else internal_pb2.ExecutorStatus.FromString(raw)
+
+    def start_gateway(self, name: str, port: int) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "gateway",
+            "--model",
+            self.config.model,
+            "--host",
+            self.config.host,
+            "--port",
+            str(port),
+            *self.config.gateway_flags,
+        ]
+        proc = self.spawn(name, argv)
+        self.gateway_ports[name] = port
+        address = f"{self.config.host}:{port}"
+        wait_until(lambda: gateway_serving(address), self.config.start_timeout_s, name, proc)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = STOP_GRACE_S) -> int:
+        """Signals one child and waits for it (SIGKILL after timeout_s). Returns: its status."""
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def stop_all(self) -> None:
+        """Stops gateways, executors, schedulers, then redis."""
+        order = sorted(self.procs, key=lambda n: (n == "redis", n.startswith("scheduler")))
+        for name in order:
+            self.stop(name)
+
+
+def gateway_serving(address: str) -> bool:
+    """Returns: whether the gateway at `address` reports grpc.health SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

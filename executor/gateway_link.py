@@ -1,0 +1,88 @@
+"""The executor's side of TokenSink: one long-lived stream to each gateway it serves."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from protos.kvgate.v1 import internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger(__name__)
+# Seconds a closing link waits for the gateway to end the stream.
+CLOSE_WAIT_S = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class GatewayAbort:
+    """The gateway asked to stop these requests."""
+
+    address: str
+    request_ids: list[str]
+
+
+@dataclass(slots=True, frozen=True)
+class GatewayGone:
+    """The stream to this gateway broke: its requests have no reader any more."""
+
+    address: str
+
+
+GatewayEvent = GatewayAbort | GatewayGone
+
+
+class GatewayLink:
+    """A TokenSink.Connect stream to one gateway.
+
+    `send` never blocks: messages go through a queue that gRPC drains on its own
+    thread. Aborts and the end of the stream are reported through `on_event`,
+    from a reader thread.
+    """
+
+    def __init__(
+        self, address: str, executor_id: str, on_event: Callable[[GatewayEvent], None]
+    ) -> None:
+        self.address = address
+        self._outgoing: queue.SimpleQueue[internal_pb2.ConnectRequest | None] = queue.SimpleQueue()
+        self._on_event = on_event
+        self._channel = grpc.insecure_channel(address)
+        hello = internal_pb2.ConnectRequest(
+            hello=internal_pb2.ExecutorHello(executor_id=executor_id)
+        )
+        self._outgoing.put(hello)
+        stub = internal_pb2_grpc.TokenSinkStub(self._channel)
+        self._call = stub.Connect(self._requests())
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name=f"sink-{address}", daemon=True)
+        self._reader.start()
+
+    def send(self, batch: internal_pb2.TokenBatch) -> None:
+        """Queues one TokenBatch for the gateway."""
+        self._outgoing.put(internal_pb2.ConnectRequest(token_batch=batch))
+
+    def close(self) -> None:
+        """Ends the stream after every queued batch is sent, then closes the channel."""
+        self._closing = True
+        self._outgoing.put(None)
+        self._reader.join(CLOSE_WAIT_S)
+        self._channel.close()
+
+    def _requests(self) -> Iterator[internal_pb2.ConnectRequest]:
+        while (message := self._outgoing.get()) is not None:
+            yield message
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                if response.HasField("abort"):
+                    ids = list(response.abort.request_ids)
+                    self._on_event(GatewayAbort(self.address, ids))
+        except grpc.RpcError as error:
+            if not self._closing:
+                log.warning("token stream to gateway %s broke: %s", self.address, error.code())
+        self._on_event(GatewayGone(self.address))
+        self._outgoing.put(None)

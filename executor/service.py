@@ -1,0 +1,415 @@
+"""The executor process: the Engine wrapped for the cluster.
+
+`python -m executor.service --model DIR`: reads assignments from its Redis
+inbox on a reader thread, runs the engine's step loop on the main thread, sends
+one TokenBatch per step to each gateway on a TokenSink stream, and publishes a
+heartbeat every 0.5 s. SIGTERM drains: running work finishes, no more is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from common.config import (
+    DEFAULT_REDIS_URL,
+    add_common_flags,
+    check_common_fields,
+    env_float,
+    env_int,
+    env_str,
+)
+from common.keys import RedisKeys
+from common.logs import setup_logging
+from common.prefix import block_hashes
+from common.redis_conn import connect_sync
+from executor.config import EngineConfig
+from executor.engine import Engine, RequestOutput
+from executor.gateway_link import GatewayAbort, GatewayEvent, GatewayGone, GatewayLink
+from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
+from executor.sampler import TokenLogprobs
+from executor.sampling_params import SamplingParams
+from protos.kvgate.v1 import inference_pb2, internal_pb2
+
+log = logging.getLogger(__name__)
+# How often the step loop refreshes the status the heartbeat publishes, in seconds.
+STATUS_INTERVAL_S = 0.1
+# How long an idle step loop waits for an event before checking for a drain, in seconds.
+IDLE_WAIT_S = 0.05
+# Most prefix-cache block hashes reported in a heartbeat.
+MAX_REPORTED_HASHES = 1024
+FINISH_REASONS = {
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+    "abort": inference_pb2.FINISH_REASON_ABORT,
+}
+
+
+@dataclass(slots=True)
+class ExecutorServiceConfig:
+    """What the executor process needs; validated in `__post_init__` (errors name the flag)."""
+
+    model: str
+    redis_url: str = DEFAULT_REDIS_URL
+    redis_prefix: str = "kvgate:"
+    log_level: str = "info"
+    log_format: str = "text"
+    executor_id: str = ""  # empty: host-pid
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    kv_cache_gib: float = 1.0
+    num_gpu_blocks: int = 0  # 0: sized from kv_cache_gib or gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    session_ttl_s: float = 600.0
+    engine: EngineConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_common_fields(self.redis_url, self.log_level, self.log_format)
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model must be a model folder with config.json, got {self.model!r}")
+        if any(c.isspace() or c == ":" for c in self.executor_id):
+            raise ValueError(f"--executor-id must hold no spaces or ':', got {self.executor_id!r}")
+        self.executor_id = self.executor_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.engine = self._engine_config()
+
+    def _engine_config(self) -> EngineConfig:
+        try:
+            return EngineConfig(
+                model=self.model,
+                block_size=self.block_size,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len or None,
+                kv_cache_gib=self.kv_cache_gib,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks=self.num_gpu_blocks or None,
+                session_ttl_s=self.session_ttl_s,
+                device=self.device,
+            )
+        except ValueError as error:
+            name, _, rest = str(error).partition(" ")
+            raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> ExecutorServiceConfig:
+        """Args: command-line flags (None: sys.argv). Returns: the validated config."""
+        parser = argparse.ArgumentParser(prog="python -m executor.service", description=__doc__)
+        add_common_flags(parser)
+        add = parser.add_argument
+        add("--model", default=env_str("KVGATE_MODEL", ""), help="model folder (KVGATE_MODEL)")
+        add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
+        add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
+        add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))
+        add("--max-num-seqs", type=int, default=env_int("KVGATE_MAX_NUM_SEQS", 64))
+        add(
+            "--max-num-batched-tokens",
+            type=int,
+            default=env_int("KVGATE_MAX_NUM_BATCHED_TOKENS", 2048),
+        )
+        add("--max-model-len", type=int, default=env_int("KVGATE_MAX_MODEL_LEN", 0))
+        add("--kv-cache-gib", type=float, default=env_float("KVGATE_KV_CACHE_GIB", 1.0))
+        add("--num-gpu-blocks", type=int, default=env_int("KVGATE_NUM_GPU_BLOCKS", 0))
+        add(
+            "--gpu-memory-utilization",
+            type=float,
+            default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
+        )
+        add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+        return cls(**vars(parser.parse_args(argv)))
+
+
+@dataclass(slots=True)
+class Tracked:
+    """A request this executor runs, and where its tokens go."""
+
+    reply_to: str  # TokenSink address of its gateway
+    offset: int  # index in the completion of its next token
+    tenant: str
+    prompt_token_ids: list[int]
+
+
+def to_sampling_params(params: inference_pb2.SamplingParams, num_resumed: int) -> SamplingParams:
+    """Args: the request's sampling fields and how many tokens an earlier attempt produced.
+
+    Returns: the engine's parameters for the tokens still to generate (ValueError naming a field).
+    """
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
+    return SamplingParams(
+        max_tokens=max_tokens - num_resumed,
+        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        top_k=params.top_k,
+        top_p=params.top_p if params.HasField("top_p") else 1.0,
+        min_p=params.min_p,
+        repetition_penalty=(
+            params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+        ),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        seed=params.seed if params.HasField("seed") else None,
+        min_tokens=max(0, params.min_tokens - num_resumed),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+    )
+
+
+def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
+    """Returns: the engine's logprobs as protobuf messages."""
+    return [
+        inference_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+class ExecutorService:
+    """Runs the engine's step loop and connects it to Redis and the gateways."""
+
+    def __init__(self, config: ExecutorServiceConfig, engine: Engine, client: redis.Redis) -> None:
+        keys = RedisKeys(config.redis_prefix)
+        self._config = config
+        self._engine = engine
+        self._events: queue.SimpleQueue[InboxEntry | GatewayEvent] = queue.SimpleQueue()
+        self._inbox = InboxReader(client, keys.executor_inbox(config.executor_id), self._events)
+        self._board = StatusBoard()
+        self._heartbeat = Heartbeat(client, keys, self._board)
+        self._links: dict[str, GatewayLink] = {}
+        self._tracked: dict[str, Tracked] = {}
+        self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
+        self._cached_hashes: OrderedDict[int, None] = OrderedDict()
+        self._drain_requested = threading.Event()
+        self._taking_work = True
+        self._next_status_s = 0.0
+
+    def drain(self) -> None:
+        """Finish running work and take no more; safe from a signal handler."""
+        self._drain_requested.set()
+
+    def run(self) -> None:
+        """Serves until drained: the step loop on the calling thread."""
+        self._post_status()
+        self._heartbeat.start()
+        self._inbox.start()
+        log.info(
+            "executor %s serving (%d KV blocks)",
+            self._config.executor_id,
+            self._engine.stats().num_total_blocks,
+        )
+        while self._taking_work or self._engine.has_unfinished() or not self._events.empty():
+            self._stop_taking_work_if_draining()
+            self._handle_events(wait=not self._engine.has_unfinished())
+            if self._engine.has_unfinished():
+                self._publish(self._engine.step())
+            self._flush()
+            self._refresh_status()
+        self._shut_down()
+
+    def _stop_taking_work_if_draining(self) -> None:
+        if self._taking_work and self._drain_requested.is_set():
+            log.info("draining: finishing %d requests, taking no more", len(self._tracked))
+            self._inbox.stop()
+            self._taking_work = False
+            self._post_status()
+            self._heartbeat.beat()
+
+    def _shut_down(self) -> None:
+        self._flush()
+        for link in self._links.values():
+            link.close()
+        self._heartbeat.stop()
+        log.info("executor %s stopped", self._config.executor_id)
+
+    # ---- events: inbox entries and gateway messages -----------------------------------
+
+    def _handle_events(self, wait: bool) -> None:
+        try:
+            event = self._events.get(timeout=IDLE_WAIT_S) if wait else self._events.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(event)
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, event: InboxEntry | GatewayEvent) -> None:
+        if isinstance(event, GatewayAbort):
+            self._abort(event.address, event.request_ids)
+        elif isinstance(event, GatewayGone):
+            self._gateway_gone(event.address)
+        elif event.message.HasField("assignment"):
+            self._admit(event.message.assignment.request)
+            self._inbox.handled(event.entry_id)
+        else:
+            self._engine.release_session(event.message.release_session.session_id)
+            self._inbox.handled(event.entry_id)
+
+    def _admit(self, queued: internal_pb2.QueuedRequest) -> None:
+        if queued.request_id in self._tracked:
+            return
+        resumed = list(queued.resume_token_ids)
+        prompt = list(queued.prompt_token_ids) + resumed
+        if resumed and len(resumed) >= queued.params.max_tokens:
+            self._finish_at_once(queued, inference_pb2.FINISH_REASON_LENGTH, "")
+            return
+        try:
+            params = to_sampling_params(queued.params, len(resumed))
+            self._engine.add_request(
+                queued.request_id,
+                prompt,
+                params,
+                priority=queued.priority,
+                session_id=queued.session_id or None,
+                cache_salt=queued.tenant or None,
+            )
+        except ValueError as error:
+            self._reject(queued, str(error))
+            return
+        tracked = Tracked(queued.reply_to, len(resumed), queued.tenant, prompt)
+        self._tracked[queued.request_id] = tracked
+        self._entry(queued.request_id, tracked)
+        self._remember_prefix(tracked, prompt)
+
+    def _reject(self, queued: internal_pb2.QueuedRequest, reason: str) -> None:
+        log.info("request %s rejected: %s", queued.request_id, reason)
+        self._finish_at_once(queued, inference_pb2.FINISH_REASON_ERROR, reason)
+
+    def _finish_at_once(
+        self, queued: internal_pb2.QueuedRequest, finish_reason: int, error_message: str
+    ) -> None:
+        offset = len(queued.resume_token_ids)
+        entry = self._entry(queued.request_id, Tracked(queued.reply_to, offset, queued.tenant, []))
+        entry.finished = True
+        entry.finish_reason = finish_reason
+        entry.error_message = error_message
+
+    def _abort(self, address: str, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            tracked = self._tracked.get(request_id)
+            if tracked is None or tracked.reply_to != address:
+                continue
+            self._engine.abort(request_id)
+            del self._tracked[request_id]
+            self._outbox.get(address, {}).pop(request_id, None)
+
+    def _gateway_gone(self, address: str) -> None:
+        link = self._links.pop(address, None)
+        if link is not None:
+            link.close()
+        orphans = [rid for rid, t in self._tracked.items() if t.reply_to == address]
+        if orphans:
+            log.warning("gateway %s is gone: aborting its %d requests", address, len(orphans))
+        self._abort(address, orphans)
+        self._outbox.pop(address, None)
+
+    # ---- output: one TokenBatch per gateway per step ------------------------------------
+
+    def _entry(self, request_id: str, tracked: Tracked) -> internal_pb2.RequestTokens:
+        entries = self._outbox.setdefault(tracked.reply_to, {})
+        entry = entries.get(request_id)
+        if entry is None:
+            entry = internal_pb2.RequestTokens(request_id=request_id, offset=tracked.offset)
+            entries[request_id] = entry
+        return entry
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            entry = self._entry(output.request_id, tracked)
+            entry.token_ids.extend(output.new_token_ids)
+            entry.logprobs.extend(to_logprobs_pb(output.logprobs or []))
+            entry.num_cached_tokens = output.num_cached_tokens
+            tracked.offset += len(output.new_token_ids)
+            if output.finished:
+                entry.finished = True
+                entry.finish_reason = FINISH_REASONS[output.finish_reason or "stop"]
+                del self._tracked[output.request_id]
+
+    def _flush(self) -> None:
+        for address, entries in self._outbox.items():
+            if entries:
+                batch = internal_pb2.TokenBatch(requests=list(entries.values()))
+                self._link(address).send(batch)
+        self._outbox.clear()
+
+    def _link(self, address: str) -> GatewayLink:
+        link = self._links.get(address)
+        if link is None:
+            link = GatewayLink(address, self._config.executor_id, self._events.put)
+            self._links[address] = link
+        return link
+
+    # ---- status -------------------------------------------------------------------------
+
+    def _remember_prefix(self, tracked: Tracked, token_ids: list[int]) -> None:
+        for block_hash in block_hashes(token_ids, self._config.block_size, tracked.tenant):
+            self._cached_hashes[block_hash] = None
+            self._cached_hashes.move_to_end(block_hash)
+        while len(self._cached_hashes) > MAX_REPORTED_HASHES:
+            self._cached_hashes.popitem(last=False)
+
+    def _refresh_status(self) -> None:
+        if time.monotonic() >= self._next_status_s:
+            self._post_status()
+
+    def _post_status(self) -> None:
+        self._next_status_s = time.monotonic() + STATUS_INTERVAL_S
+        stats = self._engine.stats()
+        engine_config = self._config.engine
+        status = internal_pb2.ExecutorStatus(
+            executor_id=self._config.executor_id,
+            model_id=Path(engine_config.model).name,
+            block_size=engine_config.block_size,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            max_num_seqs=engine_config.max_num_seqs,
+            max_model_len=self._engine.max_model_len,
+            session_ids=list(self._engine.kv_cache.sessions),
+            cached_block_hashes=list(reversed(self._cached_hashes)),
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            draining=not self._taking_work,
+        )
+        self._board.post(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Args: command-line flags (None: sys.argv). Returns: the exit status."""
+    try:
+        config = ExecutorServiceConfig.from_args(argv)
+    except ValueError as error:
+        print(f"executor: {error}", file=sys.stderr)
+        return 2
+    setup_logging("executor", config.log_level, config.log_format)
+    engine = Engine(config.engine)
+    service = ExecutorService(config, engine, connect_sync(config.redis_url, timeout_s=2.0))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: service.drain())
+    service.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""kvgate gateway: the public gRPC API, tokenization, detokenization, stop strings, sessions."""

@@ -1,0 +1,25 @@
+"""`python -m gateway`: run one gateway (flags: `python -m gateway --help`)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from common.logs import setup_logging
+from gateway.config import config_from_args
+from gateway.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_args(argv)
+    except ValueError as error:
+        print(f"gateway: {error}", file=sys.stderr)
+        return 2
+    setup_logging("gateway", config.log_level, config.log_format)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The gateway's configuration: flags with KVGATE_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from common.config import (
+    add_common_flags,
+    check_common_fields,
+    check_positive,
+    check_range,
+    env_float,
+    env_int,
+    env_str,
+)
+
+DEFAULT_MODEL = "../shared/models/stories260K"
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """Everything a gateway process needs; validated when built."""
+
+    model: str = DEFAULT_MODEL  # model folder (tokenizer files are read, never the weights)
+    host: str = "127.0.0.1"  # public Inference address
+    port: int = 50051
+    internal_host: str = "127.0.0.1"  # TokenSink address executors connect to
+    internal_port: int = 0  # 0: a free port
+    advertise_host: str = ""  # host put in reply_to; empty: internal_host
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "kvgate:"
+    redis_timeout_s: float = 0.5  # a Redis call fails after this: UNAVAILABLE well within 2 s
+    max_queue_len: int = 1024  # queued (not yet placed) requests before RESOURCE_EXHAUSTED
+    queue_timeout_s: float = 30.0  # not accepted by an executor by then: DEADLINE_EXCEEDED
+    session_ttl_s: float = 600.0  # idle sessions expire after this
+    default_max_tokens: int = 256  # max_tokens when a request sets none
+    max_stop_strings: int = 16
+    max_stop_len: int = 256  # characters per stop string
+    grace_s: float = 5.0  # running calls get this long to finish on SIGTERM
+    log_level: str = "info"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model) / "tokenizer.json").exists():
+            raise ValueError(f"--model must be a folder with tokenizer.json, got {self.model}")
+        check_range("--port", self.port, min_value=0, max_value=65535)
+        check_range("--internal-port", self.internal_port, min_value=0, max_value=65535)
+        check_positive("--redis-timeout-s", self.redis_timeout_s)
+        check_range("--max-queue-len", self.max_queue_len, min_value=1)
+        check_positive("--queue-timeout-s", self.queue_timeout_s)
+        check_positive("--session-ttl-s", self.session_ttl_s)
+        check_range("--default-max-tokens", self.default_max_tokens, min_value=1)
+        check_range("--max-stop-strings", self.max_stop_strings, min_value=0)
+        check_range("--max-stop-len", self.max_stop_len, min_value=1)
+        check_range("--grace-s", self.grace_s, min_value=0)
+        check_common_fields(self.redis_url, self.log_level, self.log_format)
+
+    @property
+    def reply_host(self) -> str:
+        """The host executors dial for this gateway's TokenSink."""
+        return self.advertise_host or self.internal_host
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of `python -m gateway`, with KVGATE_* environment variables as defaults."""
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    add = parser.add_argument
+    add("--model", default=env_str("KVGATE_MODEL", DEFAULT_MODEL), help="model folder")
+    add("--host", default=env_str("KVGATE_HOST", "127.0.0.1"), help="public host")
+    add("--port", type=int, default=env_int("KVGATE_PORT", 50051), help="public port")
+    add("--internal-host", default=env_str("KVGATE_INTERNAL_HOST", "127.0.0.1"))
+    add("--internal-port", type=int, default=env_int("KVGATE_INTERNAL_PORT", 0))
+    add("--advertise-host", default=env_str("KVGATE_ADVERTISE_HOST", ""))
+    add("--redis-timeout-s", type=float, default=env_float("KVGATE_REDIS_TIMEOUT_S", 0.5))
+    add("--max-queue-len", type=int, default=env_int("KVGATE_MAX_QUEUE_LEN", 1024))
+    add("--queue-timeout-s", type=float, default=env_float("KVGATE_QUEUE_TIMEOUT_S", 30.0))
+    add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+    add("--default-max-tokens", type=int, default=env_int("KVGATE_DEFAULT_MAX_TOKENS", 256))
+    add("--max-stop-strings", type=int, default=16)
+    add("--max-stop-len", type=int, default=256)
+    add("--grace-s", type=float, default=env_float("KVGATE_GRACE_S", 5.0))
+    add_common_flags(parser)
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> GatewayConfig:
+    """Parse flags into a validated GatewayConfig.
+
+    Raises:
+        ValueError: naming the flag with a bad value.
+    """
+    args = vars(build_parser().parse_args(argv))
+    return GatewayConfig(**{f.name: args[f.name] for f in fields(GatewayConfig)})

@@ -1,0 +1,289 @@
+"""One request's life on the gateway: queue it, stream its tokens as text, finish it.
+
+A Generation queues its QueuedRequest, then turns the events of its inbox
+(TokenSink output, a lost executor, a client cancel) into chunks: new tokens
+are de-duplicated by offset, detokenized incrementally and checked for stop
+strings. If its executor goes away it is re-queued with the tokens already
+streamed, so the client's stream goes on without a gap or a repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import DeadlineExceeded
+from gateway.model_text import ModelText
+from gateway.request_queue import RequestQueue
+from gateway.stops import StopStringMatcher
+from gateway.token_sink import (
+    ClientCancelled,
+    ExecutorLost,
+    RequestEvent,
+    TokenLogprob,
+    TokenRouter,
+    TokenUpdate,
+)
+from gateway.validation import GenerationSpec, SamplingSpec
+from protos.kvgate.v1 import inference_pb2, internal_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_ms: float  # arrival to an executor accepting the request
+    ttft_ms: float  # arrival to the first token
+    total_ms: float  # arrival to the last chunk
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A piece of the streamed completion; the last one has finish_reason, usage and timings."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last chunk
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error_message: str = ""
+
+
+class BackgroundTasks:
+    """Fire-and-forget coroutines that must outlive a cancelled call (kept referenced, logged)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coroutine: Coroutine[object, object, None], what: str) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._done(t, what))
+
+    def _done(self, task: asyncio.Task[None], what: str) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s failed: %s", what, task.exception())
+
+
+@dataclass(slots=True)
+class GenerationDeps:
+    """What every Generation of a gateway shares."""
+
+    router: TokenRouter
+    queue: RequestQueue
+    model_text: ModelText
+    background: BackgroundTasks
+    reply_to: str  # this gateway's TokenSink address
+    queue_timeout_s: float
+
+
+def sampling_to_pb(sampling: SamplingSpec) -> inference_pb2.SamplingParams:
+    """The resolved sampling parameters as sent to executors (every default explicit)."""
+    params = inference_pb2.SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        min_tokens=sampling.min_tokens,
+        ignore_eos=sampling.ignore_eos,
+        stop_token_ids=sampling.stop_token_ids,
+    )
+    if sampling.seed is not None:
+        params.seed = sampling.seed
+    if sampling.logprobs is not None:
+        params.logprobs = sampling.logprobs
+    return params
+
+
+class Generation:
+    """Streams one validated request."""
+
+    def __init__(
+        self, spec: GenerationSpec, deps: GenerationDeps, tenant: str, session_executor_id: str = ""
+    ) -> None:
+        self.spec = spec
+        self.deps = deps
+        self.tenant = tenant
+        self.session_executor_id = session_executor_id
+        self.tokens: list[int] = []
+        self.detokenizer = IncrementalDetokenizer(deps.model_text.tokenizer, spec.prompt_token_ids)
+        self.stops = StopStringMatcher(spec.stop)
+        self.arrival = time.monotonic()
+        self.arrival_unix_ms = int(time.time() * 1000)
+        self.queue_deadline = self.arrival + deps.queue_timeout_s
+        self.accepted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.num_cached_tokens = 0
+        self.attempt = 0
+        self.executor_id = ""  # the executor that last reported this request
+        self.waiting_for_executor = True
+        self.finished = False
+
+    def queued_request(self) -> internal_pb2.QueuedRequest:
+        """The QueuedRequest of the current attempt."""
+        deadline_unix_ms = int(time.time() * 1000 + (self.queue_deadline - time.monotonic()) * 1000)
+        return internal_pb2.QueuedRequest(
+            request_id=self.spec.request_id,
+            reply_to=self.deps.reply_to,
+            tenant=self.tenant,
+            session_id=self.spec.session_id,
+            session_executor_id=self.session_executor_id,
+            priority=self.spec.priority,
+            prompt_token_ids=self.spec.prompt_token_ids,
+            resume_token_ids=self.tokens,
+            params=sampling_to_pb(self.spec.sampling),
+            arrival_unix_ms=self.arrival_unix_ms,
+            queue_deadline_unix_ms=deadline_unix_ms,
+            attempt=self.attempt,
+        )
+
+    async def stream(self) -> AsyncIterator[Chunk]:
+        """Queue the request and yield its chunks until the last one.
+
+        Raises:
+            Unavailable, ResourceExhausted: it could not be queued.
+            DeadlineExceeded: no executor accepted it within queue_timeout_s.
+        """
+        router = self.deps.router
+        inbox = router.track(self.spec.request_id)
+        try:
+            await self.deps.queue.enqueue(self.queued_request())
+            while not self.finished:
+                chunk = await self._handle(await self._next_event(inbox))
+                if chunk is not None:
+                    yield chunk
+        finally:
+            if not self.finished:
+                self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
+            router.untrack(self.spec.request_id)
+
+    async def _next_event(self, inbox: asyncio.Queue[RequestEvent]) -> RequestEvent:
+        if not self.waiting_for_executor:
+            return await inbox.get()
+        try:
+            return await asyncio.wait_for(inbox.get(), self.queue_deadline - time.monotonic())
+        except TimeoutError:
+            self._cancel(internal_pb2.ABORT_REASON_DEADLINE)
+            self.finished = True
+            raise DeadlineExceeded(
+                f"no executor took the request within queue_timeout_s "
+                f"({self.deps.queue_timeout_s:g} s)"
+            ) from None
+
+    def _cancel(self, reason: internal_pb2.AbortReason) -> None:
+        """Stop the request wherever it is: on its executor, or still in the queue."""
+        self.deps.router.abort(self.spec.request_id, reason)
+        if self.waiting_for_executor:
+            self.deps.background.spawn(
+                self.deps.queue.mark_cancelled(self.spec.request_id), "marking a request cancelled"
+            )
+
+    async def _handle(self, event: RequestEvent) -> Chunk | None:
+        if isinstance(event, ExecutorLost):
+            await self._requeue(event.executor_id)
+            return None
+        if isinstance(event, ClientCancelled):
+            self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
+            return self._last_chunk(Chunk(self.stops.flush(), []), "abort")
+        return self._apply(event)
+
+    async def _requeue(self, executor_id: str) -> None:
+        self.attempt += 1
+        self.waiting_for_executor = True
+        self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
+        self.session_executor_id = ""
+        log.warning(
+            "request %s lost its executor %s after %d tokens; re-queued (attempt %d)",
+            self.spec.request_id,
+            executor_id,
+            len(self.tokens),
+            self.attempt,
+        )
+        await self.deps.queue.requeue(self.queued_request())
+
+    def _apply(self, update: TokenUpdate) -> Chunk | None:
+        now = time.monotonic()
+        if self.accepted_at is None:
+            self.accepted_at = now
+        self.waiting_for_executor = False
+        self.executor_id = update.executor_id
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        new_ids, new_logprobs = self._unseen(update)
+        chunk = self._text_of(new_ids, new_logprobs, now)
+        if chunk.finish_reason is not None:
+            if not update.finished:
+                self.deps.router.abort(self.spec.request_id, internal_pb2.ABORT_REASON_STOP_STRING)
+            return self._last_chunk(chunk, chunk.finish_reason)
+        if update.finished:
+            tail, stopped = self._flush_text()
+            chunk.text += tail
+            chunk.error_message = update.error_message
+            return self._last_chunk(chunk, "stop" if stopped else update.finish_reason or "stop")
+        return chunk if new_ids else None
+
+    def _unseen(self, update: TokenUpdate) -> tuple[list[int], list[TokenLogprob]]:
+        """The update's tokens past those already streamed (re-sends are dropped by offset)."""
+        skip = len(self.tokens) - update.offset
+        if skip < 0:
+            log.warning(
+                "request %s: tokens from offset %d but only %d streamed; dropped",
+                self.spec.request_id,
+                update.offset,
+                len(self.tokens),
+            )
+            return [], []
+        return update.token_ids[skip:], update.logprobs[skip:]
+
+    def _text_of(self, new_ids: list[int], new_logprobs: list[TokenLogprob], now: float) -> Chunk:
+        """A chunk for the new tokens; finish_reason "stop" when a stop string matched."""
+        if not new_ids:
+            return Chunk("", [], [])
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.tokens.extend(new_ids)
+        result = self.stops.feed(self.detokenizer.add(new_ids))
+        return Chunk(result.text, new_ids, new_logprobs, "stop" if result.stopped else None)
+
+    def _flush_text(self) -> tuple[str, bool]:
+        """The text held back at the end, and whether it completed a stop string."""
+        result = self.stops.feed(self.detokenizer.flush())
+        if result.stopped:
+            return result.text, True
+        return result.text + self.stops.flush(), False
+
+    def _last_chunk(self, chunk: Chunk, finish_reason: str) -> Chunk:
+        self.finished = True
+        now = time.monotonic()
+        chunk.finish_reason = finish_reason
+        chunk.usage = Usage(
+            prompt_tokens=len(self.spec.prompt_token_ids),
+            completion_tokens=len(self.tokens),
+            cached_prompt_tokens=self.num_cached_tokens,
+        )
+        chunk.timings = Timings(
+            queue_ms=_ms_since(self.arrival, self.accepted_at or now),
+            ttft_ms=_ms_since(self.arrival, self.first_token_at or now),
+            total_ms=_ms_since(self.arrival, now),
+        )
+        return chunk
+
+
+def _ms_since(start: float, end: float) -> float:
+    return (end - start) * 1000.0

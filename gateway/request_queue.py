@@ -1,0 +1,103 @@
+"""The gateway's side of the Redis queue: enqueue with a limit, cancel, re-queue, registry.
+
+Every call is bounded by the client's socket timeout (config.redis_timeout_s),
+so a Redis outage surfaces as a REDIS_DOWN_ERRORS error (UNAVAILABLE) quickly.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from common.keys import PAYLOAD_FIELD, RedisKeys
+from gateway.errors import ResourceExhausted, Unavailable
+from protos.kvgate.v1 import internal_pb2
+
+# KEYS: requests stream, executors set. ARGV: payload, max_queue_len, status key head, tail.
+# Returns -2 when no executor is alive, -1 when the queue is full, else the new length.
+ENQUEUE_SCRIPT = """
+local alive = 0
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('EXISTS', ARGV[3] .. id .. ARGV[4]) == 1 then
+    alive = alive + 1
+    break
+  end
+end
+if alive == 0 then return -2 end
+local queued = redis.call('XLEN', KEYS[1])
+if queued >= tonumber(ARGV[2]) then return -1 end
+redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[1])
+return queued + 1
+"""
+NO_EXECUTOR = -2
+QUEUE_FULL = -1
+
+
+class RequestQueue:
+    """Puts requests on the requests stream and talks to executors through Redis."""
+
+    def __init__(
+        self, client: aioredis.Redis, keys: RedisKeys, max_queue_len: int, cancel_ttl_s: float
+    ) -> None:
+        """
+        Args:
+            client: a fail-fast client (common.redis_conn.connect).
+            keys: key names.
+            max_queue_len: requests waiting for placement beyond which enqueue refuses.
+            cancel_ttl_s: how long a cancel marker lives (the queue timeout).
+        """
+        self.client = client
+        self.keys = keys
+        self.max_queue_len = max_queue_len
+        self.cancel_ttl_ms = max(1, int(cancel_ttl_s * 1000))
+        self._enqueue = client.register_script(ENQUEUE_SCRIPT)
+        self._status_head, self._status_tail = keys.executor_status("\0").split("\0")
+
+    async def enqueue(self, request: internal_pb2.QueuedRequest) -> None:
+        """Queue a new request.
+
+        Raises:
+            Unavailable: no executor is alive.
+            ResourceExhausted: max_queue_len requests already wait.
+        """
+        result = await self._enqueue(
+            keys=[self.keys.requests, self.keys.executors],
+            args=[
+                request.SerializeToString(),
+                self.max_queue_len,
+                self._status_head,
+                self._status_tail,
+                PAYLOAD_FIELD,
+            ],
+        )
+        if result == NO_EXECUTOR:
+            raise Unavailable("no executor is alive; try again later")
+        if result == QUEUE_FULL:
+            raise ResourceExhausted(f"the queue is full ({self.max_queue_len} requests wait)")
+
+    async def requeue(self, request: internal_pb2.QueuedRequest) -> None:
+        """Queue a request again after its executor died (no queue limit: it was admitted)."""
+        await self.client.xadd(self.keys.requests, {PAYLOAD_FIELD: request.SerializeToString()})
+
+    async def mark_cancelled(self, request_id: str) -> None:
+        """Tell the scheduler to drop this request if it is still queued."""
+        await self.client.set(self.keys.cancelled(request_id), b"1", px=self.cancel_ttl_ms)
+
+    async def release_session(self, executor_id: str, session_id: str, tenant: str) -> None:
+        """Ask an executor to unpin a session's KV cache."""
+        message = internal_pb2.InboxMessage(
+            release_session=internal_pb2.ReleaseSession(session_id=session_id, tenant=tenant)
+        )
+        await self.client.xadd(
+            self.keys.executor_inbox(executor_id), {PAYLOAD_FIELD: message.SerializeToString()}
+        )
+
+    async def live_executor_ids(self) -> list[str]:
+        """Ids of the executors whose heartbeat has not expired."""
+        members = sorted(m.decode() for m in await self.client.smembers(self.keys.executors))
+        if not members:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for executor_id in members:
+                pipe.exists(self.keys.executor_status(executor_id))
+            alive = await pipe.execute()
+        return [m for m, is_alive in zip(members, alive, strict=True) if is_alive]

@@ -1,0 +1,140 @@
+"""Builds and runs a gateway: the public Inference server and the internal TokenSink server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.keys import RedisKeys
+from common.redis_conn import REDIS_DOWN_ERRORS, connect
+from gateway.config import GatewayConfig
+from gateway.errors import ErrorInterceptor
+from gateway.generation import BackgroundTasks, GenerationDeps
+from gateway.model_text import ModelText
+from gateway.request_queue import RequestQueue
+from gateway.service import InferenceServicer
+from gateway.sessions import SessionStore
+from gateway.token_sink import TokenRouter, TokenSinkServicer
+from gateway.validation import StopLimits
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc, internal_pb2_grpc
+
+log = logging.getLogger(__name__)
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+@dataclass(slots=True)
+class RunningGateway:
+    """A started gateway and the addresses it listens on."""
+
+    public: aio.Server
+    internal: aio.Server
+    health: health.aio.HealthServicer
+    redis: aioredis.Redis
+    address: str  # host:port of the public Inference service
+    reply_to: str  # host:port of the TokenSink service
+    grace_s: float
+
+    async def stop(self) -> None:
+        """Stop taking calls, let running ones finish within grace_s, then close.
+
+        The token sink stays up while public calls finish (they need its tokens);
+        then the executors' streams, idle by now, are closed at once.
+        """
+        await self.health.enter_graceful_shutdown()
+        await self.public.stop(self.grace_s)
+        await self.internal.stop(0)
+        await self.redis.aclose()
+
+
+# The token sink pings idle executor streams so that a vanished executor host (no TCP
+# reset) still breaks its stream, and its requests are re-queued.
+SINK_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def _internal_server(config: GatewayConfig, router: TokenRouter) -> tuple[aio.Server, str]:
+    server = aio.server(options=SINK_KEEPALIVE_OPTIONS)
+    internal_pb2_grpc.add_TokenSinkServicer_to_server(TokenSinkServicer(router), server)
+    port = server.add_insecure_port(f"{config.internal_host}:{config.internal_port}")
+    return server, f"{config.reply_host}:{port}"
+
+
+def _public_server(
+    config: GatewayConfig, servicer: InferenceServicer
+) -> tuple[aio.Server, health.aio.HealthServicer, str]:
+    server = aio.server(interceptors=[ErrorInterceptor()])
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    return server, health_servicer, f"{config.host}:{port}"
+
+
+async def start_gateway(config: GatewayConfig) -> RunningGateway:
+    """Start both servers; health turns SERVING once they listen.
+
+    Returns:
+        The running gateway (call its stop()).
+    """
+    model_text = ModelText(config.model)
+    client = connect(config.redis_url, timeout_s=config.redis_timeout_s)
+    keys = RedisKeys(config.redis_prefix)
+    router = TokenRouter()
+    internal, reply_to = _internal_server(config, router)
+    queue = RequestQueue(client, keys, config.max_queue_len, config.queue_timeout_s)
+    deps = GenerationDeps(
+        router, queue, model_text, BackgroundTasks(), reply_to, config.queue_timeout_s
+    )
+    servicer = InferenceServicer(
+        deps,
+        SessionStore(client, keys, config.session_ttl_s),
+        config.default_max_tokens,
+        StopLimits(config.max_stop_strings, config.max_stop_len),
+    )
+    public, health_servicer, address = _public_server(config, servicer)
+    await internal.start()
+    await public.start()
+    for service in ("", INFERENCE_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await _warn_if_redis_down(client, config.redis_url)
+    log.info(
+        "gateway serving on %s (token sink %s, model %s)", address, reply_to, model_text.model_id
+    )
+    return RunningGateway(
+        public, internal, health_servicer, client, address, reply_to, config.grace_s
+    )
+
+
+async def _warn_if_redis_down(client: aioredis.Redis, url: str) -> None:
+    try:
+        await client.ping()
+    except REDIS_DOWN_ERRORS as error:
+        log.warning(
+            "redis at %s unreachable (%s): requests get UNAVAILABLE until it is up", url, error
+        )
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run a gateway until SIGTERM or SIGINT, then stop gracefully."""
+    gateway = await start_gateway(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("gateway stopping: running calls get %.1f s", config.grace_s)
+    await gateway.stop()
+    log.info("gateway stopped")

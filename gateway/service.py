@@ -1,0 +1,290 @@
+"""The public Inference servicer: protobuf in, validated specs to Generation, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from gateway.auth import tenant_of
+from gateway.errors import InvalidArgument, NotFound
+from gateway.generation import Chunk, Generation, GenerationDeps
+from gateway.request_queue import RequestQueue
+from gateway.sessions import Session, SessionStore
+from gateway.templates import ROLES, ChatTemplateError, Message
+from gateway.token_sink import ClientCancelled, TokenLogprob
+from gateway.validation import (
+    GenerationSpec,
+    StopLimits,
+    check_id,
+    check_prompt_len,
+    check_stop,
+    check_token_ids,
+    resolve_request_id,
+    sampling_spec,
+)
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
+
+FINISH_REASONS = {
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+    "abort": inference_pb2.FINISH_REASON_ABORT,
+    "error": inference_pb2.FINISH_REASON_ERROR,
+}
+
+
+def logprobs_to_pb(logprobs: list[TokenLogprob]) -> list[inference_pb2.TokenLogprob]:
+    return [
+        inference_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse:
+    """A Chunk as the public GenerateResponse."""
+    response = inference_pb2.GenerateResponse(
+        request_id=request_id,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        logprobs=logprobs_to_pb(chunk.logprobs),
+        error_message=chunk.error_message,
+    )
+    if chunk.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[chunk.finish_reason]
+    if chunk.usage is not None:
+        response.usage.CopyFrom(inference_pb2.Usage(**_fields(chunk.usage)))
+    if chunk.timings is not None:
+        response.timings.CopyFrom(inference_pb2.Timings(**_fields(chunk.timings)))
+    return response
+
+
+def _fields(record: object) -> dict[str, object]:
+    return {name: getattr(record, name) for name in record.__slots__}
+
+
+def messages_from_pb(field_name: str, messages: list[inference_pb2.ChatMessage]) -> list[Message]:
+    """Convert chat messages, checking their roles."""
+    for index, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidArgument(
+                f"{field_name}[{index}].role", f"must be one of {', '.join(ROLES)}"
+            )
+    return [Message(m.role, m.content) for m in messages]
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Generate, Chat, Tokenize, GetModelInfo and EndSession."""
+
+    def __init__(
+        self,
+        deps: GenerationDeps,
+        sessions: SessionStore,
+        default_max_tokens: int,
+        stop_limits: StopLimits,
+    ) -> None:
+        self.deps = deps
+        self.model_text = deps.model_text
+        self.queue: RequestQueue = deps.queue
+        self.sessions = sessions
+        self.default_max_tokens = default_max_tokens
+        self.stop_limits = stop_limits
+
+    def _spec(
+        self,
+        prompt_token_ids: list[int],
+        params: inference_pb2.SamplingParams,
+        priority: int,
+        session_id: str,
+        request_id: str,
+    ) -> GenerationSpec:
+        limits = self.model_text.limits
+        return GenerationSpec(
+            request_id=resolve_request_id("request_id", request_id),
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling_spec(params, len(prompt_token_ids), limits, self.default_max_tokens),
+            stop=check_stop(list(params.stop), self.stop_limits),
+            priority=priority,
+            session_id=session_id,
+        )
+
+    def _prompt_of(self, request: inference_pb2.GenerateRequest) -> list[int]:
+        if bool(request.prompt) == bool(request.prompt_token_ids):
+            raise InvalidArgument("prompt", "set exactly one of prompt or prompt_token_ids")
+        if request.prompt:
+            token_ids = self.model_text.encode(request.prompt)
+            check_prompt_len("prompt", len(token_ids), self.model_text.limits.max_model_len)
+            return token_ids
+        token_ids = list(request.prompt_token_ids)
+        check_token_ids("prompt_token_ids", token_ids, self.model_text.limits.vocab_size)
+        check_prompt_len("prompt_token_ids", len(token_ids), self.model_text.limits.max_model_len)
+        return token_ids
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        if request.session_id:
+            check_id("session_id", request.session_id)
+        spec = self._spec(
+            self._prompt_of(request),
+            request.params,
+            request.priority,
+            request.session_id,
+            request.request_id,
+        )
+        tenant = tenant_of(context)
+        session = (
+            await self.sessions.open_or_load(spec.session_id, tenant) if spec.session_id else None
+        )
+        generation = Generation(spec, self.deps, tenant, session.executor_id if session else "")
+        async for chunk in generation.stream():
+            if chunk.finish_reason is not None and session is not None:
+                await self._record_turn(session, generation, [])
+            yield chunk_to_pb(spec.request_id, chunk)
+
+    async def _record_turn(
+        self, session: Session, generation: Generation, new_messages: list[Message]
+    ) -> None:
+        session.messages.extend(new_messages)
+        session.executor_id = generation.executor_id or session.executor_id
+        session.num_turns += 1
+        await self.sessions.save(session)
+
+    async def Chat(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[inference_pb2.ChatRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[inference_pb2.ChatResponse]:
+        conversation = ChatConversation(tenant_of(context))
+        reader = asyncio.create_task(conversation.read(request_iterator, self.deps))
+        try:
+            while (turn := await conversation.next_turn()) is not None:
+                async for response in self._chat_turn(conversation, turn):
+                    yield response
+        finally:
+            reader.cancel()
+
+    async def _open_session(
+        self, conversation: ChatConversation, turn: inference_pb2.ChatTurn
+    ) -> Session:
+        if turn.session_id:
+            check_id("turn.session_id", turn.session_id)
+            return await self.sessions.load(turn.session_id, conversation.tenant)
+        session = await self.sessions.create(conversation.tenant)
+        if turn.system_prompt:
+            session.messages.append(Message("system", turn.system_prompt))
+        return session
+
+    def _chat_prompt(self, messages: list[Message]) -> list[int]:
+        try:
+            token_ids = self.model_text.encode_chat(messages)
+        except ChatTemplateError as error:
+            raise InvalidArgument("turn.content", str(error)) from error
+        check_prompt_len("turn.content", len(token_ids), self.model_text.limits.max_model_len)
+        return token_ids
+
+    async def _chat_turn(
+        self, conversation: ChatConversation, turn: inference_pb2.ChatTurn
+    ) -> AsyncIterator[inference_pb2.ChatResponse]:
+        if not turn.content:
+            raise InvalidArgument("turn.content", "must not be empty")
+        if conversation.session is None:
+            conversation.session = await self._open_session(conversation, turn)
+        session = conversation.session
+        user = Message("user", turn.content)
+        prompt = self._chat_prompt([*session.messages, user])
+        spec = self._spec(prompt, turn.params, turn.priority, session.session_id, turn.request_id)
+        generation = Generation(spec, self.deps, conversation.tenant, session.executor_id)
+        reply: list[str] = []
+        turn_index = session.num_turns
+        conversation.running_request_id = spec.request_id
+        async for chunk in generation.stream():
+            reply.append(chunk.text)
+            if chunk.finish_reason is not None and chunk.finish_reason != "error":
+                assistant = Message("assistant", "".join(reply).strip())
+                await self._record_turn(session, generation, [user, assistant])
+            yield inference_pb2.ChatResponse(
+                session_id=session.session_id,
+                turn_index=turn_index,
+                chunk=chunk_to_pb(spec.request_id, chunk),
+            )
+        conversation.running_request_id = None
+
+    async def Tokenize(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.TokenizeRequest, context: aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        if request.text and request.messages:
+            raise InvalidArgument("messages", "set text or messages, not both")
+        if request.messages:
+            messages = messages_from_pb("messages", list(request.messages))
+            try:
+                text = self.model_text.render_chat(messages)
+            except ChatTemplateError as error:
+                raise InvalidArgument("messages", str(error)) from error
+            token_ids = self.model_text.encode(text, add_special_tokens=False)
+        else:
+            text = request.text
+            token_ids = self.model_text.encode(text, request.add_special_tokens)
+        return inference_pb2.TokenizeResponse(
+            token_ids=token_ids,
+            tokens=self.model_text.token_strings(token_ids),
+            rendered_text=text,
+        )
+
+    async def GetModelInfo(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.GetModelInfoRequest, context: aio.ServicerContext
+    ) -> inference_pb2.GetModelInfoResponse:
+        limits = self.model_text.limits
+        return inference_pb2.GetModelInfoResponse(
+            model_id=self.model_text.model_id,
+            vocab_size=limits.vocab_size,
+            max_model_len=limits.max_model_len,
+            bos_token_id=limits.bos_token_id,
+            eos_token_ids=limits.eos_token_ids,
+            has_chat_template=not self.model_text.chat_template.is_default,
+            num_executors=len(await self.queue.live_executor_ids()),
+        )
+
+    async def EndSession(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.EndSessionRequest, context: aio.ServicerContext
+    ) -> inference_pb2.EndSessionResponse:
+        check_id("session_id", request.session_id)
+        tenant = tenant_of(context)
+        try:
+            session = await self.sessions.end(request.session_id, tenant)
+        except NotFound:
+            return inference_pb2.EndSessionResponse(ended=False)
+        if session.executor_id:
+            await self.queue.release_session(session.executor_id, session.session_id, tenant)
+        return inference_pb2.EndSessionResponse(ended=True)
+
+
+class ChatConversation:
+    """The state of one Chat stream: its session, the turns to run, the running turn."""
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.session: Session | None = None
+        self.running_request_id: str | None = None
+        self._turns: asyncio.Queue[inference_pb2.ChatTurn | None] = asyncio.Queue()
+
+    async def read(
+        self, request_iterator: AsyncIterator[inference_pb2.ChatRequest], deps: GenerationDeps
+    ) -> None:
+        """Read the client's messages: queue turns, cancel the running turn on CancelTurn."""
+        try:
+            async for request in request_iterator:
+                if request.HasField("turn"):
+                    self._turns.put_nowait(request.turn)
+                elif request.HasField("cancel") and self.running_request_id is not None:
+                    deps.router.post(self.running_request_id, ClientCancelled())
+        finally:
+            self._turns.put_nowait(None)
+
+    async def next_turn(self) -> inference_pb2.ChatTurn | None:
+        """The next turn, or None when the client has closed its side."""
+        return await self._turns.get()

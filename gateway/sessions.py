@@ -1,0 +1,114 @@
+"""Sessions in Redis: one SessionState per key, with a TTL renewed at each turn."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from common.keys import RedisKeys
+from gateway.errors import NotFound, PermissionDenied
+from gateway.templates import Message
+from protos.kvgate.v1 import inference_pb2, internal_pb2
+
+
+@dataclass(slots=True)
+class Session:
+    """A conversation (or a Generate session) and where its KV cache lives."""
+
+    session_id: str
+    tenant: str
+    messages: list[Message] = field(default_factory=list)
+    executor_id: str = ""  # ran the last turn; empty: none yet
+    num_turns: int = 0
+    created_unix_ms: int = 0
+
+    def to_pb(self) -> internal_pb2.SessionState:
+        return internal_pb2.SessionState(
+            session_id=self.session_id,
+            tenant=self.tenant,
+            messages=[
+                inference_pb2.ChatMessage(role=m.role, content=m.content) for m in self.messages
+            ],
+            executor_id=self.executor_id,
+            num_turns=self.num_turns,
+            created_unix_ms=self.created_unix_ms,
+        )
+
+    @classmethod
+    def from_pb(cls, state: internal_pb2.SessionState) -> Session:
+        return cls(
+            session_id=state.session_id,
+            tenant=state.tenant,
+            messages=[Message(m.role, m.content) for m in state.messages],
+            executor_id=state.executor_id,
+            num_turns=state.num_turns,
+            created_unix_ms=state.created_unix_ms,
+        )
+
+
+class SessionStore:
+    """Reads and writes sessions; every read checks the tenant."""
+
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys, ttl_s: float) -> None:
+        self.client = client
+        self.keys = keys
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+
+    async def create(self, tenant: str) -> Session:
+        """Open a new session with a fresh id."""
+        while True:
+            session = await self._create(tenant, uuid.uuid4().hex)
+            if session is not None:
+                return session
+
+    async def _create(self, tenant: str, session_id: str) -> Session | None:
+        """Open session `session_id`; None when the id is already taken."""
+        session = Session(session_id, tenant, created_unix_ms=int(time.time() * 1000))
+        created = await self.client.set(
+            self.keys.session(session_id),
+            session.to_pb().SerializeToString(),
+            px=self.ttl_ms,
+            nx=True,
+        )
+        return session if created else None
+
+    async def load(self, session_id: str, tenant: str) -> Session:
+        """The session `session_id` of `tenant`.
+
+        Raises:
+            NotFound: no such session (or it expired).
+            PermissionDenied: it belongs to another tenant.
+        """
+        raw = await self.client.get(self.keys.session(session_id))
+        if raw is None:
+            raise NotFound(f"session_id: no session {session_id!r} (ended or expired)")
+        session = Session.from_pb(internal_pb2.SessionState.FromString(raw))
+        if session.tenant != tenant:
+            raise PermissionDenied(f"session_id: session {session_id!r} belongs to another tenant")
+        return session
+
+    async def open_or_load(self, session_id: str, tenant: str) -> Session:
+        """Load `session_id`, or open it when it does not exist."""
+        created = await self._create(tenant, session_id)
+        return created if created is not None else await self.load(session_id, tenant)
+
+    async def save(self, session: Session) -> None:
+        """Write the session and renew its TTL."""
+        await self.client.set(
+            self.keys.session(session.session_id),
+            session.to_pb().SerializeToString(),
+            px=self.ttl_ms,
+        )
+
+    async def end(self, session_id: str, tenant: str) -> Session:
+        """Delete a session and return its last state.
+
+        Raises:
+            NotFound, PermissionDenied: as load.
+        """
+        session = await self.load(session_id, tenant)
+        await self.client.delete(self.keys.session(session_id))
+        return session

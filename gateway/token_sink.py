@@ -1,0 +1,230 @@
+"""TokenSink: executors stream tokens in; the router hands them to the waiting requests.
+
+Each request being streamed by this gateway has an inbox (an asyncio.Queue of
+events). An executor's TokenSink stream delivers TokenBatch entries into those
+inboxes and carries aborts back; when the stream breaks, every unfinished
+request it owned gets an ExecutorLost event (the request is then re-queued).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from grpc import aio
+
+from gateway.errors import FailedPrecondition, InvalidArgument
+from protos.kvgate.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    inference_pb2.FINISH_REASON_STOP: "stop",
+    inference_pb2.FINISH_REASON_LENGTH: "length",
+    inference_pb2.FINISH_REASON_ABORT: "abort",
+    inference_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one token and its most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class TokenUpdate:
+    """One RequestTokens entry from an executor."""
+
+    executor_id: str
+    offset: int  # position in the completion of token_ids[0]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or "error" when finished
+    num_cached_tokens: int
+    error_message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorLost:
+    """The executor running the request went away before finishing it."""
+
+    executor_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCancelled:
+    """The client cancelled the request (a Chat CancelTurn)."""
+
+
+RequestEvent = TokenUpdate | ExecutorLost | ClientCancelled
+
+
+@dataclass(eq=False, slots=True)
+class ExecutorConnection:
+    """One open TokenSink stream from an executor."""
+
+    executor_id: str
+    outbox: asyncio.Queue[internal_pb2.ConnectResponse] = field(default_factory=asyncio.Queue)
+
+    def send_abort(self, request_ids: list[str], reason: internal_pb2.AbortReason) -> None:
+        abort = internal_pb2.Abort(request_ids=request_ids, reason=reason)
+        self.outbox.put_nowait(internal_pb2.ConnectResponse(abort=abort))
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    """A request this gateway streams: its event inbox and the stream that owns it."""
+
+    inbox: asyncio.Queue[RequestEvent] = field(default_factory=asyncio.Queue)
+    owner: ExecutorConnection | None = None
+
+
+def update_from_pb(executor_id: str, entry: internal_pb2.RequestTokens) -> TokenUpdate:
+    """Convert one RequestTokens entry at the edge."""
+    return TokenUpdate(
+        executor_id=executor_id,
+        offset=entry.offset,
+        token_ids=list(entry.token_ids),
+        logprobs=[
+            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+            for lp in entry.logprobs
+        ],
+        finished=entry.finished,
+        finish_reason=FINISH_REASONS.get(entry.finish_reason) if entry.finished else None,
+        num_cached_tokens=entry.num_cached_tokens,
+        error_message=entry.error_message,
+    )
+
+
+class TokenRouter:
+    """Routes executor output to requests and aborts to executors."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, TrackedRequest] = {}
+        self._connections: set[ExecutorConnection] = set()
+
+    def track(self, request_id: str) -> asyncio.Queue[RequestEvent]:
+        """Start receiving events for `request_id`.
+
+        Raises:
+            FailedPrecondition: the request id is already streaming here.
+        """
+        if request_id in self._requests:
+            raise FailedPrecondition(f"request_id: {request_id!r} is already running")
+        tracked = TrackedRequest()
+        self._requests[request_id] = tracked
+        return tracked.inbox
+
+    def untrack(self, request_id: str) -> None:
+        """Stop receiving events; later output for the id is answered with an abort."""
+        self._requests.pop(request_id, None)
+
+    def post(self, request_id: str, event: RequestEvent) -> None:
+        """Put an event in a tracked request's inbox (ignored for unknown ids)."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            tracked.inbox.put_nowait(event)
+
+    def forget_owner(self, request_id: str) -> None:
+        """The request is re-queued: the next executor to report it owns it."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            tracked.owner = None
+
+    def abort(self, request_id: str, reason: internal_pb2.AbortReason) -> None:
+        """Send an abort to the executor running the request, or to all when none is known yet."""
+        tracked = self._requests.get(request_id)
+        owner = tracked.owner if tracked is not None else None
+        for connection in [owner] if owner is not None else list(self._connections):
+            connection.send_abort([request_id], reason)
+
+    def connect(self, executor_id: str) -> ExecutorConnection:
+        """Register a new TokenSink stream."""
+        connection = ExecutorConnection(executor_id)
+        self._connections.add(connection)
+        log.info("executor %s connected its token stream", executor_id)
+        return connection
+
+    def disconnect(self, connection: ExecutorConnection) -> None:
+        """The stream ended: its unfinished requests get ExecutorLost."""
+        self._connections.discard(connection)
+        lost = [t for t in self._requests.values() if t.owner is connection]
+        for tracked in lost:
+            tracked.owner = None
+            tracked.inbox.put_nowait(ExecutorLost(connection.executor_id))
+        log.info(
+            "executor %s token stream closed; %d requests lost", connection.executor_id, len(lost)
+        )
+
+    def deliver(self, connection: ExecutorConnection, batch: internal_pb2.TokenBatch) -> None:
+        """Hand a TokenBatch's entries to their requests; abort entries nobody waits for."""
+        unknown: list[str] = []
+        for entry in batch.requests:
+            tracked = self._requests.get(entry.request_id)
+            if tracked is None:
+                if not entry.finished:
+                    unknown.append(entry.request_id)
+                continue
+            tracked.owner = None if entry.finished else connection
+            tracked.inbox.put_nowait(update_from_pb(connection.executor_id, entry))
+        if unknown:
+            connection.send_abort(unknown, internal_pb2.ABORT_REASON_UNKNOWN_REQUEST)
+
+
+def _log_read_error(connection: ExecutorConnection, reader: asyncio.Task[None]) -> None:
+    if reader.done() and not reader.cancelled() and reader.exception() is not None:
+        log.warning("token stream of %s broke: %s", connection.executor_id, reader.exception())
+
+
+class TokenSinkServicer(internal_pb2_grpc.TokenSinkServicer):
+    """The gateway's internal service executors connect to."""
+
+    def __init__(self, router: TokenRouter) -> None:
+        self.router = router
+
+    async def Connect(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[internal_pb2.ConnectRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[internal_pb2.ConnectResponse]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("hello") or not first.hello.executor_id:
+            raise InvalidArgument("hello", "the first message must be an ExecutorHello with an id")
+        connection = self.router.connect(first.hello.executor_id)
+        reader = asyncio.create_task(self._read_batches(request_iterator, connection))
+        try:
+            async for response in self._responses(connection, reader):
+                yield response
+        finally:
+            reader.cancel()
+            self.router.disconnect(connection)
+            _log_read_error(connection, reader)
+
+    async def _read_batches(
+        self,
+        request_iterator: AsyncIterator[internal_pb2.ConnectRequest],
+        connection: ExecutorConnection,
+    ) -> None:
+        async for message in request_iterator:
+            if message.HasField("token_batch"):
+                self.router.deliver(connection, message.token_batch)
+
+    async def _responses(
+        self, connection: ExecutorConnection, reader: asyncio.Task[None]
+    ) -> AsyncIterator[internal_pb2.ConnectResponse]:
+        while True:
+            next_response = asyncio.ensure_future(connection.outbox.get())
+            done, _ = await asyncio.wait(
+                {next_response, reader}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if next_response not in done:
+                next_response.cancel()
+                return
+            yield next_response.result()

@@ -1,0 +1,186 @@
+"""The scheduler process: leader lock, request intake, window batching and placement."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import redis
+
+from common.keys import RedisKeys
+from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
+from scheduler.config import SchedulerConfig
+from scheduler.leader import LeaderLock
+from scheduler.placement import Placer
+from scheduler.queue import PendingRequest, WindowBatcher, WindowLimits, make_policy
+from scheduler.registry import ExecutorRegistry
+from scheduler.streams import DEFAULT_BLOCK_SIZE, ExecutorDirectory, RequestStream, to_pending
+
+log = logging.getLogger(__name__)
+# Most entries read from the request stream in one call.
+READ_COUNT = 512
+
+
+class Scheduler:
+    """Holds the global waiting queue and places batches of it on executors."""
+
+    def __init__(self, config: SchedulerConfig, client: redis.Redis) -> None:
+        keys = RedisKeys(config.redis_prefix)
+        self._config = config
+        self._stream = RequestStream(client, keys, config.scheduler_id)
+        self._directory = ExecutorDirectory(client, keys)
+        self._lock = LeaderLock(
+            client, keys.scheduler_leader, config.scheduler_id, config.lock_ttl_ms
+        )
+        self._placer = Placer(load_cost_blocks=config.load_cost_blocks)
+        self._registry = ExecutorRegistry(self._placer)
+        self._stop = threading.Event()
+        self._batcher = self._new_batcher()
+        self._next_poll_s = 0.0
+        self._next_renew_s = 0.0
+        self._stalled = False  # nothing could be placed: wait for the next heartbeats
+
+    def _new_batcher(self) -> WindowBatcher:
+        config = self._config
+        limits = WindowLimits(
+            config.batch_window_ms, config.max_batch_size, config.max_batch_tokens
+        )
+        return WindowBatcher(limits, make_policy(config.policy, config.priority_aging_ms))
+
+    def stop(self) -> None:
+        """Asks `run` to return; safe from a signal handler."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Waits for the leader lock, then schedules until stopped; a lost lock: wait again."""
+        backoff = Backoff()
+        delays = backoff.delays()
+        while not self._stop.is_set():
+            try:
+                self._serve_once()
+                delays = backoff.delays()
+            except REDIS_DOWN_ERRORS as error:
+                delay_s = next(delays)
+                log.warning("redis unreachable (%s); retrying in %.2fs", error, delay_s)
+                self._batcher = self._new_batcher()
+                self._stop.wait(delay_s)
+        self._release_lock()
+
+    def _serve_once(self) -> None:
+        poll_s = self._config.lock_ttl_ms / 4000.0
+        if not self._lock.wait(poll_s, self._stop.is_set):
+            return
+        log.info("scheduler %s is the leader", self._config.scheduler_id)
+        self._stream.ensure_group()
+        reclaimed = self._stream.reclaim()
+        if reclaimed:
+            log.info("reclaimed %d queued requests of an earlier scheduler", len(reclaimed))
+        self._admit(reclaimed, time.monotonic())
+        while not self._stop.is_set() and self._keep_lock():
+            self.tick()
+        self._batcher = self._new_batcher()
+
+    def _release_lock(self) -> None:
+        try:
+            self._lock.release()
+        except REDIS_DOWN_ERRORS:
+            log.warning("could not release the leader lock: redis unreachable")
+
+    def _keep_lock(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_renew_s:
+            return True
+        if not self._lock.renew():
+            log.warning("lost the leader lock: waiting as a standby")
+            return False
+        self._next_renew_s = now + self._config.lock_ttl_ms / 3000.0
+        return True
+
+    def tick(self) -> None:
+        """One turn: heartbeats when due, new requests, then a batch when the window allows."""
+        now = time.monotonic()
+        if now >= self._next_poll_s:
+            self._poll_executors(now)
+        self._drop_expired(now)
+        block_ms = self._block_ms(now)
+        self._admit(self._stream.read_new(block_ms, READ_COUNT), time.monotonic())
+        now = time.monotonic()
+        if not self._stalled and self._batcher.is_ready(now):
+            self._dispatch(now)
+
+    def _block_ms(self, now: float) -> int | None:
+        wake_s = self._next_poll_s
+        if not self._stalled:
+            wake_s = min(wake_s, now + self._batcher.seconds_until_due(now))
+        wait_ms = math.ceil((wake_s - now) * 1000.0)
+        return wait_ms if wait_ms > 0 else None
+
+    def _poll_executors(self, now: float) -> None:
+        self._next_poll_s = now + self._config.registry_poll_ms / 1000.0
+        reports, dead = self._directory.read()
+        change = self._registry.refresh(reports)
+        for executor_id in change.joined:
+            log.info("executor %s joined", executor_id)
+        for executor_id in sorted(set(dead) | set(change.left)):
+            requeued = self._directory.requeue_inbox(executor_id)
+            log.info("executor %s left; re-queued %d of its assignments", executor_id, requeued)
+        self._stalled = False
+        self._drop_cancelled([r.request_id for r in self._batcher.requests()])
+
+    def _block_size(self) -> int:
+        views = list(self._placer.executors.values())
+        return views[0].block_size if views else DEFAULT_BLOCK_SIZE
+
+    def _admit(self, entries: list[tuple[str, bytes]], now: float) -> None:
+        block_size = self._block_size()
+        for entry_id, payload in entries:
+            request = to_pending(entry_id, payload, block_size, now)
+            if request is None:
+                log.warning("dropping request stream entry %s: not a QueuedRequest", entry_id)
+                self._stream.drop([entry_id])
+                continue
+            self._replace_waiting(request)
+
+    def _replace_waiting(self, request: PendingRequest) -> None:
+        """A re-queued request replaces the waiting entry of the same id (a later attempt)."""
+        earlier = self._batcher.remove(request.request_id)
+        if earlier is not None and earlier.entry_id != request.entry_id:
+            self._stream.drop([earlier.entry_id])
+        self._batcher.add(request)
+
+    def _drop_expired(self, now: float) -> None:
+        expired = self._batcher.expired(now)
+        for request in expired:
+            log.info("request %s waited past its queue deadline: dropped", request.request_id)
+        self._stream.drop([r.entry_id for r in expired])
+
+    def _drop_cancelled(self, request_ids: list[str]) -> None:
+        cancelled = [self._batcher.remove(rid) for rid in self._stream.cancelled(request_ids)]
+        self._stream.drop([r.entry_id for r in cancelled if r is not None])
+
+    def _dispatch(self, now: float) -> None:
+        batch = self._batcher.release(now)
+        cancelled = self._stream.cancelled([r.request_id for r in batch])
+        self._stream.drop([r.entry_id for r in batch if r.request_id in cancelled])
+        unplaced = [r for r in batch if r.request_id not in cancelled and not self._place(r)]
+        for request in unplaced:
+            self._batcher.add(request)
+        self._stalled = len(unplaced) == len(batch) and bool(unplaced)
+
+    def _place(self, request: PendingRequest) -> bool:
+        owner = request.session_executor_id
+        if owner is None and request.session_id is not None:
+            owner = self._registry.session_holder(request.session_id)
+        placement = self._placer.place(request.num_prompt_tokens, request.block_hashes, owner)
+        if placement is None:
+            return False
+        self._stream.assign(request, placement.executor_id, self._config.scheduler_id)
+        log.debug(
+            "request %s -> %s (%d cached blocks)",
+            request.request_id,
+            placement.executor_id,
+            placement.cached_blocks,
+        )
+        return True

@@ -1,0 +1,211 @@
+"""The scheduler's Redis I/O: the request stream, executor inboxes and heartbeats.
+
+Protobuf stops here: the rest of the scheduler sees `PendingRequest` and
+`ExecutorReport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+from google.protobuf.message import DecodeError
+
+from common.keys import PAYLOAD_FIELD, SCHEDULER_GROUP, RedisKeys
+from common.prefix import block_hashes
+from protos.kvgate.v1 import internal_pb2
+from scheduler.queue import PendingRequest
+from scheduler.registry import ExecutorReport
+
+log = logging.getLogger(__name__)
+# The block size assumed for cache-hit estimates before any executor reported its own.
+DEFAULT_BLOCK_SIZE = 16
+
+
+class RequestStream:
+    """The requests stream, read through the schedulers' consumer group."""
+
+    def __init__(self, client: redis.Redis, keys: RedisKeys, consumer: str) -> None:
+        self._client = client
+        self._keys = keys
+        self._consumer = consumer
+
+    def ensure_group(self) -> None:
+        """Creates the consumer group (and the stream) unless it exists."""
+        try:
+            self._client.xgroup_create(self._keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    def reclaim(self) -> list[tuple[str, bytes]]:
+        """Takes over every pending entry of earlier schedulers (XAUTOCLAIM).
+
+        Returns: (entry id, payload) of each reclaimed entry, this consumer's own included.
+        """
+        entries: list[tuple[str, bytes]] = []
+        start = "0-0"
+        while True:
+            reply = self._client.xautoclaim(
+                self._keys.requests, SCHEDULER_GROUP, self._consumer, 0, start_id=start, count=500
+            )
+            start, claimed = reply[0], reply[1]
+            entries.extend(_payloads(claimed))
+            if start in (b"0-0", "0-0"):
+                return entries
+
+    def read_new(self, block_ms: int | None, count: int) -> list[tuple[str, bytes]]:
+        """Args: how long to wait for entries (None: do not wait) and how many at most.
+
+        Returns: (entry id, payload) of new entries, now pending for this consumer.
+        """
+        reply = self._client.xreadgroup(
+            SCHEDULER_GROUP, self._consumer, {self._keys.requests: ">"}, count=count, block=block_ms
+        )
+        return [entry for _, entries in reply or [] for entry in _payloads(entries)]
+
+    def drop(self, entry_ids: list[str]) -> None:
+        """Acknowledges and deletes entries that will not be assigned."""
+        if entry_ids:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.xack(self._keys.requests, SCHEDULER_GROUP, *entry_ids)
+            pipe.xdel(self._keys.requests, *entry_ids)
+            pipe.execute()
+
+    def assign(self, request: PendingRequest, executor_id: str, scheduler_id: str) -> None:
+        """Writes the assignment to the executor's inbox, then acknowledges the request.
+
+        One MULTI/EXEC: the entry leaves the request stream only with the assignment written.
+        """
+        message = internal_pb2.InboxMessage()
+        message.assignment.request.ParseFromString(request.payload)
+        message.assignment.executor_id = executor_id
+        message.assignment.assigned_unix_ms = int(time.time() * 1000)
+        message.assignment.scheduler_id = scheduler_id
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xadd(
+            self._keys.executor_inbox(executor_id), {PAYLOAD_FIELD: message.SerializeToString()}
+        )
+        pipe.xack(self._keys.requests, SCHEDULER_GROUP, request.entry_id)
+        pipe.xdel(self._keys.requests, request.entry_id)
+        pipe.execute()
+
+    def cancelled(self, request_ids: list[str]) -> set[str]:
+        """Returns: the ids among `request_ids` whose gateway marked them cancelled."""
+        if not request_ids:
+            return set()
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.exists(self._keys.cancelled(request_id))
+        return {rid for rid, found in zip(request_ids, pipe.execute(), strict=True) if found}
+
+
+class ExecutorDirectory:
+    """Executor heartbeats and inboxes in Redis."""
+
+    def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
+        self._client = client
+        self._keys = keys
+
+    def read(self) -> tuple[list[ExecutorReport], list[str]]:
+        """Returns: reports of live executors, and registered ids whose heartbeat expired."""
+        ids = sorted(m.decode() for m in self._client.smembers(self._keys.executors))
+        if not ids:
+            return [], []
+        statuses = self._client.mget([self._keys.executor_status(eid) for eid in ids])
+        reports = [_report(raw) for raw in statuses if raw is not None]
+        dead = [eid for eid, raw in zip(ids, statuses, strict=True) if raw is None]
+        return reports, dead
+
+    def requeue_inbox(self, executor_id: str) -> int:
+        """Moves the assignments left in a dead executor's inbox back to the request stream.
+
+        Returns: how many requests were re-queued.
+        """
+        inbox = self._keys.executor_inbox(executor_id)
+        pipe = self._client.pipeline(transaction=True)
+        count = 0
+        for _, payload in _payloads(self._client.xrange(inbox)):
+            message = _inbox_message(payload)
+            if message is None or not message.HasField("assignment"):
+                continue
+            queued = message.assignment.request
+            queued.attempt += 1
+            pipe.xadd(self._keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
+            count += 1
+        pipe.delete(inbox)
+        pipe.srem(self._keys.executors, executor_id)
+        pipe.execute()
+        return count
+
+
+def to_pending(
+    entry_id: str, payload: bytes, block_size: int, now_s: float
+) -> PendingRequest | None:
+    """Args: a request stream entry, the block size for hashes and the monotonic time now.
+
+    Returns: the pending request, None when the payload is not a QueuedRequest.
+    """
+    queued = internal_pb2.QueuedRequest()
+    try:
+        queued.ParseFromString(payload)
+    except DecodeError:
+        return None
+    if not queued.request_id:
+        return None
+    tokens = list(queued.prompt_token_ids) + list(queued.resume_token_ids)
+    return PendingRequest(
+        request_id=queued.request_id,
+        entry_id=entry_id,
+        num_prompt_tokens=len(tokens),
+        block_hashes=block_hashes(tokens, block_size, queued.tenant),
+        priority=queued.priority,
+        session_id=queued.session_id or None,
+        session_executor_id=queued.session_executor_id or None,
+        arrival_s=now_s,
+        deadline_s=_monotonic_deadline(queued.queue_deadline_unix_ms, now_s),
+        payload=payload,
+    )
+
+
+def _monotonic_deadline(deadline_unix_ms: int, now_s: float) -> float | None:
+    if deadline_unix_ms <= 0:
+        return None
+    return now_s + (deadline_unix_ms / 1000.0 - time.time())
+
+
+def _report(raw: bytes) -> ExecutorReport:
+    status = internal_pb2.ExecutorStatus()
+    status.ParseFromString(raw)
+    return ExecutorReport(
+        executor_id=status.executor_id,
+        heartbeat_unix_ms=status.heartbeat_unix_ms,
+        block_size=status.block_size or DEFAULT_BLOCK_SIZE,
+        num_free_blocks=status.num_free_blocks,
+        num_total_blocks=status.num_total_blocks,
+        num_running=status.num_running,
+        num_waiting=status.num_waiting,
+        draining=status.draining,
+        session_ids=frozenset(status.session_ids),
+        cached_block_hashes=tuple(status.cached_block_hashes),
+    )
+
+
+def _inbox_message(payload: bytes) -> internal_pb2.InboxMessage | None:
+    message = internal_pb2.InboxMessage()
+    try:
+        message.ParseFromString(payload)
+    except DecodeError:
+        return None
+    return message
+
+
+def _payloads(entries: list) -> list[tuple[str, bytes]]:
+    """Returns: (entry id, payload) of stream entries; entries deleted meanwhile are skipped."""
+    result = []
+    for entry_id, fields in entries:
+        if fields is not None:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            result.append((eid, fields.get(PAYLOAD_FIELD.encode(), b"")))
+    return result

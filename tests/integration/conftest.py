@@ -1,0 +1,100 @@
+"""Integration tests: a real redis-server on a free port, real processes, real gRPC channels."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from client.api import Completion, KvgateClient, sampling_params
+from deploy.stack import Stack, StackConfig, free_port
+from protos.kvgate.v1 import inference_pb2, internal_pb2
+
+MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+# A small, fixed KV cache: fast to start, and free blocks are easy to compare.
+EXECUTOR_FLAGS = ["--num-gpu-blocks", "512", "--block-size", "16", "--max-num-seqs", "64"]
+
+if shutil.which("redis-server") is None or not (MODEL / "config.json").is_file():
+    pytest.skip(
+        "integration tests need redis-server and ../shared/models/stories260K",
+        allow_module_level=True,
+    )
+
+
+def start_stack(
+    log_dir: Path,
+    num_executors: int = 1,
+    gateway_flags: list[str] | None = None,
+    scheduler_flags: list[str] | None = None,
+) -> Stack:
+    """Starts redis, a scheduler, executors and a gateway; returns once all serve."""
+    config = StackConfig(
+        model=str(MODEL),
+        port=free_port(),
+        log_dir=log_dir,
+        executor_flags=EXECUTOR_FLAGS,
+        scheduler_flags=scheduler_flags or ["--batch-window-ms", "2"],
+        gateway_flags=gateway_flags or [],
+    )
+    stack = Stack(config)
+    try:
+        stack.start_all(num_executors=num_executors)
+    except BaseException:
+        stack.stop_all()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="module")
+def stack_factory(tmp_path_factory) -> Iterator[Callable[..., Stack]]:
+    """Starts stacks for one test module and stops them all after it."""
+    stacks: list[Stack] = []
+
+    def make(**kwargs) -> Stack:
+        stack = start_stack(tmp_path_factory.mktemp("stack-logs"), **kwargs)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop_all()
+
+
+def generate(
+    address: str, prompt: str, timeout_s: float = 120.0, session_id: str = "", **params
+) -> Completion:
+    """The whole greedy completion of `prompt` (keyword arguments as client.sampling_params)."""
+    params.setdefault("temperature", 0.0)
+    completion = Completion()
+    with KvgateClient(address, timeout_s=timeout_s) as client:
+        stream = client.generate_stream(prompt, sampling_params(**params), session_id=session_id)
+        for chunk in stream:
+            completion.add(chunk)
+    return completion
+
+
+def session_executor(stack: Stack, session_id: str) -> str:
+    """Returns: the executor that ran the session's last turn, as the gateway recorded it."""
+    raw = stack.redis().get(stack.keys.session(session_id))
+    assert raw is not None, f"session {session_id} is not in redis"
+    return internal_pb2.SessionState.FromString(raw).executor_id
+
+
+def open_stream(client: KvgateClient, prompt: str, **params) -> grpc.Future:
+    """Starts a Generate stream and returns the call (an iterator of chunks, cancellable)."""
+    params.setdefault("temperature", 0.0)
+    request = inference_pb2.GenerateRequest(prompt=prompt, params=sampling_params(**params))
+    return client.stub.Generate(request, timeout=120.0)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Polls `condition`; fails the test naming `what` when it stays false past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"expected {what} within {timeout_s} s; it did not happen")
+        time.sleep(0.02)

@@ -1,0 +1,93 @@
+"""Admission and failover: deadlines, a full queue, no executor, a scheduler killed mid-queue.
+
+The scheduler holds requests for a 3 s window here, so requests are reliably
+queued (read by the scheduler, not yet placed) while a test acts on them.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from common.keys import SCHEDULER_GROUP
+from tests.integration.conftest import generate, wait_for
+
+MAX_QUEUE_LEN = 6
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    return stack_factory(
+        scheduler_flags=["--batch-window-ms", "3000"],
+        gateway_flags=["--max-queue-len", str(MAX_QUEUE_LEN)],
+    )
+
+
+def queued(stack) -> int:
+    """Requests in the request stream: not yet placed on an executor."""
+    return stack.redis().xlen(stack.keys.requests)
+
+
+def held_by_scheduler(stack) -> int:
+    """Requests the scheduler read and holds in its window, not yet placed."""
+    return stack.redis().xpending(stack.keys.requests, SCHEDULER_GROUP)["pending"]
+
+
+def leader(stack) -> str:
+    raw = stack.redis().get(stack.keys.scheduler_leader)
+    return raw.decode() if raw else ""
+
+
+def run_in_background(pool, stack, count: int) -> list:
+    prompts = [f"Once upon a time there was a cat called {i}" for i in range(count)]
+    return [pool.submit(generate, stack.address, p, max_tokens=8, ignore_eos=True) for p in prompts]
+
+
+def assert_all_complete(futures) -> None:
+    completions = [f.result(timeout=120) for f in futures]
+    short = [c for c in completions if len(c.token_ids) != 8]
+    assert not short, f"{len(short)} of {len(completions)} queued requests did not complete"
+
+
+def test_a_client_deadline_while_queued_is_deadline_exceeded(stack):
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(stack.address, "Once upon a time", timeout_s=0.5, max_tokens=8)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: queued(stack) == 0, 5.0, "the cancelled request to leave the queue")
+
+
+def test_requests_held_by_a_killed_scheduler_complete_under_the_standby(stack):
+    stack.start_scheduler("scheduler-standby", wait=False)
+    with ThreadPoolExecutor(4) as pool:
+        futures = run_in_background(pool, stack, 4)
+        wait_for(lambda: held_by_scheduler(stack) == 4, 10.0, "4 requests held by the scheduler")
+        assert leader(stack) == "scheduler", "the standby took the lock from a live leader"
+        stack.stop("scheduler", sig=signal.SIGKILL)
+        assert_all_complete(futures)
+    assert leader(stack) == "scheduler-standby"
+
+
+def test_a_full_queue_is_resource_exhausted_and_drains_after_a_restart(stack):
+    stack.stop("scheduler-standby", sig=signal.SIGKILL)
+    with ThreadPoolExecutor(MAX_QUEUE_LEN) as pool:
+        futures = run_in_background(pool, stack, MAX_QUEUE_LEN)
+        wait_for(lambda: queued(stack) == MAX_QUEUE_LEN, 10.0, f"{MAX_QUEUE_LEN} queued requests")
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(stack.address, "One more", timeout_s=10.0, max_tokens=8)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stack.start_scheduler("scheduler-restarted")
+        assert_all_complete(futures)
+
+
+def test_no_live_executor_is_unavailable_within_2_s(stack):
+    stack.stop("executor-0", sig=signal.SIGTERM, timeout_s=30.0)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(stack.address, "Once upon a time", timeout_s=10.0, max_tokens=8)
+    elapsed_s = time.monotonic() - started
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
+    assert elapsed_s < 2.0, f"UNAVAILABLE came after {elapsed_s:.1f} s"

@@ -1,0 +1,142 @@
+"""Harness of the gateway tests: a real redis-server, a real gateway, and the executor's
+side of the wire protocol driven by the test (Redis stream + executor.gateway_link)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import redis
+
+from common.keys import PAYLOAD_FIELD, RedisKeys
+from executor.gateway_link import GatewayEvent, GatewayLink
+from gateway.config import GatewayConfig
+from gateway.server import RunningGateway, start_gateway
+from protos.kvgate.v1 import inference_pb2_grpc, internal_pb2
+
+STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
+WAIT_S = 10.0  # how long a helper waits for something that must happen
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T | None], what: str) -> T:
+    """Poll `probe` until it returns something other than None."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = probe()
+        if value is not None:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"waited {WAIT_S} s for {what}; it did not happen")
+
+
+@contextmanager
+def redis_server(tmp_path: Path) -> Iterator[str]:
+    """A private redis-server on a unix socket (no TCP port to collide with)."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is required (make redis)"
+    socket_path = tmp_path / "redis.sock"
+    process = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(socket_path),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(unix_socket_path=str(socket_path))
+        wait_for(lambda: _ping(client), "redis-server to answer")
+        yield f"unix://{socket_path}"
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def _ping(client: redis.Redis) -> bool | None:
+    try:
+        return client.ping() or None
+    except (redis.ConnectionError, FileNotFoundError):
+        return None
+
+
+class GatewayThread:
+    """A gateway running on its own event loop in a thread."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.gateway: RunningGateway = self._run(start_gateway(config))
+        self.channel = grpc.insecure_channel(self.gateway.address)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WAIT_S)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self._run(self.gateway.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(WAIT_S)
+
+
+class ExecutorPeer:
+    """Plays the scheduler and one executor at the wire: takes queued requests from the
+    requests stream and answers on a real TokenSink stream (executor.gateway_link)."""
+
+    def __init__(self, client: redis.Redis, keys: RedisKeys, executor_id: str = "e1") -> None:
+        self.client = client
+        self.keys = keys
+        self.executor_id = executor_id
+        self.events: queue.Queue[GatewayEvent] = queue.Queue()
+        self.link: GatewayLink | None = None
+
+    def register(self) -> None:
+        """Announce a live executor (a status key that outlives the test)."""
+        status = internal_pb2.ExecutorStatus(executor_id=self.executor_id)
+        self.client.set(self.keys.executor_status(self.executor_id), status.SerializeToString())
+        self.client.sadd(self.keys.executors, self.executor_id)
+
+    def take_request(self) -> internal_pb2.QueuedRequest:
+        """The oldest queued request, removed from the stream as a scheduler would."""
+        entry_id, fields = wait_for(self._oldest, "a queued request")
+        self.client.xdel(self.keys.requests, entry_id)
+        return internal_pb2.QueuedRequest.FromString(fields[PAYLOAD_FIELD.encode()])
+
+    def _oldest(self):
+        entries = self.client.xrange(self.keys.requests, count=1)
+        return entries[0] if entries else None
+
+    def connect(self, reply_to: str) -> GatewayLink:
+        self.link = GatewayLink(reply_to, self.executor_id, self.events.put)
+        return self.link
+
+    def send(self, request_id: str, offset: int, token_ids: list[int], **fields) -> None:
+        entry = internal_pb2.RequestTokens(
+            request_id=request_id, offset=offset, token_ids=token_ids, **fields
+        )
+        self.link.send(internal_pb2.TokenBatch(requests=[entry]))
+
+    def aborted_ids(self) -> set[str]:
+        """Ids of every abort received so far."""
+        ids: set[str] = set()
+        while not self.events.empty():
+            event = self.events.get()
+            ids.update(getattr(event, "request_ids", []))
+        return ids

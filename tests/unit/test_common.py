@@ -1,0 +1,56 @@
+"""common/: Redis key names, config helpers, prefix hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import check_host_port, check_range, env_bool, env_int
+from common.keys import RedisKeys
+from common.prefix import block_hashes
+
+
+def test_every_key_starts_with_the_prefix():
+    keys = RedisKeys("tenantA:")
+    names = [
+        keys.requests,
+        keys.executors,
+        keys.executor_status("e1"),
+        keys.executor_inbox("e1"),
+        keys.session("s1"),
+        keys.cancelled("r1"),
+        keys.scheduler_leader,
+    ]
+    assert all(name.startswith("tenantA:") for name in names), names
+    assert len(set(names)) == len(names), f"two keys share a name: {names}"
+
+
+def test_an_empty_prefix_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--redis-prefix"):
+        RedisKeys("")
+
+
+def test_env_helpers_name_the_variable(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("KVGATE_PORT", "five")
+    with pytest.raises(ValueError, match="KVGATE_PORT"):
+        env_int("KVGATE_PORT", 50051)
+    monkeypatch.setenv("KVGATE_FLAG", "yes")
+    assert env_bool("KVGATE_FLAG", False) is True
+
+
+def test_check_helpers_name_the_flag_and_range():
+    with pytest.raises(ValueError, match=r"--max-queue-len must be in \[1, inf\], got 0"):
+        check_range("--max-queue-len", 0, min_value=1)
+    with pytest.raises(ValueError, match="--target"):
+        check_host_port("--target", "localhost")
+    check_host_port("--target", "127.0.0.1:50051")
+
+
+def test_block_hashes_chain_and_are_salted_by_tenant():
+    tokens = list(range(40))
+    hashes = block_hashes(tokens, 16, salt="default")
+    assert len(hashes) == 2, "only full blocks are hashed"
+    assert block_hashes(tokens[:32], 16, salt="default") == hashes
+    changed_first = block_hashes([99, *tokens[1:]], 16, salt="default")
+    assert changed_first[1] != hashes[1], "a block's hash must cover the blocks before it"
+    assert block_hashes(tokens, 16, salt="acme") != hashes, "tenants must not share hashes"
+    assert all(0 <= h < 2**64 for h in hashes)

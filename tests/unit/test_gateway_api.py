@@ -1,0 +1,431 @@
+"""The gateway through its gRPC API, against a real redis-server and the executor's side
+of the wire protocol (requests stream + TokenSink stream) driven by the test."""
+
+from __future__ import annotations
+
+import io
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import cli
+from common.keys import RedisKeys
+from gateway.config import GatewayConfig
+from gateway.model_text import ModelText
+from protos.kvgate.v1 import inference_pb2 as pb
+from protos.kvgate.v1 import internal_pb2
+from tests.unit.gateway_harness import (
+    STORIES,
+    ExecutorPeer,
+    GatewayThread,
+    redis_server,
+    wait_for,
+)
+
+PROMPT = "Once upon a time"
+STORY = ", there was a little girl named Lily. She loved to play."
+CALL_TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def model_text() -> ModelText:
+    return ModelText(STORIES)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory):
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> redis.Redis:
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    return client
+
+
+def make_gateway(redis_url: str, **overrides) -> GatewayThread:
+    fields = {"model": str(STORIES), "redis_url": redis_url, "port": 0, "queue_timeout_s": 20.0}
+    return GatewayThread(GatewayConfig(**(fields | overrides)))
+
+
+@pytest.fixture
+def gateway(redis_url: str, redis_client: redis.Redis):
+    running = make_gateway(redis_url)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def executor(redis_client: redis.Redis, gateway: GatewayThread):
+    peer = ExecutorPeer(redis_client, RedisKeys())
+    peer.register()
+    peer.connect(gateway.gateway.reply_to)
+    yield peer
+    peer.link.close()
+
+
+def story_ids(model_text: ModelText) -> list[int]:
+    prompt = model_text.encode(PROMPT)
+    return model_text.encode(PROMPT + STORY)[len(prompt) :]
+
+
+def generate(gateway: GatewayThread, **fields) -> grpc.Future:
+    request = pb.GenerateRequest(prompt=PROMPT, **fields)
+    return gateway.stub.Generate(request, timeout=CALL_TIMEOUT_S)
+
+
+def collect(call) -> tuple[str, list[pb.GenerateResponse]]:
+    chunks = list(call)
+    return "".join(c.text for c in chunks), chunks
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as raised:
+        list(call)
+    return raised.value.code(), raised.value.details()
+
+
+def test_health_is_serving(gateway: GatewayThread):
+    stub = health_pb2_grpc.HealthStub(gateway.channel)
+    for service in ("", "kvgate.v1.Inference"):
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service))
+        assert response.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def test_without_a_live_executor_generate_is_unavailable(gateway: GatewayThread):
+    code, details = status_of(generate(gateway))
+    assert code == grpc.StatusCode.UNAVAILABLE, details
+
+
+def test_redis_down_is_unavailable_before_the_clients_deadline(tmp_path: Path):
+    gateway = make_gateway(f"unix://{tmp_path}/no-redis.sock")
+    try:
+        call = gateway.stub.Generate(pb.GenerateRequest(prompt=PROMPT), timeout=2.0)
+        code, details = status_of(call)
+        assert code == grpc.StatusCode.UNAVAILABLE, f"{code}: {details}"
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt_token_ids": [1, 9999], "prompt": ""}, "prompt_token_ids"),
+        ({"prompt": "x" * 3000}, "prompt"),
+        ({"params": pb.SamplingParams(max_tokens=0)}, "params.max_tokens"),
+        ({"params": pb.SamplingParams(max_tokens=100000)}, "params.max_tokens"),
+        ({"params": pb.SamplingParams(temperature=-0.5)}, "params.temperature"),
+        ({"params": pb.SamplingParams(temperature=float("nan"))}, "params.temperature"),
+        ({"params": pb.SamplingParams(top_p=0.0)}, "params.top_p"),
+        ({"params": pb.SamplingParams(top_p=1.5)}, "params.top_p"),
+        ({"params": pb.SamplingParams(min_p=2.0)}, "params.min_p"),
+        ({"params": pb.SamplingParams(repetition_penalty=0.0)}, "params.repetition_penalty"),
+        ({"params": pb.SamplingParams(presence_penalty=3.0)}, "params.presence_penalty"),
+        ({"params": pb.SamplingParams(frequency_penalty=-3.0)}, "params.frequency_penalty"),
+        ({"params": pb.SamplingParams(max_tokens=4, min_tokens=5)}, "params.min_tokens"),
+        ({"params": pb.SamplingParams(stop_token_ids=[512])}, "params.stop_token_ids"),
+        ({"params": pb.SamplingParams(stop=["ok", ""])}, "params.stop[1]"),
+        ({"params": pb.SamplingParams(stop=["s"] * 17)}, "params.stop"),
+        ({"params": pb.SamplingParams(logprobs=21)}, "params.logprobs"),
+        ({"request_id": "has space"}, "request_id"),
+        ({"session_id": "x" * 200}, "session_id"),
+    ],
+)
+def test_each_bad_field_is_invalid_argument_naming_it(
+    gateway: GatewayThread, request_fields: dict, field: str
+):
+    fields = {"prompt": PROMPT} | request_fields
+    call = gateway.stub.Generate(pb.GenerateRequest(**fields), timeout=CALL_TIMEOUT_S)
+    code, details = status_of(call)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{code}: {details}"
+    assert details.startswith(f"{field}:"), f"expected the message to name {field}: {details!r}"
+    info = gateway.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S)
+    assert info.model_id == "stories260K", "the service must still answer after a bad request"
+
+
+def test_a_full_queue_is_resource_exhausted(redis_url: str, redis_client: redis.Redis):
+    gateway = make_gateway(redis_url, max_queue_len=1)
+    ExecutorPeer(redis_client, RedisKeys()).register()
+    try:
+        waiting = generate(gateway)
+        wait_for(lambda: redis_client.xlen("kvgate:requests") or None, "the first request queued")
+        code, details = status_of(generate(gateway))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code}: {details}"
+        waiting.cancel()
+    finally:
+        gateway.stop()
+
+
+def test_a_request_queued_past_queue_timeout_is_deadline_exceeded(
+    redis_url: str, redis_client: redis.Redis
+):
+    gateway = make_gateway(redis_url, queue_timeout_s=0.3)
+    ExecutorPeer(redis_client, RedisKeys()).register()
+    try:
+        code, details = status_of(generate(gateway, request_id="slow-1"))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, f"{code}: {details}"
+        wait_for(
+            lambda: redis_client.exists("kvgate:cancel:slow-1") or None,
+            "the cancel marker for the scheduler",
+        )
+    finally:
+        gateway.stop()
+
+
+def test_tokens_stream_as_text_with_usage_and_timings(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    call = generate(gateway, params=pb.SamplingParams(max_tokens=64, temperature=0.0))
+    queued = executor.take_request()
+    assert queued.reply_to == gateway.gateway.reply_to
+    assert queued.params.max_tokens == 64 and queued.params.HasField("temperature")
+    assert queued.prompt_token_ids == model_text.encode(PROMPT)
+    executor.send(queued.request_id, 0, [], num_cached_tokens=3)
+    tokens = story_ids(model_text)
+    for offset, token in enumerate(tokens[:-1]):
+        executor.send(queued.request_id, offset, [token])
+    last = len(tokens) - 1
+    executor.send(
+        queued.request_id, last, tokens[last:], finished=True,
+        finish_reason=pb.FINISH_REASON_LENGTH, num_cached_tokens=3,
+    )  # fmt: skip
+    text, chunks = collect(call)
+    assert text == STORY
+    assert [t for c in chunks for t in c.token_ids] == tokens
+    final = chunks[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (5, len(tokens))
+    assert final.usage.cached_prompt_tokens == 3
+    assert final.timings.ttft_ms >= final.timings.queue_ms >= 0
+
+
+def test_a_stop_string_trims_the_text_and_aborts_the_executor(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    call = generate(gateway, params=pb.SamplingParams(stop=["girl"]))
+    queued = executor.take_request()
+    for offset, token in enumerate(story_ids(model_text)):
+        executor.send(queued.request_id, offset, [token])
+    text, chunks = collect(call)
+    assert text == ", there was a little "
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+    wait_for(lambda: queued.request_id in executor.aborted_ids() or None, "an abort")
+
+
+def test_tokens_sent_twice_are_streamed_once(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    call = generate(gateway)
+    queued = executor.take_request()
+    tokens = story_ids(model_text)[:6]
+    executor.send(queued.request_id, 0, tokens[:3])
+    executor.send(queued.request_id, 1, tokens[1:5])
+    executor.send(
+        queued.request_id, 4, tokens[4:], finished=True, finish_reason=pb.FINISH_REASON_STOP
+    )
+    text, chunks = collect(call)
+    assert [t for c in chunks for t in c.token_ids] == tokens
+    assert text == model_text.tokenizer.decode(model_text.encode(PROMPT) + tokens)[len(PROMPT) :]
+
+
+def test_a_broken_executor_stream_requeues_with_the_streamed_tokens(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    call = generate(gateway, request_id="survivor")
+    first = executor.take_request()
+    tokens = story_ids(model_text)
+    executor.send("survivor", 0, tokens[:4])
+    executor.link.close()
+    second = executor.take_request()
+    assert (second.request_id, second.attempt) == ("survivor", 1)
+    assert list(second.resume_token_ids) == tokens[:4]
+    assert second.prompt_token_ids == first.prompt_token_ids
+    executor.connect(gateway.gateway.reply_to)
+    executor.send("survivor", 4, tokens[4:], finished=True, finish_reason=pb.FINISH_REASON_STOP)
+    text, _ = collect(call)
+    assert text == STORY, "the stream must go on without a gap or a repeat"
+
+
+def test_client_cancel_aborts_the_executors_work(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    call = generate(gateway, request_id="cancel-me")
+    executor.take_request()
+    executor.send("cancel-me", 0, story_ids(model_text)[:2])
+    next(call)
+    call.cancel()
+    wait_for(lambda: "cancel-me" in executor.aborted_ids() or None, "an abort after cancel")
+
+
+def test_chat_opens_a_session_and_routes_later_turns_to_its_executor(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText, redis_client
+):
+    turns = ChatTurns(["hi", "tell me more"])
+    responses = gateway.stub.Chat(turns.requests(), timeout=CALL_TIMEOUT_S)
+    first = executor.take_request()
+    reply = story_ids(model_text)[:5]
+    executor.send(first.request_id, 0, reply, finished=True, finish_reason=pb.FINISH_REASON_STOP)
+    first_chunks = read_turn(responses)
+    session_id = first_chunks[0].session_id
+    assert session_id and first.session_id == session_id
+    turns.next()
+    second = executor.take_request()
+    assert second.session_executor_id == "e1", "the session's next turn must prefer its executor"
+    assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+    executor.send(second.request_id, 0, reply, finished=True, finish_reason=pb.FINISH_REASON_STOP)
+    second_chunks = read_turn(responses)
+    assert second_chunks[-1].turn_index == 1
+    turns.close()
+    state = internal_pb2.SessionState.FromString(redis_client.get(f"kvgate:session:{session_id}"))
+    assert [m.role for m in state.messages] == ["user", "assistant", "user", "assistant"]
+    assert state.executor_id == "e1" and state.tenant == "default"
+
+
+def test_chat_cancel_ends_the_turn_with_abort_and_keeps_the_stream(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    turns = ChatTurns(["hi", "again"])
+    responses = gateway.stub.Chat(turns.requests(), timeout=CALL_TIMEOUT_S)
+    first = executor.take_request()
+    executor.send(first.request_id, 0, story_ids(model_text)[:2])
+    next(responses)
+    turns.outgoing.put(pb.ChatRequest(cancel=pb.CancelTurn()))
+    assert read_turn(responses)[-1].chunk.finish_reason == pb.FINISH_REASON_ABORT
+    wait_for(lambda: first.request_id in executor.aborted_ids() or None, "an abort")
+    turns.next()
+    second = executor.take_request()
+    executor.send(second.request_id, 0, [2], finished=True, finish_reason=pb.FINISH_REASON_STOP)
+    assert read_turn(responses)[-1].turn_index == 1
+    turns.close()
+
+
+def test_another_tenants_session_is_permission_denied(
+    gateway: GatewayThread, executor: ExecutorPeer, redis_client
+):
+    foreign = internal_pb2.SessionState(session_id="theirs", tenant="acme")
+    redis_client.set("kvgate:session:theirs", foreign.SerializeToString())
+    code, details = status_of(generate(gateway, session_id="theirs"))
+    assert code == grpc.StatusCode.PERMISSION_DENIED, f"{code}: {details}"
+    with pytest.raises(grpc.RpcError) as raised:
+        gateway.stub.EndSession(pb.EndSessionRequest(session_id="theirs"))
+    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_end_session_releases_it_on_its_executor(gateway: GatewayThread, redis_client):
+    state = internal_pb2.SessionState(session_id="mine", tenant="default", executor_id="e7")
+    redis_client.set("kvgate:session:mine", state.SerializeToString())
+    ended = gateway.stub.EndSession(pb.EndSessionRequest(session_id="mine"))
+    assert ended.ended and not redis_client.exists("kvgate:session:mine")
+    (_, fields), *_ = redis_client.xrange("kvgate:exec:e7:inbox")
+    message = internal_pb2.InboxMessage.FromString(fields[b"pb"])
+    assert message.release_session.session_id == "mine"
+    again = gateway.stub.EndSession(pb.EndSessionRequest(session_id="mine"))
+    assert not again.ended
+
+
+class ChatTurns:
+    """Feeds a Chat stream one turn at a time."""
+
+    def __init__(self, contents: list[str]) -> None:
+        self.contents = list(contents)
+        self.outgoing: queue.Queue = queue.Queue()
+        self.next()
+
+    def next(self) -> None:
+        turn = pb.ChatTurn(content=self.contents.pop(0), params=pb.SamplingParams(max_tokens=8))
+        self.outgoing.put(pb.ChatRequest(turn=turn))
+
+    def close(self) -> None:
+        self.outgoing.put(None)
+
+    def requests(self):
+        return iter(self.outgoing.get, None)
+
+
+def read_turn(responses) -> list[pb.ChatResponse]:
+    chunks = []
+    for response in responses:
+        chunks.append(response)
+        if response.chunk.finish_reason:
+            return chunks
+    raise AssertionError(f"the turn ended without a last chunk: {chunks}")
+
+
+def test_sigterm_stops_the_gateway_process_with_an_executor_connected(
+    redis_url: str, redis_client: redis.Redis
+):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--model", str(STORIES), "--redis-url", redis_url,
+         "--port", "0", "--log-format", "json"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    serving = read_log_until(process, "gateway serving on")
+    peer = ExecutorPeer(redis_client, RedisKeys())
+    peer.connect(serving.split("token sink ")[1].split(",")[0])
+    read_log_until(process, "connected its token stream")
+    process.send_signal(signal.SIGTERM)
+    remaining_log = process.stderr.read()
+    assert process.wait(timeout=30) == 0, remaining_log
+    assert "gateway stopped" in remaining_log, remaining_log
+    peer.link.close()
+
+
+def read_log_until(process: subprocess.Popen, text: str) -> str:
+    """The message of the first JSON log line holding `text`."""
+    for line in process.stderr:
+        if text in line:
+            return json.loads(line)["msg"]
+    raise AssertionError(f"the process exited before logging {text!r}")
+
+
+def answer_in_background(executor: ExecutorPeer, token_ids: list[int], turns: int = 1):
+    """Answer the next `turns` queued requests with `token_ids`, from a thread."""
+
+    def answer() -> None:
+        for _ in range(turns):
+            queued = executor.take_request()
+            executor.send(
+                queued.request_id, 0, token_ids, finished=True,
+                finish_reason=pb.FINISH_REASON_STOP,
+            )  # fmt: skip
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_kvgate_generate_prints_the_completion(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText, capsys
+):
+    answering = answer_in_background(executor, story_ids(model_text))
+    exit_code = cli.main(
+        ["generate", PROMPT, "--max-tokens", "20", "--temperature", "0",
+         "--target", gateway.gateway.address],
+    )  # fmt: skip
+    answering.join()
+    assert exit_code == 0
+    assert capsys.readouterr().out == STORY + "\n"
+
+
+def test_kvgate_chat_streams_replies_and_ends_its_session(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText, capsys, monkeypatch
+):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
+    answering = answer_in_background(executor, story_ids(model_text), turns=2)
+    exit_code = cli.main(["chat", "--target", gateway.gateway.address])
+    answering.join()
+    assert exit_code == 0
+    assert capsys.readouterr().out.count(STORY) == 2
+    assert executor.client.keys("kvgate:session:*") == [], "the REPL must end its session"

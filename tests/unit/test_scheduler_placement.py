@@ -1,0 +1,107 @@
+"""Placement of requests on executors and the executor registry."""
+
+from __future__ import annotations
+
+from common.prefix import block_hashes as prompt_block_hashes
+from scheduler.placement import Placer
+from scheduler.registry import ExecutorRegistry, ExecutorReport
+
+BLOCK = 4
+
+
+def report(eid: str, free: int = 100, running: int = 0, seq: int = 1, **kw) -> ExecutorReport:
+    fields = dict(
+        executor_id=eid,
+        heartbeat_unix_ms=seq,
+        block_size=BLOCK,
+        num_free_blocks=free,
+        num_total_blocks=100,
+        num_running=running,
+        num_waiting=0,
+        draining=kw.pop("draining", False),
+        **kw,
+    )
+    return ExecutorReport(**fields)
+
+
+def cluster(*reports: ExecutorReport, load_cost_blocks: float = 1.0):
+    placer = Placer(load_cost_blocks=load_cost_blocks)
+    registry = ExecutorRegistry(placer)
+    registry.refresh(list(reports))
+    return placer, registry
+
+
+def test_block_hashes_chain_and_are_salted_by_tenant():
+    tokens = list(range(10))
+    hashes = prompt_block_hashes(tokens, BLOCK, "default")
+    assert len(hashes) == 2, "10 tokens in blocks of 4 make 2 full blocks"
+    assert prompt_block_hashes(tokens[:8] + [99], BLOCK, "default") == hashes
+    assert prompt_block_hashes([0] + tokens[1:], BLOCK, "default") == hashes
+    assert prompt_block_hashes([7] + tokens[1:], BLOCK, "default")[1] != hashes[1]
+    assert prompt_block_hashes(tokens, BLOCK, "other") != hashes
+
+
+def test_load_spreads_over_idle_executors():
+    placer, _ = cluster(report("a"), report("b"))
+    chosen = [placer.place(8, [], None).executor_id for _ in range(4)]
+    assert sorted(chosen) == ["a", "a", "b", "b"], f"expected an even spread, got {chosen}"
+
+
+def test_cache_hit_attracts_a_shared_prefix():
+    placer, _ = cluster(report("a"), report("b"), load_cost_blocks=0.5)
+    prefix = list(range(32))
+    first = placer.place(33, prompt_block_hashes(prefix + [1], BLOCK, "t"), None)
+    second = placer.place(33, prompt_block_hashes(prefix + [2], BLOCK, "t"), None)
+    assert second.executor_id == first.executor_id, "the shared 8-block prefix was ignored"
+    assert second.cached_blocks == 8 and second.prefill_blocks == 1
+
+
+def test_session_owner_wins_while_it_can_take_the_request():
+    placer, _ = cluster(report("a", running=9), report("b"))
+    assert placer.place(8, [], session_owner="a").executor_id == "a"
+
+
+def test_executor_without_free_blocks_is_skipped():
+    placer, _ = cluster(report("a", free=2), report("b", free=100, running=50))
+    assert placer.place(40, [], session_owner="a").executor_id == "b"
+    placer, _ = cluster(report("a", free=2))
+    assert placer.place(40, [], None) is None, "no executor has 11 free blocks"
+
+
+def test_bookings_reset_on_the_next_heartbeat():
+    placer, registry = cluster(report("a", free=5))
+    assert placer.place(15, [], None) is not None
+    assert placer.place(15, [], None) is None, "4 blocks booked of 5: a second 4 cannot fit"
+    registry.refresh([report("a", free=5, seq=2)])
+    assert placer.place(15, [], None) is not None
+
+
+def test_registry_reports_joins_leaves_and_drains():
+    placer, registry = cluster(report("a"))
+    change = registry.refresh([report("a"), report("b")])
+    assert change.joined == ["b"] and change.left == []
+    change = registry.refresh([report("b", draining=True)])
+    assert change.left == ["a"]
+    assert registry.live_ids() == ["b"]
+    assert placer.place(4, [], None) is None, "a draining executor was given work"
+
+
+def test_reported_cache_contents_attract_the_prefix():
+    hashes = prompt_block_hashes(list(range(16)), BLOCK, "t")
+    placer, _ = cluster(report("a"), report("b", cached_block_hashes=tuple(reversed(hashes))))
+    choice = placer.place(17, hashes, None)
+    assert (choice.executor_id, choice.cached_blocks) == ("b", 4)
+
+
+def test_an_executor_that_left_and_came_back_starts_with_an_empty_cache_estimate():
+    placer, registry = cluster(report("a"))
+    hashes = prompt_block_hashes(list(range(16)), BLOCK, "t")
+    placer.place(17, hashes, None)
+    registry.refresh([])
+    registry.refresh([report("a", seq=5)])
+    assert placer.place(17, hashes, None).cached_blocks == 0
+
+
+def test_session_holder_comes_from_reports():
+    _, registry = cluster(report("a"), report("b", session_ids=frozenset({"s1"})))
+    assert registry.session_holder("s1") == "b" and registry.session_holder("s2") is None
