@@ -1,8 +1,10 @@
-"""Stable hashes of prompt blocks, shared by executors (who report them) and the scheduler.
+"""Stable hashes of prompt blocks, shared by the executor's KV cache and the scheduler.
 
-The hashes chain like the KV cache's (a block's hash covers every token before
-it) and are salted by the tenant, so equal hashes mean an equal, shareable
-prefix. They use blake2b, not Python's `hash`, to agree across processes.
+The hashes chain (a block's hash covers every token before it) and are salted by the
+tenant, so equal hashes mean an equal, shareable prefix. The executor's prefix cache is
+keyed by these very hashes and reports them in its heartbeat; the scheduler hashes a
+queued prompt the same way to estimate each executor's cache hit. blake2b, not Python's
+`hash`, so that every process agrees.
 """
 
 from __future__ import annotations
@@ -10,6 +12,25 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+
+
+def next_block_hash(parent: int | None, block_token_ids: Sequence[int], salt: str = "") -> int:
+    """Hash of one full block given its parent's hash (None for the first block).
+
+    Args:
+        parent: the previous block's hash, or None at the start of a sequence.
+        block_token_ids: the block's token ids.
+        salt: the tenant; different salts give unrelated hashes.
+
+    Returns:
+        An unsigned 64-bit hash.
+    """
+    if parent is None:
+        parent_bytes = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    else:
+        parent_bytes = parent.to_bytes(8, "little")
+    block = array("I", block_token_ids).tobytes()
+    return int.from_bytes(hashlib.blake2b(parent_bytes + block, digest_size=8).digest(), "little")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[int]:
@@ -26,9 +47,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> l
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     hashes: list[int] = []
-    parent = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = array("I", token_ids[start : start + block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
-        hashes.append(int.from_bytes(parent, "little"))
+        parent = next_block_hash(parent, token_ids[start : start + block_size], salt)
+        hashes.append(parent)
     return hashes

@@ -43,6 +43,7 @@ class EngineStats:
     num_preemptions: int  # cumulative
     num_evicted_blocks: int  # cumulative cached blocks reused for new data
     num_evicted_sessions: int  # cumulative sessions dropped under memory pressure
+    num_batched_tokens: int  # cumulative tokens run through the model (prompt chunks and decodes)
 
 
 class Engine:
@@ -123,6 +124,14 @@ class Engine:
         """Unpin a session's blocks; False when the engine holds nothing for it."""
         return self.kv_cache.release_session(session_id)
 
+    def session_ids(self) -> list[str]:
+        """Sessions whose blocks this engine holds now."""
+        return list(self.kv_cache.sessions)
+
+    def cached_block_hashes(self, limit: int) -> list[int]:
+        """Prefix-cache hashes (`common.prefix` scheme) of up to `limit` blocks, newest first."""
+        return self.kv_cache.cached_block_hashes(limit)
+
     def stats(self) -> EngineStats:
         kv = self.kv_cache
         return EngineStats(
@@ -136,6 +145,7 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_evicted_blocks=kv.num_evicted_blocks,
             num_evicted_sessions=kv.num_evicted_sessions,
+            num_batched_tokens=self.scheduler.num_batched_tokens,
         )
 
     # ---- step internals -----------------------------------------------------------------

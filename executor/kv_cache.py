@@ -9,12 +9,12 @@ its TTL, or eviction under memory pressure (least recently used session first).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.prefix import next_block_hash
 from executor.request import Request
 
 
@@ -22,7 +22,7 @@ from executor.request import Request
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: bytes | None = None  # set while the block is published in the prefix cache
+    block_hash: int | None = None  # set while the block is published in the prefix cache
     token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to confirm a hit
 
 
@@ -43,17 +43,6 @@ class PrefixHit:
     num_tokens: int = 0
 
 
-def hash_block(parent: bytes | None, token_ids: tuple[int, ...], cache_salt: str | None) -> bytes:
-    """Chained hash of one full block: the parent's hash (or the salt, for the first block)."""
-    h = hashlib.blake2b(digest_size=16)
-    if parent is None:
-        h.update(b"salt:" + (cache_salt or "").encode())
-    else:
-        h.update(parent)
-    h.update(b",".join(str(t).encode() for t in token_ids))
-    return h.digest()
-
-
 class KVCacheManager:
     """Owns every KV block; requests and sessions hold references to them."""
 
@@ -72,7 +61,7 @@ class KVCacheManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self._hash_to_block: dict[bytes, int] = {}
+        self._hash_to_block: dict[int, int] = {}  # publication order
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU first
         self.num_evicted_blocks = 0
         self.num_evicted_sessions = 0
@@ -95,8 +84,8 @@ class KVCacheManager:
         while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
-            tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
-            req.block_hashes.append(hash_block(parent, tokens, req.cache_salt))
+            tokens = req.all_token_ids[i * bs : (i + 1) * bs]
+            req.block_hashes.append(next_block_hash(parent, tokens, req.cache_salt or ""))
 
     def register_computed_blocks(self, req: Request) -> None:
         """Publish the request's full, computed blocks in the prefix cache."""
@@ -267,6 +256,11 @@ class KVCacheManager:
     def _evict_session(self, session_id: str) -> None:
         self.release_session(session_id)
         self.num_evicted_sessions += 1
+
+    def cached_block_hashes(self, limit: int) -> list[int]:
+        """Hashes of the most recently published blocks still in the prefix cache, newest first."""
+        newest = reversed(self._hash_to_block)
+        return [h for h, _ in zip(newest, range(limit), strict=False)]
 
     def num_session_blocks(self) -> int:
         return sum(len(s.block_ids) for s in self.sessions.values())

@@ -17,7 +17,6 @@ import socket
 import sys
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,12 +31,13 @@ from common.config import (
     env_str,
 )
 from common.keys import RedisKeys
-from common.logs import setup_logging
-from common.prefix import block_hashes
+from common.logs import request_fields, setup_logging
+from common.metrics import add_metrics_flags, check_metrics_port, start_metrics_server
 from common.redis_conn import connect_sync
 from executor.config import EngineConfig
 from executor.engine import Engine, RequestOutput
 from executor.gateway_link import GatewayAbort, GatewayEvent, GatewayGone, GatewayLink
+from executor.metrics import ExecutorMetrics
 from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
 from executor.sampler import TokenLogprobs
 from executor.sampling_params import SamplingParams
@@ -50,6 +50,7 @@ STATUS_INTERVAL_S = 0.1
 IDLE_WAIT_S = 0.05
 # Most prefix-cache block hashes reported in a heartbeat.
 MAX_REPORTED_HASHES = 1024
+DEFAULT_METRICS_PORT = 9402
 FINISH_REASONS = {
     "stop": inference_pb2.FINISH_REASON_STOP,
     "length": inference_pb2.FINISH_REASON_LENGTH,
@@ -76,10 +77,13 @@ class ExecutorServiceConfig:
     num_gpu_blocks: int = 0  # 0: sized from kv_cache_gib or gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     session_ttl_s: float = 600.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0: a free port, -1: no metrics
     engine: EngineConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
+        check_metrics_port(self.metrics_port)
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model must be a model folder with config.json, got {self.model!r}")
         if any(c.isspace() or c == ":" for c in self.executor_id):
@@ -130,6 +134,7 @@ class ExecutorServiceConfig:
             default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
         )
         add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+        add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT", DEFAULT_METRICS_PORT)
         return cls(**vars(parser.parse_args(argv)))
 
 
@@ -141,6 +146,7 @@ class Tracked:
     offset: int  # index in the completion of its next token
     tenant: str
     prompt_token_ids: list[int]
+    session_id: str = ""  # empty: no session
 
 
 def to_sampling_params(params: inference_pb2.SamplingParams, num_resumed: int) -> SamplingParams:
@@ -183,10 +189,17 @@ def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLog
 class ExecutorService:
     """Runs the engine's step loop and connects it to Redis and the gateways."""
 
-    def __init__(self, config: ExecutorServiceConfig, engine: Engine, client: redis.Redis) -> None:
+    def __init__(
+        self,
+        config: ExecutorServiceConfig,
+        engine: Engine,
+        client: redis.Redis,
+        metrics: ExecutorMetrics | None = None,
+    ) -> None:
         keys = RedisKeys(config.redis_prefix)
         self._config = config
         self._engine = engine
+        self._metrics = metrics or ExecutorMetrics()
         self._events: queue.SimpleQueue[InboxEntry | GatewayEvent] = queue.SimpleQueue()
         self._inbox = InboxReader(client, keys.executor_inbox(config.executor_id), self._events)
         self._board = StatusBoard()
@@ -194,7 +207,6 @@ class ExecutorService:
         self._links: dict[str, GatewayLink] = {}
         self._tracked: dict[str, Tracked] = {}
         self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
-        self._cached_hashes: OrderedDict[int, None] = OrderedDict()
         self._drain_requested = threading.Event()
         self._taking_work = True
         self._next_status_s = 0.0
@@ -217,10 +229,16 @@ class ExecutorService:
             self._stop_taking_work_if_draining()
             self._handle_events(wait=not self._engine.has_unfinished())
             if self._engine.has_unfinished():
-                self._publish(self._engine.step())
+                self._publish(self._step())
             self._flush()
             self._refresh_status()
         self._shut_down()
+
+    def _step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs = self._engine.step()
+        self._metrics.record_step(time.perf_counter() - started, self._engine.stats())
+        return outputs
 
     def _stop_taking_work_if_draining(self) -> None:
         if self._taking_work and self._drain_requested.is_set():
@@ -284,13 +302,24 @@ class ExecutorService:
         except ValueError as error:
             self._reject(queued, str(error))
             return
-        tracked = Tracked(queued.reply_to, len(resumed), queued.tenant, prompt)
+        tracked = Tracked(queued.reply_to, len(resumed), queued.tenant, prompt, queued.session_id)
         self._tracked[queued.request_id] = tracked
         self._entry(queued.request_id, tracked)
-        self._remember_prefix(tracked, prompt)
+        log.info(
+            "request admitted: %d prompt tokens (%d resumed), attempt %d",
+            len(prompt),
+            len(resumed),
+            queued.attempt,
+            extra=request_fields(queued.request_id, queued.session_id),
+        )
 
     def _reject(self, queued: internal_pb2.QueuedRequest, reason: str) -> None:
-        log.info("request %s rejected: %s", queued.request_id, reason)
+        log.info(
+            "request %s rejected: %s",
+            queued.request_id,
+            reason,
+            extra=request_fields(queued.request_id, queued.session_id),
+        )
         self._finish_at_once(queued, inference_pb2.FINISH_REASON_ERROR, reason)
 
     def _finish_at_once(
@@ -309,6 +338,10 @@ class ExecutorService:
                 continue
             self._engine.abort(request_id)
             del self._tracked[request_id]
+            log.info(
+                "request aborted by its gateway",
+                extra=request_fields(request_id, tracked.session_id),
+            )
             self._outbox.get(address, {}).pop(request_id, None)
 
     def _gateway_gone(self, address: str) -> None:
@@ -345,6 +378,12 @@ class ExecutorService:
                 entry.finished = True
                 entry.finish_reason = FINISH_REASONS[output.finish_reason or "stop"]
                 del self._tracked[output.request_id]
+                log.info(
+                    "request finished: %s, %d cached prompt tokens",
+                    output.finish_reason,
+                    output.num_cached_tokens,
+                    extra=request_fields(output.request_id, tracked.session_id),
+                )
 
     def _flush(self) -> None:
         for address, entries in self._outbox.items():
@@ -362,13 +401,6 @@ class ExecutorService:
 
     # ---- status -------------------------------------------------------------------------
 
-    def _remember_prefix(self, tracked: Tracked, token_ids: list[int]) -> None:
-        for block_hash in block_hashes(token_ids, self._config.block_size, tracked.tenant):
-            self._cached_hashes[block_hash] = None
-            self._cached_hashes.move_to_end(block_hash)
-        while len(self._cached_hashes) > MAX_REPORTED_HASHES:
-            self._cached_hashes.popitem(last=False)
-
     def _refresh_status(self) -> None:
         if time.monotonic() >= self._next_status_s:
             self._post_status()
@@ -376,6 +408,7 @@ class ExecutorService:
     def _post_status(self) -> None:
         self._next_status_s = time.monotonic() + STATUS_INTERVAL_S
         stats = self._engine.stats()
+        self._metrics.record_stats(stats)
         engine_config = self._config.engine
         status = internal_pb2.ExecutorStatus(
             executor_id=self._config.executor_id,
@@ -387,8 +420,8 @@ class ExecutorService:
             num_waiting=stats.num_waiting,
             max_num_seqs=engine_config.max_num_seqs,
             max_model_len=self._engine.max_model_len,
-            session_ids=list(self._engine.kv_cache.sessions),
-            cached_block_hashes=list(reversed(self._cached_hashes)),
+            session_ids=self._engine.session_ids(),
+            cached_block_hashes=self._engine.cached_block_hashes(MAX_REPORTED_HASHES),
             prefix_hit_tokens=stats.prefix_hit_tokens,
             draining=not self._taking_work,
         )
@@ -403,8 +436,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"executor: {error}", file=sys.stderr)
         return 2
     setup_logging("executor", config.log_level, config.log_format)
+    metrics = ExecutorMetrics()
+    try:
+        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
+    except OSError as error:
+        print(f"executor: {error}", file=sys.stderr)
+        return 2
     engine = Engine(config.engine)
-    service = ExecutorService(config, engine, connect_sync(config.redis_url, timeout_s=2.0))
+    client = connect_sync(config.redis_url, timeout_s=2.0)
+    service = ExecutorService(config, engine, client, metrics)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.drain())
     service.run()

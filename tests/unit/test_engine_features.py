@@ -7,6 +7,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
+from common.prefix import block_hashes
 from executor.config import EngineConfig
 from executor.engine import Engine
 from executor.sampling_params import SamplingParams
@@ -186,3 +187,16 @@ def test_max_model_len_ends_with_length(tokenizer):
     outputs = drain(engine)
     assert len(prompt) + len(outputs) == 16
     assert outputs[-1].finish_reason == "length"
+
+
+def test_reported_cache_hashes_are_the_schedulers_prompt_hashes(tokenizer):
+    engine = make_engine(block_size=4)
+    prompt = tokenizer("The cat jumped over the fence and ran to the big house").input_ids
+    engine.add_request("a", prompt, greedy(1), cache_salt="tenant-a")
+    run_to_completion(engine)
+    reported = set(engine.cached_block_hashes(limit=1000))
+    expected = block_hashes(prompt, 4, "tenant-a")
+    assert expected and set(expected) <= reported, (
+        f"scheduler-side hashes {expected} not all reported in {sorted(reported)}"
+    )
+    assert not set(block_hashes(prompt, 4, "tenant-b")) & reported
