@@ -5,9 +5,9 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis proto test test-kernels lint bench-engine bench-serve run clean
+.PHONY: setup redis promtool proto test test-kernels lint bench-engine bench-serve run clean
 
-setup: $(BIN)/.installed redis
+setup: $(BIN)/.installed redis promtool
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -21,6 +21,12 @@ redis:
 	@command -v redis-server >/dev/null || { \
 		echo "redis-server not found: installing it with apt-get"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+# promtool checks the /metrics text in tests; Debian's prometheus package ships it.
+promtool:
+	@command -v promtool >/dev/null || { \
+		echo "promtool not found: installing prometheus with apt-get"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
 
 proto: $(BIN)/.installed
 	$(PYTHON) -m common.protogen

@@ -1,8 +1,9 @@
 """`make run`: start a local kvgate stack and keep it up until Ctrl-C.
 
-python -m deploy.local [--host H] [--port P] [--executors N]
-(KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL as defaults). Prints the address once
-every process serves; Ctrl-C or SIGTERM stops them all.
+python -m deploy.local [--host H] [--port P] [--executors N] [--metrics-port M]
+(KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL, KVGATE_METRICS_PORT as defaults). Prints
+the address and the /metrics ports once every process serves; Ctrl-C or SIGTERM
+stops them all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from common.config import check_range, env_int, env_str
 from deploy.models import choose_model
 from deploy.stack import Stack, StackConfig
 
+# /metrics of the gateway; the scheduler's is the next port, executor i's is 2 + i further
+# (the targets of deploy/prometheus.yml).
+DEFAULT_METRICS_PORT = 9400
+MAX_EXECUTORS = 16
+
+
+def metrics_ports(first_port: int, num_executors: int) -> dict[str, int]:
+    """Returns: the fixed /metrics port of each process of the stack, by process name."""
+    ports = {"gateway": first_port, "scheduler": first_port + 1}
+    ports.update({f"executor-{i}": first_port + 2 + i for i in range(num_executors)})
+    return ports
+
 
 @dataclass(slots=True)
 class LauncherConfig:
@@ -26,13 +39,16 @@ class LauncherConfig:
     port: int = 50051
     executors: int = 1
     redis_port: int = 0
+    metrics_port: int = DEFAULT_METRICS_PORT
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("--host must be a host name or address, got ''")
         check_range("--port", self.port, min_value=1, max_value=65535)
-        check_range("--executors", self.executors, min_value=1, max_value=16)
+        check_range("--executors", self.executors, min_value=1, max_value=MAX_EXECUTORS)
         check_range("--redis-port", self.redis_port, min_value=0, max_value=65535)
+        last_port = 65535 - 2 - MAX_EXECUTORS
+        check_range("--metrics-port", self.metrics_port, min_value=1, max_value=last_port)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> LauncherConfig:
@@ -43,6 +59,12 @@ class LauncherConfig:
         parser.add_argument("--executors", type=int, default=1)
         parser.add_argument(
             "--redis-port", type=int, default=env_int("KVGATE_REDIS_PORT", 0), help="0: a free port"
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=env_int("KVGATE_METRICS_PORT", DEFAULT_METRICS_PORT),
+            help="/metrics port of the gateway; scheduler: +1, executor i: +2+i",
         )
         return cls(**vars(parser.parse_args(argv)))
 
@@ -57,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     model = choose_model()
     stack = Stack(
         StackConfig(
-            model=str(model), host=config.host, port=config.port, redis_port=config.redis_port
+            model=str(model),
+            host=config.host,
+            port=config.port,
+            redis_port=config.redis_port,
+            metrics_ports=metrics_ports(config.metrics_port, config.executors),
         )
     )
     stopped = threading.Event()
@@ -67,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting kvgate on model {model} (logs in {stack.config.log_dir})", flush=True)
         stack.start_all(num_executors=config.executors)
         print(f"kvgate serving on {stack.address}  (Ctrl-C stops it)", flush=True)
+        for name, port in sorted(stack.metrics_ports.items(), key=lambda item: item[1]):
+            print(f"  {name} metrics: http://127.0.0.1:{port}/metrics", flush=True)
         while not stopped.wait(0.5) and all(p.poll() is None for p in stack.procs.values()):
             pass
     finally:

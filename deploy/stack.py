@@ -85,6 +85,9 @@ class StackConfig:
     scheduler_flags: list[str] = field(default_factory=list)
     gateway_flags: list[str] = field(default_factory=list)
     start_timeout_s: float = 120.0
+    log_format: str = "text"  # text or json, for every process
+    # Fixed /metrics port by process name ("gateway", "scheduler", "executor-0"); others: free.
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
 
 class Stack:
@@ -97,6 +100,7 @@ class Stack:
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.keys = RedisKeys(config.redis_prefix)
         self.gateway_ports: dict[str, int] = {}
+        self.metrics_ports: dict[str, int] = {}  # /metrics port of each process by name
         config.log_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -125,6 +129,7 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
             "KVGATE_REDIS_URL": self.redis_url,
             "KVGATE_REDIS_PREFIX": self.config.redis_prefix,
+            "KVGATE_LOG_FORMAT": self.config.log_format,
         }
         proc = subprocess.Popen(
             argv,
@@ -168,6 +173,7 @@ class Stack:
             "scheduler",
             "--scheduler-id",
             name,
+            *self._metrics_flags(name),
             *self.config.scheduler_flags,
         ]
         proc = self.spawn(name, argv)
@@ -184,6 +190,7 @@ class Stack:
             self.config.model,
             "--executor-id",
             executor_id,
+            *self._metrics_flags(executor_id),
             *self.config.executor_flags,
         ]
         self.spawn(executor_id, argv)
@@ -212,12 +219,18 @@ class Stack:
             self.config.host,
             "--port",
             str(port),
+            *self._metrics_flags(name),
             *self.config.gateway_flags,
         ]
         proc = self.spawn(name, argv)
         self.gateway_ports[name] = port
         address = f"{self.config.host}:{port}"
         wait_until(lambda: gateway_serving(address), self.config.start_timeout_s, name, proc)
+
+    def _metrics_flags(self, name: str) -> list[str]:
+        port = self.config.metrics_ports.get(name) or free_port()
+        self.metrics_ports[name] = port
+        return ["--metrics-port", str(port)]
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = STOP_GRACE_S) -> int:
         """Signals one child and waits for it (SIGKILL after timeout_s). Returns: its status."""

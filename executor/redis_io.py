@@ -13,6 +13,7 @@ import redis
 from google.protobuf.message import DecodeError
 
 from common.keys import EXECUTOR_STATUS_TTL_MS, HEARTBEAT_INTERVAL_S, PAYLOAD_FIELD, RedisKeys
+from common.logs import request_fields
 from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
 from protos.kvgate.v1 import internal_pb2
 
@@ -36,16 +37,25 @@ class InboxReader:
 
     Entries stay in the stream until the step loop handled them (`handled`);
     they are XDEL'd then, so the scheduler re-queues whatever a dead executor
-    left unread.
+    left unread. Once the executor drains (`hand_back_assignments`), the reader
+    moves each assignment it reads back to the request stream instead, and
+    `stop` hands back whatever is still unread.
     """
 
     def __init__(
-        self, client: redis.Redis, inbox_key: str, deliver: queue.SimpleQueue[InboxEntry]
+        self,
+        client: redis.Redis,
+        keys: RedisKeys,
+        executor_id: str,
+        deliver: queue.SimpleQueue[InboxEntry],
     ) -> None:
         self._client = client
-        self._inbox_key = inbox_key
+        self._inbox_key = keys.executor_inbox(executor_id)
+        self._requests_key = keys.requests
         self._deliver = deliver
         self._handled: deque[str] = deque()
+        self._to_hand_back: list[tuple[str, internal_pb2.QueuedRequest | None]] = []
+        self._handing_back = threading.Event()
         self._last_id = "0"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inbox", daemon=True)
@@ -53,11 +63,20 @@ class InboxReader:
     def start(self) -> None:
         self._thread.start()
 
+    def hand_back_assignments(self) -> None:
+        """From now on, assignments read are re-queued instead of delivered; does no I/O."""
+        self._handing_back.set()
+
     def stop(self) -> None:
-        """Stops reading; returns once no more entries can be delivered."""
+        """Stops reading, then hands back the assignments left unread (one try: Redis
+        down leaves them to the scheduler, which re-queues a gone executor's inbox)."""
         self._stop.set()
         self._thread.join()
-        self._delete_handled()
+        try:
+            self._delete_handled()
+            self._sweep_unread()
+        except REDIS_DOWN_ERRORS as error:
+            log.warning("inbox: redis unreachable at exit (%s); the scheduler re-queues it", error)
 
     def handled(self, entry_id: str) -> None:
         """Marks an entry as handled; the reader deletes it from the stream."""
@@ -65,15 +84,22 @@ class InboxReader:
 
     def _run(self) -> None:
         delays = Backoff().delays()
+        redis_down = False
         while not self._stop.is_set():
             try:
                 self._delete_handled()
+                self._hand_back_pending()
                 self._read_once()
+                self._hand_back_pending()
                 delays = Backoff().delays()
+                if redis_down:
+                    log.info("inbox: redis reachable again")
+                    redis_down = False
             except REDIS_DOWN_ERRORS as error:
-                delay_s = next(delays)
-                log.warning("inbox: redis unreachable (%s); retrying in %.2fs", error, delay_s)
-                self._stop.wait(delay_s)
+                if not redis_down:
+                    log.warning("inbox: redis unreachable (%s); retrying with backoff", error)
+                    redis_down = True
+                self._stop.wait(next(delays))
 
     def _read_once(self) -> None:
         reply = self._client.xread(
@@ -92,12 +118,58 @@ class InboxReader:
             log.warning("inbox entry %s is not an InboxMessage: deleted", entry_id)
             self.handled(entry_id)
             return
+        if self._handing_back.is_set() and message.HasField("assignment"):
+            self._to_hand_back.append((entry_id, message.assignment.request))
+            return
         self._deliver.put(InboxEntry(entry_id, message))
 
     def _delete_handled(self) -> None:
-        ids = [self._handled.popleft() for _ in range(len(self._handled))]
+        ids = list(self._handled)
         if ids:
             self._client.xdel(self._inbox_key, *ids)
+            for _ in ids:
+                self._handled.popleft()
+
+    def _sweep_unread(self) -> None:
+        """Queues for hand-back every assignment still in the inbox, and deletes the rest."""
+        for raw_id, fields in self._client.xrange(self._inbox_key, min=f"({self._last_id}"):
+            entry_id = raw_id.decode()
+            message = internal_pb2.InboxMessage()
+            try:
+                message.ParseFromString(fields.get(PAYLOAD_FIELD.encode(), b""))
+            except DecodeError:
+                message.Clear()
+            request = message.assignment.request if message.HasField("assignment") else None
+            self._to_hand_back.append((entry_id, request))
+        self._hand_back_pending()
+
+    def _hand_back_pending(self) -> None:
+        """Moves the assignments a draining executor will not run back to the request stream.
+
+        Same request_id, attempt + 1, and the gateway's queue deadline kept: the gateway
+        enforces that deadline itself, so a later one here would not help the client, and
+        a hand-back within one inbox read of the drain costs the request well under a second.
+        One MULTI/EXEC: an entry leaves the inbox only with its request re-queued.
+        """
+        if not self._to_hand_back:
+            return
+        pipe = self._client.pipeline(transaction=True)
+        for _, request in self._to_hand_back:
+            if request is not None:
+                requeued = internal_pb2.QueuedRequest()
+                requeued.CopyFrom(request)
+                requeued.attempt += 1
+                pipe.xadd(self._requests_key, {PAYLOAD_FIELD: requeued.SerializeToString()})
+        pipe.xdel(self._inbox_key, *(entry_id for entry_id, _ in self._to_hand_back))
+        pipe.execute()
+        for _, request in self._to_hand_back:
+            if request is not None:
+                log.info(
+                    "draining: assignment handed back to the request stream (attempt %d)",
+                    request.attempt + 1,
+                    extra=request_fields(request.request_id, request.session_id),
+                )
+        self._to_hand_back.clear()
 
 
 @dataclass(slots=True)
@@ -117,17 +189,22 @@ class StatusBoard:
 
 
 class Heartbeat:
-    """Publishes the executor's status every HEARTBEAT_INTERVAL_S, with a TTL."""
+    """Publishes the executor's status every HEARTBEAT_INTERVAL_S, with a TTL.
+
+    Redis down is logged once; beats are then retried with backoff until it answers.
+    """
 
     def __init__(self, client: redis.Redis, keys: RedisKeys, board: StatusBoard) -> None:
         self._client = client
         self._keys = keys
         self._board = board
+        self._redis_down = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.beat()
+        """Beats once (when Redis answers), then every HEARTBEAT_INTERVAL_S on a thread."""
+        self.try_beat()
         self._thread.start()
 
     def stop(self) -> None:
@@ -157,9 +234,26 @@ class Heartbeat:
         pipe.sadd(self._keys.executors, status.executor_id)
         pipe.execute()
 
+    def try_beat(self) -> bool:
+        """Writes the current status once. Returns: False when Redis is unreachable."""
+        try:
+            self.beat()
+        except REDIS_DOWN_ERRORS as error:
+            if not self._redis_down:
+                log.warning("heartbeat: redis unreachable (%s); retrying with backoff", error)
+                self._redis_down = True
+            return False
+        if self._redis_down:
+            log.info("heartbeat: redis reachable again")
+            self._redis_down = False
+        return True
+
     def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
-            try:
-                self.beat()
-            except REDIS_DOWN_ERRORS as error:
-                log.warning("heartbeat: redis unreachable (%s)", error)
+        delays = Backoff(max_s=HEARTBEAT_INTERVAL_S).delays()
+        wait_s = HEARTBEAT_INTERVAL_S if not self._redis_down else next(delays)
+        while not self._stop.wait(wait_s):
+            if self.try_beat():
+                delays = Backoff(max_s=HEARTBEAT_INTERVAL_S).delays()
+                wait_s = HEARTBEAT_INTERVAL_S
+            else:
+                wait_s = next(delays)

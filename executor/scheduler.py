@@ -45,6 +45,7 @@ class StepScheduler:
         self.running: list[Request] = []  # sorted by sort_key
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.num_batched_tokens = 0  # cumulative tokens of all steps
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -58,6 +59,7 @@ class StepScheduler:
             self._schedule_waiting(out, budget)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self.num_batched_tokens += out.num_batched_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -3,7 +3,8 @@
 `python -m executor.service --model DIR`: reads assignments from its Redis
 inbox on a reader thread, runs the engine's step loop on the main thread, sends
 one TokenBatch per step to each gateway on a TokenSink stream, and publishes a
-heartbeat every 0.5 s. SIGTERM drains: running work finishes, no more is taken.
+heartbeat every 0.5 s. SIGTERM drains: running work finishes, no more is taken,
+and assignments still unread in the inbox go back to the request stream.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ STATUS_INTERVAL_S = 0.1
 IDLE_WAIT_S = 0.05
 # Most prefix-cache block hashes reported in a heartbeat.
 MAX_REPORTED_HASHES = 1024
-DEFAULT_METRICS_PORT = 9402
 FINISH_REASONS = {
     "stop": inference_pb2.FINISH_REASON_STOP,
     "length": inference_pb2.FINISH_REASON_LENGTH,
@@ -78,7 +78,7 @@ class ExecutorServiceConfig:
     gpu_memory_utilization: float = 0.9
     session_ttl_s: float = 600.0
     metrics_host: str = "127.0.0.1"
-    metrics_port: int = DEFAULT_METRICS_PORT  # 0: a free port, -1: no metrics
+    metrics_port: int = 0  # 0: a free port, -1: no metrics
     engine: EngineConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ class ExecutorServiceConfig:
             default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
         )
         add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
-        add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT", DEFAULT_METRICS_PORT)
+        add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
         return cls(**vars(parser.parse_args(argv)))
 
 
@@ -201,7 +201,7 @@ class ExecutorService:
         self._engine = engine
         self._metrics = metrics or ExecutorMetrics()
         self._events: queue.SimpleQueue[InboxEntry | GatewayEvent] = queue.SimpleQueue()
-        self._inbox = InboxReader(client, keys.executor_inbox(config.executor_id), self._events)
+        self._inbox = InboxReader(client, keys, config.executor_id, self._events)
         self._board = StatusBoard()
         self._heartbeat = Heartbeat(client, keys, self._board)
         self._links: dict[str, GatewayLink] = {}
@@ -228,6 +228,7 @@ class ExecutorService:
         while self._taking_work or self._engine.has_unfinished() or not self._events.empty():
             self._stop_taking_work_if_draining()
             self._handle_events(wait=not self._engine.has_unfinished())
+            self._flush()  # "accepted" entries go out before the step: queue_ms ends here
             if self._engine.has_unfinished():
                 self._publish(self._step())
             self._flush()
@@ -243,15 +244,16 @@ class ExecutorService:
     def _stop_taking_work_if_draining(self) -> None:
         if self._taking_work and self._drain_requested.is_set():
             log.info("draining: finishing %d requests, taking no more", len(self._tracked))
-            self._inbox.stop()
             self._taking_work = False
             self._post_status()
-            self._heartbeat.beat()
+            self._heartbeat.try_beat()
+            self._inbox.hand_back_assignments()
 
     def _shut_down(self) -> None:
         self._flush()
         for link in self._links.values():
             link.close()
+        self._inbox.stop()
         self._heartbeat.stop()
         log.info("executor %s stopped", self._config.executor_id)
 

@@ -6,7 +6,9 @@ import asyncio
 import sys
 
 from common.logs import setup_logging
+from common.metrics import start_metrics_server
 from gateway.config import config_from_args
+from gateway.metrics import GatewayMetrics
 from gateway.server import serve
 
 
@@ -17,7 +19,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: {error}", file=sys.stderr)
         return 2
     setup_logging("gateway", config.log_level, config.log_format)
-    asyncio.run(serve(config))
+    metrics = GatewayMetrics()
+    try:
+        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
+    except OSError as error:
+        print(f"gateway: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config, metrics))
     return 0
 
 

@@ -15,6 +15,7 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.metrics import add_metrics_flags, check_metrics_port
 
 DEFAULT_MODEL = "../shared/models/stories260K"
 
@@ -39,6 +40,8 @@ class GatewayConfig:
     max_stop_strings: int = 16
     max_stop_len: int = 256  # characters per stop string
     grace_s: float = 5.0  # running calls get this long to finish on SIGTERM
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: a free port, -1: no metrics
     log_level: str = "info"
     log_format: str = "text"
 
@@ -55,6 +58,7 @@ class GatewayConfig:
         check_range("--max-stop-strings", self.max_stop_strings, min_value=0)
         check_range("--max-stop-len", self.max_stop_len, min_value=1)
         check_range("--grace-s", self.grace_s, min_value=0)
+        check_metrics_port(self.metrics_port)
         check_common_fields(self.redis_url, self.log_level, self.log_format)
 
     @property
@@ -81,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-stop-strings", type=int, default=16)
     add("--max-stop-len", type=int, default=256)
     add("--grace-s", type=float, default=env_float("KVGATE_GRACE_S", 5.0))
+    add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")
     add_common_flags(parser)
     return parser
 

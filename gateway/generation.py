@@ -15,8 +15,10 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 
+from common.logs import request_fields
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import DeadlineExceeded
+from gateway.metrics import GatewayMetrics
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
 from gateway.stops import StopStringMatcher
@@ -88,6 +90,7 @@ class GenerationDeps:
     background: BackgroundTasks
     reply_to: str  # this gateway's TokenSink address
     queue_timeout_s: float
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
 
 def sampling_to_pb(sampling: SamplingSpec) -> inference_pb2.SamplingParams:
@@ -130,11 +133,13 @@ class Generation:
         self.queue_deadline = self.arrival + deps.queue_timeout_s
         self.accepted_at: float | None = None
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.num_cached_tokens = 0
         self.attempt = 0
         self.executor_id = ""  # the executor that last reported this request
         self.waiting_for_executor = True
         self.finished = False
+        self.log_fields = request_fields(spec.request_id, spec.session_id)
 
     def queued_request(self) -> internal_pb2.QueuedRequest:
         """The QueuedRequest of the current attempt."""
@@ -165,14 +170,24 @@ class Generation:
         inbox = router.track(self.spec.request_id)
         try:
             await self.deps.queue.enqueue(self.queued_request())
+            self._log_queued()
             while not self.finished:
                 chunk = await self._handle(await self._next_event(inbox))
                 if chunk is not None:
                     yield chunk
         finally:
             if not self.finished:
+                log.info(
+                    "request stopped before its last chunk (client gone or call failed)",
+                    extra=self.log_fields,
+                )
                 self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
             router.untrack(self.spec.request_id)
+
+    def _log_queued(self) -> None:
+        num_prompt_tokens = len(self.spec.prompt_token_ids)
+        self.deps.metrics.prompt_tokens.inc(num_prompt_tokens)
+        log.info("request queued: %d prompt tokens", num_prompt_tokens, extra=self.log_fields)
 
     async def _next_event(self, inbox: asyncio.Queue[RequestEvent]) -> RequestEvent:
         if not self.waiting_for_executor:
@@ -182,6 +197,7 @@ class Generation:
         except TimeoutError:
             self._cancel(internal_pb2.ABORT_REASON_DEADLINE)
             self.finished = True
+            log.info("request expired: no executor took it in time", extra=self.log_fields)
             raise DeadlineExceeded(
                 f"no executor took the request within queue_timeout_s "
                 f"({self.deps.queue_timeout_s:g} s)"
@@ -209,12 +225,14 @@ class Generation:
         self.waiting_for_executor = True
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
         self.session_executor_id = ""
+        self.deps.metrics.requeues.inc()
         log.warning(
             "request %s lost its executor %s after %d tokens; re-queued (attempt %d)",
             self.spec.request_id,
             executor_id,
             len(self.tokens),
             self.attempt,
+            extra=self.log_fields,
         )
         await self.deps.queue.requeue(self.queued_request())
 
@@ -247,6 +265,7 @@ class Generation:
                 self.spec.request_id,
                 update.offset,
                 len(self.tokens),
+                extra=self.log_fields,
             )
             return [], []
         return update.token_ids[skip:], update.logprobs[skip:]
@@ -255,11 +274,20 @@ class Generation:
         """A chunk for the new tokens; finish_reason "stop" when a stop string matched."""
         if not new_ids:
             return Chunk("", [], [])
-        if self.first_token_at is None:
-            self.first_token_at = now
+        self._observe_tokens(len(new_ids), now)
         self.tokens.extend(new_ids)
         result = self.stops.feed(self.detokenizer.add(new_ids))
         return Chunk(result.text, new_ids, new_logprobs, "stop" if result.stopped else None)
+
+    def _observe_tokens(self, num_tokens: int, now: float) -> None:
+        metrics = self.deps.metrics
+        metrics.output_tokens.inc(num_tokens)
+        if self.first_token_at is None:
+            self.first_token_at = now
+            metrics.ttft.observe(now - self.arrival)
+        else:
+            metrics.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
 
     def _flush_text(self) -> tuple[str, bool]:
         """The text held back at the end, and whether it completed a stop string."""
@@ -282,7 +310,22 @@ class Generation:
             ttft_ms=_ms_since(self.arrival, self.first_token_at or now),
             total_ms=_ms_since(self.arrival, now),
         )
+        self._record_finish(chunk)
         return chunk
+
+    def _record_finish(self, chunk: Chunk) -> None:
+        metrics = self.deps.metrics
+        metrics.finished.labels(chunk.finish_reason).inc()
+        metrics.e2e.observe(chunk.timings.total_ms / 1000.0)
+        log.info(
+            "request finished: %s, %d tokens, queue %.1f ms, ttft %.1f ms, total %.1f ms",
+            chunk.finish_reason,
+            len(self.tokens),
+            chunk.timings.queue_ms,
+            chunk.timings.ttft_ms,
+            chunk.timings.total_ms,
+            extra={**self.log_fields, "executor_id": self.executor_id},
+        )
 
 
 def _ms_since(start: float, end: float) -> float:

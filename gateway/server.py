@@ -17,6 +17,7 @@ from common.redis_conn import REDIS_DOWN_ERRORS, connect
 from gateway.config import GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
+from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer
@@ -70,9 +71,9 @@ def _internal_server(config: GatewayConfig, router: TokenRouter) -> tuple[aio.Se
 
 
 def _public_server(
-    config: GatewayConfig, servicer: InferenceServicer
+    config: GatewayConfig, servicer: InferenceServicer, metrics: GatewayMetrics
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
-    server = aio.server(interceptors=[ErrorInterceptor()])
+    server = aio.server(interceptors=[MetricsInterceptor(metrics), ErrorInterceptor()])
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -83,8 +84,14 @@ def _public_server(
     return server, health_servicer, f"{config.host}:{port}"
 
 
-async def start_gateway(config: GatewayConfig) -> RunningGateway:
+async def start_gateway(
+    config: GatewayConfig, metrics: GatewayMetrics | None = None
+) -> RunningGateway:
     """Start both servers; health turns SERVING once they listen.
+
+    Args:
+        config: the gateway's configuration.
+        metrics: where to record metrics (None: a registry nobody serves).
 
     Returns:
         The running gateway (call its stop()).
@@ -95,8 +102,9 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     router = TokenRouter()
     internal, reply_to = _internal_server(config, router)
     queue = RequestQueue(client, keys, config.max_queue_len, config.queue_timeout_s)
+    metrics = metrics or GatewayMetrics()
     deps = GenerationDeps(
-        router, queue, model_text, BackgroundTasks(), reply_to, config.queue_timeout_s
+        router, queue, model_text, BackgroundTasks(), reply_to, config.queue_timeout_s, metrics
     )
     servicer = InferenceServicer(
         deps,
@@ -104,7 +112,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         config.default_max_tokens,
         StopLimits(config.max_stop_strings, config.max_stop_len),
     )
-    public, health_servicer, address = _public_server(config, servicer)
+    public, health_servicer, address = _public_server(config, servicer, metrics)
     await internal.start()
     await public.start()
     for service in ("", INFERENCE_SERVICE):
@@ -127,9 +135,9 @@ async def _warn_if_redis_down(client: aioredis.Redis, url: str) -> None:
         )
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, metrics: GatewayMetrics) -> None:
     """Run a gateway until SIGTERM or SIGINT, then stop gracefully."""
-    gateway = await start_gateway(config)
+    gateway = await start_gateway(config, metrics)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -6,8 +6,10 @@ import signal
 import sys
 
 from common.logs import setup_logging
+from common.metrics import start_metrics_server
 from common.redis_conn import connect_sync
 from scheduler.config import SchedulerConfig
+from scheduler.metrics import SchedulerMetrics
 from scheduler.service import Scheduler
 
 
@@ -19,7 +21,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scheduler: {error}", file=sys.stderr)
         return 2
     setup_logging("scheduler", config.log_level, config.log_format)
-    scheduler = Scheduler(config, connect_sync(config.redis_url, timeout_s=2.0))
+    metrics = SchedulerMetrics()
+    try:
+        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
+    except OSError as error:
+        print(f"scheduler: {error}", file=sys.stderr)
+        return 2
+    scheduler = Scheduler(config, connect_sync(config.redis_url, timeout_s=2.0), metrics)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
     scheduler.run()

@@ -17,6 +17,7 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.metrics import add_metrics_flags, check_metrics_port
 
 POLICIES = ("fcfs", "priority")
 
@@ -38,6 +39,8 @@ class SchedulerConfig:
     lock_ttl_ms: int = 2000  # a dead leader's lock expires after this long
     registry_poll_ms: float = 100.0  # how often executor heartbeats are read
     scheduler_id: str = ""  # consumer and lock holder name; empty: host-pid
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: a free port, -1: no metrics
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
@@ -49,6 +52,7 @@ class SchedulerConfig:
         check_range("--load-cost-blocks", self.load_cost_blocks, min_value=0)
         check_range("--lock-ttl-ms", self.lock_ttl_ms, min_value=100)
         check_range("--registry-poll-ms", self.registry_poll_ms, min_value=1, max_value=1000)
+        check_metrics_port(self.metrics_port)
         if not self.scheduler_id:
             self.scheduler_id = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -69,4 +73,5 @@ class SchedulerConfig:
         add("--lock-ttl-ms", type=int, default=env_int("KVGATE_LOCK_TTL_MS", 2000))
         add("--registry-poll-ms", type=float, default=env_float("KVGATE_REGISTRY_POLL_MS", 100.0))
         add("--scheduler-id", default=env_str("KVGATE_SCHEDULER_ID", ""))
+        add_metrics_flags(parser, "KVGATE_SCHEDULER_METRICS_PORT")
         return cls(**vars(parser.parse_args(argv)))

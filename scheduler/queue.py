@@ -80,6 +80,10 @@ class WindowLimits:
     max_batch_tokens: int  # or this many prompt tokens wait
 
 
+# Why a batch is released: the oldest request waited batch_window_ms, or a limit was reached.
+RELEASE_REASONS = ("window", "max_batch_size", "max_batch_tokens")
+
+
 class WindowBatcher:
     """Holds waiting requests and releases them in batches, ordered by a policy."""
 
@@ -115,14 +119,20 @@ class WindowBatcher:
 
     def is_ready(self, now_s: float) -> bool:
         """Returns: whether a batch is due: window elapsed, or requests or tokens at a limit."""
+        return self.release_reason(now_s) is not None
+
+    def release_reason(self, now_s: float) -> str | None:
+        """Returns: why a batch is due (one of RELEASE_REASONS), None when it is not."""
         if not self._waiting:
-            return False
+            return None
         limits = self._limits
         if len(self._waiting) >= limits.max_batch_size:
-            return True
+            return "max_batch_size"
         if self._waiting_tokens >= limits.max_batch_tokens:
-            return True
-        return self.oldest_waited_ms(now_s) >= limits.batch_window_ms
+            return "max_batch_tokens"
+        if self.oldest_waited_ms(now_s) >= limits.batch_window_ms:
+            return "window"
+        return None
 
     def oldest_waited_ms(self, now_s: float) -> float:
         return max((r.waited_ms(now_s) for r in self._waiting.values()), default=0.0)

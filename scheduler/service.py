@@ -10,9 +10,11 @@ import time
 import redis
 
 from common.keys import RedisKeys
+from common.logs import request_fields
 from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
 from scheduler.config import SchedulerConfig
 from scheduler.leader import LeaderLock
+from scheduler.metrics import SchedulerMetrics
 from scheduler.placement import Placer
 from scheduler.queue import PendingRequest, WindowBatcher, WindowLimits, make_policy
 from scheduler.registry import ExecutorRegistry
@@ -26,9 +28,12 @@ READ_COUNT = 512
 class Scheduler:
     """Holds the global waiting queue and places batches of it on executors."""
 
-    def __init__(self, config: SchedulerConfig, client: redis.Redis) -> None:
+    def __init__(
+        self, config: SchedulerConfig, client: redis.Redis, metrics: SchedulerMetrics | None = None
+    ) -> None:
         keys = RedisKeys(config.redis_prefix)
         self._config = config
+        self._metrics = metrics or SchedulerMetrics()
         self._stream = RequestStream(client, keys, config.scheduler_id)
         self._directory = ExecutorDirectory(client, keys)
         self._lock = LeaderLock(
@@ -73,13 +78,18 @@ class Scheduler:
         if not self._lock.wait(poll_s, self._stop.is_set):
             return
         log.info("scheduler %s is the leader", self._config.scheduler_id)
+        self._metrics.is_leader.set(1)
         self._stream.ensure_group()
         reclaimed = self._stream.reclaim()
         if reclaimed:
             log.info("reclaimed %d queued requests of an earlier scheduler", len(reclaimed))
         self._admit(reclaimed, time.monotonic())
-        while not self._stop.is_set() and self._keep_lock():
-            self.tick()
+        try:
+            while not self._stop.is_set() and self._keep_lock():
+                self.tick()
+        finally:
+            self._metrics.is_leader.set(0)
+            self._metrics.queue_length.set(0)
         self._batcher = self._new_batcher()
 
     def _release_lock(self) -> None:
@@ -107,8 +117,10 @@ class Scheduler:
         block_ms = self._block_ms(now)
         self._admit(self._stream.read_new(block_ms, READ_COUNT), time.monotonic())
         now = time.monotonic()
-        if not self._stalled and self._batcher.is_ready(now):
-            self._dispatch(now)
+        reason = None if self._stalled else self._batcher.release_reason(now)
+        if reason is not None:
+            self._dispatch(now, reason)
+        self._metrics.queue_length.set(len(self._batcher))
 
     def _block_ms(self, now: float) -> int | None:
         wake_s = self._next_poll_s
@@ -126,6 +138,7 @@ class Scheduler:
         for executor_id in sorted(set(dead) | set(change.left)):
             requeued = self._directory.requeue_inbox(executor_id)
             log.info("executor %s left; re-queued %d of its assignments", executor_id, requeued)
+        self._metrics.executors_alive.set(len(self._registry.live_ids()))
         self._stalled = False
         self._drop_cancelled([r.request_id for r in self._batcher.requests()])
 
@@ -153,17 +166,34 @@ class Scheduler:
     def _drop_expired(self, now: float) -> None:
         expired = self._batcher.expired(now)
         for request in expired:
-            log.info("request %s waited past its queue deadline: dropped", request.request_id)
+            log.info(
+                "request %s waited past its queue deadline: dropped",
+                request.request_id,
+                extra=request_fields(request.request_id, request.session_id),
+            )
+        self._metrics.dropped.labels("expired").inc(len(expired))
         self._stream.drop([r.entry_id for r in expired])
 
     def _drop_cancelled(self, request_ids: list[str]) -> None:
-        cancelled = [self._batcher.remove(rid) for rid in self._stream.cancelled(request_ids)]
-        self._stream.drop([r.entry_id for r in cancelled if r is not None])
+        removed = [self._batcher.remove(rid) for rid in self._stream.cancelled(request_ids)]
+        self._drop_as_cancelled([r for r in removed if r is not None])
 
-    def _dispatch(self, now: float) -> None:
+    def _drop_as_cancelled(self, requests: list[PendingRequest]) -> None:
+        for request in requests:
+            log.info(
+                "request cancelled while queued: dropped",
+                extra=request_fields(request.request_id, request.session_id),
+            )
+        self._metrics.dropped.labels("cancelled").inc(len(requests))
+        self._stream.drop([r.entry_id for r in requests])
+
+    def _dispatch(self, now: float, reason: str) -> None:
         batch = self._batcher.release(now)
+        self._metrics.window_releases.labels(reason).inc()
+        self._metrics.batch_size.observe(len(batch))
+        self._metrics.batch_tokens.observe(sum(r.num_prompt_tokens for r in batch))
         cancelled = self._stream.cancelled([r.request_id for r in batch])
-        self._stream.drop([r.entry_id for r in batch if r.request_id in cancelled])
+        self._drop_as_cancelled([r for r in batch if r.request_id in cancelled])
         unplaced = [r for r in batch if r.request_id not in cancelled and not self._place(r)]
         for request in unplaced:
             self._batcher.add(request)
@@ -177,10 +207,17 @@ class Scheduler:
         if placement is None:
             return False
         self._stream.assign(request, placement.executor_id, self._config.scheduler_id)
-        log.debug(
-            "request %s -> %s (%d cached blocks)",
-            request.request_id,
+        waited_s = request.waited_ms(time.monotonic()) / 1000.0
+        self._metrics.queue_wait.observe(waited_s)
+        self._metrics.assigned.inc()
+        log.info(
+            "request assigned to %s after %.1f ms in the queue (%d cached blocks)",
             placement.executor_id,
+            waited_s * 1000.0,
             placement.cached_blocks,
+            extra={
+                **request_fields(request.request_id, request.session_id),
+                "executor_id": placement.executor_id,
+            },
         )
         return True

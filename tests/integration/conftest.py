@@ -30,6 +30,7 @@ def start_stack(
     num_executors: int = 1,
     gateway_flags: list[str] | None = None,
     scheduler_flags: list[str] | None = None,
+    log_format: str = "text",
 ) -> Stack:
     """Starts redis, a scheduler, executors and a gateway; returns once all serve."""
     config = StackConfig(
@@ -39,6 +40,7 @@ def start_stack(
         executor_flags=EXECUTOR_FLAGS,
         scheduler_flags=scheduler_flags or ["--batch-window-ms", "2"],
         gateway_flags=gateway_flags or [],
+        log_format=log_format,
     )
     stack = Stack(config)
     try:

@@ -1,11 +1,16 @@
-"""common/: Redis key names, config helpers, prefix hashes."""
+"""common/: Redis key names, config helpers, prefix hashes, log lines, metrics flags."""
 
 from __future__ import annotations
+
+import json
+import logging
 
 import pytest
 
 from common.config import check_host_port, check_range, env_bool, env_int
 from common.keys import RedisKeys
+from common.logs import JsonFormatter, TextFormatter, request_fields
+from common.metrics import METRICS_DISABLED, check_metrics_port
 from common.prefix import block_hashes
 
 
@@ -54,3 +59,27 @@ def test_block_hashes_chain_and_are_salted_by_tenant():
     assert changed_first[1] != hashes[1], "a block's hash must cover the blocks before it"
     assert block_hashes(tokens, 16, salt="acme") != hashes, "tenants must not share hashes"
     assert all(0 <= h < 2**64 for h in hashes)
+
+
+def _formatted(formatter: logging.Formatter, **extra: str) -> str:
+    record = logging.LogRecord("kvgate.test", logging.INFO, __file__, 1, "turn %d done", (2,), None)
+    record.__dict__.update(extra)
+    return formatter.format(record)
+
+
+def test_log_lines_carry_the_request_ids_as_fields():
+    fields = request_fields("r-1", "s-1")
+    entry = json.loads(_formatted(JsonFormatter("gateway"), **fields))
+    assert entry["request_id"] == "r-1" and entry["session_id"] == "s-1", entry
+    assert entry["msg"] == "turn 2 done" and entry["process"] == "gateway", entry
+    text = _formatted(TextFormatter("gateway"), **fields)
+    assert text.endswith("turn 2 done request_id=r-1 session_id=s-1"), text
+    assert "session_id" not in request_fields("r-2", ""), "no session: no session_id field"
+    assert "request_id" not in json.loads(_formatted(JsonFormatter("scheduler")))
+
+
+def test_metrics_port_accepts_a_port_zero_or_disabled_and_names_the_flag():
+    for port in (METRICS_DISABLED, 0, 9400):
+        check_metrics_port(port)
+    with pytest.raises(ValueError, match="--metrics-port"):
+        check_metrics_port(-2)

@@ -1,0 +1,142 @@
+"""The gateway's Prometheus metrics, and the interceptor that counts calls by method and code."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.metrics import LATENCY_BUCKETS_S
+
+
+class GatewayMetrics:
+    """Every metric of one gateway, on its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "kvgate_gateway_requests",
+            "gRPC calls finished, by service, method and status code",
+            ["service", "method", "code"],
+            registry=registry,
+        )
+        self.active_streams = Gauge(
+            "kvgate_gateway_active_streams",
+            "server-streaming calls open now, by method",
+            ["method"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvgate_gateway_ttft_seconds",
+            "time from arrival to the first token",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "kvgate_gateway_itl_seconds",
+            "gap between consecutive token arrivals of one request",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "kvgate_gateway_e2e_seconds",
+            "time from arrival to the last chunk",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.finished = Counter(
+            "kvgate_gateway_finished_requests",
+            "generations finished, by finish reason",
+            ["finish_reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_gateway_prompt_tokens", "prompt tokens of queued requests", registry=registry
+        )
+        self.output_tokens = Counter(
+            "kvgate_gateway_output_tokens", "tokens streamed to clients", registry=registry
+        )
+        self.requeues = Counter(
+            "kvgate_gateway_requeues",
+            "requests re-queued because their executor went away",
+            registry=registry,
+        )
+
+
+def _split_method(full_method: str) -> tuple[str, str]:
+    """'/kvgate.v1.Inference/Generate' -> ('kvgate.v1.Inference', 'Generate')."""
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return service, method
+
+
+def _code_of(context: aio.ServicerContext, completed: bool) -> str:
+    """The status code a call ended with, as a label value."""
+    code = context.code()
+    if code is not None:
+        return code.name if isinstance(code, grpc.StatusCode) else str(code)
+    if completed:
+        return grpc.StatusCode.OK.name
+    return grpc.StatusCode.CANCELLED.name if context.cancelled() else grpc.StatusCode.UNKNOWN.name
+
+
+class MetricsInterceptor(aio.ServerInterceptor):
+    """Counts every call by service, method and status code; tracks open response streams.
+
+    Placed before ErrorInterceptor, it sees the status that interceptor aborted with.
+    """
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def _count(self, full_method: str, context: aio.ServicerContext, completed: bool) -> None:
+        service, method = _split_method(full_method)
+        self.metrics.requests.labels(service, method, _code_of(context, completed)).inc()
+
+    def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str):
+        async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
+            completed = False
+            try:
+                response = await behavior(request_or_iterator, context)
+                completed = True
+                return response
+            finally:
+                self._count(full_method, context, completed)
+
+        return wrapper
+
+    def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], full_method: str):
+        active = self.metrics.active_streams.labels(_split_method(full_method)[1])
+
+        async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
+            completed = False
+            active.inc()
+            try:
+                async for response in behavior(request_or_iterator, context):
+                    yield response
+                completed = True
+            finally:
+                active.dec()
+                self._count(full_method, context, completed)
+
+        return wrapper
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method))

@@ -1,0 +1,225 @@
+"""Observability of a running stack: /metrics of every process (checked by promtool) and
+JSON logs in which one request is followed by its id through gateway, scheduler and executor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.request
+import uuid
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.api import KvgateClient, sampling_params
+from deploy.stack import Stack
+from protos.kvgate.v1 import inference_pb2
+from tests.integration.conftest import generate, wait_for
+
+PROCESSES = ("gateway", "scheduler", "executor-0")
+NUM_REQUESTS = 3
+MAX_TOKENS = 8
+INFERENCE = "kvgate.v1.Inference"
+EXPECTED_METRICS = {
+    "gateway": [
+        "kvgate_gateway_requests_total",
+        "kvgate_gateway_active_streams",
+        "kvgate_gateway_ttft_seconds_bucket",
+        "kvgate_gateway_itl_seconds_bucket",
+        "kvgate_gateway_e2e_seconds_bucket",
+        "kvgate_gateway_output_tokens_total",
+    ],
+    "scheduler": [
+        "kvgate_scheduler_queue_length",
+        "kvgate_scheduler_queue_wait_seconds_bucket",
+        "kvgate_scheduler_batch_size_bucket",
+        "kvgate_scheduler_batch_tokens_bucket",
+        "kvgate_scheduler_window_releases_total",
+        "kvgate_scheduler_executors_alive",
+    ],
+    "executor-0": [
+        "kvgate_executor_running_requests",
+        "kvgate_executor_waiting_requests",
+        "kvgate_executor_kv_usage_ratio",
+        "kvgate_executor_prefix_cache_hit_tokens_total",
+        "kvgate_executor_session_pins",
+        "kvgate_executor_evicted_blocks_total",
+        "kvgate_executor_preemptions_total",
+        "kvgate_executor_step_seconds_bucket",
+        "kvgate_executor_step_tokens_bucket",
+    ],
+}
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory) -> Stack:
+    return stack_factory(log_format="json")
+
+
+def scrape(stack: Stack, name: str) -> str:
+    """The /metrics text of one process of the stack."""
+    url = f"http://127.0.0.1:{stack.metrics_ports[name]}/metrics"
+    with urllib.request.urlopen(url, timeout=10.0) as reply:
+        return reply.read().decode()
+
+
+def parse(text: str) -> Samples:
+    """Every sample of a scrape: (name, sorted labels) -> value."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """A sample's value; 0 when the process has not exported it yet."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def run_requests(stack: Stack) -> int:
+    """Sends NUM_REQUESTS generations. Returns: the tokens they produced."""
+    completions = [
+        generate(stack.address, f"Once upon a time {i}", max_tokens=MAX_TOKENS)
+        for i in range(NUM_REQUESTS)
+    ]
+    return sum(len(c.token_ids) for c in completions)
+
+
+def send_invalid_request(stack: Stack) -> None:
+    with KvgateClient(stack.address, timeout_s=30.0) as client:
+        request = inference_pb2.GenerateRequest(prompt="", params=sampling_params(max_tokens=4))
+        with pytest.raises(grpc.RpcError) as raised:
+            list(client.stub.Generate(request, timeout=30.0))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def increase(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing (make promtool)")
+def test_every_process_serves_metrics_that_promtool_accepts(stack: Stack) -> None:
+    run_requests(stack)
+    for name in PROCESSES:
+        text = scrape(stack, name)
+        check = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+        )
+        assert check.returncode == 0, (
+            f"promtool check metrics of {name}: expected no problems, got status "
+            f"{check.returncode}: {check.stdout}{check.stderr}"
+        )
+        names = {sample_name for sample_name, _ in parse(text)}
+        missing = [m for m in EXPECTED_METRICS[name] if m not in names]
+        assert not missing, f"{name} /metrics: expected {missing} among {sorted(names)}"
+        foreign = sorted(n for n in names if not n.startswith("kvgate_"))
+        assert not foreign, f"{name} /metrics: every metric should start with kvgate_: {foreign}"
+
+
+def test_gateway_metrics_count_calls_tokens_and_latencies(stack: Stack) -> None:
+    before = parse(scrape(stack, "gateway"))
+    num_tokens = run_requests(stack)
+    send_invalid_request(stack)
+    after = parse(scrape(stack, "gateway"))
+    calls = "kvgate_gateway_requests_total"
+    ok = increase(before, after, calls, service=INFERENCE, method="Generate", code="OK")
+    assert ok == NUM_REQUESTS, f"expected {NUM_REQUESTS} OK Generate calls counted, got {ok}"
+    invalid = increase(
+        before, after, calls, service=INFERENCE, method="Generate", code="INVALID_ARGUMENT"
+    )
+    assert invalid == 1, f"expected 1 INVALID_ARGUMENT Generate call counted, got {invalid}"
+    for histogram in ("ttft", "e2e"):
+        count = increase(before, after, f"kvgate_gateway_{histogram}_seconds_count")
+        assert count == NUM_REQUESTS, f"{histogram}: expected {NUM_REQUESTS} samples, got {count}"
+    itl = increase(before, after, "kvgate_gateway_itl_seconds_count")
+    assert itl == num_tokens - NUM_REQUESTS, f"expected a gap per token after the first, got {itl}"
+    tokens = increase(before, after, "kvgate_gateway_output_tokens_total")
+    assert tokens == num_tokens, f"expected {num_tokens} output tokens counted, got {tokens}"
+    assert value(after, "kvgate_gateway_active_streams", method="Generate") == 0
+
+
+def test_scheduler_metrics_count_batches_and_queue_waits(stack: Stack) -> None:
+    before = parse(scrape(stack, "scheduler"))
+    run_requests(stack)
+
+    # The scheduler records an assignment right after handing it over: poll until it has.
+    def counted() -> bool:
+        after = parse(scrape(stack, "scheduler"))
+        waits = increase(before, after, "kvgate_scheduler_queue_wait_seconds_count")
+        return waits == NUM_REQUESTS and value(after, "kvgate_scheduler_queue_length") == 0
+
+    wait_for(counted, 10.0, f"{NUM_REQUESTS} queue waits and an empty scheduler queue")
+    after = parse(scrape(stack, "scheduler"))
+    batched = increase(before, after, "kvgate_scheduler_batch_size_sum")
+    assert batched == NUM_REQUESTS, f"expected {NUM_REQUESTS} requests in batches, got {batched}"
+    releases = sum(
+        increase(before, after, "kvgate_scheduler_window_releases_total", reason=reason)
+        for reason in ("window", "max_batch_size", "max_batch_tokens")
+    )
+    assert releases == increase(before, after, "kvgate_scheduler_batch_size_count")
+    assert value(after, "kvgate_scheduler_executors_alive") == 1
+    assert value(after, "kvgate_scheduler_is_leader") == 1
+
+
+def test_executor_metrics_count_steps_and_tokens(stack: Stack) -> None:
+    before = parse(scrape(stack, "executor-0"))
+    num_tokens = run_requests(stack)
+    after = parse(scrape(stack, "executor-0"))
+    steps = increase(before, after, "kvgate_executor_step_seconds_count")
+    assert steps >= num_tokens / NUM_REQUESTS, f"expected a step per token at least, got {steps}"
+    step_tokens = increase(before, after, "kvgate_executor_step_tokens_sum")
+    assert step_tokens >= num_tokens, f"expected >= {num_tokens} tokens stepped, got {step_tokens}"
+    assert value(after, "kvgate_executor_kv_blocks") == 512
+    assert 0.0 <= value(after, "kvgate_executor_kv_usage_ratio") <= 1.0
+
+
+def test_executor_gauges_return_to_idle(stack: Stack) -> None:
+    run_requests(stack)
+
+    def idle() -> bool:
+        samples = parse(scrape(stack, "executor-0"))
+        running = value(samples, "kvgate_executor_running_requests")
+        return running == 0 and value(samples, "kvgate_executor_waiting_requests") == 0
+
+    wait_for(idle, 10.0, "executor metrics showing no running or waiting request")
+
+
+def log_lines(stack: Stack, name: str) -> list[dict]:
+    """Every line of a process's log, each parsed as JSON (fails on a line that is not)."""
+    lines = []
+    path = stack.config.log_dir / f"{name}.log"
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            pytest.fail(f"{path}:{number}: expected a JSON log line, got {line!r}")
+    return lines
+
+
+def test_a_request_is_followed_through_every_log_by_its_id(stack: Stack) -> None:
+    request_id = f"trace-{uuid.uuid4().hex}"
+    session_id = f"session-{uuid.uuid4().hex}"
+    with KvgateClient(stack.address, timeout_s=60.0) as client:
+        request = inference_pb2.GenerateRequest(
+            prompt="Once upon a time",
+            params=sampling_params(max_tokens=MAX_TOKENS, temperature=0.0),
+            request_id=request_id,
+            session_id=session_id,
+        )
+        chunks = list(client.stub.Generate(request, timeout=60.0))
+    assert chunks[-1].request_id == request_id
+
+    def mentions(name: str) -> list[dict]:
+        return [line for line in log_lines(stack, name) if line.get("request_id") == request_id]
+
+    for name in PROCESSES:
+        wait_for(lambda name=name: bool(mentions(name)), 10.0, f"{name} logging {request_id}")
+        for line in mentions(name):
+            assert line.get("session_id") == session_id, (
+                f"{name}: a line about {request_id} should carry session_id {session_id}: {line}"
+            )
