@@ -2,6 +2,7 @@
 
 kvgate generate "Once upon a time" --max-tokens 64 --temperature 0
 kvgate chat --system "You tell short stories."
+kvgate bench --num-requests 100 --request-rate 4 --out bench/results/run.json  (see bench/cli.py)
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import grpc
 
+from bench.cli import add_bench_flags
+from bench.cli import main as bench_main
 from client.api import DEFAULT_TARGET, ChatSession, KvgateClient, sampling_params
 
 
@@ -23,11 +27,28 @@ def default_target() -> str:
     return f"{os.environ.get('KVGATE_HOST', host)}:{os.environ.get('KVGATE_PORT', port)}"
 
 
+def _unsigned(bits: int) -> Callable[[str], int]:
+    """An argparse type: an integer the request's unsigned `bits`-bit field can hold."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if not 0 <= value < 2**bits:
+            raise argparse.ArgumentTypeError(f"must be in [0, {2**bits - 1}], got {value}")
+        return value
+
+    return parse
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
+    parser.add_argument(
+        "--max-tokens", type=_unsigned(32), default=None, help="most tokens to generate"
+    )
     parser.add_argument("--temperature", type=float, default=None, help="0: greedy (default 1)")
     parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=_unsigned(64), default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
@@ -43,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default="", help="system prompt")
     chat.add_argument("--session-id", default="", help="resume this session")
     _add_sampling_flags(chat)
+    bench = commands.add_parser(
+        "bench", help="load the gateway and report latencies (bench/cli.py)"
+    )
+    add_bench_flags(bench, default_target())
     return parser
 
 
@@ -103,6 +128,8 @@ def run_chat(client: KvgateClient, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench_main(args)
     with KvgateClient(args.target) as client:
         try:
             if args.command == "generate":

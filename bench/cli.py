@@ -1,0 +1,167 @@
+"""`kvgate bench`: load a running gateway and report TTFT, TPOT, ITL, latency and goodput.
+
+kvgate bench --target 127.0.0.1:50051 --num-requests 100 --request-rate 4 --out run.json
+kvgate bench --workload shared-prefix --num-prefixes 4 --prefix-len 96 --input-len 32 ...
+kvgate bench --workload chat --num-turns 3 --input-len 32 --output-len 32 ...
+kvgate bench --sweep-rates 1,2,4,inf ...      (one run per rate, plotted)
+kvgate bench --sweep-window 0,5,20,100 ...    (starts its own stack on --model)
+kvgate bench --compare-hf ...                 (the same requests through transformers)
+
+Writes the results JSON to --out and PNG plots next to it (OUT_cdf.png, OUT_rates.png,
+OUT_windows.png); prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.stats import parse_slos
+from bench.workloads import WORKLOADS, WorkloadConfig
+
+DEFAULT_OUT = Path("bench/results/bench.json")
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """The flags of one `kvgate bench`; validated in `__post_init__`."""
+
+    target: str
+    workload: WorkloadConfig
+    request_rate: float = math.inf  # requests per second; inf: all at once
+    burstiness: float = 1.0  # gamma shape of the gaps; 1: Poisson
+    max_concurrency: int | None = None  # None: no limit
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    out: Path = DEFAULT_OUT
+    sweep_rates: list[float] = field(default_factory=list)
+    sweep_windows_ms: list[float] = field(default_factory=list)
+    model: str = ""  # the served model's folder (--sweep-window, --compare-hf)
+    prompt_words: str = "english"  # english | vocab (the words of --model's tokenizer)
+    compare_hf: bool = False
+    hf_sample: int = 4
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for rate in [self.request_rate, *self.sweep_rates]:
+            if not rate > 0:
+                raise ValueError(f"--request-rate and --sweep-rates must be > 0 or inf, got {rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if any(window < 0 for window in self.sweep_windows_ms):
+            raise ValueError(f"--sweep-window values must be >= 0 ms, got {self.sweep_windows_ms}")
+        if self.sweep_rates and self.sweep_windows_ms:
+            raise ValueError("--sweep-rates and --sweep-window cannot be combined: pick one")
+        if self.compare_hf and (self.sweep_rates or self.sweep_windows_ms):
+            raise ValueError(
+                "--compare-hf compares one run: leave out --sweep-rates/--sweep-window"
+            )
+        if self.compare_hf and self.workload.workload == "chat":
+            raise ValueError("--compare-hf runs Generate workloads: use random or shared-prefix")
+        if self.hf_sample < 1:
+            raise ValueError(f"--hf-sample must be >= 1, got {self.hf_sample}")
+
+    def plot_path(self, kind: str) -> Path:
+        """Returns: OUT_kind.png next to the results JSON."""
+        return self.out.with_name(f"{self.out.stem}_{kind}.png")
+
+
+def add_bench_flags(parser: argparse.ArgumentParser, default_target: str) -> None:
+    """Adds the flags of `kvgate bench` to its subcommand parser."""
+    add = parser.add_argument
+    add("--target", default=default_target, help="gateway HOST:PORT")
+    add("--num-requests", type=int, default=100, help="requests (chat: turns) per run")
+    add("--request-rate", type=float, default=math.inf, help="requests/s; inf: all at once")
+    add("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
+    add("--max-concurrency", type=int, default=None, help="most requests in flight")
+    add("--workload", choices=WORKLOADS, default="random")
+    add(
+        "--input-len",
+        type=int,
+        default=128,
+        help="prompt tokens (shared-prefix: suffix; chat: turn)",
+    )
+    add("--output-len", type=int, default=128, help="output tokens (ignore_eos, exact)")
+    add(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)]; 0: fixed",
+    )
+    add("--prefix-len", type=int, default=64, help="shared-prefix: tokens of each prefix")
+    add("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
+    add("--num-turns", type=int, default=3, help="chat: turns per session")
+    add(
+        "--prompt-words",
+        choices=("english", "vocab"),
+        default="english",
+        help="prompt text: built-in English words, or the words of --model's vocabulary",
+    )
+    add("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
+    add(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="NAME=MS",
+        help="ttft_ms=.., tpot_ms=.. or e2e_ms=.. (repeatable): goodput's bounds",
+    )
+    add("--out", type=Path, default=DEFAULT_OUT, help="results JSON; PNGs go next to it")
+    add("--sweep-rates", type=_float_list, default=[], help="e.g. 1,2,4,inf: one run per rate")
+    add(
+        "--sweep-window",
+        type=_float_list,
+        default=[],
+        dest="sweep_windows_ms",
+        help="e.g. 0,5,20,100: batch_window_ms per run, on a local stack of --model",
+    )
+    add("--model", default="", help="served model folder (default: KVGATE_MODEL or make run's)")
+    add("--compare-hf", action="store_true", help="run the same requests through transformers")
+    add("--hf-sample", type=int, default=4, help="requests transformers generate runs one by one")
+    add("--no-progress", action="store_false", dest="progress", help="no progress bar")
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(item) for item in text.split(",") if item]
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Raises: ValueError naming the flag when a value is out of range."""
+    flags = vars(args)
+    workload = WorkloadConfig(**{name: flags[name] for name in WorkloadConfig.__dataclass_fields__})
+    return BenchConfig(
+        target=args.target,
+        workload=workload,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        slos_ms=parse_slos(args.slo),
+        out=args.out,
+        sweep_rates=args.sweep_rates,
+        sweep_windows_ms=args.sweep_windows_ms,
+        model=args.model,
+        prompt_words=args.prompt_words,
+        compare_hf=args.compare_hf,
+        hf_sample=args.hf_sample,
+        progress=args.progress,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs `kvgate bench` with parsed flags. Returns: the exit status."""
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"kvgate bench: {error}", file=sys.stderr)
+        return 2
+    from bench.runs import run_bench
+
+    results = run_bench(config)
+    config.out.parent.mkdir(parents=True, exist_ok=True)
+    config.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {config.out}")
+    return 0

@@ -1,0 +1,80 @@
+"""`kvgate bench` against a real stack: the results JSON and the PNG plots it writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.stack import ROOT
+from tests.integration.conftest import MODEL
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SUMMARY_KEYS = ("mean", "p50", "p90", "p99")
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    return stack_factory()
+
+
+def kvgate_bench(*flags: str) -> subprocess.CompletedProcess:
+    """Runs the `kvgate bench` command line and fails the test when it exits non-zero."""
+    argv = [sys.executable, "-m", "client.cli", "bench", "--no-progress", *flags]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"kvgate bench exited {done.returncode}:\n{done.stderr}"
+    return done
+
+
+def assert_is_png(path: Path) -> None:
+    assert path.is_file(), f"expected the plot {path}; it was not written"
+    assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
+
+
+def test_bench_writes_the_results_json_and_cdf_plot(stack, tmp_path):
+    out = tmp_path / "run.json"
+    kvgate_bench(
+        "--target", stack.address, "--num-requests", "8", "--request-rate", "inf",
+        "--input-len", "24", "--output-len", "6", "--slo", "ttft_ms=600000", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert (results["completed"], results["failed"]) == (8, 0), results["first_error"]
+    assert results["total_output_tokens"] == 8 * 6, "ignore_eos + max_tokens: exact outputs"
+    assert abs(results["total_prompt_tokens"] - 8 * 24) <= 8 * 4, "prompts near 24 tokens"
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        summary = results[name]
+        assert set(summary) == set(SUMMARY_KEYS), f"{name}: {summary}"
+        assert 0 <= summary["p50"] <= summary["p90"] <= summary["p99"], f"{name}: {summary}"
+    assert results["ttft_ms"]["p99"] <= results["e2e_ms"]["p99"]
+    assert results["request_throughput"] > 0 and results["output_token_throughput"] > 0
+    assert results["goodput"] == results["request_throughput"], "a 600 s TTFT SLO: all good"
+    assert results["workload"]["input_len"] == 24 and results["request_rate"] == "inf"
+    assert_is_png(tmp_path / "run_cdf.png")
+
+
+def test_bench_rate_sweep_plots_throughput_against_rate(stack, tmp_path):
+    out = tmp_path / "rates.json"
+    kvgate_bench(
+        "--target", stack.address, "--workload", "chat", "--num-requests", "4",
+        "--num-turns", "2", "--input-len", "8", "--output-len", "4",
+        "--sweep-rates", "8,inf", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert [p["request_rate"] for p in results["points"]] == [8.0, "inf"]
+    assert all(p["completed"] == 4 for p in results["points"]), "2 sessions x 2 turns per rate"
+    assert_is_png(tmp_path / "rates_rates.png")
+
+
+def test_bench_window_sweep_restarts_its_scheduler(tmp_path):
+    out = tmp_path / "windows.json"
+    kvgate_bench(
+        "--model", str(MODEL), "--sweep-window", "0,50", "--num-requests", "4",
+        "--input-len", "8", "--output-len", "4", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert [p["batch_window_ms"] for p in results["points"]] == [0, 50]
+    assert all(p["completed"] == 4 for p in results["points"])
+    assert_is_png(tmp_path / "windows_windows.png")
