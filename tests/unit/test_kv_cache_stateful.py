@@ -1,0 +1,477 @@
+"""KVCacheManager driven the way the step scheduler drives it, by a hypothesis state machine.
+
+The test keeps a shadow copy of the KV pool: when a request "computes" a position it writes
+(cache salt, tokens up to and including that position) into the slot, since that is what
+the K/V there depends on. Every request's computed positions, every session's tokens and
+every published block are then checked against the shadow: a request must never read K/V
+written for other tokens or for another salt, whatever mix of prefix hits, session turns,
+preemptions, expiries and evictions led there.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from executor.kv_cache import KVCacheManager
+from executor.request import Request
+from executor.sampling_params import SamplingParams
+
+VOCAB = st.integers(0, 3)  # tiny, so prefixes repeat and the cache hits often
+# Prompts often start with a shared "system prompt", as in real traffic: blocks get shared.
+PROMPTS = st.builds(
+    lambda system, user: system + user,
+    st.sampled_from([[], [0, 1, 2, 0, 1, 2, 0], [1, 1, 0, 0, 2, 2]]),
+    st.lists(VOCAB, min_size=1, max_size=8),
+)
+SESSION_IDS = st.sampled_from([None, "s0", "s1"])
+CACHE_SALTS = st.sampled_from([None, "a", "b"])
+MAX_LIVE_REQUESTS = 4
+MAX_REQUEST_TOKENS = 16  # a request finishes (LENGTH) once it holds this many tokens
+EOS = 3  # sampling it finishes the request (STOP), so turns end and sessions get pinned
+SESSION_TTL_S = 10.0
+
+Content = tuple[str | None, tuple[int, ...]]  # (cache salt, tokens up to the slot's position)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def content_at(salt: str | None, token_ids: list[int], position: int) -> Content:
+    return (salt, tuple(token_ids[: position + 1]))
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([2, 4]),
+        num_blocks=st.integers(8, 32),
+        enable_prefix_caching=st.sampled_from([True, True, True, False]),
+    )
+    def init_cache(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        self.clock = FakeClock()
+        self.kv = KVCacheManager(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            session_ttl_s=SESSION_TTL_S,
+            clock=self.clock,
+        )
+        self.bs = block_size
+        self.shadow: list[list[Content | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.pending: dict[str, int] = {}  # request_id -> tokens allocated, not yet computed
+        self.pinned: dict[str, tuple[str | None, list[int], float]] = {}  # what pin_session got
+        self.transcripts: list[tuple[str | None, str | None, list[int]]] = []
+        self.last_turn: dict[str, int] = {}  # session_id -> its last pinned turn's transcript
+        self.hash_contents: dict[int, Content] = {}  # every block hash a request produced
+        self.ids = itertools.count()
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def new_request(self, prompt: list[int], session_id: str | None, salt: str | None) -> Request:
+        n = next(self.ids)
+        return Request(f"r{n}", prompt, SamplingParams(), n, session_id=session_id, cache_salt=salt)
+
+    def assert_holds_own_kv(self, req: Request, num_tokens: int, what: str) -> None:
+        for p in range(num_tokens):
+            block_id = req.block_table[p // self.bs]
+            got = self.shadow[block_id][p % self.bs]
+            want = content_at(req.cache_salt, req.all_token_ids, p)
+            assert got == want, (
+                f"{what}: {req.request_id} position {p} (block {block_id}) should hold K/V of "
+                f"{want}, but the slot holds K/V of {got}"
+            )
+
+    def write_kv(self, req: Request, start: int, stop: int) -> None:
+        for p in range(start, stop):
+            block_id = req.block_table[p // self.bs]
+            self.shadow[block_id][p % self.bs] = content_at(req.cache_salt, req.all_token_ids, p)
+
+    def try_admit(self, req: Request, chunk: int) -> bool:
+        """The scheduler's admission: cached prefix, then slots for a chunk, else back off."""
+        num_cached = self.kv.acquire_cached_prefix(req)
+        assert num_cached < req.num_tokens, (
+            f"a hit may not cover the last token: {req.request_id} has {req.num_tokens} tokens "
+            f"and got a hit of {num_cached}"
+        )
+        assert req.num_computed_tokens == num_cached
+        assert len(req.block_table) == -(-num_cached // self.bs), (
+            f"a hit of {num_cached} tokens should hold {-(-num_cached // self.bs)} blocks, "
+            f"holds {req.block_table}"
+        )
+        self.assert_holds_own_kv(req, num_cached, "prefix hit")
+        num_new = min(req.num_tokens - num_cached, chunk)
+        table_after_hit = list(req.block_table)
+        if not self.kv.allocate_slots(req, num_new):
+            assert req.block_table == table_after_hit, "a failed allocation changed the table"
+            self.kv.free(req)
+            return False
+        if req.session_id is not None:
+            self.kv.release_session(req.session_id)
+            self.pinned.pop(req.session_id, None)
+        self.waiting.remove(req)
+        self.running.append(req)
+        self.pending[req.request_id] = num_new
+        return True
+
+    def run_forward(self, req: Request, token_id: int) -> None:
+        start = req.num_computed_tokens
+        stop = start + self.pending.pop(req.request_id)
+        assert len(req.block_table) * self.bs >= stop, (
+            f"{req.request_id} was scheduled up to token {stop} but holds only "
+            f"{len(req.block_table)} blocks of {self.bs}"
+        )
+        self.assert_holds_own_kv(req, start, "attention before compute")
+        self.write_kv(req, start, stop)
+        req.num_computed_tokens = stop
+        self.kv.register_computed_blocks(req)
+        self.record_hashes(req)
+        if stop == req.num_tokens:
+            req.all_token_ids.append(token_id)
+            if token_id == EOS or req.num_tokens >= MAX_REQUEST_TOKENS:
+                self.finish(req, abort=False)
+
+    def record_hashes(self, req: Request) -> None:
+        for i, block_hash in enumerate(req.block_hashes):
+            want = (req.cache_salt, tuple(req.all_token_ids[: (i + 1) * self.bs]))
+            seen = self.hash_contents.setdefault(block_hash, want)
+            assert seen == want, f"one block hash names both {seen} and {want}"
+
+    def finish(self, req: Request, abort: bool) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.pending.pop(req.request_id, None)
+        self.transcripts.append((req.session_id, req.cache_salt, list(req.all_token_ids)))
+        if req.session_id is not None and not abort:
+            self.last_turn[req.session_id] = len(self.transcripts) - 1
+            tokens = req.all_token_ids[: req.num_computed_tokens]
+            self.kv.pin_session(req)
+            self.pinned[req.session_id] = (req.cache_salt, tokens, self.clock.now_s)
+        else:
+            self.kv.free(req)
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pending.pop(req.request_id, None)
+        self.kv.free(req)
+        self.waiting.append(req)
+
+    def allocate_or_preempt(self, req: Request, num_new: int) -> bool:
+        """The scheduler's loop: preempt the newest unscheduled request until the step fits."""
+        while not self.kv.allocate_slots(req, num_new):
+            victim = max(
+                (r for r in self.running if r.request_id not in self.pending),
+                key=lambda r: r.sort_key,
+            )
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def just_sampled(self) -> list[Request]:
+        return [
+            r
+            for r in self.running
+            if r.request_id not in self.pending and r.num_computed_tokens == r.num_tokens - 1
+        ]
+
+    def unscheduled_running(self) -> list[Request]:
+        return [
+            r
+            for r in self.running
+            if r.request_id not in self.pending and r.num_computed_tokens < r.num_tokens
+        ]
+
+    # ---- rules --------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.waiting) + len(self.running) < MAX_LIVE_REQUESTS)
+    @rule(
+        prompt=PROMPTS,
+        session_id=SESSION_IDS,
+        salt=CACHE_SALTS,
+        chunk=st.integers(1, 12),
+    )
+    def add_request(
+        self, prompt: list[int], session_id: str | None, salt: str | None, chunk: int
+    ) -> None:
+        req = self.new_request(prompt, session_id, salt)
+        self.waiting.append(req)
+        self.try_admit(req, chunk)
+
+    @precondition(
+        lambda self: self.transcripts and len(self.waiting) + len(self.running) < MAX_LIVE_REQUESTS
+    )
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def add_next_turn(self, data: st.DataObject, chunk: int) -> None:
+        """A request built on an earlier one's tokens: the next chat turn, or an edited one."""
+        sources = self.transcripts[-4:]
+        sources += [(r.session_id, r.cache_salt, r.all_token_ids) for r in self.running]
+        sources += [self.transcripts[self.last_turn[sid]] for sid in self.kv.sessions] * 2
+        session_id, salt, tokens = data.draw(st.sampled_from(sources))
+        if len(tokens) > 1 and data.draw(st.booleans()):
+            cut = data.draw(st.integers(1, len(tokens) - 1))
+            edited = (tokens[cut] + data.draw(st.integers(1, 3))) % 4  # diverges right here
+            prompt = tokens[:cut] + [edited]
+        else:
+            prompt = list(tokens)
+        prompt += data.draw(st.lists(VOCAB, max_size=4))
+        if data.draw(st.integers(0, 3)) == 0:
+            salt = data.draw(CACHE_SALTS)
+        if data.draw(st.integers(0, 3)) == 0:
+            session_id = data.draw(SESSION_IDS)
+        req = self.new_request(prompt, session_id, salt)
+        self.waiting.append(req)
+        self.try_admit(req, chunk)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def admit(self, data: st.DataObject, chunk: int) -> None:
+        self.try_admit(data.draw(st.sampled_from(self.waiting)), chunk)
+
+    @precondition(lambda self: self.waiting or self.running)
+    @rule(data=st.data(), budget=st.integers(1, 16))
+    def step(self, data: st.DataObject, budget: int) -> None:
+        """A whole scheduler step: running requests, then waiting ones, then the forward."""
+        preempted = False
+        for req in sorted(self.running, key=lambda r: r.sort_key):
+            if budget == 0:
+                break
+            if req not in self.running or req.request_id in self.pending:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_running = len(self.running)
+            if self.allocate_or_preempt(req, num_new):
+                self.pending[req.request_id] = num_new
+                budget -= num_new
+            preempted = preempted or len(self.running) < num_running
+        for req in sorted(self.waiting, key=lambda r: r.sort_key):
+            if preempted or budget == 0 or not self.try_admit(req, budget):
+                break
+            budget -= self.pending[req.request_id]
+        for req in [r for r in self.running if r.request_id in self.pending]:
+            self.run_forward(req, data.draw(VOCAB))
+
+    @precondition(lambda self: self.unscheduled_running())
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def schedule_running(self, data: st.DataObject, chunk: int) -> None:
+        """Give a running request its next chunk (or its one decode token)."""
+        req = data.draw(st.sampled_from(self.unscheduled_running()))
+        num_new = min(req.num_tokens - req.num_computed_tokens, chunk)
+        if self.allocate_or_preempt(req, num_new):
+            self.pending[req.request_id] = num_new
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), token_id=VOCAB)
+    def compute(self, data: st.DataObject, token_id: int) -> None:
+        """The forward pass: write the scheduled K/V, publish full blocks, maybe sample."""
+        req = data.draw(st.sampled_from([r for r in self.running if r.request_id in self.pending]))
+        self.run_forward(req, token_id)
+
+    @precondition(lambda self: any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
+    @rule(data=st.data(), token_id=VOCAB)
+    def decode(self, data: st.DataObject, token_id: int) -> None:
+        """A whole decode step for one request: one slot, compute it, sample the next token."""
+        ready = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        req = data.draw(st.sampled_from(ready))
+        if req.request_id not in self.pending:
+            if not self.allocate_or_preempt(req, 1):
+                return
+            self.pending[req.request_id] = 1
+        self.run_forward(req, token_id)
+
+    @precondition(lambda self: self.just_sampled())
+    @rule(data=st.data())
+    def finish_request(self, data: st.DataObject) -> None:
+        """A request sampled its last token; its session (if any) keeps its KV."""
+        self.finish(data.draw(st.sampled_from(self.just_sampled())), abort=False)
+
+    @precondition(lambda self: self.waiting or self.running)
+    @rule(data=st.data(), preempt=st.booleans())
+    def interrupt(self, data: st.DataObject, preempt: bool) -> None:
+        """Preempt a running request between steps, or abort any request (nothing is pinned)."""
+        candidates = [r for r in self.running if r.request_id not in self.pending]
+        if preempt and candidates:
+            self.preempt(data.draw(st.sampled_from(candidates)))
+        else:
+            self.finish(data.draw(st.sampled_from(self.waiting + self.running)), abort=True)
+
+    @precondition(lambda self: self.kv.sessions)
+    @rule(data=st.data())
+    def release_session(self, data: st.DataObject) -> None:
+        session_id = data.draw(st.sampled_from([*self.kv.sessions, "never-pinned"]))
+        held = session_id in self.kv.sessions
+        assert self.kv.release_session(session_id) == held
+        self.pinned.pop(session_id, None)
+
+    @precondition(lambda self: self.kv.sessions)
+    @rule(dt_s=st.sampled_from([1.0, 4.0, SESSION_TTL_S + 1]))
+    def time_passes(self, dt_s: float) -> None:
+        """The clock moves on and the engine expires idle sessions, as each step begins."""
+        self.clock.now_s += dt_s
+        deadline = self.clock.now_s - SESSION_TTL_S
+        stale = {sid for sid, s in self.kv.sessions.items() if s.last_used_s < deadline}
+        assert self.kv.expire_sessions() == len(stale)
+        kept = set(self.kv.sessions)
+        assert not stale & kept, f"sessions {stale & kept} outlived their TTL"
+        for sid in stale:
+            self.pinned.pop(sid, None)
+
+    @precondition(lambda self: self.kv.sessions)
+    @rule(
+        prompt=st.lists(VOCAB, min_size=1, max_size=8),
+        salt=CACHE_SALTS,
+        publish=st.booleans(),
+    )
+    def evict_under_pressure(self, prompt: list[int], salt: str | None, publish: bool) -> None:
+        """A hog takes blocks until none is left, writes them, and goes away."""
+        num_tokens = (self.kv.num_blocks + 1) * self.bs
+        hog = self.new_request((prompt * num_tokens)[:num_tokens], None, salt)
+        evicted_before = self.kv.num_evicted_sessions
+        sessions_before = len(self.kv.sessions)
+        k = 1
+        while self.kv.allocate_slots(hog, k * self.bs):
+            k += 1
+        assert self.kv.num_free_blocks == 0, (
+            f"allocation failed with {self.kv.num_free_blocks} blocks still free"
+        )
+        assert not self.kv.sessions, f"sessions {list(self.kv.sessions)} survived full pressure"
+        assert self.kv.num_evicted_sessions - evicted_before == sessions_before
+        self.pinned.clear()
+        written = len(hog.block_table) * self.bs
+        self.write_kv(hog, 0, written)
+        if publish:
+            hog.num_computed_tokens = written
+            self.kv.register_computed_blocks(hog)
+            self.record_hashes(hog)
+        self.kv.free(hog)
+
+    # ---- invariants ---------------------------------------------------------------------
+
+    def holders(self) -> list[tuple[str, str | None, list[int]]]:
+        held = [(r.request_id, r.cache_salt, r.block_table) for r in self.running + self.waiting]
+        held += [(f"session {s.session_id}", s.cache_salt, s.block_ids) for s in self.sessions()]
+        return held
+
+    def sessions(self):
+        return list(self.kv.sessions.values())
+
+    @invariant()
+    def ref_counts_match_references(self) -> None:
+        refs = [0] * self.kv.num_blocks
+        for _, _, block_ids in self.holders():
+            for block_id in block_ids:
+                refs[block_id] += 1
+        got = [b.ref_count for b in self.kv.blocks]
+        assert got == refs, f"ref counts should be {refs}, are {got}"
+
+    @invariant()
+    def free_lists_hold_each_free_block_once(self) -> None:
+        plain = list(self.kv._free_plain)
+        cached = list(self.kv._free_cached)
+        free = plain + cached
+        want = [b.block_id for b in self.kv.blocks if b.ref_count == 0]
+        assert sorted(free) == want, f"free lists should hold {want}, hold {sorted(free)}"
+        for block_id in plain:
+            assert self.kv.blocks[block_id].block_hash is None, (
+                f"block {block_id} is published but on the plain free list (reused unhashed)"
+            )
+        for block_id in cached:
+            assert self.kv.blocks[block_id].block_hash is not None, (
+                f"block {block_id} is on the cached free list but not published"
+            )
+
+    @invariant()
+    def blocks_are_never_shared_across_salts(self) -> None:
+        salt_of: dict[int, tuple[str, str | None]] = {}
+        for holder, salt, block_ids in self.holders():
+            for block_id in block_ids:
+                other = salt_of.setdefault(block_id, (holder, salt))
+                assert other[1] == salt, (
+                    f"block {block_id} is held by {holder} (salt {salt!r}) and by {other[0]} "
+                    f"(salt {other[1]!r})"
+                )
+
+    @invariant()
+    def requests_hold_their_own_kv(self) -> None:
+        for req in self.running:
+            self.assert_holds_own_kv(req, req.num_computed_tokens, "running request")
+        for req in self.waiting:
+            assert not req.block_table and req.num_computed_tokens == 0, (
+                f"waiting {req.request_id} should hold nothing, holds {req.block_table}"
+            )
+
+    @invariant()
+    def sessions_hold_their_turns_kv(self) -> None:
+        last_used = [s.last_used_s for s in self.sessions()]
+        assert last_used == sorted(last_used), f"sessions out of LRU order: {last_used}"
+        for s in self.sessions():
+            assert s.session_id in self.pinned, f"session {s.session_id} appeared from nowhere"
+            salt, tokens, pinned_at = self.pinned[s.session_id]
+            assert (s.cache_salt, s.token_ids, s.last_used_s) == (salt, tokens, pinned_at)
+            assert len(s.block_ids) * self.bs >= len(tokens)
+            for p in range(len(tokens)):
+                got = self.shadow[s.block_ids[p // self.bs]][p % self.bs]
+                want = content_at(salt, tokens, p)
+                assert got == want, (
+                    f"session {s.session_id} position {p} should hold K/V of {want}, holds {got}"
+                )
+
+    @invariant()
+    def published_blocks_hold_what_their_hash_names(self) -> None:
+        for req in self.running + self.waiting:
+            self.record_hashes(req)
+        for block_hash, block_id in self.kv._hash_to_block.items():
+            block = self.kv.blocks[block_id]
+            assert block.block_hash == block_hash, f"block {block_id} has lost its hash"
+            assert block_hash in self.hash_contents, f"block {block_id} published a stray hash"
+            salt, prefix = self.hash_contents[block_hash]
+            start = len(prefix) - self.bs
+            assert block.token_ids == prefix[start:], (
+                f"block {block_id} confirms hits with {block.token_ids}, hash names {prefix}"
+            )
+            for slot in range(self.bs):
+                got = self.shadow[block_id][slot]
+                want = (salt, prefix[: start + slot + 1])
+                assert got == want, (
+                    f"published block {block_id} slot {slot} should hold K/V of {want}, holds {got}"
+                )
+        published = {b.block_id for b in self.kv.blocks if b.block_hash is not None}
+        assert published == set(self.kv._hash_to_block.values())
+
+    def teardown(self) -> None:
+        if not hasattr(self, "kv"):
+            return
+        for req in list(self.running + self.waiting):
+            self.finish(req, abort=False)
+        for session_id in list(self.kv.sessions):
+            assert self.kv.release_session(session_id)
+        assert self.kv.num_free_blocks == self.kv.num_blocks, (
+            f"with nothing live, all {self.kv.num_blocks} blocks should be free, "
+            f"{self.kv.num_free_blocks} are"
+        )
+
+
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_kv_cache_behaves_like_the_scheduler_expects = KVCacheMachine.TestCase
