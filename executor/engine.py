@@ -27,7 +27,7 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens produced this step
     logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" once finished (aborts produce no output)
     num_cached_tokens: int  # prompt tokens served from the prefix or session cache
 
 
@@ -47,6 +47,8 @@ class EngineStats:
 
 
 class Engine:
+    """Continuous batching over a paged KV cache, driven by `step()`; see the module docstring."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
@@ -80,7 +82,7 @@ class Engine:
         Raises:
             ValueError: a field is invalid (the message names it), or the id is in use.
         """
-        self._validate(request_id, prompt_token_ids, params, priority, session_id)
+        self._validate(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
         generator = None
         if params.seed is not None:
             generator = Sampler.make_generator(params.seed, self.runner.device)
@@ -109,7 +111,12 @@ class Engine:
         self.scheduler.finish(req, FinishReason.ABORT)
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass over the current batch and return what it produced."""
+        """Run one forward pass over the current batch.
+
+        Returns:
+            One output per request that produced a token this step (requests in the middle
+            of a chunked prefill produce none). Aborted requests never appear.
+        """
         self.kv_cache.expire_sessions()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -118,6 +125,7 @@ class Engine:
         return self._update(out, logits)
 
     def has_unfinished(self) -> bool:
+        """Whether any request is still waiting or running."""
         return bool(self.requests)
 
     def release_session(self, session_id: str) -> bool:
@@ -133,6 +141,7 @@ class Engine:
         return self.kv_cache.cached_block_hashes(limit)
 
     def stats(self) -> EngineStats:
+        """Queue lengths, block usage and cumulative cache and preemption counters."""
         kv = self.kv_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -205,6 +214,7 @@ class Engine:
         params: SamplingParams,
         priority: int,
         session_id: str | None,
+        cache_salt: str | None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -216,9 +226,14 @@ class Engine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         self._validate_prompt(prompt_token_ids)
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            kind = type(prompt_token_ids).__name__
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {kind}")
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt_token_ids must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:

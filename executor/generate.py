@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(config)
         prompts = [tokenizer.encode(p).ids for p in args.prompt]
         completions = generate(engine, prompts, params)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for token_ids in completions:

@@ -10,7 +10,7 @@ its TTL, or eviction under memory pressure (least recently used session first).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -161,6 +161,7 @@ class KVCacheManager:
     # ---- allocation ---------------------------------------------------------------------
 
     def num_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks to add to the request's table so it can hold `num_new_tokens` more."""
         total = req.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(req.block_table))
 
@@ -182,9 +183,21 @@ class KVCacheManager:
         req.num_registered_blocks = 0
 
     def _make_room(self, num_blocks: int) -> bool:
-        while self.num_free_blocks < num_blocks and self.sessions:
+        """Free enough blocks by evicting sessions (LRU first), but only if that suffices."""
+        if self.num_free_blocks >= num_blocks:
+            return True
+        if self.num_free_blocks + self._num_session_only_blocks() < num_blocks:
+            return False  # evicting every session would not help: keep them
+        while self.num_free_blocks < num_blocks:
             self._evict_session(next(iter(self.sessions)))
-        return self.num_free_blocks >= num_blocks
+        return True
+
+    def _num_session_only_blocks(self) -> int:
+        """Blocks that releasing every session would free (no request holds them)."""
+        session_refs: Counter[int] = Counter()
+        for session in self.sessions.values():
+            session_refs.update(session.block_ids)
+        return sum(1 for b, n in session_refs.items() if self.blocks[b].ref_count == n)
 
     def _pop_free_block(self) -> int:
         if self._free_plain:
@@ -237,10 +250,17 @@ class KVCacheManager:
         req.block_table = []
         req.num_computed_tokens = 0
 
-    def release_session(self, session_id: str) -> bool:
-        session = self.sessions.pop(session_id, None)
-        if session is None:
+    def release_session(self, session_id: str, cache_salt: str | None = None, *,
+                        any_tenant: bool = True) -> bool:  # fmt: skip
+        """Drop a session's pins; with `any_tenant=False` only the tenant `cache_salt`'s.
+
+        Returns:
+            Whether a session was released.
+        """
+        session = self.sessions.get(session_id)
+        if session is None or not (any_tenant or session.cache_salt == cache_salt):
             return False
+        del self.sessions[session_id]
         for block_id in reversed(session.block_ids):
             self._decref(block_id)
         return True
@@ -263,6 +283,7 @@ class KVCacheManager:
         return [h for h, _ in zip(newest, range(limit), strict=False)]
 
     def num_session_blocks(self) -> int:
+        """Blocks held by sessions (a block shared by two sessions counts twice)."""
         return sum(len(s.block_ids) for s in self.sessions.values())
 
 

@@ -20,6 +20,8 @@ _CUDA_ACTIVATION_RESERVE_BYTES = 1 << 30  # headroom for activations and the all
 
 
 class ModelRunner:
+    """Loads the model, sizes and allocates the KV cache, and runs one step's forward pass."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[

@@ -37,6 +37,8 @@ class SchedulerOutput:
 
 
 class StepScheduler:
+    """Decides each step's batch; owns the waiting and running queues."""
+
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int):
         self.config = config
         self.kv_cache = kv_cache
@@ -52,6 +54,11 @@ class StepScheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
     def schedule(self) -> SchedulerOutput:
+        """Choose the next step's requests and their token counts, allocating their blocks.
+
+        Returns:
+            The step's decision; empty when nothing can run.
+        """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -64,7 +71,8 @@ class StepScheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: set[str] = set()
-        for req in list(self.running):
+        # one-token requests (decodes) first, so a long chunked prefill never stalls them
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -106,7 +114,8 @@ class StepScheduler:
                 self.kv_cache.free(req)
                 break
             if req.session_id is not None:
-                self.kv_cache.release_session(req.session_id)  # this turn replaces it
+                # this turn replaces the session (another tenant's stays untouched)
+                self.kv_cache.release_session(req.session_id, req.cache_salt, any_tenant=False)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_cached
                 self.prefix_hit_tokens += num_cached

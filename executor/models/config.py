@@ -6,6 +6,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -27,8 +34,6 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2 has biases on q/k/v
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    torch_dtype: str | None
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -43,6 +48,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not config_path.is_file():
         raise FileNotFoundError(f"model folder {model_dir} has no config.json")
     raw = json.loads(config_path.read_text())
+    missing = [k for k in _REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"{config_path} lacks required keys {missing}")
     architecture = _architecture(raw)
     num_heads = raw["num_attention_heads"]
     rope_theta, rope_scaling = _rope(raw)
@@ -63,8 +71,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
         sliding_window=_sliding_window(raw),
         eos_token_ids=_eos_token_ids(model_dir, raw),
-        bos_token_id=raw.get("bos_token_id"),
-        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -21,7 +22,8 @@ def tokenizer():
 
 def make_engine(**overrides) -> Engine:
     overrides.setdefault("kv_cache_gib", 0.02)
-    return Engine(EngineConfig(model=str(STORIES_260K), **overrides))
+    overrides.setdefault("model", str(STORIES_260K))
+    return Engine(EngineConfig(**overrides))
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -153,6 +155,9 @@ def test_seeded_sampling_is_independent_of_batch_mates(tokenizer):
         ("request_id", lambda e: e.abort("nobody")),
         ("request_id", lambda e: e.add_request("good", [1, 5], greedy(4))),  # duplicate
         ("priority", lambda e: e.add_request("bad", [1], greedy(4), priority="high")),
+        ("cache_salt", lambda e: e.add_request("bad", [1, 5], greedy(4), cache_salt=5)),
+        ("prompt_token_ids", lambda e: e.add_request("bad", None, greedy(4))),
+        ("session_id", lambda e: e.add_request("bad", [1, 5], greedy(4), session_id="")),
     ],
 )
 def test_bad_input_names_field_and_spares_others(tokenizer, field, call):
@@ -200,3 +205,70 @@ def test_reported_cache_hashes_are_the_schedulers_prompt_hashes(tokenizer):
         f"scheduler-side hashes {expected} not all reported in {sorted(reported)}"
     )
     assert not set(block_hashes(prompt, 4, "tenant-b")) & reported
+
+
+def test_session_reuses_a_partial_last_block(tokenizer):
+    engine = make_engine(block_size=4)
+    turn1 = tokenizer("Once upon a time").input_ids
+    engine.add_request("t1", turn1, greedy(7), session_id="s")
+    reply1 = run_to_completion(engine)["t1"]
+    kv_tokens = len(turn1) + len(reply1) - 1
+    assert kv_tokens % 4, "the test needs turn 1 to end inside a block"
+    turn2 = turn1 + reply1 + tokenizer("The end", add_special_tokens=False).input_ids
+    engine.add_request("t2", turn2, greedy(12), session_id="s")
+    outputs = drain(engine)
+    assert outputs[0].num_cached_tokens == kv_tokens, (
+        f"expected {kv_tokens} cached tokens, got {outputs[0].num_cached_tokens}"
+    )
+    cold = make_engine(block_size=4, enable_prefix_caching=False)
+    cold.add_request("cold", turn2, greedy(12))
+    assert [t for o in outputs for t in o.new_token_ids] == run_to_completion(cold)["cold"]
+
+
+def test_a_request_that_cannot_fit_leaves_session_pins_alone(tokenizer):
+    engine = make_engine(block_size=4, num_gpu_blocks=24)
+    engine.add_request("t1", tokenizer("Once upon a time").input_ids, greedy(6), session_id="s")
+    run_to_completion(engine)
+    engine.add_request("runner", tokenizer("The dog").input_ids, greedy(40))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("huge", [5] * 92, greedy(2))
+    engine.step()
+    stats = engine.stats()
+    assert stats.num_waiting == 1, f"the 92-token prompt was not expected to fit: {stats}"
+    assert stats.num_session_pins == 1, f"the session was evicted for nothing: {stats}"
+
+
+def test_another_tenants_request_does_not_drop_a_session(tokenizer):
+    engine = make_engine(block_size=4)
+    prompt = tokenizer("Once upon a time").input_ids
+    engine.add_request("a", prompt, greedy(6), session_id="s", cache_salt="tenant-a")
+    run_to_completion(engine)
+    engine.add_request("b", prompt, greedy(2), session_id="s2", cache_salt="tenant-b")
+    engine.add_request("b2", prompt, greedy(2), session_id="s", cache_salt="tenant-b")
+    outputs = {o.request_id: o for o in drain(engine)}
+    assert outputs["b2"].num_cached_tokens == 0, "tenant b read tenant a's session"
+
+
+def test_decodes_keep_running_beside_a_higher_priority_long_prompt(tokenizer):
+    engine = make_engine(max_num_batched_tokens=6)
+    engine.add_request("short", tokenizer("Once").input_ids, greedy(30), priority=5)
+    engine.step()
+    engine.add_request("long", [5] * 60, greedy(2), priority=-1)
+    for step in range(8):
+        produced = {o.request_id for o in engine.step()}
+        assert "short" in produced, f"the decode stalled at step {step} of the long prefill"
+
+
+def test_unsupported_architecture_and_missing_weights_are_named(tmp_path):
+    config = {"architectures": ["GPTNeoXForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+              "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*LlamaForCausalLM"):
+        make_engine(model=str(tmp_path))
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        make_engine(model=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        make_engine(model=str(tmp_path / "nowhere"))
