@@ -53,16 +53,24 @@ def sampling_params(
     ignore_eos: bool = False,
     stop: list[str] | None = None,
 ) -> inference_pb2.SamplingParams:
-    """SamplingParams with only the given fields set (the gateway fills in the rest)."""
-    params = inference_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop=stop or [])
+    """SamplingParams with only the given fields set (the gateway fills in the rest).
+
+    Raises:
+        ValueError: naming a field its protobuf type cannot hold (a negative max_tokens).
+    """
+    params = inference_pb2.SamplingParams(ignore_eos=ignore_eos, stop=stop or [])
     for name, value in (
         ("max_tokens", max_tokens),
         ("temperature", temperature),
         ("top_p", top_p),
+        ("top_k", top_k),
         ("seed", seed),
     ):
         if value is not None:
-            setattr(params, name, value)
+            try:
+                setattr(params, name, value)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{name} cannot be {value!r} ({error})") from None
     return params
 
 

@@ -208,7 +208,8 @@ class Stack:
         raw = self.redis().get(self.keys.executor_status(executor_id))
         return None if raw is None else internal_pb2.ExecutorStatus.FromString(raw)
 
-    def start_gateway(self, name: str, port: int) -> None:
+    def start_gateway(self, name: str, port: int, extra_flags: list[str] | None = None) -> None:
+        """Starts a gateway on `port` with the stack's gateway flags, then `extra_flags`."""
         argv = [
             sys.executable,
             "-m",
@@ -221,6 +222,7 @@ class Stack:
             str(port),
             *self._metrics_flags(name),
             *self.config.gateway_flags,
+            *(extra_flags or []),
         ]
         proc = self.spawn(name, argv)
         self.gateway_ports[name] = port

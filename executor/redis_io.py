@@ -68,10 +68,13 @@ class InboxReader:
         self._handing_back.set()
 
     def stop(self) -> None:
-        """Stops reading, then hands back the assignments left unread (one try: Redis
-        down leaves them to the scheduler, which re-queues a gone executor's inbox)."""
+        """Stops reading (if started), then hands back the assignments left unread.
+
+        One try: Redis down leaves them to the scheduler, which re-queues a gone executor's inbox.
+        """
         self._stop.set()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         try:
             self._delete_handled()
             self._sweep_unread()

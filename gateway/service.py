@@ -168,15 +168,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finally:
             reader.cancel()
 
-    async def _open_session(
+    async def _resume_session(
         self, conversation: ChatConversation, turn: inference_pb2.ChatTurn
-    ) -> Session:
-        if turn.session_id:
+    ) -> None:
+        """Loads the session a first turn names (a new one is created once the turn is valid)."""
+        if conversation.session is None and turn.session_id:
             check_id("turn.session_id", turn.session_id)
-            return await self.sessions.load(turn.session_id, conversation.tenant)
-        session = await self.sessions.create(conversation.tenant)
-        if turn.system_prompt:
-            session.messages.append(Message("system", turn.system_prompt))
+            conversation.session = await self.sessions.load(turn.session_id, conversation.tenant)
+
+    async def _new_session(self, tenant: str, messages: list[Message]) -> Session:
+        session = await self.sessions.create(tenant)
+        session.messages.extend(messages)
         return session
 
     def _chat_prompt(self, messages: list[Message]) -> list[int]:
@@ -192,12 +194,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.ChatResponse]:
         if not turn.content:
             raise InvalidArgument("turn.content", "must not be empty")
-        if conversation.session is None:
-            conversation.session = await self._open_session(conversation, turn)
-        session = conversation.session
+        await self._resume_session(conversation, turn)
+        system = [Message("system", turn.system_prompt)] if turn.system_prompt else []
+        history = conversation.session.messages if conversation.session else system
         user = Message("user", turn.content)
-        prompt = self._chat_prompt([*session.messages, user])
-        spec = self._spec(prompt, turn.params, turn.priority, session.session_id, turn.request_id)
+        prompt = self._chat_prompt([*history, user])
+        spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id)
+        if conversation.session is None:
+            conversation.session = await self._new_session(conversation.tenant, system)
+        session = conversation.session
+        spec.session_id = session.session_id
         generation = Generation(spec, self.deps, conversation.tenant, session.executor_id)
         reply: list[str] = []
         turn_index = session.num_turns

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from common.keys import SCHEDULER_GROUP
+from deploy.stack import free_port
 from tests.integration.conftest import generate, wait_for
 
 MAX_QUEUE_LEN = 6
@@ -53,11 +54,24 @@ def assert_all_complete(futures) -> None:
     assert not short, f"{len(short)} of {len(completions)} queued requests did not complete"
 
 
-def test_a_client_deadline_while_queued_is_deadline_exceeded(stack):
+def test_a_request_queued_past_queue_timeout_s_is_deadline_exceeded_by_the_server(stack):
+    """The scheduler's 3 s window holds the request past a 1 s queue_timeout_s; the client
+    would wait 60 s, so DEADLINE_EXCEEDED can only come from the gateway."""
+    port = free_port()
+    stack.start_gateway("gateway-impatient", port, ["--queue-timeout-s", "1"])
+    address = f"{stack.config.host}:{port}"
+    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
-        generate(stack.address, "Once upon a time", timeout_s=0.5, max_tokens=8)
-    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: queued(stack) == 0, 5.0, "the cancelled request to leave the queue")
+        generate(address, "Once upon a time", timeout_s=60.0, max_tokens=8)
+    elapsed_s = time.monotonic() - started
+    code, details = caught.value.code(), caught.value.details()
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED, f"{code}: {details}"
+    assert "queue_timeout_s" in details, f"expected the gateway's queue timeout, got {details!r}"
+    assert elapsed_s < 2.9, f"DEADLINE_EXCEEDED after {elapsed_s:.1f} s, not about 1 s"
+    wait_for(lambda: queued(stack) == 0, 10.0, "the expired request to leave the queue")
+    stack.stop("gateway-impatient")
+    completion = generate(stack.address, "Once upon a time", max_tokens=1)
+    assert completion.finish_reason == "length", "the service stopped answering"
 
 
 def test_requests_held_by_a_killed_scheduler_complete_under_the_standby(stack):

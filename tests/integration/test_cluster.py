@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import signal
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from client.api import KvgateClient
+from common.keys import PAYLOAD_FIELD
+from protos.kvgate.v1 import inference_pb2, internal_pb2
 from tests.integration.conftest import generate, session_executor, wait_for
 
 STORY_STARTS = ["Once upon a time", "The cat", "A big red ball", "Tom had a toy", "The sun was"]
@@ -63,17 +67,73 @@ def test_an_executor_started_mid_test_receives_work(stack):
     assert "executor-2" in used, f"the new executor got no work; requests ran on {used}"
 
 
+def log_lines(stack, name: str, *needles: str) -> list[str]:
+    """Lines of process `name`'s log holding every needle (none when it never ran)."""
+    path = stack.config.log_dir / f"{name}.log"
+    text = path.read_text() if path.exists() else ""
+    return [line for line in text.splitlines() if all(n in line for n in needles)]
+
+
+def inject_assignment(stack, executor_id: str, request_id: str) -> None:
+    """Writes an assignment into an executor's inbox, as a scheduler that has not yet seen
+    the executor's drain would."""
+    (serving,) = log_lines(stack, "gateway", "gateway serving on")
+    reply_to = re.search(r"token sink ([^,) ]+)", serving).group(1)
+    queued = internal_pb2.QueuedRequest(
+        request_id=request_id,
+        reply_to=reply_to,
+        tenant="default",
+        prompt_token_ids=[1, 100, 200],
+        params=inference_pb2.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0),
+        queue_deadline_unix_ms=int(time.time() * 1000) + 60_000,
+    )
+    message = internal_pb2.InboxMessage()
+    message.assignment.request.CopyFrom(queued)
+    message.assignment.executor_id = executor_id
+    inbox = stack.keys.executor_inbox(executor_id)
+    stack.redis().xadd(inbox, {PAYLOAD_FIELD: message.SerializeToString()})
+
+
 def test_sigterm_drains_an_executor_without_losing_requests(stack):
+    probe_id = f"drain-probe-{uuid.uuid4().hex[:8]}"
     with ThreadPoolExecutor(12) as pool:
-        pending = pool.submit(burst, stack, 12, 48)
+        pending = pool.submit(burst, stack, 12, 128)
 
         def busy() -> bool:
             status = stack.executor_status("executor-1")
             return status is not None and status.num_running > 0
 
+        def draining() -> bool:
+            status = stack.executor_status("executor-1")
+            return status is not None and status.draining
+
         wait_for(busy, 30.0, "executor-1 running requests")
+        stack.procs["executor-1"].send_signal(signal.SIGTERM)
+        wait_for(draining, 10.0, "executor-1 to report draining")
+        inject_assignment(stack, "executor-1", probe_id)
+        wait_for(
+            lambda: bool(log_lines(stack, "executor-1", "handed back", probe_id)),
+            5.0,
+            "executor-1 to hand the unread assignment back",
+        )
+        assert draining(), "the assignment was handed back only when executor-1 exited"
         status = stack.stop("executor-1", sig=signal.SIGTERM, timeout_s=60.0)
         results = pending.result(timeout=120)
     assert status == 0, f"the draining executor exited with status {status}"
-    short = [c for _, c in results if len(c.token_ids) != 48 or c.finish_reason != "length"]
+    short = [c for _, c in results if len(c.token_ids) != 128 or c.finish_reason != "length"]
     assert not short, f"{len(short)} of 12 requests did not complete: {short[:1]}"
+    # A drain, not a hard kill: what executor-1 had taken, it finished itself.
+    sessions = [sid for sid, _ in results]
+    own = [sid for sid in sessions if log_lines(stack, "executor-1", "request admitted", sid)]
+    assert own, "executor-1 took none of the burst"
+    unfinished = [s for s in own if not log_lines(stack, "executor-1", "request finished", s)]
+    assert not unfinished, f"executor-1 did not finish {len(unfinished)} of its {len(own)}"
+    owners = {sid: session_executor(stack, sid) for sid in own}
+    moved = {sid: owner for sid, owner in owners.items() if owner != "executor-1"}
+    assert not moved, f"requests of the drained executor ended elsewhere: {moved}"
+
+    def probe_ran_elsewhere() -> bool:
+        others = ("executor-0", "executor-2")
+        return any(log_lines(stack, e, "request admitted", probe_id) for e in others)
+
+    wait_for(probe_ran_elsewhere, 10.0, "another executor to run the handed-back assignment")

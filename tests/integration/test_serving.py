@@ -59,6 +59,11 @@ def free_blocks(stack) -> int:
     return stack.executor_status(EXECUTOR).num_free_blocks
 
 
+def wait_until_holding_blocks(stack, idle: int) -> None:
+    """Waits until the executor reports fewer free blocks than `idle`: the request runs there."""
+    wait_for(lambda: free_blocks(stack) < idle, 10.0, f"the request to hold blocks (idle {idle})")
+
+
 def test_health_is_serving(stack):
     with grpc.insecure_channel(stack.address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
@@ -73,6 +78,10 @@ def test_generate_streams_the_transformers_greedy_text(stack, reference):
     assert completion.token_ids == expected_ids, "token ids differ from transformers greedy"
     assert completion.text == expected_text, f"expected {expected_text!r}, got {completion.text!r}"
     assert completion.usage.prompt_tokens == len(prompt_ids)
+    timings = completion.timings
+    assert 0 < timings.queue_ms < timings.ttft_ms, (
+        f"queue time must end when the executor accepts, before its prefill: {timings}"
+    )
 
 
 def test_32_concurrent_streams_are_all_correct(stack, reference):
@@ -158,7 +167,7 @@ def test_cancel_mid_stream_frees_the_executor_blocks(stack):
     with KvgateClient(stack.address) as client:
         call = open_stream(client, PROMPTS[1], max_tokens=400, ignore_eos=True)
         next(call)
-        next(call)
+        wait_until_holding_blocks(stack, idle)
         call.cancel()
     wait_for(lambda: free_blocks(stack) == idle, 2.0, f"free blocks back to {idle} after cancel")
 
@@ -170,7 +179,7 @@ def test_killed_gateway_mid_stream_frees_the_executor_blocks(stack):
     with KvgateClient(f"{stack.config.host}:{port}") as client:
         call = open_stream(client, PROMPTS[2], max_tokens=400, ignore_eos=True)
         next(call)
-        next(call)
+        wait_until_holding_blocks(stack, idle)
         stack.stop("gateway-doomed", sig=signal.SIGKILL)
         wait_for(
             lambda: free_blocks(stack) == idle,

@@ -311,6 +311,18 @@ def test_chat_cancel_ends_the_turn_with_abort_and_keeps_the_stream(
     turns.close()
 
 
+def test_a_bad_first_chat_turn_leaves_no_session_behind(
+    gateway: GatewayThread, redis_client: redis.Redis
+):
+    turn = pb.ChatTurn(content="hi", params=pb.SamplingParams(temperature=-1.0))
+    responses = gateway.stub.Chat(iter([pb.ChatRequest(turn=turn)]), timeout=CALL_TIMEOUT_S)
+    code, details = status_of(responses)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{code}: {details}"
+    assert "params.temperature" in details, f"expected the message to name the field: {details!r}"
+    orphans = redis_client.keys("kvgate:session:*")
+    assert orphans == [], f"a rejected first turn left sessions in redis: {orphans}"
+
+
 def test_another_tenants_session_is_permission_denied(
     gateway: GatewayThread, executor: ExecutorPeer, redis_client
 ):
@@ -417,6 +429,18 @@ def test_kvgate_generate_prints_the_completion(
     answering.join()
     assert exit_code == 0
     assert capsys.readouterr().out == STORY + "\n"
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-tokens", "-1"), ("--seed", "-3")])
+def test_kvgate_generate_names_an_out_of_range_flag_without_a_traceback(
+    flag: str, value: str, capsys
+):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", PROMPT, flag, value, "--target", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, f"expected exit status 2, got {exited.value.code}: {err}"
+    assert flag in err and value in err, f"the error must name {flag} and {value}: {err!r}"
+    assert "Traceback" not in err, err
 
 
 def test_kvgate_chat_streams_replies_and_ends_its_session(

@@ -1,0 +1,139 @@
+"""The executor's Redis I/O against a real redis-server: drain hand-back and Redis outages."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from common.keys import PAYLOAD_FIELD, RedisKeys
+from common.redis_conn import connect_sync
+from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
+from protos.kvgate.v1 import internal_pb2
+from tests.unit.gateway_harness import STORIES, redis_server, wait_for
+
+KEYS = RedisKeys()
+EXECUTOR = "e1"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory):
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def client(redis_url: str) -> redis.Redis:
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    return client
+
+
+def assign(client: redis.Redis, request_id: str, deadline_unix_ms: int = 0) -> None:
+    message = internal_pb2.InboxMessage()
+    request = message.assignment.request
+    request.request_id = request_id
+    request.queue_deadline_unix_ms = deadline_unix_ms
+    message.assignment.executor_id = EXECUTOR
+    client.xadd(KEYS.executor_inbox(EXECUTOR), {PAYLOAD_FIELD: message.SerializeToString()})
+
+
+def release(client: redis.Redis, session_id: str) -> None:
+    message = internal_pb2.InboxMessage()
+    message.release_session.session_id = session_id
+    client.xadd(KEYS.executor_inbox(EXECUTOR), {PAYLOAD_FIELD: message.SerializeToString()})
+
+
+def requeued(client: redis.Redis) -> dict[str, internal_pb2.QueuedRequest]:
+    """The requests on the request stream, by id."""
+    entries = client.xrange(KEYS.requests)
+    parsed = [internal_pb2.QueuedRequest.FromString(f[PAYLOAD_FIELD.encode()]) for _, f in entries]
+    return {r.request_id: r for r in parsed}
+
+
+def test_a_draining_reader_hands_back_assignments_and_still_delivers_releases(client):
+    delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
+    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
+    reader.start()
+    try:
+        assign(client, "before-drain")
+        first = delivered.get(timeout=5.0)
+        assert first.message.assignment.request.request_id == "before-drain"
+        reader.handled(first.entry_id)
+        reader.hand_back_assignments()
+        deadline_unix_ms = int(time.time() * 1000) + 60_000
+        assign(client, "during-drain", deadline_unix_ms)
+        release(client, "s1")
+        entry = delivered.get(timeout=5.0)
+        assert entry.message.release_session.session_id == "s1", "a release was not delivered"
+        reader.handled(entry.entry_id)
+        back = wait_for(lambda: requeued(client).get("during-drain"), "the hand-back")
+    finally:
+        reader.stop()
+    assert back.attempt == 1, f"a handed-back request must be attempt 1, got {back.attempt}"
+    assert back.queue_deadline_unix_ms == deadline_unix_ms, "the queue deadline changed"
+    assert "before-drain" not in requeued(client), "an assignment taken before the drain came back"
+    assert delivered.empty(), "an assignment read during the drain was delivered to the engine"
+    assert client.xlen(KEYS.executor_inbox(EXECUTOR)) == 0, "handled entries stayed in the inbox"
+
+
+def test_stop_hands_back_the_assignments_left_unread(client):
+    assign(client, "r1")
+    assign(client, "r2")
+    release(client, "s1")
+    reader = InboxReader(client, KEYS, EXECUTOR, queue.SimpleQueue())
+    reader.stop()
+    assert sorted(requeued(client)) == ["r1", "r2"]
+    assert all(r.attempt == 1 for r in requeued(client).values())
+    assert client.xlen(KEYS.executor_inbox(EXECUTOR)) == 0, "the inbox was not emptied"
+
+
+def test_heartbeat_and_inbox_survive_redis_being_down(tmp_path: Path):
+    client = connect_sync(f"unix://{tmp_path}/no-redis.sock", timeout_s=0.5)
+    board = StatusBoard()
+    board.post(internal_pb2.ExecutorStatus(executor_id=EXECUTOR))
+    heartbeat = Heartbeat(client, KEYS, board)
+    reader = InboxReader(client, KEYS, EXECUTOR, queue.SimpleQueue())
+    heartbeat.start()
+    reader.start()
+    reader.hand_back_assignments()
+    assert heartbeat.try_beat() is False
+    reader.stop()
+    heartbeat.stop()
+
+
+def test_an_executor_started_before_redis_registers_once_redis_is_up(tmp_path: Path):
+    socket_path = tmp_path / "redis.sock"
+    argv = [
+        sys.executable, "-m", "executor.service", "--model", str(STORIES),
+        "--redis-url", f"unix://{socket_path}", "--executor-id", EXECUTOR,
+        "--num-gpu-blocks", "64", "--metrics-port", "-1",
+    ]  # fmt: skip
+    log_path = tmp_path / "executor.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        serving_by = time.monotonic() + 60.0  # loading torch and the model on a busy machine
+        while "serving" not in log_path.read_text() and time.monotonic() < serving_by:
+            time.sleep(0.1)
+        time.sleep(1.0)  # a few failed beats and reads
+        assert process.poll() is None, f"the executor exited without redis:\n{log_path.read_text()}"
+        with redis_server(tmp_path) as url:
+            up = redis.Redis.from_url(url)
+            wait_for(lambda: up.get(KEYS.executor_status(EXECUTOR)), "the executor's heartbeat")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log_text = log_path.read_text()
+    assert "Traceback" not in log_text, log_text
+    assert log_text.count("heartbeat: redis unreachable") == 1, f"expected one line:\n{log_text}"
