@@ -30,11 +30,15 @@ VOCAB = st.integers(0, 3)  # tiny, so prefixes repeat and the cache hits often
 # Prompts often start with a shared "system prompt", as in real traffic: blocks get shared.
 PROMPTS = st.builds(
     lambda system, user: system + user,
-    st.sampled_from([[], [0, 1, 2, 0, 1, 2, 0], [1, 1, 0, 0, 2, 2]]),
+    st.sampled_from([[0, 1, 2, 0, 1, 2, 0], [], [1, 1, 0, 0, 2, 2]]),
     st.lists(VOCAB, min_size=1, max_size=8),
 )
-SESSION_IDS = st.sampled_from([None, "s0", "s1"])
 CACHE_SALTS = st.sampled_from([None, "a", "b"])
+# (session_id, cache_salt): s0 and s1 share a tenant, so they can share blocks; s2 changes
+# tenant between turns, so its KV must not be reused across the change.
+SESSIONS = st.sampled_from(
+    [(None, None), (None, "a"), (None, "b"), ("s0", None), ("s1", None), ("s2", "a"), ("s2", "b")]
+)
 MAX_LIVE_REQUESTS = 4
 MAX_REQUEST_TOKENS = 16  # a request finishes (LENGTH) once it holds this many tokens
 EOS = 3  # sampling it finishes the request (STOP), so turns end and sessions get pinned
@@ -49,6 +53,12 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now_s
+
+
+def draw_request(data: st.DataObject, requests: list[Request]) -> Request:
+    """One of `requests`, drawn by id so that a failing example prints short."""
+    by_id = {r.request_id: r for r in requests}
+    return by_id[data.draw(st.sampled_from(sorted(by_id)), label="request")]
 
 
 def content_at(salt: str | None, token_ids: list[int], position: int) -> Content:
@@ -204,14 +214,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.waiting) + len(self.running) < MAX_LIVE_REQUESTS)
     @rule(
         prompt=PROMPTS,
-        session_id=SESSION_IDS,
-        salt=CACHE_SALTS,
+        session=SESSIONS,
         chunk=st.integers(1, 12),
     )
     def add_request(
-        self, prompt: list[int], session_id: str | None, salt: str | None, chunk: int
+        self, prompt: list[int], session: tuple[str | None, str | None], chunk: int
     ) -> None:
-        req = self.new_request(prompt, session_id, salt)
+        req = self.new_request(prompt, *session)
         self.waiting.append(req)
         self.try_admit(req, chunk)
 
@@ -233,9 +242,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             prompt = list(tokens)
         prompt += data.draw(st.lists(VOCAB, max_size=4))
         if data.draw(st.integers(0, 3)) == 0:
-            salt = data.draw(CACHE_SALTS)
-        if data.draw(st.integers(0, 3)) == 0:
-            session_id = data.draw(SESSION_IDS)
+            session_id, salt = data.draw(SESSIONS)  # another conversation from the same text
         req = self.new_request(prompt, session_id, salt)
         self.waiting.append(req)
         self.try_admit(req, chunk)
@@ -243,7 +250,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 12))
     def admit(self, data: st.DataObject, chunk: int) -> None:
-        self.try_admit(data.draw(st.sampled_from(self.waiting)), chunk)
+        self.try_admit(draw_request(data, self.waiting), chunk)
 
     @precondition(lambda self: self.waiting or self.running)
     @rule(data=st.data(), budget=st.integers(1, 16))
@@ -272,7 +279,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), chunk=st.integers(1, 12))
     def schedule_running(self, data: st.DataObject, chunk: int) -> None:
         """Give a running request its next chunk (or its one decode token)."""
-        req = data.draw(st.sampled_from(self.unscheduled_running()))
+        req = draw_request(data, self.unscheduled_running())
         num_new = min(req.num_tokens - req.num_computed_tokens, chunk)
         if self.allocate_or_preempt(req, num_new):
             self.pending[req.request_id] = num_new
@@ -281,7 +288,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), token_id=VOCAB)
     def compute(self, data: st.DataObject, token_id: int) -> None:
         """The forward pass: write the scheduled K/V, publish full blocks, maybe sample."""
-        req = data.draw(st.sampled_from([r for r in self.running if r.request_id in self.pending]))
+        req = draw_request(data, [r for r in self.running if r.request_id in self.pending])
         self.run_forward(req, token_id)
 
     @precondition(lambda self: any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running))
@@ -289,7 +296,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def decode(self, data: st.DataObject, token_id: int) -> None:
         """A whole decode step for one request: one slot, compute it, sample the next token."""
         ready = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        req = data.draw(st.sampled_from(ready))
+        req = draw_request(data, ready)
         if req.request_id not in self.pending:
             if not self.allocate_or_preempt(req, 1):
                 return
@@ -300,7 +307,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish_request(self, data: st.DataObject) -> None:
         """A request sampled its last token; its session (if any) keeps its KV."""
-        self.finish(data.draw(st.sampled_from(self.just_sampled())), abort=False)
+        self.finish(draw_request(data, self.just_sampled()), abort=False)
 
     @precondition(lambda self: self.waiting or self.running)
     @rule(data=st.data(), preempt=st.booleans())
@@ -308,9 +315,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Preempt a running request between steps, or abort any request (nothing is pinned)."""
         candidates = [r for r in self.running if r.request_id not in self.pending]
         if preempt and candidates:
-            self.preempt(data.draw(st.sampled_from(candidates)))
+            self.preempt(draw_request(data, candidates))
         else:
-            self.finish(data.draw(st.sampled_from(self.waiting + self.running)), abort=True)
+            self.finish(draw_request(data, self.waiting + self.running), abort=True)
 
     @precondition(lambda self: self.kv.sessions)
     @rule(data=st.data())
@@ -351,9 +358,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.kv.num_free_blocks == 0, (
             f"allocation failed with {self.kv.num_free_blocks} blocks still free"
         )
-        assert not self.kv.sessions, f"sessions {list(self.kv.sessions)} survived full pressure"
-        assert self.kv.num_evicted_sessions - evicted_before == sessions_before
-        self.pinned.clear()
+        # a session survives full pressure only if evicting it would free nothing
+        request_held = {b for r in self.running + self.waiting + [hog] for b in r.block_table}
+        for session in self.sessions():
+            alone = set(session.block_ids) - request_held
+            assert not alone, f"session {session.session_id} kept blocks {alone} under pressure"
+        evicted = self.kv.num_evicted_sessions - evicted_before
+        assert evicted == sessions_before - len(self.kv.sessions)
+        for sid in list(self.pinned):
+            if sid not in self.kv.sessions:
+                self.pinned.pop(sid)
         written = len(hog.block_table) * self.bs
         self.write_kv(hog, 0, written)
         if publish:
