@@ -23,7 +23,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bench.bench_engine import BENCH_SHAPE, Workload, build_model
-from deploy.stack import Stack, StackConfig, free_port
+from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
 from executor.config import EngineConfig
 from executor.engine import Engine
 from executor.sampling_params import SamplingParams
@@ -111,6 +111,8 @@ def grpc_ttft_ms(address: str, prompts: list[list[int]], interval_s: float) -> l
 
 
 def run_inprocess(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """The Engine in this process, with the model threads the stack's executor gets."""
+    torch.set_num_threads(co_located_torch_threads())
     engine = Engine(engine_config(folder, args))
     inprocess_tokens_per_s(engine, prompts[:4], 8)
     tokens_per_s = inprocess_tokens_per_s(engine, prompts, args.output_len)
@@ -163,6 +165,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": args.device,
         "workload": vars(workload),
         "batch_window_ms": args.batch_window_ms,
+        "torch_threads": co_located_torch_threads(),
         "inprocess_tokens_per_s": inprocess["tokens_per_s"],
         "grpc_tokens_per_s": stack["tokens_per_s"],
         "throughput_ratio": stack["tokens_per_s"] / inprocess["tokens_per_s"],

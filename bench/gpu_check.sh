@@ -4,8 +4,10 @@
 #
 #   bash bench/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
 #
-# Prints one table: every Triton kernel against its PyTorch reference in bfloat16, float16
-# and float32, then paged decode/prefill attention timings next to PyTorch SDPA.
+# Prints every Triton kernel against its PyTorch reference in bfloat16, float16 and float32,
+# paged decode/prefill attention timings next to PyTorch SDPA, then the engine benchmark
+# (bench/gpu_engine.py): tokens/s at 1 and 64 concurrent requests against transformers
+# generate_batch, and the batch-1 decode step against the bandwidth bound.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,9 +45,7 @@ unset TRITON_INTERPRET KVGATE_KERNELS
 status=0
 timeout 420 "$PYTHON" -m bench.gpu_kernels || status=$?
 
-# ---------------------------------------------------------------------------------------
-# ENGINE BENCHMARK HOOK: the engine benchmark on the GPU goes here, e.g.
-#   timeout 240 "$PYTHON" -m bench.bench_engine --gpu ... || status=$?
-# ---------------------------------------------------------------------------------------
+# The engine on a random model shaped like Llama-3.2-1B, against transformers generate_batch.
+timeout 240 "$PYTHON" -m bench.gpu_engine || status=$?
 
 exit "$status"

@@ -71,6 +71,15 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, proc=None
         time.sleep(0.05)
 
 
+def co_located_torch_threads() -> int:
+    """Model threads for an executor sharing this machine with the rest of the stack.
+
+    One core is left to the gateway, scheduler and Redis: when every core runs a model
+    thread, each of the executor's parallel regions waits for whichever core the others hold.
+    """
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
 @dataclass(slots=True)
 class StackConfig:
     """How the local stack is laid out."""
@@ -190,6 +199,8 @@ class Stack:
             self.config.model,
             "--executor-id",
             executor_id,
+            "--torch-threads",
+            str(co_located_torch_threads()),
             *self._metrics_flags(executor_id),
             *self.config.executor_flags,
         ]

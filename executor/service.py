@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+import torch
 
 from common.config import (
     DEFAULT_REDIS_URL,
     add_common_flags,
     check_common_fields,
+    check_range,
     env_float,
     env_int,
     env_str,
@@ -84,6 +86,7 @@ class ExecutorServiceConfig:
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
         check_metrics_port(self.metrics_port)
+        check_range("--torch-threads", self.torch_threads, min_value=0, max_value=1024)
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model must be a model folder with config.json, got {self.model!r}")
         if any(c.isspace() or c == ":" for c in self.executor_id):
@@ -134,6 +137,13 @@ class ExecutorServiceConfig:
             default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
         )
         add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+        threads_help = "CPU threads for the model (0: all cores)"
+        add(
+            "--torch-threads",
+            type=int,
+            default=env_int("KVGATE_TORCH_THREADS", 0),
+            help=threads_help,
+        )
         add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
         return cls(**vars(parser.parse_args(argv)))
 
@@ -444,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"executor: {error}", file=sys.stderr)
         return 2
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     engine = Engine(config.engine)
     client = connect_sync(config.redis_url, timeout_s=2.0)
     service = ExecutorService(config, engine, client, metrics)
