@@ -81,6 +81,7 @@ class ExecutorServiceConfig:
     session_ttl_s: float = 600.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
+    torch_threads: int = 0  # CPU threads for the model; 0: torch's default (all cores)
     engine: EngineConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
