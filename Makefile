@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis promtool proto test test-kernels lint bench-engine bench-serve run clean
+.PHONY: setup redis promtool proto test test-kernels lint bench bench-engine bench-serve run clean
 
 setup: $(BIN)/.installed redis promtool
 
@@ -41,6 +41,11 @@ lint: setup
 	$(BIN)/buf lint protos
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# A small load on `make run`'s stack (start it first, in another terminal).
+bench: setup proto
+	$(BIN)/kvgate bench --target 127.0.0.1:50051 --num-requests 32 --request-rate 4 \
+		--out bench/results/bench.json
 
 bench-engine: setup
 	$(PYTHON) -m bench.bench_engine --out bench/results/engine.json

@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
+        "load_average_at_end": os.getloadavg(),
         "workload": vars(workload),
         "model_shape": BENCH_SHAPE,
         "num_parameters": num_params,
@@ -237,7 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    threads_help = "torch CPU threads for every measurement (0: torch's default)"
+    parser.add_argument("--threads", type=int, default=0, help=threads_help)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = run(args)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

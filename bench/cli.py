@@ -20,10 +20,16 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from bench.stats import parse_slos
 from bench.workloads import WORKLOADS, WorkloadConfig
+from client.api import KvgateClient
+from common.config import check_host_port
+from deploy.models import ROOT, choose_model
 
 DEFAULT_OUT = Path("bench/results/bench.json")
+DEFAULT_LOG_DIR = ROOT / ".run" / "bench-logs"
 
 
 @dataclass(slots=True)
@@ -44,17 +50,21 @@ class BenchConfig:
     compare_hf: bool = False
     hf_sample: int = 4
     progress: bool = True
+    log_dir: Path = DEFAULT_LOG_DIR  # where --sweep-window's local stack logs
 
     def __post_init__(self) -> None:
+        check_host_port("--target", self.target)
         for rate in [self.request_rate, *self.sweep_rates]:
             if not rate > 0:
                 raise ValueError(f"--request-rate and --sweep-rates must be > 0 or inf, got {rate}")
-        if not self.burstiness > 0:
-            raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise ValueError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
-        if any(window < 0 for window in self.sweep_windows_ms):
-            raise ValueError(f"--sweep-window values must be >= 0 ms, got {self.sweep_windows_ms}")
+        if not all(math.isfinite(window) and window >= 0 for window in self.sweep_windows_ms):
+            raise ValueError(
+                f"--sweep-window values must be finite and >= 0 ms, got {self.sweep_windows_ms}"
+            )
         if self.sweep_rates and self.sweep_windows_ms:
             raise ValueError("--sweep-rates and --sweep-window cannot be combined: pick one")
         if self.compare_hf and (self.sweep_rates or self.sweep_windows_ms):
@@ -76,9 +86,19 @@ def add_bench_flags(parser: argparse.ArgumentParser, default_target: str) -> Non
     add = parser.add_argument
     add("--target", default=default_target, help="gateway HOST:PORT")
     add("--num-requests", type=int, default=100, help="requests (chat: turns) per run")
-    add("--request-rate", type=float, default=math.inf, help="requests/s; inf: all at once")
+    add(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s (chat: sessions/s, each sending its turns in turn); inf: all at once",
+    )
     add("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
-    add("--max-concurrency", type=int, default=None, help="most requests in flight")
+    add(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests (chat: sessions) in flight",
+    )
     add("--workload", choices=WORKLOADS, default="random")
     add(
         "--input-len",
@@ -119,6 +139,12 @@ def add_bench_flags(parser: argparse.ArgumentParser, default_target: str) -> Non
         dest="sweep_windows_ms",
         help="e.g. 0,5,20,100: batch_window_ms per run, on a local stack of --model",
     )
+    add(
+        "--log-dir",
+        type=Path,
+        default=DEFAULT_LOG_DIR,
+        help="--sweep-window: where its local stack's processes log",
+    )
     add("--model", default="", help="served model folder (default: KVGATE_MODEL or make run's)")
     add("--compare-hf", action="store_true", help="run the same requests through transformers")
     add("--hf-sample", type=int, default=4, help="requests transformers generate runs one by one")
@@ -126,7 +152,14 @@ def add_bench_flags(parser: argparse.ArgumentParser, default_target: str) -> Non
 
 
 def _float_list(text: str) -> list[float]:
-    return [float(item) for item in text.split(",") if item]
+    """An argparse type: comma-separated numbers (inf allowed), at least one."""
+    try:
+        values = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}")
+    return values
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -148,19 +181,74 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         compare_hf=args.compare_hf,
         hf_sample=args.hf_sample,
         progress=args.progress,
+        log_dir=args.log_dir,
     )
+
+
+def served_model(config: BenchConfig) -> str:
+    """--model, else the folder `make run` serves (KVGATE_MODEL, stories260K, ...)."""
+    return config.model or str(choose_model())
+
+
+def check_inputs(config: BenchConfig) -> None:
+    """Checks what the run will need before it starts, so a bad flag costs no run.
+
+    Raises:
+        ValueError naming the flag: --out is a folder, --model lacks the files a flag
+            reads, or --compare-hf's --model is not the model --target serves.
+        grpc.RpcError: --compare-hf could not ask --target for its model.
+    """
+    if config.out.is_dir():
+        raise ValueError(f"--out must be a JSON file, got the folder {config.out}")
+    if config.prompt_words == "vocab":
+        tokenizer = Path(served_model(config)) / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise ValueError(f"--prompt-words vocab reads --model's {tokenizer}: no such file")
+    if config.compare_hf or config.sweep_windows_ms:
+        model_dir = Path(served_model(config))
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"--model must be a model folder with config.json, got {model_dir}")
+    if config.compare_hf:
+        with KvgateClient(config.target, timeout_s=30.0) as client:
+            model_id = client.model_info().model_id
+        if model_dir.name != model_id:
+            raise ValueError(
+                f"--compare-hf: --target serves {model_id!r} but --model is {model_dir}"
+            )
+
+
+def rpc_failure(args: argparse.Namespace, error: grpc.RpcError) -> str:
+    """The one-line message of a gateway call outside the measured requests (model info,
+    tokenize), whose failure stops the bench."""
+    status = f"{error.code().name}: {error.details()}"
+    if args.sweep_windows_ms:
+        return f"the local stack's gateway failed: {status}"
+    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return f"cannot reach --target {args.target}: {status}"
+    return f"--target {args.target} failed a call: {status}"
+
+
+def fail(message: str) -> int:
+    """Prints the one-line error. Returns: the exit status of bad input."""
+    print(f"kvgate bench: {message}", file=sys.stderr)
+    return 2
 
 
 def main(args: argparse.Namespace) -> int:
     """Runs `kvgate bench` with parsed flags. Returns: the exit status."""
     try:
         config = config_from_args(args)
+        check_inputs(config)
     except ValueError as error:
-        print(f"kvgate bench: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error))
+    except grpc.RpcError as error:
+        return fail(rpc_failure(args, error))
     from bench.runs import run_bench
 
-    results = run_bench(config)
+    try:
+        results = run_bench(config)
+    except grpc.RpcError as error:
+        return fail(rpc_failure(args, error))
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {config.out}")

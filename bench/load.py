@@ -67,10 +67,12 @@ def time_stream(chunks: Iterator[inference_pb2.GenerateResponse], sent_s: float)
         sent_s: time.perf_counter() when the request was sent.
 
     Returns:
-        The request's result (error set when the stream ended in an error).
+        The request's result (error set when the stream ended in an error, or ended without
+        a finish reason: a cut stream is a failure, not a request that finished).
     """
     result = RequestResult()
     last_s = sent_s
+    finished = False
     for chunk in chunks:
         now_s = time.perf_counter()
         count = len(chunk.token_ids)
@@ -87,6 +89,9 @@ def time_stream(chunks: Iterator[inference_pb2.GenerateResponse], sent_s: float)
             if chunk.finish_reason in FAILED:
                 name = inference_pb2.FinishReason.Name(chunk.finish_reason)
                 result.error = chunk.error_message or name
+            finished = True
+    if not finished:
+        result.error = "the stream ended without a finish reason"
     return result
 
 

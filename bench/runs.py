@@ -7,12 +7,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import plots
-from bench.cli import BenchConfig
+from bench.cli import BenchConfig, served_model
 from bench.load import arrival_gaps_s, run_jobs
 from bench.stats import RequestResult, run_metrics
 from bench.workloads import WORDS, GenerateJob, Job, build_jobs, vocab_words
 from client.api import KvgateClient
-from deploy.models import choose_model
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -59,7 +58,7 @@ def window_sweep(config: BenchConfig) -> dict:
 
     windows = config.sweep_windows_ms
     points = []
-    with local_stack(served_model(config), windows[0]) as stack:
+    with local_stack(served_model(config), windows[0], config.log_dir) as stack:
         for index, window_ms in enumerate(windows):
             if index:
                 restart_scheduler(stack, window_ms)
@@ -70,7 +69,12 @@ def window_sweep(config: BenchConfig) -> dict:
             print_summary(summary)
             points.append(summary)
     path = plots.window_sweep(points, title(points[0]), config.plot_path("windows"))
-    return {"sweep": "batch_window_ms", "points": points, "plots": [str(path)]}
+    return {
+        "sweep": "batch_window_ms",
+        "points": points,
+        "plots": [str(path)],
+        "log_dir": str(config.log_dir),
+    }
 
 
 def run_point(
@@ -102,20 +106,11 @@ def run_point(
     return jobs, results, summary
 
 
-def served_model(config: BenchConfig) -> str:
-    """--model, else the folder `make run` serves (KVGATE_MODEL, stories260K, ...)."""
-    return config.model or str(choose_model())
-
-
 def compare_with_hf(config: BenchConfig, jobs: list[Job], summary: dict) -> dict:
     """Runs the run's requests through transformers and prints kvgate's ratios."""
     from bench.compare_hf import compare_hf, print_comparison
 
-    model_dir = Path(served_model(config))
-    if model_dir.name != summary["model_id"]:
-        raise ValueError(
-            f"--compare-hf: the gateway serves {summary['model_id']!r} but --model is {model_dir}"
-        )
+    model_dir = Path(served_model(config))  # the model --target serves: bench.cli.check_inputs
     generate_jobs = [job for job in jobs if isinstance(job, GenerateJob)]
     with KvgateClient(config.target, timeout_s=60.0) as client:
         prompts = [client.tokenize(job.prompt, True) for job in generate_jobs]

@@ -71,6 +71,8 @@ class WorkloadConfig:
         for flag, value in counts.items():
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         group = {"shared-prefix": "--num-prefixes", "chat": "--num-turns"}.get(self.workload)

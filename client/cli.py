@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                 return run_generate(client, args)
             return run_chat(client, args)
         except grpc.RpcError as error:
-            print(f"kvgate: {error.code().name}: {error.details()}", file=sys.stderr)
+            status = f"{error.code().name}: {error.details()}"
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                status = f"cannot reach --target {args.target}: {status}"
+            print(f"kvgate: {status}", file=sys.stderr)
             return 1
 
 

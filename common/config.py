@@ -123,8 +123,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--log-format",
-        default=env_str("KVGATE_LOG_FORMAT", "text"),
-        help="text or json (env KVGATE_LOG_FORMAT)",
+        default=env_str("KVGATE_LOG_FORMAT", "json"),
+        help="json lines (default) or text for people (env KVGATE_LOG_FORMAT)",
     )
 
 

@@ -69,7 +69,7 @@ class TextFormatter(logging.Formatter):
         return f"{head} {context}{newline}{rest}"
 
 
-def setup_logging(process_name: str, level: str = "info", log_format: str = "text") -> None:
+def setup_logging(process_name: str, level: str = "info", log_format: str = "json") -> None:
     """Configure the root logger once for a process; Python warnings go through it too.
 
     Args:

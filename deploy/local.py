@@ -1,7 +1,8 @@
 """`make run`: start a local kvgate stack and keep it up until Ctrl-C.
 
 python -m deploy.local [--host H] [--port P] [--executors N] [--metrics-port M]
-(KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL, KVGATE_METRICS_PORT as defaults). Prints
+[--log-format json|text] (KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL, KVGATE_METRICS_PORT,
+KVGATE_LOG_FORMAT as defaults). Prints
 the address and the /metrics ports once every process serves; Ctrl-C or SIGTERM
 stops them all.
 """
@@ -14,7 +15,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from common.config import check_range, env_int, env_str
+from common.config import LOG_FORMATS, check_choice, check_range, env_int, env_str
 from deploy.models import choose_model
 from deploy.stack import Stack, StackConfig
 
@@ -40,6 +41,7 @@ class LauncherConfig:
     executors: int = 1
     redis_port: int = 0
     metrics_port: int = DEFAULT_METRICS_PORT
+    log_format: str = "json"  # of every process: json lines or text
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -49,6 +51,7 @@ class LauncherConfig:
         check_range("--redis-port", self.redis_port, min_value=0, max_value=65535)
         last_port = 65535 - 2 - MAX_EXECUTORS
         check_range("--metrics-port", self.metrics_port, min_value=1, max_value=last_port)
+        check_choice("--log-format", self.log_format, LOG_FORMATS)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> LauncherConfig:
@@ -65,6 +68,11 @@ class LauncherConfig:
             type=int,
             default=env_int("KVGATE_METRICS_PORT", DEFAULT_METRICS_PORT),
             help="/metrics port of the gateway; scheduler: +1, executor i: +2+i",
+        )
+        parser.add_argument(
+            "--log-format",
+            default=env_str("KVGATE_LOG_FORMAT", "json"),
+            help="json lines (default) or text, for every process (env KVGATE_LOG_FORMAT)",
         )
         return cls(**vars(parser.parse_args(argv)))
 
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             port=config.port,
             redis_port=config.redis_port,
             metrics_ports=metrics_ports(config.metrics_port, config.executors),
+            log_format=config.log_format,
         )
     )
     stopped = threading.Event()

@@ -24,6 +24,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.config import env_str
 from common.keys import RedisKeys
 from protos.kvgate.v1 import internal_pb2
 
@@ -94,7 +95,8 @@ class StackConfig:
     scheduler_flags: list[str] = field(default_factory=list)
     gateway_flags: list[str] = field(default_factory=list)
     start_timeout_s: float = 120.0
-    log_format: str = "text"  # text or json, for every process
+    # json or text, for every process; default: the user's KVGATE_LOG_FORMAT, else json.
+    log_format: str = field(default_factory=lambda: env_str("KVGATE_LOG_FORMAT", "json"))
     # Fixed /metrics port by process name ("gateway", "scheduler", "executor-0"); others: free.
     metrics_ports: dict[str, int] = field(default_factory=dict)
 

@@ -68,7 +68,7 @@ class ExecutorServiceConfig:
     redis_url: str = DEFAULT_REDIS_URL
     redis_prefix: str = "kvgate:"
     log_level: str = "info"
-    log_format: str = "text"
+    log_format: str = "json"
     executor_id: str = ""  # empty: host-pid
     device: str = "cpu"
     block_size: int = 16

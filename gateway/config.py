@@ -43,7 +43,7 @@ class GatewayConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
     log_level: str = "info"
-    log_format: str = "text"
+    log_format: str = "json"
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "tokenizer.json").exists():

@@ -29,7 +29,7 @@ class SchedulerConfig:
     redis_url: str = DEFAULT_REDIS_URL
     redis_prefix: str = "kvgate:"
     log_level: str = "info"
-    log_format: str = "text"
+    log_format: str = "json"
     batch_window_ms: float = 2.0  # the oldest request waits at most this long for a batch
     max_batch_size: int = 64  # release early when this many requests wait
     max_batch_tokens: int = 8192  # release early when this many prompt tokens wait

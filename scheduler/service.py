@@ -77,7 +77,12 @@ class Scheduler:
         poll_s = self._config.lock_ttl_ms / 4000.0
         if not self._lock.wait(poll_s, self._stop.is_set):
             return
-        log.info("scheduler %s is the leader", self._config.scheduler_id)
+        log.info(
+            "scheduler %s is the leader (batch_window_ms=%g, policy %s)",
+            self._config.scheduler_id,
+            self._config.batch_window_ms,
+            self._config.policy,
+        )
         self._metrics.is_leader.set(1)
         self._stream.ensure_group()
         reclaimed = self._stream.reclaim()

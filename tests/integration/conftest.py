@@ -30,7 +30,7 @@ def start_stack(
     num_executors: int = 1,
     gateway_flags: list[str] | None = None,
     scheduler_flags: list[str] | None = None,
-    log_format: str = "text",
+    log_format: str | None = None,
 ) -> Stack:
     """Starts redis, a scheduler, executors and a gateway; returns once all serve."""
     config = StackConfig(
@@ -40,8 +40,8 @@ def start_stack(
         executor_flags=EXECUTOR_FLAGS,
         scheduler_flags=scheduler_flags or ["--batch-window-ms", "2"],
         gateway_flags=gateway_flags or [],
-        log_format=log_format,
     )
+    config.log_format = log_format or config.log_format  # None: the default (json, or the env's)
     stack = Stack(config)
     try:
         stack.start_all(num_executors=num_executors)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,11 +71,16 @@ def test_bench_rate_sweep_plots_throughput_against_rate(stack, tmp_path):
 
 def test_bench_window_sweep_restarts_its_scheduler(tmp_path):
     out = tmp_path / "windows.json"
+    log_dir = tmp_path / "logs"
     kvgate_bench(
         "--model", str(MODEL), "--sweep-window", "0,50", "--num-requests", "4",
-        "--input-len", "8", "--output-len", "4", "--out", str(out),
+        "--input-len", "8", "--output-len", "4", "--out", str(out), "--log-dir", str(log_dir),
     )  # fmt: skip
     results = json.loads(out.read_text())
     assert [p["batch_window_ms"] for p in results["points"]] == [0, 50]
+    # Each scheduler the sweep started says, as it takes the lead, which window it runs with.
+    scheduler_log = (log_dir / "scheduler.log").read_text()
+    windows = re.findall(r"is the leader \(batch_window_ms=([0-9.]+)", scheduler_log)
+    assert windows == ["0", "50"], f"expected schedulers with windows 0 then 50, got {windows}"
     assert all(p["completed"] == 4 for p in results["points"])
     assert_is_png(tmp_path / "windows_windows.png")

@@ -72,3 +72,9 @@ def test_stream_error_is_recorded():
     last.error_message = "executor lost"
     result = time_stream(iter([chunk([1]), last]), sent_s=0.0)
     assert not result.ok and result.error == "executor lost"
+
+
+def test_a_stream_cut_before_its_finish_reason_is_a_failed_request():
+    result = time_stream(iter([chunk([1]), chunk([2, 3])]), sent_s=0.0)
+    assert not result.ok, f"a stream without a finish reason counted as finished: {result}"
+    assert "finish reason" in result.error, result.error

@@ -83,3 +83,29 @@ def test_metrics_port_accepts_a_port_zero_or_disabled_and_names_the_flag():
         check_metrics_port(port)
     with pytest.raises(ValueError, match="--metrics-port"):
         check_metrics_port(-2)
+
+
+def test_every_process_logs_json_lines_unless_told_text(monkeypatch: pytest.MonkeyPatch):
+    from deploy.local import LauncherConfig
+    from deploy.stack import StackConfig
+    from gateway.config import config_from_args
+    from scheduler.config import SchedulerConfig
+
+    monkeypatch.delenv("KVGATE_LOG_FORMAT", raising=False)
+    defaults = {
+        "gateway": config_from_args([]).log_format,
+        "scheduler": SchedulerConfig.from_args([]).log_format,
+        "stack": StackConfig(model="m").log_format,
+        "make run": LauncherConfig.from_args([]).log_format,
+    }
+    assert set(defaults.values()) == {"json"}, f"expected json everywhere, got {defaults}"
+    monkeypatch.setenv("KVGATE_LOG_FORMAT", "text")
+    from_env = {
+        "scheduler": SchedulerConfig.from_args([]).log_format,
+        "stack": StackConfig(model="m").log_format,
+        "make run": LauncherConfig.from_args([]).log_format,
+    }
+    assert set(from_env.values()) == {"text"}, f"KVGATE_LOG_FORMAT=text ignored: {from_env}"
+    assert LauncherConfig.from_args(["--log-format", "json"]).log_format == "json"
+    with pytest.raises(ValueError, match="--log-format"):
+        LauncherConfig.from_args(["--log-format", "xml"])

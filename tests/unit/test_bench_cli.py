@@ -1,0 +1,65 @@
+"""`kvgate bench` on bad input: one line naming the flag, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from client.cli import main
+from deploy.stack import free_port
+
+MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+
+
+def bench_error(capsys: pytest.CaptureFixture[str], *flags: str) -> str:
+    """Runs `kvgate bench FLAGS`; returns its stderr after checking it failed as bad input."""
+    try:
+        status = main(["bench", "--no-progress", "--num-requests", "2", *flags])
+    except SystemExit as exit_:  # argparse's own errors
+        status = exit_.code
+    stderr = capsys.readouterr().err
+    assert status == 2, f"expected exit status 2 for {flags}, got {status}: {stderr}"
+    assert "Traceback" not in stderr, stderr
+    return stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--seed", "-1"), "--seed"),
+        (("--burstiness", "inf"), "--burstiness"),
+        (("--burstiness", "nan"), "--burstiness"),
+        (("--sweep-window", "0,inf"), "--sweep-window"),
+        (("--sweep-rates", ""), "--sweep-rates"),
+        (("--sweep-rates", "1,fast"), "--sweep-rates"),
+        (("--target", "no-port"), "--target"),
+        (("--prompt-words", "vocab", "--model", "/nonexistent"), "--prompt-words"),
+        (("--compare-hf", "--model", "/nonexistent"), "--model"),
+    ],
+)
+def test_bad_flags_give_one_line_naming_the_flag(capsys, flags, named):
+    line = bench_error(capsys, *flags)
+    assert named in line, f"expected the error to name {named}, got {line!r}"
+
+
+def test_out_naming_a_folder_is_refused_before_the_run(capsys, tmp_path):
+    line = bench_error(capsys, "--target", f"127.0.0.1:{free_port()}", "--out", str(tmp_path))
+    assert "--out" in line and "folder" in line, line
+
+
+def test_an_unreachable_target_is_named_without_a_traceback(capsys, tmp_path):
+    target = f"127.0.0.1:{free_port()}"
+    line = bench_error(capsys, "--target", target, "--out", str(tmp_path / "run.json"))
+    assert f"cannot reach --target {target}" in line, line
+    assert not (tmp_path / "run.json").exists(), "no results from a run that did not happen"
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="needs stories260K")
+def test_compare_hf_with_an_unreachable_target_says_so_before_running(capsys, tmp_path):
+    target = f"127.0.0.1:{free_port()}"
+    line = bench_error(
+        capsys, "--target", target, "--compare-hf", "--model", str(MODEL),
+        "--out", str(tmp_path / "run.json"),
+    )  # fmt: skip
+    assert f"cannot reach --target {target}" in line, line
