@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 READ_COUNT = 512
 
 
+# Redis ends a timed-out BLOCK on its server clock (hz 10: every 100 ms), so a window of a few
+# ms must be waited here; a BLOCK still wakes at once when an entry arrives.
+REDIS_TIMEOUT_RESOLUTION_MS = 100
+
+
 class Scheduler:
     """Holds the global waiting queue and places batches of it on executors."""
 
@@ -120,6 +125,9 @@ class Scheduler:
             self._poll_executors(now)
         self._drop_expired(now)
         block_ms = self._block_ms(now)
+        if block_ms is not None and block_ms < REDIS_TIMEOUT_RESOLUTION_MS:
+            time.sleep(block_ms / 1000.0)  # a short BLOCK would wake on Redis's coarse clock
+            block_ms = None
         self._admit(self._stream.read_new(block_ms, READ_COUNT), time.monotonic())
         now = time.monotonic()
         reason = None if self._stalled else self._batcher.release_reason(now)
