@@ -56,6 +56,22 @@ def test_bench_writes_the_results_json_and_cdf_plot(stack, tmp_path):
     assert_is_png(tmp_path / "run_cdf.png")
 
 
+def test_max_concurrency_one_runs_requests_one_after_another(stack, tmp_path):
+    out = tmp_path / "serial.json"
+    kvgate_bench(
+        "--target", stack.address, "--num-requests", "4", "--request-rate", "inf",
+        "--max-concurrency", "1", "--input-len", "16", "--output-len", "8", "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["completed"] == 4 and results["max_concurrency"] == 1
+    # one at a time: the run lasts at least the sum of the requests' latencies
+    serial_s = 4 * results["e2e_ms"]["mean"] / 1000.0
+    assert results["duration_s"] >= 0.99 * serial_s, (
+        f"4 requests took {results['duration_s']:.3f} s in all, less than the "
+        f"{serial_s:.3f} s their latencies add up to: they overlapped"
+    )
+
+
 def test_bench_rate_sweep_plots_throughput_against_rate(stack, tmp_path):
     out = tmp_path / "rates.json"
     kvgate_bench(
