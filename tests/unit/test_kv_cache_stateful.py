@@ -22,22 +22,22 @@ from hypothesis.stateful import (
     rule,
 )
 
-from executor.kv_cache import KVCacheManager
+from executor.kv_cache import KVCacheManager, Session
 from executor.request import Request
 from executor.sampling_params import SamplingParams
 
 VOCAB = st.integers(0, 3)  # tiny, so prefixes repeat and the cache hits often
 # Prompts often start with a shared "system prompt", as in real traffic: blocks get shared.
-PROMPTS = st.builds(
-    lambda system, user: system + user,
-    st.sampled_from([[0, 1, 2, 0, 1, 2, 0], [], [1, 1, 0, 0, 2, 2]]),
-    st.lists(VOCAB, min_size=1, max_size=8),
+SYSTEM_PROMPTS = st.sampled_from([[0, 1, 2, 0, 1, 2, 0], [], [1, 1, 0, 0, 2, 2]])
+PROMPTS = st.tuples(SYSTEM_PROMPTS, st.lists(VOCAB, min_size=1, max_size=8)).map(
+    lambda parts: parts[0] + parts[1]
 )
 CACHE_SALTS = st.sampled_from([None, "a", "b"])
-# (session_id, cache_salt): s0 and s1 share a tenant, so they can share blocks; s2 changes
-# tenant between turns, so its KV must not be reused across the change.
+# (session_id, cache_salt): s0 and s1 (drawn most) share a tenant, so their sessions share
+# blocks; s2 changes tenant between turns, so its KV must not be reused across the change.
 SESSIONS = st.sampled_from(
-    [(None, None), (None, "a"), (None, "b"), ("s0", None), ("s1", None), ("s2", "a"), ("s2", "b")]
+    [("s0", None), ("s1", None), (None, None), (None, "a"), (None, "b"), ("s2", "a"), ("s2", "b")]
+    + [("s0", None), ("s1", None)]
 )
 MAX_LIVE_REQUESTS = 4
 MAX_REQUEST_TOKENS = 16  # a request finishes (LENGTH) once it holds this many tokens
@@ -89,6 +89,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.transcripts: list[tuple[str | None, str | None, list[int]]] = []
         self.last_turn: dict[str, int] = {}  # session_id -> its last pinned turn's transcript
         self.hash_contents: dict[int, Content] = {}  # every block hash a request produced
+        self.num_evicted_sessions = 0  # evictions accounted for in `pinned`
         self.ids = itertools.count()
 
     # ---- helpers ------------------------------------------------------------------------
@@ -112,6 +113,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             block_id = req.block_table[p // self.bs]
             self.shadow[block_id][p % self.bs] = content_at(req.cache_salt, req.all_token_ids, p)
 
+    def submit(self, req: Request, chunk: int) -> None:
+        self.waiting.append(req)
+        self.try_admit(req, chunk)
+
     def try_admit(self, req: Request, chunk: int) -> bool:
         """The scheduler's admission: cached prefix, then slots for a chunk, else back off."""
         num_cached = self.kv.acquire_cached_prefix(req)
@@ -131,9 +136,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert req.block_table == table_after_hit, "a failed allocation changed the table"
             self.kv.free(req)
             return False
-        if req.session_id is not None:
-            self.kv.release_session(req.session_id)
-            self.pinned.pop(req.session_id, None)
+        if req.session_id is not None:  # this turn replaces its tenant's session
+            session = self.kv.sessions.get(req.session_id)
+            own = session is not None and session.cache_salt == req.cache_salt
+            released = self.kv.release_session(req.session_id, req.cache_salt, any_tenant=False)
+            assert released == own, f"release of {req.session_id} returned {released}"
+            if released:
+                self.pinned.pop(req.session_id)
         self.waiting.remove(req)
         self.running.append(req)
         self.pending[req.request_id] = num_new
@@ -170,12 +179,27 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.pending.pop(req.request_id, None)
         self.transcripts.append((req.session_id, req.cache_salt, list(req.all_token_ids)))
         if req.session_id is not None and not abort:
+            self.account_for_evicted_sessions()
             self.last_turn[req.session_id] = len(self.transcripts) - 1
             tokens = req.all_token_ids[: req.num_computed_tokens]
             self.kv.pin_session(req)
+            self.pinned.pop(req.session_id, None)  # a new pin is the most recently used
             self.pinned[req.session_id] = (req.cache_salt, tokens, self.clock.now_s)
         else:
             self.kv.free(req)
+
+    def account_for_evicted_sessions(self) -> None:
+        """Sessions may vanish only by eviction under pressure, and each one is counted."""
+        vanished = [sid for sid in self.pinned if sid not in self.kv.sessions]
+        evicted = self.kv.num_evicted_sessions - self.num_evicted_sessions
+        assert len(vanished) == evicted, (
+            f"sessions {vanished} vanished but {evicted} evictions were counted"
+        )
+        lru_first = list(self.pinned)[: len(vanished)]
+        assert vanished == lru_first, f"evicted {vanished}, but the least recent were {lru_first}"
+        for session_id in vanished:
+            del self.pinned[session_id]
+        self.num_evicted_sessions = self.kv.num_evicted_sessions
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -220,32 +244,48 @@ class KVCacheMachine(RuleBasedStateMachine):
     def add_request(
         self, prompt: list[int], session: tuple[str | None, str | None], chunk: int
     ) -> None:
-        req = self.new_request(prompt, *session)
-        self.waiting.append(req)
-        self.try_admit(req, chunk)
+        self.submit(self.new_request(prompt, *session), chunk)
 
     @precondition(
         lambda self: self.transcripts and len(self.waiting) + len(self.running) < MAX_LIVE_REQUESTS
     )
     @rule(data=st.data(), chunk=st.integers(1, 12))
     def add_next_turn(self, data: st.DataObject, chunk: int) -> None:
-        """A request built on an earlier one's tokens: the next chat turn, or an edited one."""
+        """A request built on an earlier one's tokens: the next chat turn, or a retry."""
         sources = self.transcripts[-4:]
         sources += [(r.session_id, r.cache_salt, r.all_token_ids) for r in self.running]
         sources += [self.transcripts[self.last_turn[sid]] for sid in self.kv.sessions] * 2
         session_id, salt, tokens = data.draw(st.sampled_from(sources))
-        if len(tokens) > 1 and data.draw(st.booleans()):
-            cut = data.draw(st.integers(1, len(tokens) - 1))
-            edited = (tokens[cut] + data.draw(st.integers(1, 3))) % 4  # diverges right here
-            prompt = tokens[:cut] + [edited]
-        else:
-            prompt = list(tokens)
-        prompt += data.draw(st.lists(VOCAB, max_size=4))
+        keep = data.draw(st.sampled_from([len(tokens), None]))  # all of it, or up to a point
+        if keep is None:
+            keep = data.draw(st.integers(0, len(tokens)))
+        prompt = tokens[:keep] + data.draw(st.lists(VOCAB, min_size=0 if keep else 1, max_size=4))
         if data.draw(st.integers(0, 3)) == 0:
             session_id, salt = data.draw(SESSIONS)  # another conversation from the same text
-        req = self.new_request(prompt, session_id, salt)
-        self.waiting.append(req)
-        self.try_admit(req, chunk)
+        self.submit(self.new_request(prompt, session_id, salt), chunk)
+
+    @precondition(
+        lambda self: (
+            len(self.waiting) + len(self.running) < MAX_LIVE_REQUESTS
+            and any(len(s.token_ids) > 1 for s in self.kv.sessions.values())
+        )
+    )
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def edit_session_turn(self, data: st.DataObject, chunk: int) -> None:
+        """The user edits an earlier message: the turn diverges inside the session's KV.
+
+        Now and then the same session id comes from another tenant, whose turn must not see
+        this tenant's KV.
+        """
+        editable = sorted(sid for sid, s in self.kv.sessions.items() if len(s.token_ids) > 1)
+        session_id = data.draw(st.sampled_from(editable))
+        salt, tokens, _ = self.pinned[session_id]
+        if data.draw(st.integers(0, 3)) == 0:
+            salt = data.draw(CACHE_SALTS)
+        cut = data.draw(st.integers(1, len(tokens) - 1))
+        edited = (tokens[cut] + data.draw(st.integers(1, 3))) % 4
+        prompt = tokens[:cut] + [edited] + data.draw(st.lists(VOCAB, max_size=4))
+        self.submit(self.new_request(prompt, session_id, salt), chunk)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 12))
@@ -320,12 +360,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.finish(draw_request(data, self.waiting + self.running), abort=True)
 
     @precondition(lambda self: self.kv.sessions)
-    @rule(data=st.data())
-    def release_session(self, data: st.DataObject) -> None:
-        session_id = data.draw(st.sampled_from([*self.kv.sessions, "never-pinned"]))
-        held = session_id in self.kv.sessions
-        assert self.kv.release_session(session_id) == held
-        self.pinned.pop(session_id, None)
+    @rule(data=st.data(), salt=CACHE_SALTS, any_tenant=st.booleans())
+    def release_session(self, data: st.DataObject, salt: str | None, any_tenant: bool) -> None:
+        """A client ends a conversation (scoped to its tenant, or as the engine does: any)."""
+        session_id = data.draw(st.sampled_from(sorted(self.kv.sessions) + ["never-pinned"]))
+        session = self.kv.sessions.get(session_id)
+        expected = session is not None and (any_tenant or session.cache_salt == salt)
+        released = self.kv.release_session(session_id, salt, any_tenant=any_tenant)
+        assert released == expected, f"release of {session_id} returned {released}"
+        if released:
+            del self.pinned[session_id]
 
     @precondition(lambda self: self.kv.sessions)
     @rule(dt_s=st.sampled_from([1.0, 4.0, SESSION_TTL_S + 1]))
@@ -338,7 +382,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         kept = set(self.kv.sessions)
         assert not stale & kept, f"sessions {stale & kept} outlived their TTL"
         for sid in stale:
-            self.pinned.pop(sid, None)
+            del self.pinned[sid]
 
     @precondition(lambda self: self.kv.sessions)
     @rule(
@@ -365,9 +409,6 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert not alone, f"session {session.session_id} kept blocks {alone} under pressure"
         evicted = self.kv.num_evicted_sessions - evicted_before
         assert evicted == sessions_before - len(self.kv.sessions)
-        for sid in list(self.pinned):
-            if sid not in self.kv.sessions:
-                self.pinned.pop(sid)
         written = len(hog.block_table) * self.bs
         self.write_kv(hog, 0, written)
         if publish:
@@ -378,16 +419,25 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     # ---- invariants ---------------------------------------------------------------------
 
+    @invariant()
+    def kv_cache_is_consistent(self) -> None:
+        """Checked after every rule (one invariant, so a failing example prints short)."""
+        self.check_ref_counts_match_references()
+        self.check_free_lists_hold_each_free_block_once()
+        self.check_blocks_are_never_shared_across_salts()
+        self.check_requests_hold_their_own_kv()
+        self.check_sessions_hold_their_turns_kv()
+        self.check_published_blocks_hold_what_their_hash_names()
+
     def holders(self) -> list[tuple[str, str | None, list[int]]]:
         held = [(r.request_id, r.cache_salt, r.block_table) for r in self.running + self.waiting]
         held += [(f"session {s.session_id}", s.cache_salt, s.block_ids) for s in self.sessions()]
         return held
 
-    def sessions(self):
+    def sessions(self) -> list[Session]:
         return list(self.kv.sessions.values())
 
-    @invariant()
-    def ref_counts_match_references(self) -> None:
+    def check_ref_counts_match_references(self) -> None:
         refs = [0] * self.kv.num_blocks
         for _, _, block_ids in self.holders():
             for block_id in block_ids:
@@ -395,8 +445,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         got = [b.ref_count for b in self.kv.blocks]
         assert got == refs, f"ref counts should be {refs}, are {got}"
 
-    @invariant()
-    def free_lists_hold_each_free_block_once(self) -> None:
+    def check_free_lists_hold_each_free_block_once(self) -> None:
         plain = list(self.kv._free_plain)
         cached = list(self.kv._free_cached)
         free = plain + cached
@@ -411,8 +460,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 f"block {block_id} is on the cached free list but not published"
             )
 
-    @invariant()
-    def blocks_are_never_shared_across_salts(self) -> None:
+    def check_blocks_are_never_shared_across_salts(self) -> None:
         salt_of: dict[int, tuple[str, str | None]] = {}
         for holder, salt, block_ids in self.holders():
             for block_id in block_ids:
@@ -422,8 +470,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                     f"(salt {other[1]!r})"
                 )
 
-    @invariant()
-    def requests_hold_their_own_kv(self) -> None:
+    def check_requests_hold_their_own_kv(self) -> None:
         for req in self.running:
             self.assert_holds_own_kv(req, req.num_computed_tokens, "running request")
         for req in self.waiting:
@@ -431,8 +478,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 f"waiting {req.request_id} should hold nothing, holds {req.block_table}"
             )
 
-    @invariant()
-    def sessions_hold_their_turns_kv(self) -> None:
+    def check_sessions_hold_their_turns_kv(self) -> None:
+        self.account_for_evicted_sessions()
         last_used = [s.last_used_s for s in self.sessions()]
         assert last_used == sorted(last_used), f"sessions out of LRU order: {last_used}"
         for s in self.sessions():
@@ -447,8 +494,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                     f"session {s.session_id} position {p} should hold K/V of {want}, holds {got}"
                 )
 
-    @invariant()
-    def published_blocks_hold_what_their_hash_names(self) -> None:
+    def check_published_blocks_hold_what_their_hash_names(self) -> None:
         for req in self.running + self.waiting:
             self.record_hashes(req)
         for block_hash, block_id in self.kv._hash_to_block.items():
@@ -483,7 +529,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=300,
     stateful_step_count=100,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
