@@ -128,9 +128,13 @@ class Engine:
         """Whether any request is still waiting or running."""
         return bool(self.requests)
 
-    def release_session(self, session_id: str) -> bool:
-        """Unpin a session's blocks; False when the engine holds nothing for it."""
-        return self.kv_cache.release_session(session_id)
+    def release_session(self, session_id: str, cache_salt: str | None = None) -> bool:
+        """Unpin the session's blocks if they belong to the tenant `cache_salt`.
+
+        Returns:
+            False when the engine holds no such session for that tenant.
+        """
+        return self.kv_cache.release_session(session_id, cache_salt, any_tenant=False)
 
     def session_ids(self) -> list[str]:
         """Sessions whose blocks this engine holds now."""

@@ -291,7 +291,8 @@ class ExecutorService:
             self._admit(event.message.assignment.request)
             self._inbox.handled(event.entry_id)
         else:
-            self._engine.release_session(event.message.release_session.session_id)
+            release = event.message.release_session
+            self._engine.release_session(release.session_id, release.tenant or None)
             self._inbox.handled(event.entry_id)
 
     def _admit(self, queued: internal_pb2.QueuedRequest) -> None:

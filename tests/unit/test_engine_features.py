@@ -250,6 +250,16 @@ def test_another_tenants_request_does_not_drop_a_session(tokenizer):
     assert outputs["b2"].num_cached_tokens == 0, "tenant b read tenant a's session"
 
 
+def test_release_session_is_scoped_to_its_tenant(tokenizer):
+    engine = make_engine()
+    engine.add_request(
+        "a", tokenizer("Once").input_ids, greedy(3), session_id="s", cache_salt="t-a"
+    )
+    run_to_completion(engine)
+    assert engine.release_session("s", "t-b") is False, "another tenant released the session"
+    assert engine.release_session("s", "t-a") is True
+
+
 def test_decodes_keep_running_beside_a_higher_priority_long_prompt(tokenizer):
     engine = make_engine(max_num_batched_tokens=6)
     engine.add_request("short", tokenizer("Once").input_ids, greedy(30), priority=5)
