@@ -54,7 +54,7 @@ bench-serve: setup proto
 	$(PYTHON) -m bench.bench_serve --out bench/results/serve.json
 
 run: setup proto
-	$(PYTHON) -m deploy.local
+	$(PYTHON) -m deploy.local $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
