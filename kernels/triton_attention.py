@@ -38,6 +38,34 @@ def _kv_rows(
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    rows,
+    dims,
+    kv_mask,
+    visible,
+    scale,
+    running_max,
+    running_sum,
+    acc,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over a tile of cached K/V; `visible` masks scores per query."""
+    k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    rescale = tl.exp(running_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return new_max, running_sum, acc * rescale[:, None] + pv
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
@@ -88,17 +116,10 @@ def _decode_partition_kernel(
             block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM
         )
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * rescale[:, None] + pv
-        running_max = new_max
+        running_max, running_sum, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, rows, dims, kv_mask, token_mask[None, :], scale,
+            running_max, running_sum, acc, DOT_PRECISION,
+        )  # fmt: skip
     part_index = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + heads) * MAX_PARTITIONS + partition
     out_offsets = part_index[:, None] * HEAD_DIM + dims[None, :]
     out_mask = head_mask[:, None] & dim_mask[None, :]
@@ -202,16 +223,51 @@ def paged_decode_attention(
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    block_size = k_cache.shape[1]
     max_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition_size)
     if num_seqs == 0 or max_partitions == 0:
         return out
+    part_out, part_max, part_sum = _decode_partitions(
+        q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, max_partitions
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_max,
+        part_sum,
+        context_lens,
+        out,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        PARTITION_SIZE=partition_size,
+        MAX_PARTITIONS=max_partitions,
+        BLOCK_P=triton.next_power_of_2(max_partitions),
+        BLOCK_D=_block_d(head_dim),
+    )
+    return out
+
+
+def _block_d(head_dim: int) -> int:
+    return max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
+
+
+def _decode_partitions(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    partition_size: int,
+    max_partitions: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the partition kernel; returns each partition's output, max and sum (float32)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     part_shape = (num_seqs, num_heads, max_partitions)
     part_out = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_sum = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
-    block_d = max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim))
     _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
         q,
         k_cache,
@@ -232,25 +288,12 @@ def paged_decode_attention(
         PARTITION_SIZE=partition_size,
         MAX_PARTITIONS=max_partitions,
         BLOCK_G=max(MIN_DOT_SIZE, triton.next_power_of_2(group)),
-        BLOCK_D=block_d,
+        BLOCK_D=_block_d(head_dim),
         BLOCK_N=min(partition_size, _kv_tile_size(head_dim)),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_num_warps(head_dim),
     )
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out,
-        part_max,
-        part_sum,
-        context_lens,
-        out,
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        PARTITION_SIZE=partition_size,
-        MAX_PARTITIONS=max_partitions,
-        BLOCK_P=triton.next_power_of_2(max_partitions),
-        BLOCK_D=block_d,
-    )
-    return out
+    return part_out, part_max, part_sum
 
 
 @triton.jit
@@ -326,18 +369,11 @@ def _prefill_kernel(
             block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM
         )
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + rows_kv[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + rows_kv[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * rescale[:, None] + pv
-        running_max = new_max
+        running_max, running_sum, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, rows_kv, dims, kv_mask, visible, scale,
+            running_max, running_sum, acc, DOT_PRECISION,
+        )  # fmt: skip
     out = acc / running_sum[:, None]
     out_offsets = (tokens_q[:, None] * (GROUP * NUM_KV_HEADS) + head) * HEAD_DIM + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -400,7 +436,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=_kv_tile_size(head_dim),
-        BLOCK_D=max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
+        BLOCK_D=_block_d(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_num_warps(head_dim),
     )
