@@ -10,6 +10,7 @@ and assignments still unread in the inbox go back to the request stream.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import queue
@@ -34,9 +35,10 @@ from common.config import (
     env_str,
 )
 from common.keys import RedisKeys
-from common.logs import request_fields, setup_logging
-from common.metrics import add_metrics_flags, check_metrics_port, start_metrics_server
+from common.logs import request_fields
+from common.metrics import add_metrics_flags, check_metrics_port
 from common.redis_conn import connect_sync
+from common.startup import start_process
 from executor.config import EngineConfig
 from executor.engine import Engine, RequestOutput
 from executor.gateway_link import GatewayAbort, GatewayEvent, GatewayGone, GatewayLink
@@ -444,18 +446,11 @@ class ExecutorService:
 
 def main(argv: list[str] | None = None) -> int:
     """Args: command-line flags (None: sys.argv). Returns: the exit status."""
-    try:
-        config = ExecutorServiceConfig.from_args(argv)
-    except ValueError as error:
-        print(f"executor: {error}", file=sys.stderr)
+    parse = functools.partial(ExecutorServiceConfig.from_args, argv)
+    started = start_process("executor", parse, ExecutorMetrics)
+    if started is None:
         return 2
-    setup_logging("executor", config.log_level, config.log_format)
-    metrics = ExecutorMetrics()
-    try:
-        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
-    except OSError as error:
-        print(f"executor: {error}", file=sys.stderr)
-        return 2
+    config, metrics = started
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     engine = Engine(config.engine)

@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 
-from common.logs import setup_logging
-from common.metrics import start_metrics_server
+from common.startup import start_process
 from gateway.config import config_from_args
 from gateway.metrics import GatewayMetrics
 from gateway.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = config_from_args(argv)
-    except ValueError as error:
-        print(f"gateway: {error}", file=sys.stderr)
+    started = start_process("gateway", functools.partial(config_from_args, argv), GatewayMetrics)
+    if started is None:
         return 2
-    setup_logging("gateway", config.log_level, config.log_format)
-    metrics = GatewayMetrics()
-    try:
-        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
-    except OSError as error:
-        print(f"gateway: {error}", file=sys.stderr)
-        return 2
+    config, metrics = started
     asyncio.run(serve(config, metrics))
     return 0
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 
-from common.logs import setup_logging
-from common.metrics import start_metrics_server
 from common.redis_conn import connect_sync
+from common.startup import start_process
 from scheduler.config import SchedulerConfig
 from scheduler.metrics import SchedulerMetrics
 from scheduler.service import Scheduler
@@ -15,18 +15,12 @@ from scheduler.service import Scheduler
 
 def main(argv: list[str] | None = None) -> int:
     """Args: command-line flags (None: sys.argv). Returns: the exit status."""
-    try:
-        config = SchedulerConfig.from_args(argv)
-    except ValueError as error:
-        print(f"scheduler: {error}", file=sys.stderr)
+    started = start_process(
+        "scheduler", functools.partial(SchedulerConfig.from_args, argv), SchedulerMetrics
+    )
+    if started is None:
         return 2
-    setup_logging("scheduler", config.log_level, config.log_format)
-    metrics = SchedulerMetrics()
-    try:
-        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
-    except OSError as error:
-        print(f"scheduler: {error}", file=sys.stderr)
-        return 2
+    config, metrics = started
     scheduler = Scheduler(config, connect_sync(config.redis_url, timeout_s=2.0), metrics)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())

@@ -1,0 +1,57 @@
+"""The start every process shares: validated config, logging, and its /metrics server."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from common.logs import setup_logging
+from common.metrics import start_metrics_server
+
+
+class ProcessConfig(Protocol):
+    log_level: str
+    log_format: str
+    metrics_host: str
+    metrics_port: int
+
+
+class ProcessMetrics(Protocol):
+    registry: CollectorRegistry
+
+
+C = TypeVar("C", bound=ProcessConfig)
+M = TypeVar("M", bound=ProcessMetrics)
+
+
+def start_process(
+    name: str, parse_config: Callable[[], C], make_metrics: Callable[[], M]
+) -> tuple[C, M] | None:
+    """Parse and validate the config, set up logging and serve /metrics.
+
+    Args:
+        name: the process name, for log lines and error messages.
+        parse_config: builds the validated config from the command line (ValueError naming
+            the flag on bad input).
+        make_metrics: builds the process's metrics, with their own registry.
+
+    Returns:
+        The config and metrics, or None after printing why the process cannot start (the
+        caller exits with status 2).
+    """
+    try:
+        config = parse_config()
+    except ValueError as error:
+        print(f"{name}: {error}", file=sys.stderr)
+        return None
+    setup_logging(name, config.log_level, config.log_format)
+    metrics = make_metrics()
+    try:
+        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
+    except OSError as error:
+        print(f"{name}: {error}", file=sys.stderr)
+        return None
+    return config, metrics
