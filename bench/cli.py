@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,8 +84,13 @@ class BenchConfig:
 
 def add_bench_flags(parser: argparse.ArgumentParser, default_target: str) -> None:
     """Adds the flags of `kvgate bench` to its subcommand parser."""
-    add = parser.add_argument
-    add("--target", default=default_target, help="gateway HOST:PORT")
+    parser.add_argument("--target", default=default_target, help="gateway HOST:PORT")
+    _add_load_flags(parser.add_argument)
+    _add_output_flags(parser.add_argument)
+
+
+def _add_load_flags(add: Callable[..., object]) -> None:
+    """Arrivals and workload."""
     add("--num-requests", type=int, default=100, help="requests (chat: turns) per run")
     add(
         "--request-rate",
@@ -123,6 +129,10 @@ def add_bench_flags(parser: argparse.ArgumentParser, default_target: str) -> Non
         help="prompt text: built-in English words, or the words of --model's vocabulary",
     )
     add("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
+
+
+def _add_output_flags(add: Callable[..., object]) -> None:
+    """Goodput bounds, results, sweeps and the transformers comparison."""
     add(
         "--slo",
         action="append",
