@@ -28,7 +28,7 @@ class ModelRunner:
             config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         ]
         self.block_size = config.block_size
-        self.kernels = get_kernels(self.device, config.kernels)
+        self.kernels = get_kernels(self.device, config.kernels, self.dtype)
         self.model, self.model_config = load_model(config.model, self.device, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(config)
         self.kv_caches = self._allocate_kv_caches()

@@ -1,4 +1,9 @@
-"""Choose the kernel backend for a device: Triton on CUDA, the PyTorch reference elsewhere."""
+"""Choose the kernel backend for a device: Triton on CUDA, the C decode kernel on CPU.
+
+`cpu` is the PyTorch reference with decode attention replaced by kernels/cpu.py (float32
+only); where that cannot be built or the dtype is not float32, the reference runs and the
+log says why.
+"""
 
 import functools
 import importlib.util
@@ -12,7 +17,7 @@ import torch
 logger = logging.getLogger("kvgate.kernels")
 
 BACKEND_ENV = "KVGATE_KERNELS"
-BACKENDS = ("triton", "reference")
+BACKENDS = ("triton", "cpu", "reference")
 
 
 @dataclass(frozen=True)
@@ -57,21 +62,46 @@ def _requested_backend(backend: str | None) -> str | None:
     return requested
 
 
-def _choose_backend(device: torch.device, requested: str | None) -> str:
+def _choose_backend(device: torch.device, requested: str | None, dtype: torch.dtype) -> str:
     if requested == "reference":
         return "reference"
+    if requested == "cpu" or (requested is None and device.type == "cpu"):
+        return _choose_cpu(device, requested, dtype)
     reason = _why_triton_cannot_run(device)
     if requested == "triton" and reason is not None:
         raise RuntimeError(
             f"{BACKEND_ENV}=triton cannot run: {reason}. Unset {BACKEND_ENV} or set it to "
             "'reference' to run the PyTorch reference kernels instead."
         )
-    if requested is None and device.type == "cuda" and reason is not None:
+    if requested is None and reason is not None:
         logger.warning(
             "Triton kernels cannot run on %s: %s; using the reference kernels", device, reason
         )
         return "reference"
-    return "triton" if requested == "triton" or device.type == "cuda" else "reference"
+    return "triton"
+
+
+def _why_cpu_cannot_run(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"device is {device}, not the CPU"
+    if dtype != torch.float32:
+        return f"dtype is {dtype}; the CPU kernels are float32 only"
+    from kernels import cpu
+
+    return cpu.why_unavailable()
+
+
+def _choose_cpu(device: torch.device, requested: str | None, dtype: torch.dtype) -> str:
+    reason = _why_cpu_cannot_run(device, dtype)
+    if reason is None:
+        return "cpu"
+    if requested == "cpu":
+        raise RuntimeError(
+            f"{BACKEND_ENV}=cpu cannot run: {reason}. Unset {BACKEND_ENV} or set it to "
+            "'reference' to run the PyTorch reference kernels instead."
+        )
+    logger.warning("CPU kernels cannot run: %s; using the reference kernels", reason)
+    return "reference"
 
 
 def _reference_backend() -> KernelBackend:
@@ -81,6 +111,19 @@ def _reference_backend() -> KernelBackend:
         name="reference",
         store_kvcache=reference.store_kvcache,
         paged_decode_attention=reference.paged_decode_attention,
+        paged_prefill_attention=reference.paged_prefill_attention,
+        rms_norm=reference.rms_norm,
+        rotary_embedding=reference.rotary_embedding,
+    )
+
+
+def _cpu_backend() -> KernelBackend:
+    from kernels import cpu, reference
+
+    return KernelBackend(
+        name="cpu",
+        store_kvcache=reference.store_kvcache,
+        paged_decode_attention=cpu.paged_decode_attention,
         paged_prefill_attention=reference.paged_prefill_attention,
         rms_norm=reference.rms_norm,
         rotary_embedding=reference.rotary_embedding,
@@ -106,22 +149,30 @@ def _log_choice(name: str, device_type: str) -> None:
     logger.info("kernel backend %s on %s", name, device_type)
 
 
-def get_kernels(device: torch.device, backend: str | None = None) -> KernelBackend:
-    """The kernels to run on `device`.
+_BUILDERS = {"triton": _triton_backend, "cpu": _cpu_backend, "reference": _reference_backend}
+
+
+def get_kernels(
+    device: torch.device, backend: str | None = None, dtype: torch.dtype = torch.float32
+) -> KernelBackend:
+    """The kernels to run on `device` for a model and KV cache of `dtype`.
 
     Args:
         device: where the model and KV cache live.
-        backend: "triton" or "reference"; None reads KVGATE_KERNELS, and when that is unset
-            too, picks Triton on CUDA and the reference kernels elsewhere.
+        backend: "triton", "cpu" or "reference"; None reads KVGATE_KERNELS, and when that is
+            unset too, picks Triton on CUDA, the CPU kernels on the CPU (float32) and the
+            reference kernels where those cannot run.
+        dtype: the model's and KV cache's dtype.
 
     Returns:
         The chosen KernelBackend.
 
     Raises:
         ValueError: the backend name is unknown.
-        RuntimeError: Triton was asked for where it cannot run.
+        RuntimeError: a backend was asked for where it cannot run.
     """
-    name = _choose_backend(torch.device(device), _requested_backend(backend))
-    kernels = _triton_backend() if name == "triton" else _reference_backend()
-    _log_choice(name, torch.device(device).type)
+    device = torch.device(device)
+    name = _choose_backend(device, _requested_backend(backend), dtype)
+    kernels = _BUILDERS[name]()
+    _log_choice(name, device.type)
     return kernels

@@ -196,9 +196,7 @@ def rms_norm(
     """
     check_rms_norm(x, weight, residual)
     summed = x if residual is None else x + residual
-    as_float = summed.float()
-    mean_square = as_float.pow(2).mean(dim=-1, keepdim=True)
-    normed = (as_float * torch.rsqrt(mean_square + eps)).to(x.dtype)
+    normed = F.rms_norm(summed.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return weight * normed, summed
 
 

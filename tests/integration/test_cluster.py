@@ -23,9 +23,19 @@ def stack(stack_factory):
     return stack_factory(num_executors=2)
 
 
-def burst(stack, count: int, max_tokens: int = 16) -> list[tuple[str, object]]:
-    """Runs `count` concurrent requests, each in its own session. Returns: (session, completion)."""
-    sessions = [f"s-{uuid.uuid4().hex[:12]}" for _ in range(count)]
+def new_sessions(count: int) -> list[str]:
+    return [f"s-{uuid.uuid4().hex[:12]}" for _ in range(count)]
+
+
+def burst(
+    stack, count: int, max_tokens: int = 16, sessions: list[str] | None = None
+) -> list[tuple[str, object]]:
+    """Runs `count` concurrent requests, each in its own session (new ones unless given).
+
+    Returns:
+        (session, completion) per request.
+    """
+    sessions = sessions or new_sessions(count)
 
     def run(index: int):
         prompt = STORY_STARTS[index % len(STORY_STARTS)] + f" number {index}"
@@ -96,12 +106,13 @@ def inject_assignment(stack, executor_id: str, request_id: str) -> None:
 
 def test_sigterm_drains_an_executor_without_losing_requests(stack):
     probe_id = f"drain-probe-{uuid.uuid4().hex[:8]}"
+    sessions = new_sessions(12)
     with ThreadPoolExecutor(12) as pool:
-        pending = pool.submit(burst, stack, 12, 128)
+        pending = pool.submit(burst, stack, 12, 128, sessions)
 
         def busy() -> bool:
-            status = stack.executor_status("executor-1")
-            return status is not None and status.num_running > 0
+            # The burst's own requests: a heartbeat may still count an earlier test's.
+            return any(log_lines(stack, "executor-1", "request admitted", s) for s in sessions)
 
         def draining() -> bool:
             status = stack.executor_status("executor-1")

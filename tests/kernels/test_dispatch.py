@@ -45,24 +45,50 @@ def test_choice_is_logged_once():
     result = run_python(code, {})
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("kvgate.kernels")]
-    assert lines == ["kvgate.kernels kernel backend reference on cpu"], result.stderr
+    assert lines == ["kvgate.kernels kernel backend cpu on cpu"], result.stderr
 
 
 def test_unknown_backend_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv("KVGATE_KERNELS", "cuda-graphs")
     with pytest.raises(
-        ValueError, match="KVGATE_KERNELS='cuda-graphs'.*allowed: triton, reference"
+        ValueError, match="KVGATE_KERNELS='cuda-graphs'.*allowed: triton, cpu, reference"
     ):
         get_kernels(torch.device("cpu"))
-    with pytest.raises(ValueError, match="allowed: triton, reference"):
+    with pytest.raises(ValueError, match="allowed: triton, cpu, reference"):
         get_kernels(torch.device("cpu"), "flash")
 
 
-def test_cpu_defaults_to_reference_even_with_the_interpreter(monkeypatch):
+def test_cpu_defaults_to_the_cpu_kernels_even_with_the_interpreter(monkeypatch):
     monkeypatch.delenv("KVGATE_KERNELS", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     backend = get_kernels(torch.device("cpu"))
-    assert isinstance(backend, KernelBackend) and backend.name == "reference"
+    assert isinstance(backend, KernelBackend) and backend.name == "cpu"
+    assert backend.paged_decode_attention.__module__ == "kernels.cpu"
+    assert backend.paged_prefill_attention.__module__ == "kernels.reference"
+
+
+def test_cpu_with_another_dtype_runs_the_reference_and_says_why(monkeypatch, caplog):
+    monkeypatch.delenv("KVGATE_KERNELS", raising=False)
+    backend = get_kernels(torch.device("cpu"), dtype=torch.bfloat16)
+    assert backend.name == "reference"
+    assert "the CPU kernels are float32 only; using the reference kernels" in caplog.text
+    with pytest.raises(RuntimeError, match="KVGATE_KERNELS=cpu cannot run: dtype is torch.bf"):
+        get_kernels(torch.device("cpu"), "cpu", torch.bfloat16)
+
+
+def test_cpu_without_a_compiler_runs_the_reference_or_refuses_when_asked(tmp_path):
+    code = (
+        "import logging, torch\n"
+        "from kernels import get_kernels\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s')\n"
+        "print(get_kernels(torch.device('cpu')).name)\n"
+        "get_kernels(torch.device('cpu'), 'cpu')\n"
+    )
+    env = {"KVGATE_BUILD_DIR": str(tmp_path), "CC": str(tmp_path / "no-such-cc")}
+    result = run_python(code, env)
+    assert result.stdout.strip() == "reference", result.stdout + result.stderr
+    assert "cannot run the C compiler" in result.stderr, result.stderr
+    assert "RuntimeError: KVGATE_KERNELS=cpu cannot run" in result.stderr, result.stderr
 
 
 def test_triton_runs_on_cpu_under_the_interpreter(monkeypatch):

@@ -49,10 +49,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def test_once_upon_a_time_100_tokens_identical(tokenizer, hf_model):
+@pytest.mark.parametrize("kernels", ["cpu", "reference"])
+def test_once_upon_a_time_100_tokens_identical(tokenizer, hf_model, kernels):
     prompt = tokenizer("Once upon a time").input_ids
     expected = hf_generate(hf_model, prompt, 100)
-    engine = make_engine()
+    engine = make_engine(kernels=kernels)
+    assert engine.runner.kernels.name == kernels
     engine.add_request("story", prompt, greedy(100))
     got = run_to_completion(engine)["story"]
     assert got == expected, (

@@ -1,0 +1,135 @@
+/*
+ * Paged decode attention for the CPU, reading keys and values in place from the block cache.
+ *
+ * The PyTorch reference (kernels/reference.py, paged_decode_attention) gathers every
+ * sequence's blocks into one padded tensor before attending: on a CPU that copy, repeated
+ * each layer of each step, costs more than the attention itself. This kernel walks the block
+ * table instead, one (sequence, KV head) pair per work item, so each cached key and value is
+ * read once per step and nothing is copied.
+ *
+ * Layouts (all contiguous, float32):
+ *   q            [num_seqs, num_heads, head_dim]
+ *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same
+ *   block_tables [num_seqs, max_blocks] int32
+ *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
+ *   out          [num_seqs, num_heads, head_dim]
+ * The caller (kernels/cpu.py) checks shapes, dtypes and ranges before the call.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+static void axpy(float *y, float alpha, const float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+/* Softmax of one row of scores in place. */
+static void softmax_in_place(float *scores, int64_t n) {
+    float max_score = scores[0];
+    for (int64_t t = 1; t < n; ++t) max_score = scores[t] > max_score ? scores[t] : max_score;
+    float total = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+        scores[t] = expf(scores[t] - max_score);
+        total += scores[t];
+    }
+    const float inverse_total = 1.0f / total;
+    for (int64_t t = 0; t < n; ++t) scores[t] *= inverse_total;
+}
+
+/*
+ * Attention of all query heads of one sequence: scores block by block (each cached token's
+ * row of all KV heads is read once, contiguously), a softmax per head, then the weighted sum
+ * of values block by block. Query head h reads KV head h / group.
+ */
+static void attend_one_sequence(const float *q, const float *k_cache, const float *v_cache,
+                                const int32_t *block_table, int64_t context_len, float *out,
+                                float *scores, int64_t num_heads, int64_t group,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                float scale) {
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t block_stride = block_size * token_stride;
+    for (int64_t start = 0; start < context_len; start += block_size) {
+        const float *keys = k_cache + block_table[start / block_size] * block_stride;
+        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
+        for (int64_t t = 0; t < count; ++t) {
+            const float *row = keys + t * token_stride;
+            for (int64_t h = 0; h < num_heads; ++h)
+                scores[h * context_len + start + t] =
+                    scale * dot(q + h * head_dim, row + (h / group) * head_dim, head_dim);
+        }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+        softmax_in_place(scores + h * context_len, context_len);
+        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
+    }
+    for (int64_t start = 0; start < context_len; start += block_size) {
+        const float *values = v_cache + block_table[start / block_size] * block_stride;
+        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
+        for (int64_t t = 0; t < count; ++t) {
+            const float *row = values + t * token_stride;
+            for (int64_t h = 0; h < num_heads; ++h)
+                axpy(out + h * head_dim, scores[h * context_len + start + t],
+                     row + (h / group) * head_dim, head_dim);
+        }
+    }
+}
+
+/*
+ * Index of the first sequence whose context length or block table entries are out of range
+ * (a context of 0 or beyond its table, or a block id outside the cache), or -1 when all are
+ * valid. Only the entries a sequence's context uses are read; the rest may hold anything.
+ */
+int64_t kvgate_first_invalid_sequence(const int32_t *block_tables, const int32_t *context_lens,
+                                      int64_t num_seqs, int64_t max_blocks, int64_t block_size,
+                                      int64_t num_blocks) {
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t context_len = context_lens[s];
+        const int64_t used_blocks = (context_len + block_size - 1) / block_size;
+        if (context_len < 1 || used_blocks > max_blocks) return s;
+        for (int64_t b = 0; b < used_blocks; ++b) {
+            const int32_t block = block_tables[s * max_blocks + b];
+            if (block < 0 || block >= num_blocks) return s;
+        }
+    }
+    return -1;
+}
+
+/*
+ * Returns 0 on success, 1 when a scratch buffer could not be allocated. The caller has
+ * checked the tables with kvgate_first_invalid_sequence.
+ */
+int kvgate_paged_decode_attention_f32(const float *q, const float *k_cache,
+                                      const float *v_cache, const int32_t *block_tables,
+                                      const int32_t *context_lens, float *out, int64_t num_seqs,
+                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                      int64_t block_size, int64_t max_blocks, float scale,
+                                      int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t max_context = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        max_context = context_lens[s] > max_context ? context_lens[s] : max_context;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context));
+        if (scores == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t seq = 0; seq < num_seqs; ++seq) {
+            if (scores == NULL) continue;
+            attend_one_sequence(q + seq * num_heads * head_dim, k_cache, v_cache,
+                                block_tables + seq * max_blocks, context_lens[seq],
+                                out + seq * num_heads * head_dim, scores, num_heads, group,
+                                num_kv_heads, head_dim, block_size, scale);
+        }
+        free(scores);
+    }
+    return failed;
+}
