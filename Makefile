@@ -5,9 +5,9 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis promtool proto test test-kernels lint bench bench-engine bench-serve run clean
+.PHONY: setup redis promtool cc proto test test-kernels lint bench bench-engine bench-serve run clean
 
-setup: $(BIN)/.installed redis promtool
+setup: $(BIN)/.installed redis promtool cc
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -27,6 +27,12 @@ promtool:
 	@command -v promtool >/dev/null || { \
 		echo "promtool not found: installing prometheus with apt-get"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+
+# The CPU decode attention kernel (kernels/cpu/paged_decode.c) is compiled at first use.
+cc:
+	@command -v cc >/dev/null || command -v gcc >/dev/null || { \
+		echo "no C compiler found: installing gcc with apt-get"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev; }
 
 proto: $(BIN)/.installed
 	$(PYTHON) -m common.protogen
