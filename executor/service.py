@@ -51,6 +51,8 @@ from protos.kvgate.v1 import inference_pb2, internal_pb2
 log = logging.getLogger(__name__)
 # How often the step loop refreshes the status the heartbeat publishes, in seconds.
 STATUS_INTERVAL_S = 0.1
+# Longest time a thread holding the GIL keeps it while another thread asks for it, in seconds.
+GIL_SWITCH_INTERVAL_S = 0.0002
 # How long an idle step loop waits for an event before checking for a drain, in seconds.
 IDLE_WAIT_S = 0.05
 # Most prefix-cache block hashes reported in a heartbeat.
@@ -453,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     config, metrics = started
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    # The step loop holds the GIL between torch ops; the threads that send tokens to gateways
+    # and read the inbox would otherwise wait up to the default 5 ms for it after each step.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = Engine(config.engine)
     client = connect_sync(config.redis_url, timeout_s=2.0)
     service = ExecutorService(config, engine, client, metrics)

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 READ_COUNT = 512
 
 
-# Redis ends a timed-out BLOCK on its server clock (hz 10: every 100 ms), so a window of a few
-# ms must be waited here; a BLOCK still wakes at once when an entry arrives.
+# Redis ends a timed-out BLOCK on its server clock (hz 10: every 100 ms), so a window closing
+# within a few ms must be waited here; a BLOCK still wakes at once when an entry arrives.
 REDIS_TIMEOUT_RESOLUTION_MS = 100
 
 
@@ -124,23 +124,29 @@ class Scheduler:
         if now >= self._next_poll_s:
             self._poll_executors(now)
         self._drop_expired(now)
-        block_ms = self._block_ms(now)
-        if block_ms is not None and block_ms < REDIS_TIMEOUT_RESOLUTION_MS:
-            time.sleep(block_ms / 1000.0)  # a short BLOCK would wake on Redis's coarse clock
-            block_ms = None
-        self._admit(self._stream.read_new(block_ms, READ_COUNT), time.monotonic())
+        self._admit(self._read_new(), time.monotonic())
         now = time.monotonic()
         reason = None if self._stalled else self._batcher.release_reason(now)
         if reason is not None:
             self._dispatch(now, reason)
         self._metrics.queue_length.set(len(self._batcher))
 
-    def _block_ms(self, now: float) -> int | None:
-        wake_s = self._next_poll_s
-        if not self._stalled:
-            wake_s = min(wake_s, now + self._batcher.seconds_until_due(now))
-        wait_ms = math.ceil((wake_s - now) * 1000.0)
-        return wait_ms if wait_ms > 0 else None
+    def _read_new(self) -> list[tuple[str, bytes]]:
+        """New requests, waiting for them until the next poll or the window's close.
+
+        Waiting on the stream wakes at once when a request arrives; a window closing within
+        Redis's timeout resolution is slept out here instead, then read without waiting.
+        """
+        now = time.monotonic()
+        until_poll_s = max(0.0, self._next_poll_s - now)
+        until_due_s = math.inf if self._stalled else self._batcher.seconds_until_due(now)
+        if until_due_s > until_poll_s:
+            return self._stream.read_new(max(1, math.ceil(until_poll_s * 1000.0)), READ_COUNT)
+        if until_due_s * 1000.0 >= REDIS_TIMEOUT_RESOLUTION_MS:
+            return self._stream.read_new(math.ceil(until_due_s * 1000.0), READ_COUNT)
+        if until_due_s > 0.0:
+            time.sleep(until_due_s)
+        return self._stream.read_new(None, READ_COUNT)
 
     def _poll_executors(self, now: float) -> None:
         self._next_poll_s = now + self._config.registry_poll_ms / 1000.0
