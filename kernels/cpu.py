@@ -1,11 +1,13 @@
-"""CPU kernels in C, compiled at first use: paged decode attention that reads the cache in place.
+"""CPU kernels in C, compiled at first use: decode attention, rotary embedding, KV-cache store.
 
 The reference decode attention gathers every sequence's blocks into a padded copy each layer of
 each step; on a CPU that copy and the masked attention over it cost more than the model's
-matmuls at long contexts. `kernels/cpu/paged_decode.c` walks the block table instead. It is
-built with the system C compiler (`cc`, or `$CC`) into a cache folder keyed by the source,
-flags and CPU, in well under a second, and loaded with ctypes; OpenMP threads follow
-`torch.get_num_threads()`.
+matmuls at long contexts. `kernels/cpu/kernels.c` walks the block table instead, and does the
+rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
+small tensor ops. It is built with the system C compiler (`cc`, or `$CC`) into a cache folder
+keyed by the source, flags and CPU, in well under a second, and loaded with ctypes; OpenMP
+threads follow `torch.get_num_threads()`. Every wrapper has the signature and results of its
+twin in kernels.reference, for float32 CPU tensors.
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ from pathlib import Path
 
 import torch
 
-from kernels.validation import check_decode
+from kernels.validation import (
+    check_decode,
+    check_rotary,
+    check_store_kvcache,
+    expect_inner_contiguous,
+)
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
+SOURCE = Path(__file__).with_name("cpu") / "kernels.c"
 BUILD_DIR_ENV = "KVGATE_BUILD_DIR"
 # -ffast-math lets the compiler reorder float sums and call vectorized expf. It is given when
 # compiling only: linking with it would add crtfastmath.o, which turns on flush-to-zero for the
@@ -33,7 +40,7 @@ _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-funroll-loops", "-fop
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LIBS = ("-lmvec", "-lm")
 
-_i64, _f32p, _i32p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
+_i64, _f32p, _i32p, _i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
 
 
 def build_dir() -> Path:
@@ -74,7 +81,7 @@ def _library() -> ctypes.CDLL:
     flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS + _LIBS)
     parts = [source, compiler.encode(), flags.encode(), _cpu_model().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    path = build_dir() / f"paged_decode-{key}.so"
+    path = build_dir() / f"cpu-kernels-{key}.so"
     try:
         if not path.exists():
             _compile(compiler, path)
@@ -91,6 +98,14 @@ def _library() -> ctypes.CDLL:
         _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,
     ]  # fmt: skip
     lib.kvgate_paged_decode_attention_f32.restype = ctypes.c_int
+    lib.kvgate_rotary_f32.argtypes = [
+        _i64p, _f32p, _i64, _f32p, _i64, _i64, _i64, _i64, _f32p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.kvgate_rotary_f32.restype = _i64
+    lib.kvgate_store_kvcache_f32.argtypes = [
+        _f32p, _i64, _f32p, _i64, _f32p, _f32p, _i64p, _i64, _i64, _i64,
+    ]  # fmt: skip
+    lib.kvgate_store_kvcache_f32.restype = _i64
     return lib
 
 
@@ -113,14 +128,90 @@ def _run(*command: str) -> None:
         raise RuntimeError(f"building {SOURCE.name} failed: {' '.join(command)}\n{result.stderr}")
 
 
-def _check_cpu_float32(tensors: dict[str, torch.Tensor]) -> None:
+def _check_cpu(
+    tensors: dict[str, torch.Tensor], floats: tuple[str, ...], inner_dims: dict[str, int]
+) -> None:
+    """Raise unless every tensor is on the CPU, `floats` are float32, and each tensor is
+    contiguous, or for those in `inner_dims`, contiguous in that many trailing dims."""
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} is on {tensor.device}; the CPU kernels need CPU tensors")
-        if name in ("q", "k_cache", "v_cache") and tensor.dtype != torch.float32:
+        if name in floats and tensor.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 for the CPU kernels, got {tensor.dtype}")
-        if not tensor.is_contiguous():
+        if name in inner_dims:
+            expect_inner_contiguous(name, tensor, inner_dims[name])
+        elif not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
+
+
+def _token_stride(tensor: torch.Tensor) -> int:
+    """Elements between consecutive tokens of [tokens, heads, head_dim] (0 tokens: any)."""
+    return tensor.stride(0) if tensor.shape[0] > 1 else tensor.shape[1] * tensor.shape[2]
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The CPU twin of kernels.reference.store_kvcache (same arguments, writes in place).
+
+    Key and value rows may lie any distance apart (slices of a fused projection); each
+    token's heads and head_dim must be contiguous. A slot outside [-1, cache slots) is a
+    ValueError and nothing is written.
+    """
+    check_store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    _check_cpu(
+        {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache,
+         "slot_mapping": slot_mapping},
+        floats=("key", "value", "k_cache", "v_cache"),
+        inner_dims={"key": 2, "value": 2},
+    )  # fmt: skip
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    bad = _library().kvgate_store_kvcache_f32(
+        key.data_ptr(), _token_stride(key), value.data_ptr(), _token_stride(value),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+        key.shape[1] * key.shape[2], num_slots,
+    )  # fmt: skip
+    if bad >= 0:
+        raise ValueError(
+            f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is outside the cache's "
+            f"{num_slots} slots (-1 skips a token)"
+        )
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU twin of kernels.reference.rotary_embedding (same arguments and results).
+
+    q and k rows may lie any distance apart (slices of a fused projection); each token's
+    heads and head_dim must be contiguous. A position outside the cache is a ValueError.
+    """
+    check_rotary(positions, q, k, cos_sin_cache)
+    _check_cpu(
+        {"positions": positions, "q": q, "k": k, "cos_sin_cache": cos_sin_cache},
+        floats=("q", "k"),
+        inner_dims={"q": 2, "k": 2},
+    )
+    lib, threads = _library(), torch.get_num_threads()
+    max_position, head_dim = cos_sin_cache.shape
+    rotated = []
+    for x in (q, k):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        bad = lib.kvgate_rotary_f32(
+            positions.data_ptr(), cos_sin_cache.data_ptr(), max_position, x.data_ptr(),
+            _token_stride(x), x.shape[0], x.shape[1], head_dim, out.data_ptr(), threads,
+        )  # fmt: skip
+        if bad >= 0:
+            raise ValueError(
+                f"positions[{bad}] = {int(positions[bad])} is outside the rotary cache's "
+                f"{max_position} positions"
+            )
+        rotated.append(out)
+    return rotated[0], rotated[1]
 
 
 def paged_decode_attention(
@@ -137,9 +228,11 @@ def paged_decode_attention(
     sequence's context uses (the C code trusts them).
     """
     check_decode(q, k_cache, v_cache, block_tables, context_lens)
-    _check_cpu_float32(
+    _check_cpu(
         {"q": q, "k_cache": k_cache, "v_cache": v_cache,
-         "block_tables": block_tables, "context_lens": context_lens}
+         "block_tables": block_tables, "context_lens": context_lens},
+        floats=("q", "k_cache", "v_cache"),
+        inner_dims={},
     )  # fmt: skip
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape

@@ -1,8 +1,8 @@
 """Choose the kernel backend for a device: Triton on CUDA, the C decode kernel on CPU.
 
-`cpu` is the PyTorch reference with decode attention replaced by kernels/cpu.py (float32
-only); where that cannot be built or the dtype is not float32, the reference runs and the
-log says why.
+`cpu` is the PyTorch reference with decode attention, rotary embedding and the KV-cache store
+replaced by kernels/cpu.py (float32 only); where that cannot be built or the dtype is not
+float32, the reference runs and the log says why.
 """
 
 import functools
@@ -122,11 +122,11 @@ def _cpu_backend() -> KernelBackend:
 
     return KernelBackend(
         name="cpu",
-        store_kvcache=reference.store_kvcache,
+        store_kvcache=cpu.store_kvcache,
         paged_decode_attention=cpu.paged_decode_attention,
         paged_prefill_attention=reference.paged_prefill_attention,
         rms_norm=reference.rms_norm,
-        rotary_embedding=reference.rotary_embedding,
+        rotary_embedding=cpu.rotary_embedding,
     )
 
 

@@ -4,7 +4,7 @@ cost = prompt blocks still to prefill after the executor's cache hit
        + load_cost_blocks * (running + waiting + assigned since its last report)
 
 among executors whose free blocks (reported, less what was assigned since)
-can take the request.
+can take the request; between equal costs, the executor assigned to least recently.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class ExecutorView:
     prefix_index: PrefixIndex
     assigned_blocks: int = 0  # blocks of requests assigned since its last report
     assigned_requests: int = 0  # requests assigned since its last report
+    last_placement: int = 0  # Placer.placements when it last got a request (0: never)
 
     def free_blocks(self) -> int:
         return self.num_free_blocks - self.assigned_blocks
@@ -89,6 +90,7 @@ class Placer:
 
     load_cost_blocks: float
     executors: dict[str, ExecutorView] = field(default_factory=dict)
+    placements: int = 0  # requests placed so far
 
     def place(
         self, num_prompt_tokens: int, block_hashes: list[int], session_owner: str | None
@@ -118,13 +120,15 @@ class Placer:
             return None
         return Placement(view.executor_id, prefill_blocks=prefill_blocks, cached_blocks=cached)
 
-    def _cost(self, placement: Placement) -> tuple[float, str]:
+    def _cost(self, placement: Placement) -> tuple[float, int, str]:
         view = self.executors[placement.executor_id]
         cost = placement.prefill_blocks + self.load_cost_blocks * view.load()
-        return (cost, placement.executor_id)
+        return (cost, view.last_placement, placement.executor_id)
 
     def _book(self, placement: Placement, block_hashes: list[int]) -> None:
         view = self.executors[placement.executor_id]
         view.assigned_blocks += placement.prefill_blocks
         view.assigned_requests += 1
         view.prefix_index.record(block_hashes)
+        self.placements += 1
+        view.last_placement = self.placements

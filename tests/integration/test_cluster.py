@@ -15,6 +15,8 @@ from common.keys import PAYLOAD_FIELD
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 from tests.integration.conftest import generate, session_executor, wait_for
 
+# Long enough that executor-1 is still draining its share when the test hands it more work.
+DRAIN_TOKENS = 480
 STORY_STARTS = ["Once upon a time", "The cat", "A big red ball", "Tom had a toy", "The sun was"]
 
 
@@ -108,7 +110,7 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
     probe_id = f"drain-probe-{uuid.uuid4().hex[:8]}"
     sessions = new_sessions(12)
     with ThreadPoolExecutor(12) as pool:
-        pending = pool.submit(burst, stack, 12, 128, sessions)
+        pending = pool.submit(burst, stack, 12, DRAIN_TOKENS, sessions)
 
         def busy() -> bool:
             # The burst's own requests: a heartbeat may still count an earlier test's.
@@ -131,7 +133,9 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
         status = stack.stop("executor-1", sig=signal.SIGTERM, timeout_s=60.0)
         results = pending.result(timeout=120)
     assert status == 0, f"the draining executor exited with status {status}"
-    short = [c for _, c in results if len(c.token_ids) != 128 or c.finish_reason != "length"]
+    short = [
+        c for _, c in results if len(c.token_ids) != DRAIN_TOKENS or c.finish_reason != "length"
+    ]
     assert not short, f"{len(short)} of 12 requests did not complete: {short[:1]}"
     # A drain, not a hard kill: what executor-1 had taken, it finished itself.
     sessions = [sid for sid, _ in results]

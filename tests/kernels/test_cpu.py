@@ -1,17 +1,19 @@
-"""The C decode attention kernel against its reference twin, its checks, and how it is built.
+"""The C kernels against their reference twins, their checks, and how they are built.
 
-Tolerance: 1e-5 absolute against the reference (both float32, sums in a different order).
+Decode attention within 1e-5 absolute of the reference (both float32, sums in a different
+order); rotary embedding and the KV store bit for bit.
 """
 
 import pytest
 import torch
 
-from kernels import cpu
+from kernels import build_cos_sin_cache, cpu
 from kernels import reference as ref
 from tests.kernels.paged_cases import make_paged_case, naive_decode
 from tests.kernels.test_dispatch import run_python
 from tests.kernels.test_triton import (
     ATTENTION_ATOL,
+    LLAMA3_SCALING,
     NUM_KV_HEADS,
     SHAPE_IDS,
     SHAPES,
@@ -113,7 +115,7 @@ def test_build_is_cached_in_the_build_dir(tmp_path):
     first = run_python(code, {"KVGATE_BUILD_DIR": str(tmp_path)})
     assert first.returncode == 0, first.stderr
     built = sorted(tmp_path.iterdir())
-    assert len(built) == 1 and built[0].name.startswith("paged_decode-"), built
+    assert len(built) == 1 and built[0].name.startswith("cpu-kernels-"), built
     mtime = built[0].stat().st_mtime_ns
     second = run_python(code, {"KVGATE_BUILD_DIR": str(tmp_path)})
     assert second.returncode == 0, second.stderr
@@ -126,3 +128,58 @@ def test_missing_compiler_is_a_clear_reason(tmp_path):
     result = run_python(code, env)
     assert result.returncode == 0, result.stderr
     assert "cannot run the C compiler" in result.stdout and "no-such-cc" in result.stdout
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 9, 130])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_store_kvcache_equals_reference(head_dim, num_tokens):
+    gen = torch.Generator().manual_seed(head_dim + num_tokens)
+    num_blocks, block_size = 40, 4
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    fused = torch.randn(num_tokens, 2, NUM_KV_HEADS, head_dim, generator=gen)
+    key, value = fused[:, 0], fused[:, 1]  # rows 2 x the row size apart, as in the model
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slot_mapping[::3] = -1
+    cpu.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    ref.store_kvcache(key, value, expected_k, expected_v, slot_mapping)
+    assert torch.equal(k_cache, expected_k), "key cache differs from the reference store"
+    assert torch.equal(v_cache, expected_v), "value cache differs from the reference store"
+
+
+def test_store_kvcache_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    key = value = torch.ones(3, 1, 8)
+    for bad in (8, -2):
+        with pytest.raises(ValueError, match=rf"slot_mapping\[2\] = {bad} is outside the cache"):
+            cpu.store_kvcache(key, value, k_cache, v_cache, torch.tensor([0, 1, bad]))
+        assert not k_cache.any() and not v_cache.any(), "a refused store wrote to the cache"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 200])
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_SCALING], ids=["default", "llama3"])
+@pytest.mark.parametrize(("head_dim", "ratio"), [(8, 1), (64, 2), (128, 8)])
+def test_rotary_equals_reference_bit_for_bit(head_dim, ratio, rope_scaling, num_tokens):
+    gen = torch.Generator().manual_seed(head_dim + ratio + num_tokens)
+    num_heads = NUM_KV_HEADS * ratio
+    cache = build_cos_sin_cache(head_dim, 256, 10000.0, rope_scaling)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, generator=gen)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + NUM_KV_HEADS) * head_dim]
+    k = k.view(num_tokens, NUM_KV_HEADS, head_dim)
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    q_out, k_out = cpu.rotary_embedding(positions, q, k, cache)
+    q_expected, k_expected = ref.rotary_embedding(positions, q, k, cache)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, q_expected), "rotated q differs from the reference"
+    assert torch.equal(k_out, k_expected), "rotated k differs from the reference"
+
+
+def test_rotary_refuses_a_position_outside_the_cache():
+    cache = build_cos_sin_cache(8, 16, 10000.0, None)
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    with pytest.raises(ValueError, match=r"positions\[1\] = 16 is outside the rotary cache's 16"):
+        cpu.rotary_embedding(torch.tensor([3, 16]), q, k, cache)
+    with pytest.raises(ValueError, match="q needs its last 2 dims contiguous"):
+        cpu.rotary_embedding(torch.tensor([3, 4]), q.transpose(1, 2).contiguous().mT, k, cache)

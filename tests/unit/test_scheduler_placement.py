@@ -47,6 +47,17 @@ def test_load_spreads_over_idle_executors():
     assert sorted(chosen) == ["a", "a", "b", "b"], f"expected an even spread, got {chosen}"
 
 
+def test_requests_that_finish_between_reports_still_alternate():
+    """Each report shows both executors idle again (the last request already finished): equal
+    costs go to the executor assigned to least recently, not always to the first id."""
+    placer, registry = cluster(report("a"), report("b"))
+    chosen = []
+    for seq in range(2, 8):
+        chosen.append(placer.place(8, [], None).executor_id)
+        registry.refresh([report("a", seq=seq), report("b", seq=seq)])
+    assert chosen == ["a", "b", "a", "b", "a", "b"], f"expected alternation, got {chosen}"
+
+
 def test_cache_hit_attracts_a_shared_prefix():
     placer, _ = cluster(report("a"), report("b"), load_cost_blocks=0.5)
     prefix = list(range(32))

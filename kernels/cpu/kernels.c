@@ -1,23 +1,25 @@
 /*
- * Paged decode attention for the CPU, reading keys and values in place from the block cache.
+ * CPU kernels: paged decode attention reading the block cache in place, rotary embedding and
+ * the KV-cache store, each one pass in C where the PyTorch reference runs several tensor ops.
  *
  * The PyTorch reference (kernels/reference.py, paged_decode_attention) gathers every
  * sequence's blocks into one padded tensor before attending: on a CPU that copy, repeated
- * each layer of each step, costs more than the attention itself. This kernel walks the block
- * table instead, one (sequence, KV head) pair per work item, so each cached key and value is
- * read once per step and nothing is copied.
+ * each layer of each step, costs more than the attention itself. The decode kernel here walks
+ * the block table instead, one sequence per work item, so each cached key and value is read
+ * once per step and nothing is copied.
  *
- * Layouts (all contiguous, float32):
+ * Decode attention layouts (all contiguous, float32):
  *   q            [num_seqs, num_heads, head_dim]
  *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same
  *   block_tables [num_seqs, max_blocks] int32
  *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
  *   out          [num_seqs, num_heads, head_dim]
- * The caller (kernels/cpu.py) checks shapes, dtypes and ranges before the call.
+ * The caller (kernels/cpu.py) checks shapes, dtypes and strides before every call.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;
@@ -132,4 +134,61 @@ int kvgate_paged_decode_attention_f32(const float *q, const float *k_cache,
         free(scores);
     }
     return failed;
+}
+
+/*
+ * Rotary embedding, rotate_half style, of x [num_tokens, num_heads, head_dim] (head_dim
+ * contiguous, heads packed, tokens `token_stride` floats apart) into out (contiguous):
+ * out[:D/2] = x1 * cos - x2 * sin and out[D/2:] = x2 * cos + x1 * sin, with cos and sin the
+ * halves of cos_sin's row at the token's position. Products and sums are rounded separately,
+ * as the PyTorch reference rounds them (no fused multiply-add).
+ * Returns the index of the first token whose position is outside [0, max_position), or -1
+ * (and then nothing was written).
+ */
+__attribute__((optimize("fp-contract=off"))) int64_t
+kvgate_rotary_f32(const int64_t *positions, const float *cos_sin, int64_t max_position,
+                  const float *x, int64_t token_stride, int64_t num_tokens, int64_t num_heads,
+                  int64_t head_dim, float *out, int num_threads) {
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= max_position) return t;
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens > 64)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const float *cos = cos_sin + positions[t] * head_dim;
+        const float *sin = cos + half;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            const float *x1 = x + t * token_stride + h * head_dim;
+            const float *x2 = x1 + half;
+            float *o1 = out + (t * num_heads + h) * head_dim;
+            float *o2 = o1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i] * cos[i], b = x2[i] * sin[i];
+                const float c = x2[i] * cos[i], d = x1[i] * sin[i];
+                o1[i] = a - b;
+                o2[i] = c + d;
+            }
+        }
+    }
+    return -1;
+}
+
+/*
+ * Copy each token's key and value rows (num_kv_heads * head_dim floats, contiguous; tokens
+ * key_stride / value_stride floats apart) into the cache slot slot_mapping[t]; -1 skips.
+ * Returns the index of the first token whose slot is outside [-1, num_slots), or -1 (and
+ * then every row was written; on an error nothing is).
+ */
+int64_t kvgate_store_kvcache_f32(const float *key, int64_t key_stride, const float *value,
+                                 int64_t value_stride, float *k_cache, float *v_cache,
+                                 const int64_t *slot_mapping, int64_t num_tokens, int64_t row,
+                                 int64_t num_slots) {
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return t;
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * row, key + t * key_stride, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slot * row, value + t * value_stride, sizeof(float) * (size_t)row);
+    }
+    return -1;
 }
