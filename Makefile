@@ -28,7 +28,7 @@ promtool:
 		echo "promtool not found: installing prometheus with apt-get"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
 
-# The CPU decode attention kernel (kernels/cpu/paged_decode.c) is compiled at first use.
+# The CPU kernels (kernels/csrc/cpu_kernels.c) are compiled at first use.
 cc:
 	@command -v cc >/dev/null || command -v gcc >/dev/null || { \
 		echo "no C compiler found: installing gcc with apt-get"; \

@@ -2,7 +2,7 @@
 
 The reference decode attention gathers every sequence's blocks into a padded copy each layer of
 each step; on a CPU that copy and the masked attention over it cost more than the model's
-matmuls at long contexts. `kernels/cpu/kernels.c` walks the block table instead, and does the
+matmuls at long contexts. `kernels/csrc/cpu_kernels.c` walks the block table instead, and does the
 rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
 small tensor ops. It is built with the system C compiler (`cc`, or `$CC`) into a cache folder
 keyed by the source, flags and CPU, in well under a second, and loaded with ctypes; OpenMP
@@ -31,7 +31,7 @@ from kernels.validation import (
     expect_inner_contiguous,
 )
 
-SOURCE = Path(__file__).with_name("cpu") / "kernels.c"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 BUILD_DIR_ENV = "KVGATE_BUILD_DIR"
 # -ffast-math lets the compiler reorder float sums and call vectorized expf. It is given when
 # compiling only: linking with it would add crtfastmath.o, which turns on flush-to-zero for the
@@ -77,7 +77,10 @@ def _library() -> ctypes.CDLL:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found to build the CPU kernels (install gcc, or set CC)")
-    source = SOURCE.read_bytes()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as err:
+        raise RuntimeError(f"the CPU kernels' source is missing: {err}") from err
     flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS + _LIBS)
     parts = [source, compiler.encode(), flags.encode(), _cpu_model().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -214,6 +217,31 @@ def rotary_embedding(
     return rotated[0], rotated[1]
 
 
+def _bad_sequence(
+    seq: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+) -> str:
+    """What is wrong with sequence `seq`, which the C check found invalid."""
+    context_len = int(context_lens[seq])
+    if context_len < 1:
+        return f"context_lens[{seq}] = {context_len}: every sequence needs at least one token"
+    needed = -(-context_len // block_size)
+    if needed > block_tables.shape[1]:
+        return (
+            f"context_lens[{seq}] = {context_len} needs {needed} blocks of {block_size}, but "
+            f"block_tables has {block_tables.shape[1]} columns"
+        )
+    row = block_tables[seq, :needed].tolist()
+    column = next(i for i, block in enumerate(row) if not 0 <= block < num_blocks)
+    return (
+        f"block_tables[{seq}, {column}] = {row[column]} is not a block of the cache "
+        f"[0, {num_blocks}); sequence {seq} uses its first {needed} columns"
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -246,11 +274,7 @@ def paged_decode_attention(
         num_blocks,
     )  # fmt: skip
     if bad >= 0:
-        raise ValueError(
-            f"sequence {bad}: context_lens[{bad}] = {int(context_lens[bad])} needs block_tables "
-            f"entries in [0, {num_blocks}) for its first "
-            f"ceil(context / {block_size}) of {max_blocks} columns, and at least one token"
-        )
+        raise ValueError(_bad_sequence(bad, block_tables, context_lens, num_blocks, block_size))
     failed = lib.kvgate_paged_decode_attention_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,

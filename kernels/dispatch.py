@@ -67,6 +67,8 @@ def _choose_backend(device: torch.device, requested: str | None, dtype: torch.dt
         return "reference"
     if requested == "cpu" or (requested is None and device.type == "cpu"):
         return _choose_cpu(device, requested, dtype)
+    if requested is None and device.type != "cuda":
+        return "reference"
     reason = _why_triton_cannot_run(device)
     if requested == "triton" and reason is not None:
         raise RuntimeError(

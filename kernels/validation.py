@@ -50,6 +50,9 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"v_cache must match k_cache, got {tuple(v_cache.shape)} {v_cache.dtype} vs "
             f"{tuple(k_cache.shape)} {k_cache.dtype}"
         )
+    for dim, what in enumerate(("block_size", "num_kv_heads", "head_dim"), start=1):
+        if k_cache.shape[dim] < 1:
+            raise ValueError(f"k_cache {what} must be at least 1, got shape {tuple(k_cache.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not cache.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {cache.stride()}")

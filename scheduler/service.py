@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 READ_COUNT = 512
 
 
-# Redis ends a timed-out BLOCK on its server clock (hz 10: every 100 ms), so a window closing
-# within a few ms must be waited here; a BLOCK still wakes at once when an entry arrives.
+# Redis ends a timed-out BLOCK on its server clock (hz 10: every 100 ms): a BLOCK of T ms
+# returns between T and T + 100 ms unless an entry arrives first, which wakes it at once.
 REDIS_TIMEOUT_RESOLUTION_MS = 100
 
 
@@ -132,20 +132,24 @@ class Scheduler:
         self._metrics.queue_length.set(len(self._batcher))
 
     def _read_new(self) -> list[tuple[str, bytes]]:
-        """New requests, waiting for them until the next poll or the window's close.
+        """New requests: waits for them until the next poll, or until a window closes.
 
-        Waiting on the stream wakes at once when a request arrives; a window closing within
-        Redis's timeout resolution is slept out here instead, then read without waiting.
+        A wait on the stream wakes at once when a request arrives, but its timeout ends only
+        on Redis's coarse clock (up to REDIS_TIMEOUT_RESOLUTION_MS late). That is harmless
+        for a poll, so with nothing to release the wait is on the stream; while requests wait
+        for a window, the stream is waited on only while the close is more than a resolution
+        away, and the rest is slept here, to the exact time.
         """
         now = time.monotonic()
-        until_poll_s = max(0.0, self._next_poll_s - now)
-        until_due_s = math.inf if self._stalled else self._batcher.seconds_until_due(now)
-        if until_due_s > until_poll_s:
-            return self._stream.read_new(max(1, math.ceil(until_poll_s * 1000.0)), READ_COUNT)
-        if until_due_s * 1000.0 >= REDIS_TIMEOUT_RESOLUTION_MS:
-            return self._stream.read_new(math.ceil(until_due_s * 1000.0), READ_COUNT)
-        if until_due_s > 0.0:
-            time.sleep(until_due_s)
+        wait_s = max(0.0, self._next_poll_s - now)
+        if self._stalled or not len(self._batcher):
+            return self._stream.read_new(max(1, math.ceil(wait_s * 1000.0)), READ_COUNT)
+        wait_ms = 1000.0 * min(wait_s, self._batcher.seconds_until_due(now))
+        if wait_ms > REDIS_TIMEOUT_RESOLUTION_MS + 1:
+            block_ms = math.floor(wait_ms) - REDIS_TIMEOUT_RESOLUTION_MS
+            return self._stream.read_new(block_ms, READ_COUNT)
+        if wait_ms > 0.0:
+            time.sleep(wait_ms / 1000.0)
         return self._stream.read_new(None, READ_COUNT)
 
     def _poll_executors(self, now: float) -> None:

@@ -74,7 +74,8 @@ def test_a_sessions_turns_stay_on_one_executor(stack):
 
 def test_an_executor_started_mid_test_receives_work(stack):
     stack.start_executor("executor-2")
-    wait_for(lambda: stack.executor_status("executor-2") is not None, 30.0, "executor-2 up")
+    joined = "executor executor-2 joined"
+    wait_for(lambda: bool(log_lines(stack, "scheduler", joined)), 30.0, "the scheduler to see it")
     used = {session_executor(stack, sid) for sid, _ in burst(stack, 12)}
     assert "executor-2" in used, f"the new executor got no work; requests ran on {used}"
 

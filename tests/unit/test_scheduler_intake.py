@@ -1,13 +1,16 @@
-"""The scheduler's intake against a real redis-server: how it waits for new requests."""
+"""The scheduler's intake: how it waits for new requests (against a real redis-server, and
+its choice of wait with the stream recorded)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
 
 from scheduler.config import SchedulerConfig
+from scheduler.queue import PendingRequest
 from scheduler.service import Scheduler
 from tests.unit.gateway_harness import redis_server, wait_for
 
@@ -22,7 +25,7 @@ def blocked_stream_reads(client: redis.Redis) -> list[dict]:
     return [c for c in client.client_list() if c["cmd"] == "xreadgroup" and "b" in c["flags"]]
 
 
-@pytest.mark.parametrize("registry_poll_ms", [20.0, 90.0, 500.0])
+@pytest.mark.parametrize("registry_poll_ms", [20.0, 90.0])
 def test_an_idle_scheduler_waits_on_the_stream_between_polls(redis_url, registry_poll_ms):
     """Between executor polls, even ones closer than Redis's 100 ms timeout resolution, the
     scheduler waits inside XREADGROUP BLOCK, so a request that arrives wakes it at once
@@ -51,3 +54,74 @@ def test_an_idle_scheduler_waits_on_the_stream_between_polls(redis_url, registry
     finally:
         stop.set()
         thread.join(5.0)
+
+
+class RecordingStream:
+    """Stands in for the request stream: records how each read was asked to wait."""
+
+    def __init__(self) -> None:
+        self.blocks: list[int | None] = []
+
+    def read_new(self, block_ms: int | None, count: int) -> list:
+        self.blocks.append(block_ms)
+        return []
+
+
+def waits_of(monkeypatch, window_ms: float, poll_in_ms: float, waiting: bool, stalled=False):
+    """One `_read_new` of a scheduler: (the read's block_ms, the seconds slept)."""
+    config = SchedulerConfig(batch_window_ms=window_ms, scheduler_id="waits", metrics_port=-1)
+    scheduler = Scheduler(config, redis.Redis(port=1))  # never connects: the stream is replaced
+    stream = RecordingStream()
+    scheduler._stream = stream
+    slept: list[float] = []
+    monkeypatch.setattr("scheduler.service.time.sleep", slept.append)
+    now = time.monotonic()
+    scheduler._next_poll_s = now + poll_in_ms / 1000.0
+    scheduler._stalled = stalled
+    if waiting:
+        scheduler._batcher.add(pending("r1", arrival_s=now))
+    scheduler._read_new()
+    return stream.blocks[0], slept
+
+
+def pending(request_id: str, arrival_s: float) -> PendingRequest:
+    return PendingRequest(
+        request_id=request_id,
+        entry_id="0-1",
+        num_prompt_tokens=8,
+        block_hashes=[],
+        priority=0,
+        session_id=None,
+        session_executor_id=None,
+        arrival_s=arrival_s,
+        deadline_s=None,
+        payload=b"",
+    )
+
+
+def test_with_nothing_waiting_it_waits_on_the_stream_until_the_poll(monkeypatch):
+    block_ms, slept = waits_of(monkeypatch, window_ms=2.0, poll_in_ms=50.0, waiting=False)
+    assert slept == [] and block_ms is not None and 1 <= block_ms <= 50, (block_ms, slept)
+
+
+@pytest.mark.parametrize("poll_in_ms", [60.0, 10.0])
+def test_a_window_closing_within_redis_resolution_is_slept_out_exactly(monkeypatch, poll_in_ms):
+    """A BLOCK would end on Redis's 100 ms clock, so a 30 ms window would close up to 100 ms
+    late; the scheduler sleeps to the close (or to a poll due sooner) instead, then reads
+    without waiting."""
+    block_ms, slept = waits_of(monkeypatch, window_ms=30.0, poll_in_ms=poll_in_ms, waiting=True)
+    assert block_ms is None, f"read with BLOCK {block_ms} while a window closes in 30 ms"
+    expected_s = min(30.0, poll_in_ms) / 1000.0
+    assert len(slept) == 1 and 0.0 < slept[0] <= expected_s, slept
+
+
+def test_a_long_window_waits_on_the_stream_only_until_a_resolution_before_its_close(monkeypatch):
+    block_ms, slept = waits_of(monkeypatch, window_ms=250.0, poll_in_ms=1000.0, waiting=True)
+    assert slept == [] and block_ms is not None and 1 <= block_ms <= 150, (block_ms, slept)
+
+
+def test_a_stalled_batch_waits_for_the_next_poll(monkeypatch):
+    block_ms, slept = waits_of(
+        monkeypatch, window_ms=2.0, poll_in_ms=80.0, waiting=True, stalled=True
+    )
+    assert slept == [] and block_ms is not None and 1 <= block_ms <= 80, (block_ms, slept)
