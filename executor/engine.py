@@ -61,7 +61,9 @@ class Engine:
             session_ttl_s=config.session_ttl_s,
         )
         self.scheduler = StepScheduler(config, self.kv_cache, self.max_model_len)
-        self.sampler = Sampler(list(self.model_config.eos_token_ids), self.runner.device)
+        self.sampler = Sampler(
+            list(self.model_config.eos_token_ids), self.runner.device, self.runner.kernels.argmax
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 

@@ -19,12 +19,14 @@ penalties and temperature: they describe what the model predicted, not the
 distribution the token was drawn from (vLLM's default "raw_logprobs").
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
 from executor.sampling_params import SamplingParams
+from kernels import reference
 
 
 @dataclass(slots=True)
@@ -57,7 +59,12 @@ class SamplerOutput:
 class Sampler:
     """Chooses the next token of every row of a batch of logits."""
 
-    def __init__(self, eos_token_ids: list[int], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        eos_token_ids: list[int],
+        device: torch.device | str = "cpu",
+        argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax,
+    ) -> None:
         """Build a sampler for one model on one device.
 
         Args:
@@ -65,9 +72,11 @@ class Sampler:
                 unless a request sets ignore_eos.
             device: where the logits live; seeded requests' generators must be
                 made there (`Sampler.make_generator(seed, sampler.device)`).
+            argmax: the kernel that picks greedy rows' tokens (the backend's `argmax`).
         """
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row.
@@ -82,7 +91,7 @@ class Sampler:
             The sampled token ids, and per row its logprobs or None.
         """
         if _argmax_only(batch):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(batch.params))
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * len(batch.params))
         processed = apply_min_tokens(logits.float(), batch, self.eos_token_ids)
         processed = apply_penalties(processed, batch)
         token_ids = self._choose(processed, batch)
@@ -104,7 +113,7 @@ class Sampler:
         return generator
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = self.argmax(logits)
         rows = [i for i, params in enumerate(batch.params) if not params.is_greedy]
         if not rows:
             return token_ids

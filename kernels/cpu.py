@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kernels.validation import (
+    check_argmax,
     check_decode,
     check_rotary,
     check_store_kvcache,
@@ -109,6 +110,8 @@ def _library() -> ctypes.CDLL:
         _f32p, _i64, _f32p, _i64, _f32p, _f32p, _i64p, _i64, _i64, _i64,
     ]  # fmt: skip
     lib.kvgate_store_kvcache_f32.restype = _i64
+    lib.kvgate_argmax_f32.argtypes = [_f32p, _i64, _i64, _i64, _i64, _i64p, _f32p]
+    lib.kvgate_argmax_f32.restype = None
     return lib
 
 
@@ -215,6 +218,24 @@ def rotary_embedding(
             )
         rotated.append(out)
     return rotated[0], rotated[1]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The CPU twin of kernels.reference.argmax: torch.argmax(logits, dim=-1) of a float32
+    [rows, vocab] CPU tensor of any strides (the column-major logits of weight @ hidden^T
+    are read down their columns, all rows at once)."""
+    check_argmax(logits)
+    _check_cpu({"logits": logits}, floats=("logits",), inner_dims={"logits": 0})
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows == 0:
+        return out
+    best = torch.empty(rows, dtype=torch.float32)
+    _library().kvgate_argmax_f32(
+        logits.data_ptr(), rows, cols, logits.stride(0), logits.stride(1), out.data_ptr(),
+        best.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 def _bad_sequence(

@@ -1,8 +1,8 @@
 """Choose the kernel backend for a device: Triton on CUDA, the C decode kernel on CPU.
 
-`cpu` is the PyTorch reference with decode attention, rotary embedding and the KV-cache store
-replaced by kernels/cpu.py (float32 only); where that cannot be built or the dtype is not
-float32, the reference runs and the log says why.
+`cpu` is the PyTorch reference with decode attention, rotary embedding, the KV-cache store and
+the greedy argmax replaced by kernels/cpu.py (float32 only); where that cannot be built or the
+dtype is not float32, the reference runs and the log says why.
 """
 
 import functools
@@ -30,6 +30,7 @@ class KernelBackend:
     paged_prefill_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    argmax: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _triton_importable() -> bool:
@@ -116,6 +117,7 @@ def _reference_backend() -> KernelBackend:
         paged_prefill_attention=reference.paged_prefill_attention,
         rms_norm=reference.rms_norm,
         rotary_embedding=reference.rotary_embedding,
+        argmax=reference.argmax,
     )
 
 
@@ -129,12 +131,13 @@ def _cpu_backend() -> KernelBackend:
         paged_prefill_attention=reference.paged_prefill_attention,
         rms_norm=reference.rms_norm,
         rotary_embedding=cpu.rotary_embedding,
+        argmax=cpu.argmax,
     )
 
 
 def _triton_backend() -> KernelBackend:
     # Imported here: triton is optional, and TRITON_INTERPRET is read when kernels are defined.
-    from kernels import triton_attention, triton_cache, triton_norm
+    from kernels import reference, triton_attention, triton_cache, triton_norm
 
     return KernelBackend(
         name="triton",
@@ -143,6 +146,7 @@ def _triton_backend() -> KernelBackend:
         paged_prefill_attention=triton_attention.paged_prefill_attention,
         rms_norm=triton_norm.rms_norm,
         rotary_embedding=triton_norm.rotary_embedding,
+        argmax=reference.argmax,
     )
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.validation import (
+    check_argmax,
     check_decode,
     check_prefill,
     check_rms_norm,
@@ -178,6 +179,19 @@ def paged_prefill_attention(
         keys, values = _sequence_kv(k_cache, v_cache, block_tables[seq], context_len)
         out[start:end] = _causal_attention(q[start:end], keys, values, scale).to(q.dtype)
     return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit (the first on ties; NaN counts as largest).
+
+    Args:
+        logits: [rows, vocab] floats, any strides.
+
+    Returns:
+        [rows] int64.
+    """
+    check_argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def rms_norm(

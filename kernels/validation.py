@@ -148,6 +148,14 @@ def check_prefill(
     )
 
 
+def check_argmax(logits: torch.Tensor) -> None:
+    """Check the argument of argmax: [rows, vocab] floats, vocab at least 1."""
+    expect_ndim("logits", logits, 2, "[num_rows, vocab_size]")
+    expect_dtype("logits", logits, FLOAT_DTYPES)
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits needs at least one column, got shape {tuple(logits.shape)}")
+
+
 def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     """Check the arguments of rms_norm: x [N, H], weight [H], residual like x."""
     expect_ndim("x", x, 2, "[num_tokens, hidden_size]")

@@ -192,3 +192,40 @@ int64_t kvgate_store_kvcache_f32(const float *key, int64_t key_stride, const flo
     }
     return -1;
 }
+
+/*
+ * The index of the largest value along the last dimension of x [rows, cols] (strides in
+ * floats), as torch.argmax has it: the first on ties, and a NaN counts as larger than any
+ * number. `best` is scratch space for `rows` floats. Logits computed as weight @ hidden^T are
+ * column-major (row_stride 1): then the loop runs down the columns, every row at once.
+ */
+__attribute__((optimize("no-finite-math-only"))) void
+kvgate_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride,
+                  int64_t col_stride, int64_t *out, float *best) {
+    for (int64_t r = 0; r < rows; ++r) {
+        best[r] = x[r * row_stride];
+        out[r] = 0;
+    }
+    if (row_stride == 1) {
+        for (int64_t c = 1; c < cols; ++c) {
+            const float *column = x + c * col_stride;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float value = column[r];
+                const int take = (value > best[r]) | ((value != value) & (best[r] == best[r]));
+                best[r] = take ? value : best[r];
+                out[r] = take ? c : out[r];
+            }
+        }
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * row_stride;
+        for (int64_t c = 1; c < cols; ++c) {
+            const float value = row[c * col_stride];
+            if (value > best[r] || (value != value && best[r] == best[r])) {
+                best[r] = value;
+                out[r] = c;
+            }
+        }
+    }
+}

@@ -193,3 +193,32 @@ def test_rotary_refuses_a_position_outside_the_cache():
         cpu.rotary_embedding(torch.tensor([3, 16]), q, k, cache)
     with pytest.raises(ValueError, match="q needs its last 2 dims contiguous"):
         cpu.rotary_embedding(torch.tensor([3, 4]), q.transpose(1, 2).contiguous().mT, k, cache)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
+def test_argmax_equals_torch_with_ties_and_nans(layout):
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(300, 9, generator=gen)  # [vocab, rows]: column-major logits, as in the model
+    base[17, 0] = base[250, 0] = 50.0  # a tie: the first index wins
+    base[40, 1] = float("nan")  # a NaN is the largest
+    base[:, 2] = 0.0  # all equal: index 0
+    base[3, 3] = base[200, 3] = float("nan")  # the first NaN wins
+    logits = {
+        "row-major": base.t().contiguous(),
+        "column-major": base.t(),
+        "strided": torch.randn(9, 600, generator=gen)[:, ::2],
+    }[layout]
+    if layout != "strided":
+        assert torch.equal(cpu.argmax(logits), ref.argmax(logits))
+    got = cpu.argmax(logits)
+    assert torch.equal(got, logits.argmax(dim=-1)), f"{got} != {logits.argmax(dim=-1)}"
+
+
+def test_argmax_checks_its_input():
+    assert cpu.argmax(torch.empty(0, 5)).shape == (0,)
+    with pytest.raises(ValueError, match="logits must be"):
+        cpu.argmax(torch.randn(5))
+    with pytest.raises(ValueError, match="logits needs at least one column"):
+        cpu.argmax(torch.empty(3, 0))
+    with pytest.raises(ValueError, match="logits must be float32 for the CPU kernels"):
+        cpu.argmax(torch.randn(2, 4).half())
