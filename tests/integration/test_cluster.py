@@ -22,7 +22,16 @@ STORY_STARTS = ["Once upon a time", "The cat", "A big red ball", "Tom had a toy"
 
 @pytest.fixture(scope="module")
 def stack(stack_factory):
-    return stack_factory(num_executors=2)
+    stack = stack_factory(num_executors=2)
+    for executor_id in ("executor-0", "executor-1"):
+        wait_until_scheduled(stack, executor_id)
+    return stack
+
+
+def wait_until_scheduled(stack, executor_id: str) -> None:
+    """Waits until the scheduler has seen the executor's heartbeat and can place work on it."""
+    joined = f"executor {executor_id} joined"
+    wait_for(lambda: bool(log_lines(stack, "scheduler", joined)), 30.0, f"{executor_id} joined")
 
 
 def new_sessions(count: int) -> list[str]:
@@ -74,8 +83,7 @@ def test_a_sessions_turns_stay_on_one_executor(stack):
 
 def test_an_executor_started_mid_test_receives_work(stack):
     stack.start_executor("executor-2")
-    joined = "executor executor-2 joined"
-    wait_for(lambda: bool(log_lines(stack, "scheduler", joined)), 30.0, "the scheduler to see it")
+    wait_until_scheduled(stack, "executor-2")
     used = {session_executor(stack, sid) for sid, _ in burst(stack, 12)}
     assert "executor-2" in used, f"the new executor got no work; requests ran on {used}"
 
