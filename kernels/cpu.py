@@ -1,12 +1,13 @@
-"""CPU kernels in C, compiled at first use: decode attention, rotary embedding, KV-cache store.
+"""CPU kernels in C, compiled at first use: decode attention, rotary, KV-cache store, argmax.
 
 The reference decode attention gathers every sequence's blocks into a padded copy each layer of
 each step; on a CPU that copy and the masked attention over it cost more than the model's
-matmuls at long contexts. `kernels/csrc/cpu_kernels.c` walks the block table instead, and does the
-rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
-small tensor ops. It is built with the system C compiler (`cc`, or `$CC`) into a cache folder
-keyed by the source, flags and CPU, in well under a second, and loaded with ctypes; OpenMP
-threads follow `torch.get_num_threads()`. Every wrapper has the signature and results of its
+matmuls at long contexts. `kernels/csrc/cpu_kernels.c` walks the block table instead; it does
+the rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
+small tensor ops, and the greedy argmax down the columns of column-major logits. It is built
+with the system C compiler (`cc`, or `$CC`) into a cache folder keyed by the source, flags and
+CPU, in well under a second, and loaded with ctypes; OpenMP threads follow
+`torch.get_num_threads()`. Every wrapper has the signature and results of its
 twin in kernels.reference, for float32 CPU tensors.
 """
 
