@@ -5,6 +5,7 @@ the greedy argmax replaced by kernels/cpu.py (float32 only); where that cannot b
 dtype is not float32, the reference runs and the log says why.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -122,14 +123,14 @@ def _reference_backend() -> KernelBackend:
 
 
 def _cpu_backend() -> KernelBackend:
-    from kernels import cpu, reference
+    """The reference kernels, with the ones kernels/cpu.py has in C replaced."""
+    from kernels import cpu
 
-    return KernelBackend(
+    return dataclasses.replace(
+        _reference_backend(),
         name="cpu",
         store_kvcache=cpu.store_kvcache,
         paged_decode_attention=cpu.paged_decode_attention,
-        paged_prefill_attention=reference.paged_prefill_attention,
-        rms_norm=reference.rms_norm,
         rotary_embedding=cpu.rotary_embedding,
         argmax=cpu.argmax,
     )
