@@ -25,6 +25,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from executor.config import EngineConfig
 from executor.engine import Engine
+from executor.host_memory import retain_freed_memory
 from executor.sampling_params import SamplingParams
 
 BENCH_SHAPE = dict(
@@ -182,6 +183,9 @@ def best_rates(measures: dict, repeats: int) -> tuple[dict[str, float], dict[str
 
 def run(args: argparse.Namespace) -> dict:
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    if args.device == "cpu":
+        # Process-wide, as every CPU Engine sets it: all peers measure with the same malloc.
+        retain_freed_memory()
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
     model = build_model(BENCH_SHAPE, torch.float32).to(dtype)
     vocab_size = BENCH_SHAPE["vocab_size"]

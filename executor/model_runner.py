@@ -7,6 +7,7 @@ import logging
 import torch
 
 from executor.config import EngineConfig
+from executor.host_memory import retain_freed_memory
 from executor.models.config import ModelConfig
 from executor.models.llama import AttentionMetadata, ForwardContext
 from executor.models.loader import load_model
@@ -28,6 +29,8 @@ class ModelRunner:
             config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         ]
         self.block_size = config.block_size
+        if self.device.type == "cpu" and config.retain_freed_memory:
+            retain_freed_memory()
         self.kernels = get_kernels(self.device, config.kernels, self.dtype)
         self.model, self.model_config = load_model(config.model, self.device, self.dtype)
         self.num_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(config)

@@ -30,6 +30,7 @@ from common.config import (
     add_common_flags,
     check_common_fields,
     check_range,
+    env_bool,
     env_float,
     env_int,
     env_str,
@@ -86,6 +87,7 @@ class ExecutorServiceConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
     torch_threads: int = 0  # CPU threads for the model; 0: torch's default (all cores)
+    retain_freed_memory: bool = True  # CPU: keep freed activations in the process for reuse
     engine: EngineConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +114,7 @@ class ExecutorServiceConfig:
                 num_gpu_blocks=self.num_gpu_blocks or None,
                 session_ttl_s=self.session_ttl_s,
                 device=self.device,
+                retain_freed_memory=self.retain_freed_memory,
             )
         except ValueError as error:
             name, _, rest = str(error).partition(" ")
@@ -148,6 +151,12 @@ class ExecutorServiceConfig:
             type=int,
             default=env_int("KVGATE_TORCH_THREADS", 0),
             help=threads_help,
+        )
+        add(
+            "--retain-freed-memory",
+            action=argparse.BooleanOptionalAction,
+            default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
+            help="CPU: keep freed activation memory in the process for reuse (glibc)",
         )
         add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
         return cls(**vars(parser.parse_args(argv)))
