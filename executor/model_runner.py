@@ -101,7 +101,7 @@ class ModelRunner:
         input_ids, positions, attn, sample_rows = self._prepare(out.scheduled)
         ctx = ForwardContext(positions, attn, self.cos_sin_cache, self.kernels)
         hidden = self.model(input_ids, self.kv_caches, ctx)
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden[sample_rows], self.kernels)
 
     def _prepare(
         self, scheduled: list[ScheduledRequest]

@@ -1,14 +1,20 @@
-"""CPU kernels in C, compiled at first use: decode attention, rotary, KV-cache store, argmax.
+"""CPU kernels: decode attention, rotary, KV-cache store, argmax and RMSNorm in C (compiled at
+first use), and linear layers computed transposed.
 
 The reference decode attention gathers every sequence's blocks into a padded copy each layer of
 each step; on a CPU that copy and the masked attention over it cost more than the model's
 matmuls at long contexts. `kernels/csrc/cpu_kernels.c` walks the block table instead; it does
 the rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
-small tensor ops, and the greedy argmax down the columns of column-major logits. It is built
+small tensor ops, the greedy argmax down the columns of column-major logits, and RMSNorm with
+its residual add in one pass over row- or column-major activations. It is built
 with the system C compiler (`cc`, or `$CC`) into a cache folder keyed by the source, flags and
 CPU, in well under a second, and loaded with ctypes; OpenMP threads follow
 `torch.get_num_threads()`. Every wrapper has the signature and results of its
 twin in kernels.reference, for float32 CPU tensors.
+
+`linear` runs x @ weight^T as weight @ x^T: at decode batch sizes MKL runs that 20-40% faster
+on this kind of CPU, and its result is a column-major view that the next linear reads in place
+(elementwise ops keep the layout; RMSNorm reads and writes it).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 from kernels.validation import (
     check_argmax,
     check_decode,
+    check_linear,
+    check_rms_norm,
     check_rotary,
     check_store_kvcache,
     expect_inner_contiguous,
@@ -113,6 +121,11 @@ def _library() -> ctypes.CDLL:
     lib.kvgate_store_kvcache_f32.restype = _i64
     lib.kvgate_argmax_f32.argtypes = [_f32p, _i64, _i64, _i64, _i64, _i64p, _f32p]
     lib.kvgate_argmax_f32.restype = None
+    lib.kvgate_rms_norm_f32.argtypes = [
+        _f32p, _i64, _f32p, _i64, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_int, ctypes.c_float,
+        ctypes.c_int,
+    ]  # fmt: skip
+    lib.kvgate_rms_norm_f32.restype = None
     return lib
 
 
@@ -237,6 +250,64 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         best.data_ptr(),
     )  # fmt: skip
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU twin of kernels.reference.linear, computed as weight @ x^T: the result is the
+    [N, out_features] transposed view of a contiguous [out_features, N] (column-major)."""
+    check_linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(weight, x.t()).t()
+    return torch.addmm(bias.unsqueeze(1), weight, x.t()).t()
+
+
+def _has_layout(t: torch.Tensor, column_major: bool) -> bool:
+    """Whether 2-D `t` is dense along its rows (row-major) or its columns (column-major)."""
+    inner, outer = (0, 1) if column_major else (1, 0)
+    dense = t.stride(inner) == 1 or t.shape[inner] == 1
+    return dense and (t.shape[outer] == 1 or t.stride(outer) >= t.shape[inner])
+
+
+def _leading_dim(t: torch.Tensor, column_major: bool) -> int:
+    """Floats between consecutive columns (column-major) or rows (row-major) of 2-D `t`."""
+    outer = 1 if column_major else 0
+    return t.stride(outer) if t.shape[outer] > 1 else t.shape[1 - outer]
+
+
+def _empty_2d(rows: int, cols: int, column_major: bool) -> torch.Tensor:
+    return torch.empty(cols, rows).t() if column_major else torch.empty(rows, cols)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU twin of kernels.reference.rms_norm (same arguments and results up to float32
+    rounding: each row's sum of squares runs in another order).
+
+    Row- and column-major x (the output of `linear`) are read in place and the results take
+    x's layout; a residual in another layout, or an x in neither, is copied first.
+    """
+    check_rms_norm(x, weight, residual)
+    tensors = {"x": x, "weight": weight} | ({} if residual is None else {"residual": residual})
+    _check_cpu(tensors, floats=tuple(tensors), inner_dims={"x": 0, "residual": 0})
+    column_major = not _has_layout(x, False) and _has_layout(x, True)
+    if not column_major and not _has_layout(x, False):
+        x = x.contiguous()
+    if residual is not None and not _has_layout(residual, column_major):
+        residual = residual.t().contiguous().t() if column_major else residual.contiguous()
+    rows, hidden = x.shape
+    out = _empty_2d(rows, hidden, column_major)
+    summed = x if residual is None else _empty_2d(rows, hidden, column_major)
+    if rows == 0:
+        return out, summed
+    _library().kvgate_rms_norm_f32(
+        x.data_ptr(), _leading_dim(x, column_major),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else _leading_dim(residual, column_major),
+        weight.data_ptr(), out.data_ptr(), None if residual is None else summed.data_ptr(),
+        rows, hidden, int(column_major), eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, summed
 
 
 def _bad_sequence(

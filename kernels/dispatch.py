@@ -1,8 +1,8 @@
 """Choose the kernel backend for a device: Triton on CUDA, the C decode kernel on CPU.
 
-`cpu` is the PyTorch reference with decode attention, rotary embedding, the KV-cache store and
-the greedy argmax replaced by kernels/cpu.py (float32 only); where that cannot be built or the
-dtype is not float32, the reference runs and the log says why.
+`cpu` is the PyTorch reference with decode attention, rotary embedding, the KV-cache store, the
+greedy argmax, RMSNorm and linear layers replaced by kernels/cpu.py (float32 only); where that
+cannot be built or the dtype is not float32, the reference runs and the log says why.
 """
 
 import dataclasses
@@ -32,6 +32,7 @@ class KernelBackend:
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor]
 
 
 def _triton_importable() -> bool:
@@ -119,6 +120,7 @@ def _reference_backend() -> KernelBackend:
         rms_norm=reference.rms_norm,
         rotary_embedding=reference.rotary_embedding,
         argmax=reference.argmax,
+        linear=reference.linear,
     )
 
 
@@ -133,6 +135,8 @@ def _cpu_backend() -> KernelBackend:
         paged_decode_attention=cpu.paged_decode_attention,
         rotary_embedding=cpu.rotary_embedding,
         argmax=cpu.argmax,
+        rms_norm=cpu.rms_norm,
+        linear=cpu.linear,
     )
 
 
@@ -148,6 +152,7 @@ def _triton_backend() -> KernelBackend:
         rms_norm=triton_norm.rms_norm,
         rotary_embedding=triton_norm.rotary_embedding,
         argmax=reference.argmax,
+        linear=reference.linear,
     )
 
 

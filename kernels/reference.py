@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from kernels.validation import (
     check_argmax,
     check_decode,
+    check_linear,
     check_prefill,
     check_rms_norm,
     check_rotary,
@@ -179,6 +180,21 @@ def paged_prefill_attention(
         keys, values = _sequence_kv(k_cache, v_cache, block_tables[seq], context_len)
         out[start:end] = _causal_attention(q[start:end], keys, values, scale).to(q.dtype)
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias, as torch.nn.functional.linear.
+
+    Args:
+        x: [N, in_features].
+        weight: [out_features, in_features], same dtype and device as x.
+        bias: [out_features] or None.
+
+    Returns:
+        [N, out_features] in x.dtype (twins may return another memory layout).
+    """
+    check_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

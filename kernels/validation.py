@@ -148,6 +148,23 @@ def check_prefill(
     )
 
 
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Check the arguments of linear: x [N, in], weight [out, in], bias [out] or None."""
+    expect_ndim("x", x, 2, "[num_tokens, in_features]")
+    expect_dtype("x", x, FLOAT_DTYPES)
+    expect_ndim("weight", weight, 2, "[out_features, in_features]")
+    expect_size("weight", weight, 1, x.shape[1], "x.shape[1]")
+    tensors = {"x": x, "weight": weight}
+    if bias is not None:
+        expect_ndim("bias", bias, 1, "[out_features]")
+        expect_size("bias", bias, 0, weight.shape[0], "weight.shape[0]")
+        tensors["bias"] = bias
+    for name, tensor in tensors.items():
+        if tensor.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from x dtype {x.dtype}")
+    expect_same_device(tensors)
+
+
 def check_argmax(logits: torch.Tensor) -> None:
     """Check the argument of argmax: [rows, vocab] floats, vocab at least 1."""
     expect_ndim("logits", logits, 2, "[num_rows, vocab_size]")

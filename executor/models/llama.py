@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
 
 q/k/v and gate/up projections are fused into one matmul each; the loader concatenates the
-checkpoint's separate weights. Attention runs through `kernels`: the batch is packed as
+checkpoint's separate weights. Linear layers, norms and attention run through `kernels`, whose
+linear may return another memory layout (column-major on the CPU); the batch is packed as
 one-token sequences first (the decode kernel), then multi-token chunks (the prefill kernel).
 """
 
@@ -73,16 +74,18 @@ class Attention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens, kernels = hidden.shape[0], ctx.kernels
+        # Rotary embedding and the KV-cache store read each token's heads contiguously.
+        qkv = kernels.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias).contiguous()
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = ctx.kernels.rotary_embedding(ctx.positions, q, k, ctx.cos_sin_cache)
+        q, k = kernels.rotary_embedding(ctx.positions, q, k, ctx.cos_sin_cache)
         k_cache, v_cache = kv_cache
-        ctx.kernels.store_kvcache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
+        kernels.store_kvcache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         out = self._attend(q.contiguous(), k_cache, v_cache, ctx)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return kernels.linear(out.view(num_tokens, self.q_size), self.o_proj.weight)
 
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
@@ -113,9 +116,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: KernelBackend) -> torch.Tensor:
+        gate_up = kernels.linear(x, self.gate_up_proj.weight)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return kernels.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -136,7 +140,7 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, ctx.kernels, residual)
         hidden = self.self_attn(hidden, kv_cache, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, ctx.kernels, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, ctx.kernels), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -166,10 +170,7 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, ctx.kernels, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] float32 logits of hidden states [N, hidden]."""
-        if hidden.device.type == "cpu":
-            # On the CPU, BLAS runs the wide vocabulary matmul as weight @ hidden^T about a
-            # quarter faster than hidden @ weight^T at decode batch sizes.
-            return torch.mm(self.lm_head.weight, hidden.t()).t().float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, kernels: KernelBackend) -> torch.Tensor:
+        """[N, vocab] float32 logits of hidden states [N, hidden] (in the layout of
+        kernels.linear: column-major on the CPU)."""
+        return kernels.linear(hidden, self.lm_head.weight).float()

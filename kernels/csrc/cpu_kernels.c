@@ -1,6 +1,7 @@
 /*
- * CPU kernels: paged decode attention reading the block cache in place, rotary embedding and
- * the KV-cache store, each one pass in C where the PyTorch reference runs several tensor ops.
+ * CPU kernels: paged decode attention reading the block cache in place, rotary embedding, the
+ * KV-cache store, greedy argmax and RMSNorm, each one pass in C where the PyTorch reference
+ * runs several tensor ops.
  *
  * The PyTorch reference (kernels/reference.py, paged_decode_attention) gathers every
  * sequence's blocks into one padded tensor before attending: on a CPU that copy, repeated
@@ -227,5 +228,92 @@ kvgate_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride
                 out[r] = c;
             }
         }
+    }
+}
+
+/*
+ * RMSNorm with an optional residual add first, in Hugging Face's order: r = x + residual,
+ * out = weight * (r * (1 / sqrt(mean(r^2) + eps))). Every [rows, hidden] operand has the same
+ * layout: row-major (column_major 0; rows *_ld floats apart) or column-major (column_major 1;
+ * columns *_ld floats apart), the layout of activations computed as weight @ hidden^T. out and
+ * out_residual are dense (ld = hidden or rows). With residual NULL, r is x and out_residual
+ * is not written. Each row's sum of squares runs in the same order whatever its batch mates.
+ */
+#define RMS_ROW_BLOCK 16
+
+static float rms_scale(float sum_of_squares, int64_t hidden, float eps) {
+    const float mean = sum_of_squares / (float)hidden;
+    return (float)(1.0 / sqrt((double)(mean + eps)));
+}
+
+static void rms_norm_rows(const float *x, int64_t x_ld, const float *residual, int64_t res_ld,
+                          const float *weight, float *out, float *out_residual, int64_t row,
+                          int64_t hidden, float eps) {
+    const float *xr = x + row * x_ld;
+    const float *summed = xr;
+    float sum_of_squares = 0.0f;
+    if (residual != NULL) {
+        const float *rr = residual + row * res_ld;
+        float *sr = out_residual + row * hidden;
+        for (int64_t j = 0; j < hidden; ++j) {
+            const float value = xr[j] + rr[j];
+            sr[j] = value;
+            sum_of_squares += value * value;
+        }
+        summed = sr;
+    } else {
+        for (int64_t j = 0; j < hidden; ++j) sum_of_squares += xr[j] * xr[j];
+    }
+    const float scale = rms_scale(sum_of_squares, hidden, eps);
+    float *o = out + row * hidden;
+    for (int64_t j = 0; j < hidden; ++j) o[j] = weight[j] * (summed[j] * scale);
+}
+
+static void rms_norm_column_block(const float *x, int64_t x_ld, const float *residual,
+                                  int64_t res_ld, const float *weight, float *out,
+                                  float *out_residual, int64_t first, int64_t count,
+                                  int64_t rows, int64_t hidden, float eps) {
+    float sum_of_squares[RMS_ROW_BLOCK] = {0.0f};
+    float scale[RMS_ROW_BLOCK];
+    for (int64_t j = 0; j < hidden; ++j) {
+        const float *xc = x + j * x_ld + first;
+        if (residual != NULL) {
+            const float *rc = residual + j * res_ld + first;
+            float *sc = out_residual + j * rows + first;
+            for (int64_t i = 0; i < count; ++i) {
+                const float value = xc[i] + rc[i];
+                sc[i] = value;
+                sum_of_squares[i] += value * value;
+            }
+        } else {
+            for (int64_t i = 0; i < count; ++i) sum_of_squares[i] += xc[i] * xc[i];
+        }
+    }
+    for (int64_t i = 0; i < count; ++i) scale[i] = rms_scale(sum_of_squares[i], hidden, eps);
+    for (int64_t j = 0; j < hidden; ++j) {
+        const float *summed = residual != NULL ? out_residual + j * rows + first
+                                               : x + j * x_ld + first;
+        float *o = out + j * rows + first;
+        for (int64_t i = 0; i < count; ++i) o[i] = weight[j] * (summed[i] * scale[i]);
+    }
+}
+
+void kvgate_rms_norm_f32(const float *x, int64_t x_ld, const float *residual, int64_t res_ld,
+                         const float *weight, float *out, float *out_residual, int64_t rows,
+                         int64_t hidden, int column_major, float eps, int num_threads) {
+    const int parallel = rows * hidden >= (1 << 16);
+    if (!column_major) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+        for (int64_t row = 0; row < rows; ++row)
+            rms_norm_rows(x, x_ld, residual, res_ld, weight, out, out_residual, row, hidden, eps);
+        return;
+    }
+    const int64_t blocks = (rows + RMS_ROW_BLOCK - 1) / RMS_ROW_BLOCK;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = b * RMS_ROW_BLOCK;
+        const int64_t count = rows - first < RMS_ROW_BLOCK ? rows - first : RMS_ROW_BLOCK;
+        rms_norm_column_block(x, x_ld, residual, res_ld, weight, out, out_residual, first,
+                              count, rows, hidden, eps);
     }
 }

@@ -1,7 +1,8 @@
 """The C kernels against their reference twins, their checks, and how they are built.
 
 Decode attention within 1e-5 absolute of the reference (both float32, sums in a different
-order); rotary embedding and the KV store bit for bit.
+order); rotary embedding and the KV store bit for bit; RMSNorm within 2e-6 (its residual sum
+bit for bit); linear layers within 1e-5 of torch, in column-major layout.
 """
 
 import pytest
@@ -222,3 +223,97 @@ def test_argmax_checks_its_input():
         cpu.argmax(torch.empty(3, 0))
     with pytest.raises(ValueError, match="logits must be float32 for the CPU kernels"):
         cpu.argmax(torch.randn(2, 4).half())
+
+
+def _in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "row-major":
+        return t.contiguous()
+    if layout == "column-major":
+        return t.t().contiguous().t()
+    return torch.cat([t, t], dim=1)[:, ::2]  # every other column: neither layout
+
+
+RMS_LAYOUTS = [
+    ("row-major", "row-major"),
+    ("column-major", "column-major"),
+    ("column-major", "row-major"),
+    ("row-major", "column-major"),
+    ("strided", "row-major"),
+    ("column-major", None),
+    ("row-major", None),
+]
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(64, 512), (37, 96), (1, 8), (2048, 64), (3, 1)])
+@pytest.mark.parametrize(("x_layout", "residual_layout"), RMS_LAYOUTS)
+def test_rms_norm_matches_reference_in_every_layout(rows, hidden, x_layout, residual_layout):
+    gen = torch.Generator().manual_seed(rows * 7 + hidden)
+    x = _in_layout(torch.randn(rows, hidden, generator=gen) * 3, x_layout)
+    weight = torch.randn(hidden, generator=gen)
+    residual = None
+    if residual_layout is not None:
+        residual = _in_layout(torch.randn(rows, hidden, generator=gen), residual_layout)
+    normed, summed = cpu.rms_norm(x, weight, 1e-5, residual)
+    want_normed, want_summed = ref.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(summed, want_summed), "x + residual is one rounding, as in the reference"
+    torch.testing.assert_close(normed, want_normed, rtol=2e-6, atol=2e-6)
+    if x_layout == "column-major" and rows > 1 and hidden > 1:
+        assert normed.stride() == (1, rows), "the result should keep x's column-major layout"
+
+
+def test_rms_norm_without_residual_returns_x_as_the_sum_and_leaves_inputs_alone():
+    gen = torch.Generator().manual_seed(3)
+    x, weight, residual = torch.randn(5, 16, generator=gen), torch.randn(16), torch.randn(5, 16)
+    before = (x.clone(), residual.clone())
+    _, summed = cpu.rms_norm(x, weight, 1e-6)
+    assert summed is x
+    cpu.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+    normed, summed = cpu.rms_norm(torch.empty(0, 16), weight, 1e-6, torch.empty(0, 16))
+    assert normed.shape == summed.shape == (0, 16)
+
+
+def test_rms_norm_gives_the_same_rows_whatever_the_batch_and_threads():
+    gen = torch.Generator().manual_seed(11)
+    x, residual = torch.randn(64, 512, generator=gen), torch.randn(64, 512, generator=gen)
+    x, weight = x.t().contiguous().t(), torch.randn(512, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch, _ = cpu.rms_norm(x, weight, 1e-5, residual)
+        torch.set_num_threads(1)
+        alone, _ = cpu.rms_norm(x[5:6], weight, 1e-5, residual[5:6])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch[5:6], alone), "a row's result depends on its batch mates"
+
+
+def test_rms_norm_checks_its_input():
+    with pytest.raises(ValueError, match="x must be float32 for the CPU kernels"):
+        cpu.rms_norm(torch.randn(2, 4).half(), torch.randn(4).half(), 1e-6)
+    with pytest.raises(ValueError, match=r"weight.shape\[0\] must equal"):
+        cpu.rms_norm(torch.randn(2, 4), torch.randn(5), 1e-6)
+    with pytest.raises(ValueError, match="residual must match x"):
+        cpu.rms_norm(torch.randn(2, 4), torch.randn(4), 1e-6, torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_torch_and_is_column_major(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    b = torch.randn(40, generator=gen) if bias else None
+    out = cpu.linear(x, weight, b)
+    torch.testing.assert_close(out, ref.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    assert out.t().is_contiguous(), "weight @ x^T gives the transposed view of [out, rows]"
+    again = cpu.linear(out, torch.randn(8, 40, generator=gen))  # reads the view in place
+    assert again.shape == (rows, 8)
+
+
+def test_linear_checks_its_input():
+    with pytest.raises(ValueError, match=r"weight.shape\[1\]"):
+        cpu.linear(torch.randn(2, 4), torch.randn(3, 5))
+    with pytest.raises(ValueError, match="bias"):
+        cpu.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
+    with pytest.raises(ValueError, match="weight dtype"):
+        cpu.linear(torch.randn(2, 4), torch.randn(3, 4).double())

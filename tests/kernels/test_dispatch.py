@@ -64,6 +64,7 @@ def test_cpu_defaults_to_the_cpu_kernels_even_with_the_interpreter(monkeypatch):
     backend = get_kernels(torch.device("cpu"))
     assert isinstance(backend, KernelBackend) and backend.name == "cpu"
     assert backend.paged_decode_attention.__module__ == "kernels.cpu"
+    assert backend.rms_norm.__module__ == backend.linear.__module__ == "kernels.cpu"
     assert backend.paged_prefill_attention.__module__ == "kernels.reference"
 
 
@@ -97,3 +98,4 @@ def test_triton_runs_on_cpu_under_the_interpreter(monkeypatch):
     backend = get_kernels(torch.device("cpu"))
     assert backend.name == "triton"
     assert backend.rms_norm.__module__ == "kernels.triton_norm"
+    assert backend.linear.__module__ == "kernels.reference"
