@@ -5,7 +5,9 @@ in-process Engine, on the engine benchmark's model and workload, in one run.
 
 Reports the throughput ratio grpc / in-process (target >= 0.9) and the TTFT p50 at
 1 request/s; the stack's TTFT minus batch_window_ms is compared with the in-process
-TTFT (target: at most 3 ms more).
+TTFT (target: at most 3 ms more). The same client also times a do-nothing gRPC server
+(bench/grpc_floor.py) at the same rate: the share of that difference any Python gRPC front
+end pays before it does any work.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +114,21 @@ def grpc_ttft_ms(address: str, prompts: list[list[int]], interval_s: float) -> l
     return ttfts
 
 
+def grpc_floor_ttft_ms(prompts: list[list[int]], interval_s: float) -> list[float]:
+    """grpc_ttft_ms against bench/grpc_floor.py, started as its own process like a gateway."""
+    port = free_port()
+    command = [sys.executable, "-m", "bench.grpc_floor", "--port", str(port)]
+    server = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+        grpc_ttft_ms(f"127.0.0.1:{port}", prompts[:2], 0.0)  # warm-up, untimed
+        return grpc_ttft_ms(f"127.0.0.1:{port}", prompts, interval_s)
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 def run_inprocess(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """The Engine in this process, with the model threads the stack's executor gets."""
     torch.set_num_threads(co_located_torch_threads())
@@ -159,6 +178,7 @@ def run(args: argparse.Namespace) -> dict:
         write_model(folder)
         inprocess = run_inprocess(folder, prompts, args)
         stack = run_stack(folder, prompts, args)
+    floor = grpc_floor_ttft_ms(prompts[: args.ttft_requests], args.ttft_interval_s)
     ttft_inprocess = statistics.median(inprocess["ttft_ms"])
     ttft_grpc = statistics.median(stack["ttft_ms"])
     return {
@@ -174,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
         "ttft_p50_ms_grpc_minus_window_over_inprocess": (
             ttft_grpc - args.batch_window_ms - ttft_inprocess
         ),
+        "ttft_p50_ms_grpc_floor": statistics.median(floor),
     }
 
 

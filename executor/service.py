@@ -254,16 +254,18 @@ class ExecutorService:
             self._handle_events(wait=not self._engine.has_unfinished())
             self._flush()  # "accepted" entries go out before the step: queue_ms ends here
             if self._engine.has_unfinished():
-                self._publish(self._step())
-            self._flush()
+                self._step()
             self._refresh_status()
         self._shut_down()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> None:
+        """One engine step; its tokens go to the gateways before anything else is done."""
         started = time.perf_counter()
         outputs = self._engine.step()
-        self._metrics.record_step(time.perf_counter() - started, self._engine.stats())
-        return outputs
+        step_s = time.perf_counter() - started
+        self._publish(outputs)
+        self._flush()
+        self._metrics.record_step(step_s, self._engine.stats())
 
     def _stop_taking_work_if_draining(self) -> None:
         if self._taking_work and self._drain_requested.is_set():

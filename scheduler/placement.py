@@ -125,6 +125,13 @@ class Placer:
         cost = placement.prefill_blocks + self.load_cost_blocks * view.load()
         return (cost, view.last_placement, placement.executor_id)
 
+    def unbook(self, placement: Placement) -> None:
+        """Takes back a booked placement whose request was dropped instead of assigned."""
+        view = self.executors.get(placement.executor_id)
+        if view is not None:
+            view.assigned_blocks -= placement.prefill_blocks
+            view.assigned_requests -= 1
+
     def _book(self, placement: Placement, block_hashes: list[int]) -> None:
         view = self.executors[placement.executor_id]
         view.assigned_blocks += placement.prefill_blocks

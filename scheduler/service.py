@@ -202,34 +202,42 @@ class Scheduler:
         self._drop_as_cancelled([r for r in removed if r is not None])
 
     def _drop_as_cancelled(self, requests: list[PendingRequest]) -> None:
+        self._count_cancelled(requests)
+        self._stream.drop([r.entry_id for r in requests])
+
+    def _count_cancelled(self, requests: list[PendingRequest]) -> None:
         for request in requests:
             log.info(
                 "request cancelled while queued: dropped",
                 extra=request_fields(request.request_id, request.session_id),
             )
         self._metrics.dropped.labels("cancelled").inc(len(requests))
-        self._stream.drop([r.entry_id for r in requests])
 
     def _dispatch(self, now: float, reason: str) -> None:
         batch = self._batcher.release(now)
         self._metrics.window_releases.labels(reason).inc()
         self._metrics.batch_size.observe(len(batch))
         self._metrics.batch_tokens.observe(sum(r.num_prompt_tokens for r in batch))
-        cancelled = self._stream.cancelled([r.request_id for r in batch])
-        self._drop_as_cancelled([r for r in batch if r.request_id in cancelled])
-        unplaced = [r for r in batch if r.request_id not in cancelled and not self._place(r)]
+        unplaced = [r for r in batch if not self._place(r)]
         for request in unplaced:
             self._batcher.add(request)
         self._stalled = len(unplaced) == len(batch) and bool(unplaced)
 
     def _place(self, request: PendingRequest) -> bool:
+        """Assigns the request, or drops it if it was cancelled (the assignment checks).
+
+        Returns: False when no executor can take it now.
+        """
         owner = request.session_executor_id
         if owner is None and request.session_id is not None:
             owner = self._registry.session_holder(request.session_id)
         placement = self._placer.place(request.num_prompt_tokens, request.block_hashes, owner)
         if placement is None:
             return False
-        self._stream.assign(request, placement.executor_id, self._config.scheduler_id)
+        if not self._stream.assign(request, placement.executor_id, self._config.scheduler_id):
+            self._placer.unbook(placement)
+            self._count_cancelled([request])
+            return True
         waited_s = request.waited_ms(time.monotonic()) / 1000.0
         self._metrics.queue_wait.observe(waited_s)
         self._metrics.assigned.inc()

@@ -22,6 +22,21 @@ log = logging.getLogger(__name__)
 # The block size assumed for cache-hit estimates before any executor reported its own.
 DEFAULT_BLOCK_SIZE = 16
 
+# KEYS: the request's cancel marker, the request stream, the executor's inbox.
+# ARGV: consumer group, entry id, payload field, inbox message.
+# Writes the assignment unless the request was cancelled, then acknowledges and deletes the
+# entry, atomically. Returns 1 when assigned, 0 when it was cancelled (and only dropped).
+ASSIGN_SCRIPT = """
+local cancelled = redis.call('EXISTS', KEYS[1]) == 1
+if not cancelled then
+  redis.call('XADD', KEYS[3], '*', ARGV[3], ARGV[4])
+end
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
+if cancelled then return 0 end
+return 1
+"""
+
 
 class RequestStream:
     """The requests stream, read through the schedulers' consumer group."""
@@ -30,6 +45,7 @@ class RequestStream:
         self._client = client
         self._keys = keys
         self._consumer = consumer
+        self._assign = client.register_script(ASSIGN_SCRIPT)
 
     def ensure_group(self) -> None:
         """Creates the consumer group (and the stream) unless it exists."""
@@ -73,23 +89,26 @@ class RequestStream:
             pipe.xdel(self._keys.requests, *entry_ids)
             pipe.execute()
 
-    def assign(self, request: PendingRequest, executor_id: str, scheduler_id: str) -> None:
+    def assign(self, request: PendingRequest, executor_id: str, scheduler_id: str) -> bool:
         """Writes the assignment to the executor's inbox, then acknowledges the request.
 
-        One MULTI/EXEC: the entry leaves the request stream only with the assignment written.
+        One script, atomic: the entry leaves the request stream only with the assignment
+        written, or, when its gateway marked it cancelled meanwhile, without one.
+
+        Returns: True when assigned, False when it was cancelled and has been dropped.
         """
         message = internal_pb2.InboxMessage()
         message.assignment.request.ParseFromString(request.payload)
         message.assignment.executor_id = executor_id
         message.assignment.assigned_unix_ms = int(time.time() * 1000)
         message.assignment.scheduler_id = scheduler_id
-        pipe = self._client.pipeline(transaction=True)
-        pipe.xadd(
-            self._keys.executor_inbox(executor_id), {PAYLOAD_FIELD: message.SerializeToString()}
-        )
-        pipe.xack(self._keys.requests, SCHEDULER_GROUP, request.entry_id)
-        pipe.xdel(self._keys.requests, request.entry_id)
-        pipe.execute()
+        keys = [
+            self._keys.cancelled(request.request_id),
+            self._keys.requests,
+            self._keys.executor_inbox(executor_id),
+        ]
+        args = [SCHEDULER_GROUP, request.entry_id, PAYLOAD_FIELD, message.SerializeToString()]
+        return self._assign(keys=keys, args=args) == 1
 
     def cancelled(self, request_ids: list[str]) -> set[str]:
         """Returns: the ids among `request_ids` whose gateway marked them cancelled."""

@@ -100,3 +100,11 @@ def test_bench_window_sweep_restarts_its_scheduler(tmp_path):
     assert windows == ["0", "50"], f"expected schedulers with windows 0 then 50, got {windows}"
     assert all(p["completed"] == 4 for p in results["points"])
     assert_is_png(tmp_path / "windows_windows.png")
+
+
+def test_the_grpc_floor_server_streams_a_token_to_the_bench_client():
+    """bench_serve's do-nothing server: a real process answering Generate at once."""
+    from bench.bench_serve import grpc_floor_ttft_ms
+
+    ttfts = grpc_floor_ttft_ms([[5, 6, 7], [8, 9]], interval_s=0.0)
+    assert len(ttfts) == 2 and all(t > 0 for t in ttfts), ttfts

@@ -125,3 +125,31 @@ def test_a_stalled_batch_waits_for_the_next_poll(monkeypatch):
         monkeypatch, window_ms=2.0, poll_in_ms=80.0, waiting=True, stalled=True
     )
     assert slept == [] and block_ms is not None and 1 <= block_ms <= 80, (block_ms, slept)
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_url, cancelled):
+    """The assignment is written unless the gateway marked the request cancelled; either way
+    the request stream entry is acknowledged and deleted."""
+    from common.keys import PAYLOAD_FIELD, SCHEDULER_GROUP, RedisKeys
+    from protos.kvgate.v1 import internal_pb2
+    from scheduler.streams import RequestStream, to_pending
+
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys("kvgate-test:")
+    stream = RequestStream(client, keys, "scheduler-a")
+    stream.ensure_group()
+    queued = internal_pb2.QueuedRequest(request_id="r1", prompt_token_ids=[5, 6, 7])
+    client.xadd(keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
+    [(entry_id, payload)] = stream.read_new(None, 10)
+    if cancelled:
+        client.set(keys.cancelled("r1"), b"1")
+    request = to_pending(entry_id, payload, 16, time.monotonic())
+    assert stream.assign(request, "exec-1", "scheduler-a") is (not cancelled)
+    inbox = client.xrange(keys.executor_inbox("exec-1"))
+    assert len(inbox) == (0 if cancelled else 1)
+    if inbox:
+        message = internal_pb2.InboxMessage.FromString(inbox[0][1][PAYLOAD_FIELD.encode()])
+        assert message.assignment.request.request_id == "r1"
+        assert message.assignment.executor_id == "exec-1"
+    assert client.xlen(keys.requests) == 0, "the request entry should be deleted"
+    assert client.xpending(keys.requests, SCHEDULER_GROUP)["pending"] == 0, "not acknowledged"

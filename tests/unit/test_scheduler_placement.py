@@ -87,6 +87,15 @@ def test_bookings_reset_on_the_next_heartbeat():
     assert placer.place(15, [], None) is not None
 
 
+def test_an_unbooked_placement_frees_its_blocks_and_load():
+    placer, _ = cluster(report("a", free=5))
+    placement = placer.place(15, [], None)
+    assert placer.place(15, [], None) is None
+    placer.unbook(placement)  # its request was cancelled, not assigned
+    assert placer.executors["a"].load() == 0
+    assert placer.place(15, [], None) is not None
+
+
 def test_registry_reports_joins_leaves_and_drains():
     placer, registry = cluster(report("a"))
     change = registry.refresh([report("a"), report("b")])
