@@ -4,10 +4,10 @@ in-process Engine, on the engine benchmark's model and workload, in one run.
     python -m bench.bench_serve --out bench/results/serve.json
 
 Reports the throughput ratio grpc / in-process (target >= 0.9) and the TTFT p50 at
-1 request/s; the stack's TTFT minus batch_window_ms is compared with the in-process
-TTFT (target: at most 3 ms more). The same client also times a do-nothing gRPC server
-(bench/grpc_floor.py) at the same rate: the share of that difference any Python gRPC front
-end pays before it does any work.
+1 request/s (the two sides take turns, half a second apart); the stack's TTFT minus
+batch_window_ms is compared with the in-process TTFT (target: at most 3 ms more). The same
+client also times a do-nothing gRPC server (bench/grpc_floor.py) at the same rate: the share
+of that difference any Python gRPC front end pays before it does any work.
 """
 
 from __future__ import annotations
@@ -65,20 +65,17 @@ def inprocess_tokens_per_s(engine: Engine, prompts: list[list[int]], output_len:
     return produced / (time.perf_counter() - start)
 
 
-def inprocess_ttft_ms(engine: Engine, prompts: list[list[int]], interval_s: float) -> list[float]:
-    """TTFT of requests arriving every `interval_s`, each alone in the engine."""
+def inprocess_ttft_once(engine: Engine, request_id: str, prompt: list[int]) -> float:
+    """TTFT in ms of one request alone in the engine (then run to its end, untimed)."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    ttfts = []
-    for index, prompt in enumerate(prompts):
-        time.sleep(interval_s)
-        start = time.perf_counter()
-        engine.add_request(f"ttft-{index}", prompt, params)
-        while not any(o.new_token_ids for o in engine.step()):
-            pass
-        ttfts.append(1000 * (time.perf_counter() - start))
-        while engine.has_unfinished():
-            engine.step()
-    return ttfts
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    while not any(o.new_token_ids for o in engine.step()):
+        pass
+    ttft = 1000 * (time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    return ttft
 
 
 def grpc_request(prompt: list[int], max_tokens: int) -> inference_pb2.GenerateRequest:
@@ -100,18 +97,41 @@ def grpc_tokens_per_s(address: str, prompts: list[list[int]], output_len: int) -
     return produced / (time.perf_counter() - start)
 
 
+def grpc_ttft_once(stub: inference_pb2_grpc.InferenceStub, prompt: list[int]) -> float:
+    """TTFT in ms of one Generate call, as its client sees it (then read to its end)."""
+    start = time.perf_counter()
+    chunks = stub.Generate(grpc_request(prompt, 4), timeout=600)
+    next(c for c in chunks if c.token_ids)
+    ttft = 1000 * (time.perf_counter() - start)
+    list(chunks)
+    return ttft
+
+
 def grpc_ttft_ms(address: str, prompts: list[list[int]], interval_s: float) -> list[float]:
-    ttfts = []
     with grpc.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
+        ttfts = []
         for prompt in prompts:
             time.sleep(interval_s)
-            start = time.perf_counter()
-            chunks = stub.Generate(grpc_request(prompt, 4), timeout=600)
-            next(c for c in chunks if c.token_ids)
-            ttfts.append(1000 * (time.perf_counter() - start))
-            list(chunks)
+            ttfts.append(grpc_ttft_once(stub, prompt))
     return ttfts
+
+
+def interleaved_ttft_ms(
+    engine: Engine, address: str, prompts: list[list[int]], interval_s: float
+) -> tuple[list[float], list[float]]:
+    """TTFT of each prompt in process and through the stack, taking turns half an interval
+    apart: each side gets a request every `interval_s`, and both see the same machine (on a
+    shared machine the in-process TTFT alone moves by several ms between minutes)."""
+    inprocess, stack = [], []
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for index, prompt in enumerate(prompts):
+            time.sleep(interval_s / 2)
+            inprocess.append(inprocess_ttft_once(engine, f"ttft-{index}", prompt))
+            time.sleep(interval_s / 2)
+            stack.append(grpc_ttft_once(stub, prompt))
+    return inprocess, stack
 
 
 def grpc_floor_ttft_ms(prompts: list[list[int]], interval_s: float) -> list[float]:
@@ -129,18 +149,7 @@ def grpc_floor_ttft_ms(prompts: list[list[int]], interval_s: float) -> list[floa
         server.wait(10)
 
 
-def run_inprocess(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    """The Engine in this process, with the model threads the stack's executor gets."""
-    torch.set_num_threads(co_located_torch_threads())
-    engine = Engine(engine_config(folder, args))
-    inprocess_tokens_per_s(engine, prompts[:4], 8)
-    tokens_per_s = inprocess_tokens_per_s(engine, prompts, args.output_len)
-    ttft = inprocess_ttft_ms(engine, prompts[: args.ttft_requests], args.ttft_interval_s)
-    del engine
-    return {"tokens_per_s": tokens_per_s, "ttft_ms": ttft}
-
-
-def run_stack(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+def stack_config(folder: Path, args: argparse.Namespace) -> StackConfig:
     executor_flags = [
         "--device",
         args.device,
@@ -151,7 +160,7 @@ def run_stack(folder: Path, prompts: list[list[int]], args: argparse.Namespace) 
         "--kv-cache-gib",
         str(args.kv_cache_gib),
     ]
-    config = StackConfig(
+    return StackConfig(
         model=str(folder),
         port=free_port(),
         log_dir=folder / "logs",
@@ -159,15 +168,35 @@ def run_stack(folder: Path, prompts: list[list[int]], args: argparse.Namespace) 
         scheduler_flags=["--batch-window-ms", str(args.batch_window_ms)],
         gateway_flags=["--max-queue-len", str(4 * args.num_requests)],
     )
-    stack = Stack(config)
+
+
+def measure(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Throughput in process, then through the stack; then TTFT of both, taking turns.
+
+    The in-process Engine gets the model threads the stack's executor gets.
+    """
+    torch.set_num_threads(co_located_torch_threads())
+    engine = Engine(engine_config(folder, args))
+    inprocess_tokens_per_s(engine, prompts[:4], 8)
+    inprocess = inprocess_tokens_per_s(engine, prompts, args.output_len)
+    stack = Stack(stack_config(folder, args))
     try:
         stack.start_all()
         grpc_tokens_per_s(stack.address, prompts[:4], 8)
-        tokens_per_s = grpc_tokens_per_s(stack.address, prompts, args.output_len)
-        ttft = grpc_ttft_ms(stack.address, prompts[: args.ttft_requests], args.ttft_interval_s)
+        through_stack = grpc_tokens_per_s(stack.address, prompts, args.output_len)
+        ttft_prompts = prompts[: args.ttft_requests]
+        ttft_inprocess, ttft_grpc = interleaved_ttft_ms(
+            engine, stack.address, ttft_prompts, args.ttft_interval_s
+        )
     finally:
         stack.stop_all()
-    return {"tokens_per_s": tokens_per_s, "ttft_ms": ttft}
+    return {
+        "inprocess_tokens_per_s": inprocess,
+        "grpc_tokens_per_s": through_stack,
+        "ttft_ms_inprocess": ttft_inprocess,
+        "ttft_ms_grpc": ttft_grpc,
+        "ttft_ms_grpc_floor": grpc_floor_ttft_ms(ttft_prompts, args.ttft_interval_s),
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -176,25 +205,26 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_model(folder)
-        inprocess = run_inprocess(folder, prompts, args)
-        stack = run_stack(folder, prompts, args)
-    floor = grpc_floor_ttft_ms(prompts[: args.ttft_requests], args.ttft_interval_s)
-    ttft_inprocess = statistics.median(inprocess["ttft_ms"])
-    ttft_grpc = statistics.median(stack["ttft_ms"])
+        samples = measure(folder, prompts, args)
+    ttft_inprocess = statistics.median(samples["ttft_ms_inprocess"])
+    ttft_grpc = statistics.median(samples["ttft_ms_grpc"])
     return {
         "device": args.device,
         "workload": vars(workload),
         "batch_window_ms": args.batch_window_ms,
         "torch_threads": co_located_torch_threads(),
-        "inprocess_tokens_per_s": inprocess["tokens_per_s"],
-        "grpc_tokens_per_s": stack["tokens_per_s"],
-        "throughput_ratio": stack["tokens_per_s"] / inprocess["tokens_per_s"],
+        "inprocess_tokens_per_s": samples["inprocess_tokens_per_s"],
+        "grpc_tokens_per_s": samples["grpc_tokens_per_s"],
+        "throughput_ratio": samples["grpc_tokens_per_s"] / samples["inprocess_tokens_per_s"],
         "ttft_p50_ms_inprocess": ttft_inprocess,
         "ttft_p50_ms_grpc": ttft_grpc,
         "ttft_p50_ms_grpc_minus_window_over_inprocess": (
             ttft_grpc - args.batch_window_ms - ttft_inprocess
         ),
-        "ttft_p50_ms_grpc_floor": statistics.median(floor),
+        "ttft_p50_ms_grpc_floor": statistics.median(samples["ttft_ms_grpc_floor"]),
+        "ttft_samples_ms": {
+            key: samples[key] for key in ("ttft_ms_inprocess", "ttft_ms_grpc", "ttft_ms_grpc_floor")
+        },
     }
 
 

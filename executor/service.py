@@ -415,11 +415,17 @@ class ExecutorService:
                 )
 
     def _flush(self) -> None:
+        sent = False
         for address, entries in self._outbox.items():
             if entries:
                 batch = internal_pb2.TokenBatch(requests=list(entries.values()))
                 self._link(address).send(batch)
+                sent = True
         self._outbox.clear()
+        if sent:
+            # Hand the GIL and the core to the sending thread now: on a busy machine it
+            # otherwise waits behind the next step, for milliseconds at times.
+            time.sleep(0)
 
     def _link(self, address: str) -> GatewayLink:
         link = self._links.get(address)
