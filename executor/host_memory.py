@@ -7,7 +7,8 @@ beyond its trim threshold; either way the next step faults in and zeroes those p
 For a 2048-token prefill step of the benchmark model that is several hundred MB a step, and
 it took about as long as the matmuls. With both thresholds raised, freed blocks stay in
 the process and are reused; the process keeps its peak activation memory, which the step's
-token budget bounds.
+token budget bounds. The thresholds are process-wide and stay raised once set: a later Engine
+with retain_freed_memory=False in the same process does not lower them.
 """
 
 from __future__ import annotations

@@ -265,6 +265,10 @@ class ExecutorService:
         step_s = time.perf_counter() - started
         self._publish(outputs)
         self._flush()
+        if outputs:
+            # Hand the GIL and the core to the sending threads now: on a busy machine they
+            # otherwise wait behind the next step, for milliseconds at times.
+            time.sleep(0)
         self._metrics.record_step(step_s, self._engine.stats())
 
     def _stop_taking_work_if_draining(self) -> None:
@@ -415,17 +419,11 @@ class ExecutorService:
                 )
 
     def _flush(self) -> None:
-        sent = False
         for address, entries in self._outbox.items():
             if entries:
                 batch = internal_pb2.TokenBatch(requests=list(entries.values()))
                 self._link(address).send(batch)
-                sent = True
         self._outbox.clear()
-        if sent:
-            # Hand the GIL and the core to the sending thread now: on a busy machine it
-            # otherwise waits behind the next step, for milliseconds at times.
-            time.sleep(0)
 
     def _link(self, address: str) -> GatewayLink:
         link = self._links.get(address)

@@ -1,9 +1,10 @@
-"""CPU kernels: decode attention, rotary, KV-cache store, argmax and RMSNorm in C (compiled at
+"""CPU kernels: paged attention, rotary, KV-cache store, argmax and RMSNorm in C (compiled at
 first use), and linear layers computed transposed.
 
-The reference decode attention gathers every sequence's blocks into a padded copy each layer of
+The reference attention gathers every sequence's blocks into a (padded) copy each layer of
 each step; on a CPU that copy and the masked attention over it cost more than the model's
-matmuls at long contexts. `kernels/csrc/cpu_kernels.c` walks the block table instead; it does
+matmuls at long contexts. `kernels/csrc/cpu_kernels.c` walks the block table instead, for
+decode and for prefill chunks (one query token per work item); it does
 the rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
 small tensor ops, the greedy argmax down the columns of column-major logits, and RMSNorm with
 its residual add in one pass over row- or column-major activations. It is built
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -35,6 +37,7 @@ from kernels.validation import (
     check_argmax,
     check_decode,
     check_linear,
+    check_prefill,
     check_rms_norm,
     check_rotary,
     check_store_kvcache,
@@ -126,6 +129,11 @@ def _library() -> ctypes.CDLL:
         ctypes.c_int,
     ]  # fmt: skip
     lib.kvgate_rms_norm_f32.restype = None
+    lib.kvgate_paged_prefill_attention_f32.argtypes = [
+        _f32p, _i64, _f32p, _f32p, _i32p, _i32p, _i32p, _f32p,
+        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int,
+    ]  # fmt: skip
+    lib.kvgate_paged_prefill_attention_f32.restype = ctypes.c_int
     return lib
 
 
@@ -375,4 +383,65 @@ def paged_decode_attention(
     )  # fmt: skip
     if failed:
         raise MemoryError("paged decode attention could not allocate its score buffer")
+    return out
+
+
+def _check_query_offsets(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, n: int) -> None:
+    """Raise unless cu_seqlens_q runs from 0 to n without going down, and no sequence has more
+    queries than context (the C code trusts both)."""
+    starts = cu_seqlens_q.tolist()
+    if starts[0] != 0 or starts[-1] != n or any(b < a for a, b in itertools.pairwise(starts)):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to the {n} packed queries, got {starts}")
+    for seq, context_len in enumerate(context_lens.tolist()):
+        if starts[seq + 1] - starts[seq] > context_len:
+            raise ValueError(
+                f"sequence {seq} has {starts[seq + 1] - starts[seq]} queries but "
+                f"context_lens[{seq}] is {context_len}; the cache must already hold every "
+                "query's key"
+            )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU twin of kernels.reference.paged_prefill_attention (same arguments and result).
+
+    Each query token attends through the block table in place, as in decode, where the
+    reference gathers a copy of every sequence's cache. q's tokens may lie any distance apart
+    (heads and head_dim contiguous); every block-table entry a context uses is checked.
+    """
+    check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    _check_cpu(
+        {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+         "cu_seqlens_q": cu_seqlens_q, "context_lens": context_lens},
+        floats=("q", "k_cache", "v_cache"),
+        inner_dims={"q": 2},
+    )  # fmt: skip
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    _check_query_offsets(cu_seqlens_q, context_lens, num_tokens)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if num_tokens == 0:
+        return out
+    lib, num_seqs, max_blocks = _library(), context_lens.shape[0], block_tables.shape[1]
+    bad = lib.kvgate_first_invalid_sequence(
+        block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, max_blocks, block_size,
+        num_blocks,
+    )  # fmt: skip
+    if bad >= 0:
+        raise ValueError(_bad_sequence(bad, block_tables, context_lens, num_blocks, block_size))
+    failed = lib.kvgate_paged_prefill_attention_f32(
+        q.data_ptr(), _token_stride(q), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), cu_seqlens_q.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("paged prefill attention could not allocate its score buffer")
     return out

@@ -1,6 +1,6 @@
-"""Choose the kernel backend for a device: Triton on CUDA, the C decode kernel on CPU.
+"""Choose the kernel backend for a device: Triton on CUDA, the C kernels on the CPU.
 
-`cpu` is the PyTorch reference with decode attention, rotary embedding, the KV-cache store, the
+`cpu` is the PyTorch reference with paged attention, rotary embedding, the KV-cache store, the
 greedy argmax, RMSNorm and linear layers replaced by kernels/cpu.py (float32 only); where that
 cannot be built or the dtype is not float32, the reference runs and the log says why.
 """
@@ -133,6 +133,7 @@ def _cpu_backend() -> KernelBackend:
         name="cpu",
         store_kvcache=cpu.store_kvcache,
         paged_decode_attention=cpu.paged_decode_attention,
+        paged_prefill_attention=cpu.paged_prefill_attention,
         rotary_embedding=cpu.rotary_embedding,
         argmax=cpu.argmax,
         rms_norm=cpu.rms_norm,

@@ -95,9 +95,18 @@ class Placer:
     def place(
         self, num_prompt_tokens: int, block_hashes: list[int], session_owner: str | None
     ) -> Placement | None:
+        """`choose`, then `book` the choice."""
+        choice = self.choose(num_prompt_tokens, block_hashes, session_owner)
+        if choice is not None:
+            self.book(choice, block_hashes)
+        return choice
+
+    def choose(
+        self, num_prompt_tokens: int, block_hashes: list[int], session_owner: str | None
+    ) -> Placement | None:
         """Args: the prompt's length and block hashes, and the executor holding its session.
 
-        Returns: the chosen placement (already booked), None when no executor can take it.
+        Returns: the best placement (not booked yet), None when no executor can take it.
         """
         candidates = [
             self._price(view, num_prompt_tokens, block_hashes) for view in self.executors.values()
@@ -106,9 +115,7 @@ class Placer:
         if not fitting:
             return None
         owned = [p for p in fitting if p.executor_id == session_owner]
-        choice = owned[0] if owned else min(fitting, key=self._cost)
-        self._book(choice, block_hashes)
-        return choice
+        return owned[0] if owned else min(fitting, key=self._cost)
 
     def _price(
         self, view: ExecutorView, num_prompt_tokens: int, block_hashes: list[int]
@@ -125,14 +132,8 @@ class Placer:
         cost = placement.prefill_blocks + self.load_cost_blocks * view.load()
         return (cost, view.last_placement, placement.executor_id)
 
-    def unbook(self, placement: Placement) -> None:
-        """Takes back a booked placement whose request was dropped instead of assigned."""
-        view = self.executors.get(placement.executor_id)
-        if view is not None:
-            view.assigned_blocks -= placement.prefill_blocks
-            view.assigned_requests -= 1
-
-    def _book(self, placement: Placement, block_hashes: list[int]) -> None:
+    def book(self, placement: Placement, block_hashes: list[int]) -> None:
+        """Counts an assigned request against its executor until the executor's next report."""
         view = self.executors[placement.executor_id]
         view.assigned_blocks += placement.prefill_blocks
         view.assigned_requests += 1

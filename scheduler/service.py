@@ -203,7 +203,7 @@ class Scheduler:
 
     def _drop_as_cancelled(self, requests: list[PendingRequest]) -> None:
         self._count_cancelled(requests)
-        self._stream.drop([r.entry_id for r in requests])
+        self._stream.drop([r.entry_id for r in requests], [r.request_id for r in requests])
 
     def _count_cancelled(self, requests: list[PendingRequest]) -> None:
         for request in requests:
@@ -231,13 +231,13 @@ class Scheduler:
         owner = request.session_executor_id
         if owner is None and request.session_id is not None:
             owner = self._registry.session_holder(request.session_id)
-        placement = self._placer.place(request.num_prompt_tokens, request.block_hashes, owner)
+        placement = self._placer.choose(request.num_prompt_tokens, request.block_hashes, owner)
         if placement is None:
             return False
         if not self._stream.assign(request, placement.executor_id, self._config.scheduler_id):
-            self._placer.unbook(placement)
             self._count_cancelled([request])
             return True
+        self._placer.book(placement, request.block_hashes)
         waited_s = request.waited_ms(time.monotonic()) / 1000.0
         self._metrics.queue_wait.observe(waited_s)
         self._metrics.assigned.inc()

@@ -31,7 +31,9 @@ class ModelConfig:
     rope_scaling: dict | None  # None or {"rope_type": ..., ...}
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 has biases on q/k/v
+    qkv_bias: bool  # Qwen2 has biases on q/k/v (Llama with attention_bias too)
+    o_proj_bias: bool  # Llama with attention_bias: the output projection has one as well
+    mlp_bias: bool  # Llama with mlp_bias: gate, up and down projections
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -69,6 +71,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        o_proj_bias=architecture == "LlamaForCausalLM" and bool(raw.get("attention_bias", False)),
+        mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
         sliding_window=_sliding_window(raw),
         eos_token_ids=_eos_token_ids(model_dir, raw),
     )

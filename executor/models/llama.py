@@ -69,7 +69,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def forward(
         self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
@@ -85,7 +85,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kernels.store_kvcache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         out = self._attend(q.contiguous(), k_cache, v_cache, ctx)
-        return kernels.linear(out.view(num_tokens, self.q_size), self.o_proj.weight)
+        return kernels.linear(
+            out.view(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias
+        )
 
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
@@ -113,13 +115,14 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, intermediate, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, kernels: KernelBackend) -> torch.Tensor:
-        gate_up = kernels.linear(x, self.gate_up_proj.weight)
+        gate_up = kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return kernels.linear(F.silu(gate) * up, self.down_proj.weight)
+        return kernels.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):

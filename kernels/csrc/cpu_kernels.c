@@ -138,6 +138,49 @@ int kvgate_paged_decode_attention_f32(const float *q, const float *k_cache,
 }
 
 /*
+ * Causal attention of packed new tokens over their sequences' cached tokens: query token i of
+ * sequence s (q rows cu_seqlens[s] .. cu_seqlens[s + 1] - 1, the sequence's last tokens) attends
+ * to keys 0 .. its own position, read in place through the block table like decode; one query
+ * token per work item. q and out are [num_tokens, num_heads, head_dim], q's tokens q_stride
+ * floats apart. Returns 0 on success, 1 when a scratch buffer could not be allocated. The
+ * caller has checked the tables with kvgate_first_invalid_sequence and that no sequence has
+ * more queries than context.
+ */
+int kvgate_paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                       const float *v_cache, const int32_t *block_tables,
+                                       const int32_t *cu_seqlens, const int32_t *context_lens,
+                                       float *out, int64_t num_seqs, int64_t num_heads,
+                                       int64_t num_kv_heads, int64_t head_dim,
+                                       int64_t block_size, int64_t max_blocks, float scale,
+                                       int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t num_tokens = cu_seqlens[num_seqs];
+    int64_t max_context = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        max_context = context_lens[s] > max_context ? context_lens[s] : max_context;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context));
+        if (scores == NULL) failed = 1;
+        int64_t seq = 0;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t token = 0; token < num_tokens; ++token) {
+            if (scores == NULL) continue;
+            while (cu_seqlens[seq + 1] <= token) ++seq;
+            while (cu_seqlens[seq] > token) --seq;
+            const int64_t context = context_lens[seq] - (cu_seqlens[seq + 1] - token) + 1;
+            attend_one_sequence(q + token * q_stride, k_cache, v_cache,
+                                block_tables + seq * max_blocks, context,
+                                out + token * num_heads * head_dim, scores, num_heads, group,
+                                num_kv_heads, head_dim, block_size, scale);
+        }
+        free(scores);
+    }
+    return failed;
+}
+
+/*
  * Rotary embedding, rotate_half style, of x [num_tokens, num_heads, head_dim] (head_dim
  * contiguous, heads packed, tokens `token_stride` floats apart) into out (contiguous):
  * out[:D/2] = x1 * cos - x2 * sin and out[D/2:] = x2 * cos + x1 * sin, with cos and sin the

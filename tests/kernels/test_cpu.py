@@ -10,7 +10,7 @@ import torch
 
 from kernels import build_cos_sin_cache, cpu
 from kernels import reference as ref
-from tests.kernels.paged_cases import make_paged_case, naive_decode
+from tests.kernels.paged_cases import cu_seqlens, make_paged_case, naive_decode, naive_prefill
 from tests.kernels.test_dispatch import run_python
 from tests.kernels.test_triton import (
     ATTENTION_ATOL,
@@ -230,6 +230,15 @@ def _in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
         return t.contiguous()
     if layout == "column-major":
         return t.t().contiguous().t()
+    rows, cols = t.shape
+    if layout == "row-major-padded":  # rows further apart than their length
+        wide = torch.zeros(rows, cols + 5)
+        wide[:, :cols] = t
+        return wide[:, :cols]
+    if layout == "column-major-padded":
+        tall = torch.zeros(cols, rows + 3)
+        tall[:, :rows] = t.t()
+        return tall[:, :rows].t()
     return torch.cat([t, t], dim=1)[:, ::2]  # every other column: neither layout
 
 
@@ -241,6 +250,9 @@ RMS_LAYOUTS = [
     ("strided", "row-major"),
     ("column-major", None),
     ("row-major", None),
+    ("row-major-padded", "column-major-padded"),
+    ("column-major-padded", "row-major-padded"),
+    ("column-major-padded", None),
 ]
 
 
@@ -257,7 +269,7 @@ def test_rms_norm_matches_reference_in_every_layout(rows, hidden, x_layout, resi
     want_normed, want_summed = ref.rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(summed, want_summed), "x + residual is one rounding, as in the reference"
     torch.testing.assert_close(normed, want_normed, rtol=2e-6, atol=2e-6)
-    if x_layout == "column-major" and rows > 1 and hidden > 1:
+    if x_layout.startswith("column-major") and rows > 1 and hidden > 1:
         assert normed.stride() == (1, rows), "the result should keep x's column-major layout"
 
 
@@ -317,3 +329,61 @@ def test_linear_checks_its_input():
         cpu.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
     with pytest.raises(ValueError, match="weight dtype"):
         cpu.linear(torch.randn(2, 4), torch.randn(3, 4).double())
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "ratio"), SHAPES, ids=SHAPE_IDS)
+def test_prefill_matches_reference(head_dim, block_size, ratio):
+    gen = torch.Generator().manual_seed(head_dim * 100 + block_size * 10 + ratio + 1)
+    context_lens = [*random_context_lens(gen, block_size), 7]
+    long = context_lens[3]
+    # a 1-token context, a 1-token chunk, a fresh prompt, a chunk after a cached prefix, and
+    # a sequence with no new tokens.
+    query_lens = [1, 1, context_lens[2], long - 3, 0]
+    case = make_paged_case(gen, context_lens, block_size, NUM_KV_HEADS, head_dim)
+    q = torch.randn(sum(query_lens), NUM_KV_HEADS * ratio, head_dim, generator=gen)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens(query_lens))
+    out = cpu.paged_prefill_attention(*args, case.context_lens, head_dim**-0.5)
+    expected = ref.paged_prefill_attention(*args, case.context_lens, head_dim**-0.5)
+    assert_close(out, expected, ATTENTION_ATOL, "prefill vs reference")
+    naive = naive_prefill(q, case, query_lens, head_dim**-0.5)
+    assert_close(out, naive, ATTENTION_ATOL, "prefill vs float64 naive attention")
+
+
+def test_prefill_reads_strided_queries_and_is_thread_count_independent():
+    gen = torch.Generator().manual_seed(11)
+    case = make_paged_case(gen, [9, 20], 4, 1, 8)
+    qkv = torch.randn(29, 4 * 8 + 2 * 8, generator=gen)
+    q = qkv[:, : 4 * 8].view(29, 4, 8)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens([9, 20]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.paged_prefill_attention(*args, case.context_lens, 0.5)
+        torch.set_num_threads(2)
+        two = cpu.paged_prefill_attention(*args, case.context_lens, 0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two), "the result depends on the thread count"
+    expected = ref.paged_prefill_attention(*args, case.context_lens, 0.5)
+    assert_close(one, expected, ATTENTION_ATOL, "strided q")
+
+
+@pytest.mark.parametrize(
+    ("cu", "context_lens", "message"),
+    [
+        ([0, 3, 5], [3, 1], r"sequence 1 has 2 queries but context_lens\[1\] is 1"),
+        ([0, 4, 3], [4, 4], "cu_seqlens_q must rise from 0 to the 5 packed queries"),
+        ([1, 3, 5], [4, 4], "cu_seqlens_q must rise from 0"),
+        ([0, 3, 4], [4, 4], "cu_seqlens_q must rise from 0 to the 5 packed queries"),
+        ([0, 3, 5], [4, 40], r"context_lens\[1\] = 40 needs 10 blocks"),
+    ],
+)
+def test_prefill_refuses_bad_offsets_and_lengths(cu, context_lens, message):
+    gen = torch.Generator().manual_seed(3)
+    case = make_paged_case(gen, [4, 4], 4, 2, 8)
+    q = torch.randn(5, 2, 8, generator=gen)
+    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        cpu.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables,
+                                    cu_seqlens_q, lens, 0.5)  # fmt: skip

@@ -65,7 +65,7 @@ def test_cpu_defaults_to_the_cpu_kernels_even_with_the_interpreter(monkeypatch):
     assert isinstance(backend, KernelBackend) and backend.name == "cpu"
     assert backend.paged_decode_attention.__module__ == "kernels.cpu"
     assert backend.rms_norm.__module__ == backend.linear.__module__ == "kernels.cpu"
-    assert backend.paged_prefill_attention.__module__ == "kernels.reference"
+    assert backend.paged_prefill_attention.__module__ == "kernels.cpu"
 
 
 def test_cpu_with_another_dtype_runs_the_reference_and_says_why(monkeypatch, caplog):

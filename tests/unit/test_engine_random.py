@@ -73,6 +73,11 @@ def _llama_tied_llama3_rope():
     return LlamaForCausalLM(config), {}
 
 
+def _llama_attention_and_mlp_bias():
+    config = LlamaConfig(**SHAPE, tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    return LlamaForCausalLM(config), {}
+
+
 def _qwen2_bias():
     config = Qwen2Config(**SHAPE, tie_word_embeddings=False, use_sliding_window=False)
     return Qwen2ForCausalLM(config), {}
@@ -86,6 +91,7 @@ def _mistral_tied():
 BUILDERS = {
     "llama-gqa-untied-sharded": _llama_gqa_untied_sharded,
     "llama-tied-llama3-rope-top-level-theta": _llama_tied_llama3_rope,
+    "llama-attention-and-mlp-bias": _llama_attention_and_mlp_bias,
     "qwen2-bias": _qwen2_bias,
     "mistral-tied": _mistral_tied,
 }

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from executor.config import EngineConfig
+from executor.model_runner import ModelRunner
+from executor.service import ExecutorServiceConfig
+from tests.helpers import STORIES_260K
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +61,26 @@ def test_a_large_activation_comes_from_the_heap_and_stays_there():
     assert retained["free_in_heap"] >= 20 * MIB, retained
 
 
-def test_the_engine_config_switch_defaults_on():
-    assert EngineConfig(model="m").retain_freed_memory is True
-    assert EngineConfig(model="m", retain_freed_memory=False).retain_freed_memory is False
+def test_the_executor_flag_and_its_variable_reach_the_engine(monkeypatch: pytest.MonkeyPatch):
+    def retained(*flags: str) -> bool:
+        config = ExecutorServiceConfig.from_args(["--model", str(STORIES_260K), *flags])
+        return config.engine.retain_freed_memory
+
+    monkeypatch.delenv("KVGATE_RETAIN_FREED_MEMORY", raising=False)
+    assert retained() is True
+    assert retained("--no-retain-freed-memory") is False
+    monkeypatch.setenv("KVGATE_RETAIN_FREED_MEMORY", "off")
+    assert retained() is False
+    assert retained("--retain-freed-memory") is True
+    monkeypatch.setenv("KVGATE_RETAIN_FREED_MEMORY", "maybe")
+    with pytest.raises(ValueError, match="KVGATE_RETAIN_FREED_MEMORY"):
+        retained()
+
+
+def test_the_model_runner_sets_the_thresholds_only_when_asked(monkeypatch: pytest.MonkeyPatch):
+    calls: list[str] = []
+    monkeypatch.setattr("executor.model_runner.retain_freed_memory", lambda: calls.append("set"))
+    ModelRunner(EngineConfig(model=str(STORIES_260K), retain_freed_memory=False))
+    assert calls == []
+    ModelRunner(EngineConfig(model=str(STORIES_260K)))
+    assert calls == ["set"]

@@ -87,13 +87,19 @@ def test_bookings_reset_on_the_next_heartbeat():
     assert placer.place(15, [], None) is not None
 
 
-def test_an_unbooked_placement_frees_its_blocks_and_load():
+def test_a_chosen_placement_counts_only_once_booked():
+    """The scheduler books a choice after writing the assignment: a request dropped as
+    cancelled instead leaves no load, blocks or cache estimate behind."""
     placer, _ = cluster(report("a", free=5))
-    placement = placer.place(15, [], None)
-    assert placer.place(15, [], None) is None
-    placer.unbook(placement)  # its request was cancelled, not assigned
-    assert placer.executors["a"].load() == 0
-    assert placer.place(15, [], None) is not None
+    hashes = prompt_block_hashes(list(range(16)), BLOCK, "")
+    choice = placer.choose(15, hashes, None)
+    assert choice is not None and placer.choose(15, hashes, None) is not None
+    view = placer.executors["a"]
+    assert view.load() == 0 and view.free_blocks() == 5
+    assert view.prefix_index.hit_blocks(hashes) == 0 and placer.placements == 0
+    placer.book(choice, hashes)
+    assert placer.choose(15, hashes, None).cached_blocks == len(hashes)
+    assert view.load() == 1 and placer.placements == 1
 
 
 def test_registry_reports_joins_leaves_and_drains():
