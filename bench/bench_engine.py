@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> dict:
         "matmul_flops_per_s": flops,
         "repeats": args.repeats,
         "samples_tokens_per_s": samples,
+        "medians_tokens_per_s": {name: statistics.median(v) for name, v in samples.items()},
         "hf_generate_sample_requests": args.hf_sample,
         "hf_generate_tokens_per_s": hf_one,
         "hf_generate_batch_tokens_per_s": hf_batch,
@@ -262,6 +263,13 @@ def print_summary(result: dict) -> None:
     print(f"kvgate / generate          {result['kvgate_over_hf_generate']:.2f}x")
     print(f"kvgate / generate_batch    {result['kvgate_over_hf_generate_batch']:.2f}x")
     print(f"kvgate / roofline          {100 * result['kvgate_fraction_of_roofline']:.1f}%")
+    medians = result["medians_tokens_per_s"]
+    print(
+        f"medians of the rounds: kvgate {medians['kvgate']:.1f}, generate_batch "
+        f"{medians['hf_generate_batch']:.1f} tokens/s, "
+        f"{medians['kvgate'] / medians['hf_generate_batch']:.2f}x, "
+        f"{100 * medians['kvgate'] / result['roofline_tokens_per_s']:.1f}% of the roofline"
+    )
     steps = result["step_ms_by_context"]
     for context, ms in steps.items():
         print(f"decode step, batch 8, context {context:>5}: {ms:.2f} ms")
