@@ -1,0 +1,39 @@
+"""`python -m executor.generate`: one text block per prompt, the engine's greedy tokens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tokenizers import Tokenizer
+
+from executor.config import EngineConfig
+from executor.engine import Engine
+from executor.generate import generate
+from executor.sampling_params import SamplingParams
+from tests.helpers import REPO, STORIES_260K
+
+PROMPTS = ["Once upon a time", "The little dog"]
+
+
+def test_the_command_prints_each_prompts_greedy_completion_in_order():
+    argv = [sys.executable, "-m", "executor.generate", "--model", str(STORIES_260K)]
+    for prompt in PROMPTS:
+        argv += ["--prompt", prompt]
+    argv += ["--max-tokens", "12", "--ignore-eos"]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    tokenizer = Tokenizer.from_file(str(STORIES_260K / "tokenizer.json"))
+    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = generate(engine, [tokenizer.encode(p).ids for p in PROMPTS], params)
+    blocks = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+    assert done.stdout == "".join(f"{text}\n\n" for text in blocks)
+    assert "24/24" in done.stderr, "the progress bar counts every generated token"
+
+
+def test_a_bad_flag_is_a_clear_error():
+    argv = [sys.executable, "-m", "executor.generate", "--model", str(STORIES_260K)]
+    argv += ["--prompt", "hi", "--max-tokens", "0"]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "max_tokens" in done.stderr, done.stderr
