@@ -318,6 +318,24 @@ def rms_norm(
     return out, summed
 
 
+def _check_tables(
+    lib: ctypes.CDLL,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Raise a ValueError naming the first sequence whose context or block ids the C attention
+    would read out of range."""
+    num_seqs, max_blocks = block_tables.shape
+    bad = lib.kvgate_first_invalid_sequence(
+        block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, max_blocks, block_size,
+        num_blocks,
+    )  # fmt: skip
+    if bad >= 0:
+        raise ValueError(_bad_sequence(bad, block_tables, context_lens, num_blocks, block_size))
+
+
 def _bad_sequence(
     seq: int,
     block_tables: torch.Tensor,
@@ -370,12 +388,7 @@ def paged_decode_attention(
         return out
     lib = _library()
     max_blocks = block_tables.shape[1]
-    bad = lib.kvgate_first_invalid_sequence(
-        block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, max_blocks, block_size,
-        num_blocks,
-    )  # fmt: skip
-    if bad >= 0:
-        raise ValueError(_bad_sequence(bad, block_tables, context_lens, num_blocks, block_size))
+    _check_tables(lib, block_tables, context_lens, num_blocks, block_size)
     failed = lib.kvgate_paged_decode_attention_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
@@ -430,12 +443,7 @@ def paged_prefill_attention(
     if num_tokens == 0:
         return out
     lib, num_seqs, max_blocks = _library(), context_lens.shape[0], block_tables.shape[1]
-    bad = lib.kvgate_first_invalid_sequence(
-        block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, max_blocks, block_size,
-        num_blocks,
-    )  # fmt: skip
-    if bad >= 0:
-        raise ValueError(_bad_sequence(bad, block_tables, context_lens, num_blocks, block_size))
+    _check_tables(lib, block_tables, context_lens, num_blocks, block_size)
     failed = lib.kvgate_paged_prefill_attention_f32(
         q.data_ptr(), _token_stride(q), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), context_lens.data_ptr(),

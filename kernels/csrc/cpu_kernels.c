@@ -85,6 +85,13 @@ static void attend_one_sequence(const float *q, const float *k_cache, const floa
     }
 }
 
+static int64_t max_context_len(const int32_t *context_lens, int64_t num_seqs) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        longest = context_lens[s] > longest ? context_lens[s] : longest;
+    return longest;
+}
+
 /*
  * Index of the first sequence whose context length or block table entries are out of range
  * (a context of 0 or beyond its table, or a block id outside the cache), or -1 when all are
@@ -116,9 +123,7 @@ int kvgate_paged_decode_attention_f32(const float *q, const float *k_cache,
                                       int64_t block_size, int64_t max_blocks, float scale,
                                       int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    int64_t max_context = 0;
-    for (int64_t s = 0; s < num_seqs; ++s)
-        max_context = context_lens[s] > max_context ? context_lens[s] : max_context;
+    const int64_t max_context = max_context_len(context_lens, num_seqs);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -155,9 +160,7 @@ int kvgate_paged_prefill_attention_f32(const float *q, int64_t q_stride, const f
                                        int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_tokens = cu_seqlens[num_seqs];
-    int64_t max_context = 0;
-    for (int64_t s = 0; s < num_seqs; ++s)
-        max_context = context_lens[s] > max_context ? context_lens[s] : max_context;
+    const int64_t max_context = max_context_len(context_lens, num_seqs);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {

@@ -124,3 +124,32 @@ def naive_prefill(
 def cu_seqlens(query_lens: list[int]) -> torch.Tensor:
     """[B + 1] int32 cumulative sums of query_lens, starting at 0."""
     return torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+
+
+def random_context_lens(gen: torch.Generator, block_size: int) -> list[int]:
+    """A batch mixing a 1-token context, block-boundary neighbours and a long sequence."""
+    long = int(torch.randint(60, 100, (1,), generator=gen))
+    return [1, block_size - 1, 3 * block_size + 1, long]
+
+
+def mixed_prefill_case(
+    head_dim: int, block_size: int, num_kv_heads: int, ratio: int
+) -> tuple[PagedCase, torch.Tensor, list[int]]:
+    """(case, q, query lengths) of a prefill batch with a 1-token context, a 1-token chunk, a
+    fresh prompt, a chunk over 64 queries after a cached prefix and a sequence with no new
+    tokens; seeded by the shape."""
+    gen = torch.Generator().manual_seed(head_dim * 100 + block_size * 10 + ratio + 1)
+    context_lens = [*random_context_lens(gen, block_size), 7]
+    query_lens = [1, 1, context_lens[2], context_lens[3] - 3, 0]
+    case = make_paged_case(gen, context_lens, block_size, num_kv_heads, head_dim)
+    q = torch.randn(sum(query_lens), num_kv_heads * ratio, head_dim, generator=gen)
+    return case, q, query_lens
+
+
+def strided_prefill_case() -> tuple[PagedCase, torch.Tensor, torch.Tensor]:
+    """(case, q, cu_seqlens) of two sequences prefilled from scratch whose queries are a slice
+    of a fused q/k/v projection (tokens further apart than their heads)."""
+    gen = torch.Generator().manual_seed(11)
+    case = make_paged_case(gen, [9, 20], 4, 1, 8)
+    qkv = torch.randn(29, 4 * 8 + 2 * 8, generator=gen)
+    return case, qkv[:, : 4 * 8].view(29, 4, 8), cu_seqlens([9, 20])

@@ -10,7 +10,15 @@ import torch
 
 from kernels import build_cos_sin_cache, cpu
 from kernels import reference as ref
-from tests.kernels.paged_cases import cu_seqlens, make_paged_case, naive_decode, naive_prefill
+from tests.kernels.paged_cases import (
+    cu_seqlens,
+    make_paged_case,
+    mixed_prefill_case,
+    naive_decode,
+    naive_prefill,
+    random_context_lens,
+    strided_prefill_case,
+)
 from tests.kernels.test_dispatch import run_python
 from tests.kernels.test_triton import (
     ATTENTION_ATOL,
@@ -19,7 +27,6 @@ from tests.kernels.test_triton import (
     SHAPE_IDS,
     SHAPES,
     assert_close,
-    random_context_lens,
 )
 
 
@@ -333,14 +340,7 @@ def test_linear_checks_its_input():
 
 @pytest.mark.parametrize(("head_dim", "block_size", "ratio"), SHAPES, ids=SHAPE_IDS)
 def test_prefill_matches_reference(head_dim, block_size, ratio):
-    gen = torch.Generator().manual_seed(head_dim * 100 + block_size * 10 + ratio + 1)
-    context_lens = [*random_context_lens(gen, block_size), 7]
-    long = context_lens[3]
-    # a 1-token context, a 1-token chunk, a fresh prompt, a chunk after a cached prefix, and
-    # a sequence with no new tokens.
-    query_lens = [1, 1, context_lens[2], long - 3, 0]
-    case = make_paged_case(gen, context_lens, block_size, NUM_KV_HEADS, head_dim)
-    q = torch.randn(sum(query_lens), NUM_KV_HEADS * ratio, head_dim, generator=gen)
+    case, q, query_lens = mixed_prefill_case(head_dim, block_size, NUM_KV_HEADS, ratio)
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens(query_lens))
     out = cpu.paged_prefill_attention(*args, case.context_lens, head_dim**-0.5)
     expected = ref.paged_prefill_attention(*args, case.context_lens, head_dim**-0.5)
@@ -350,11 +350,8 @@ def test_prefill_matches_reference(head_dim, block_size, ratio):
 
 
 def test_prefill_reads_strided_queries_and_is_thread_count_independent():
-    gen = torch.Generator().manual_seed(11)
-    case = make_paged_case(gen, [9, 20], 4, 1, 8)
-    qkv = torch.randn(29, 4 * 8 + 2 * 8, generator=gen)
-    q = qkv[:, : 4 * 8].view(29, 4, 8)
-    args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens([9, 20]))
+    case, q, cu = strided_prefill_case()
+    args = (q, case.k_cache, case.v_cache, case.block_tables, cu)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

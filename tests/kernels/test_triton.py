@@ -11,7 +11,13 @@ import torch
 
 from kernels import build_cos_sin_cache, triton_attention, triton_cache, triton_norm
 from kernels import reference as ref
-from tests.kernels.paged_cases import cu_seqlens, make_paged_case
+from tests.kernels.paged_cases import (
+    cu_seqlens,
+    make_paged_case,
+    mixed_prefill_case,
+    random_context_lens,
+    strided_prefill_case,
+)
 
 ATTENTION_ATOL = 1e-5
 ELEMENTWISE_ATOL = 1e-5
@@ -29,12 +35,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what
     assert error <= atol, f"{what}: max abs error {error:.3g} exceeds {atol:.3g}"
 
 
-def random_context_lens(gen: torch.Generator, block_size: int) -> list[int]:
-    """A batch mixing a 1-token context, block-boundary neighbours and a long sequence."""
-    long = int(torch.randint(60, 100, (1,), generator=gen))
-    return [1, block_size - 1, 3 * block_size + 1, long]
-
-
 @pytest.mark.parametrize("partition_size", [16, 512])
 @pytest.mark.parametrize(("head_dim", "block_size", "ratio"), SHAPES, ids=SHAPE_IDS)
 def test_decode_matches_reference(head_dim, block_size, ratio, partition_size):
@@ -49,14 +49,7 @@ def test_decode_matches_reference(head_dim, block_size, ratio, partition_size):
 
 @pytest.mark.parametrize(("head_dim", "block_size", "ratio"), SHAPES, ids=SHAPE_IDS)
 def test_prefill_matches_reference(head_dim, block_size, ratio):
-    gen = torch.Generator().manual_seed(head_dim * 100 + block_size * 10 + ratio + 1)
-    context_lens = [*random_context_lens(gen, block_size), 7]
-    long = context_lens[3]
-    # a 1-token context, a 1-token chunk, a fresh prompt, a chunk over 64 queries (two query
-    # blocks) after a cached prefix, and a sequence with no new tokens.
-    query_lens = [1, 1, context_lens[2], long - 3, 0]
-    case = make_paged_case(gen, context_lens, block_size, NUM_KV_HEADS, head_dim)
-    q = torch.randn(sum(query_lens), NUM_KV_HEADS * ratio, head_dim, generator=gen)
+    case, q, query_lens = mixed_prefill_case(head_dim, block_size, NUM_KV_HEADS, ratio)
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens(query_lens))
     out = triton_attention.paged_prefill_attention(*args, case.context_lens, 0.25)
     expected = ref.paged_prefill_attention(*args, case.context_lens, 0.25)
@@ -64,18 +57,8 @@ def test_prefill_matches_reference(head_dim, block_size, ratio):
 
 
 def test_prefill_reads_strided_queries():
-    gen = torch.Generator().manual_seed(11)
-    case = make_paged_case(gen, [9, 20], 4, 1, 8)
-    qkv = torch.randn(29, 4 * 8 + 2 * 8, generator=gen)
-    q = qkv[:, : 4 * 8].view(29, 4, 8)
-    args = (
-        q,
-        case.k_cache,
-        case.v_cache,
-        case.block_tables,
-        cu_seqlens([9, 20]),
-        case.context_lens,
-    )
+    case, q, cu = strided_prefill_case()
+    args = (q, case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens)
     out = triton_attention.paged_prefill_attention(*args, 0.5)
     assert_close(out, ref.paged_prefill_attention(*args, 0.5), ATTENTION_ATOL, "strided q")
 
