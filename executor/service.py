@@ -264,8 +264,7 @@ class ExecutorService:
         outputs = self._engine.step()
         step_s = time.perf_counter() - started
         self._publish(outputs)
-        self._flush()
-        if outputs:
+        if self._flush():
             # Hand the GIL and the core to the sending threads now: on a busy machine they
             # otherwise wait behind the next step, for milliseconds at times.
             time.sleep(0)
@@ -418,12 +417,16 @@ class ExecutorService:
                     extra=request_fields(output.request_id, tracked.session_id),
                 )
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Sends one TokenBatch per gateway with pending entries. Returns: whether any went."""
+        sent = False
         for address, entries in self._outbox.items():
             if entries:
                 batch = internal_pb2.TokenBatch(requests=list(entries.values()))
                 self._link(address).send(batch)
+                sent = True
         self._outbox.clear()
+        return sent
 
     def _link(self, address: str) -> GatewayLink:
         link = self._links.get(address)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
-from gateway.errors import ResourceExhausted, Unavailable
+from gateway.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from protos.kvgate.v1 import internal_pb2
 
-# KEYS: requests stream, executors set. ARGV: payload, max_queue_len, status key head, tail.
-# Returns -2 when no executor is alive, -1 when the queue is full, else the new length.
+# KEYS: requests stream, executors set, the request id's cancel marker.
+# ARGV: payload, max_queue_len, status key head, tail, payload field.
+# Returns -3 when the id was cancelled within the queue timeout (its marker would drop the new
+# request), -2 when no executor is alive, -1 when the queue is full, else the new length.
 ENQUEUE_SCRIPT = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
 local alive = 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if redis.call('EXISTS', ARGV[3] .. id .. ARGV[4]) == 1 then
@@ -28,6 +31,7 @@ if queued >= tonumber(ARGV[2]) then return -1 end
 redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[1])
 return queued + 1
 """
+CANCELLED_ID = -3
 NO_EXECUTOR = -2
 QUEUE_FULL = -1
 
@@ -56,11 +60,12 @@ class RequestQueue:
         """Queue a new request.
 
         Raises:
+            FailedPrecondition: a request with this id was cancelled within the queue timeout.
             Unavailable: no executor is alive.
             ResourceExhausted: max_queue_len requests already wait.
         """
         result = await self._enqueue(
-            keys=[self.keys.requests, self.keys.executors],
+            keys=[self.keys.requests, self.keys.executors, self.keys.cancelled(request.request_id)],
             args=[
                 request.SerializeToString(),
                 self.max_queue_len,
@@ -69,6 +74,11 @@ class RequestQueue:
                 PAYLOAD_FIELD,
             ],
         )
+        if result == CANCELLED_ID:
+            raise FailedPrecondition(
+                f"request_id {request.request_id!r} was cancelled less than queue_timeout_s "
+                "ago; send the new request under another request_id"
+            )
         if result == NO_EXECUTOR:
             raise Unavailable("no executor is alive; try again later")
         if result == QUEUE_FULL:

@@ -324,16 +324,20 @@ def _check_tables(
     context_lens: torch.Tensor,
     num_blocks: int,
     block_size: int,
+    sequences: torch.Tensor | None = None,
 ) -> None:
-    """Raise a ValueError naming the first sequence whose context or block ids the C attention
-    would read out of range."""
-    num_seqs, max_blocks = block_tables.shape
+    """Raise a ValueError naming the first sequence (of `sequences`, default all) whose
+    context or block ids the C attention would read out of range."""
+    tables, lens = block_tables, context_lens
+    if sequences is not None and len(sequences) < len(context_lens):
+        tables, lens = block_tables[sequences].contiguous(), context_lens[sequences].contiguous()
+    num_seqs, max_blocks = tables.shape
     bad = lib.kvgate_first_invalid_sequence(
-        block_tables.data_ptr(), context_lens.data_ptr(), num_seqs, max_blocks, block_size,
-        num_blocks,
-    )  # fmt: skip
+        tables.data_ptr(), lens.data_ptr(), num_seqs, max_blocks, block_size, num_blocks
+    )
     if bad >= 0:
-        raise ValueError(_bad_sequence(bad, block_tables, context_lens, num_blocks, block_size))
+        seq = int(sequences[bad]) if tables is not block_tables else bad
+        raise ValueError(_bad_sequence(seq, block_tables, context_lens, num_blocks, block_size))
 
 
 def _bad_sequence(
@@ -443,7 +447,9 @@ def paged_prefill_attention(
     if num_tokens == 0:
         return out
     lib, num_seqs, max_blocks = _library(), context_lens.shape[0], block_tables.shape[1]
-    _check_tables(lib, block_tables, context_lens, num_blocks, block_size)
+    # Sequences without new tokens are not read (the reference skips them too).
+    querying = (cu_seqlens_q[1:] > cu_seqlens_q[:-1]).nonzero().flatten()
+    _check_tables(lib, block_tables, context_lens, num_blocks, block_size, querying)
     failed = lib.kvgate_paged_prefill_attention_f32(
         q.data_ptr(), _token_stride(q), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), cu_seqlens_q.data_ptr(), context_lens.data_ptr(),

@@ -203,7 +203,7 @@ class Scheduler:
 
     def _drop_as_cancelled(self, requests: list[PendingRequest]) -> None:
         self._count_cancelled(requests)
-        self._stream.drop([r.entry_id for r in requests], [r.request_id for r in requests])
+        self._stream.drop([r.entry_id for r in requests])
 
     def _count_cancelled(self, requests: list[PendingRequest]) -> None:
         for request in requests:

@@ -24,11 +24,11 @@ DEFAULT_BLOCK_SIZE = 16
 
 # KEYS: the request's cancel marker, the request stream, the executor's inbox.
 # ARGV: consumer group, entry id, payload field, inbox message.
-# Writes the assignment unless the request was cancelled (then the marker, used up, goes too,
-# so a retry under the same id is not dropped), and acknowledges and deletes the entry,
-# atomically. Returns 1 when assigned, 0 when it was cancelled (and only dropped).
+# Writes the assignment unless the request was cancelled, then acknowledges and deletes the
+# entry, atomically. Returns 1 when assigned, 0 when it was cancelled (and only dropped). The
+# marker stays until it expires: another entry of the same request (a re-queue) may follow.
 ASSIGN_SCRIPT = """
-local cancelled = redis.call('DEL', KEYS[1]) == 1
+local cancelled = redis.call('EXISTS', KEYS[1]) == 1
 if not cancelled then
   redis.call('XADD', KEYS[3], '*', ARGV[3], ARGV[4])
 end
@@ -82,19 +82,12 @@ class RequestStream:
         )
         return [entry for _, entries in reply or [] for entry in _payloads(entries)]
 
-    def drop(self, entry_ids: list[str], cancelled_ids: list[str] | None = None) -> None:
-        """Acknowledges and deletes entries that will not be assigned.
-
-        Args:
-            entry_ids: their request stream entries.
-            cancelled_ids: request ids whose cancel markers are used up by this drop.
-        """
+    def drop(self, entry_ids: list[str]) -> None:
+        """Acknowledges and deletes entries that will not be assigned."""
         if entry_ids:
             pipe = self._client.pipeline(transaction=True)
             pipe.xack(self._keys.requests, SCHEDULER_GROUP, *entry_ids)
             pipe.xdel(self._keys.requests, *entry_ids)
-            if cancelled_ids:
-                pipe.delete(*(self._keys.cancelled(rid) for rid in cancelled_ids))
             pipe.execute()
 
     def assign(self, request: PendingRequest, executor_id: str, scheduler_id: str) -> bool:

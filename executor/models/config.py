@@ -70,12 +70,18 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-        o_proj_bias=architecture == "LlamaForCausalLM" and bool(raw.get("attention_bias", False)),
-        mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
+        qkv_bias=architecture == "Qwen2ForCausalLM"
+        or _llama_flag(raw, architecture, "attention_bias"),
+        o_proj_bias=_llama_flag(raw, architecture, "attention_bias"),
+        mlp_bias=_llama_flag(raw, architecture, "mlp_bias"),
         sliding_window=_sliding_window(raw),
         eos_token_ids=_eos_token_ids(model_dir, raw),
     )
+
+
+def _llama_flag(raw: dict, architecture: str, key: str) -> bool:
+    """A Llama-only switch (attention_bias, mlp_bias): Mistral and Qwen2 ignore these keys."""
+    return architecture == "LlamaForCausalLM" and bool(raw.get(key, False))
 
 
 def _architecture(raw: dict) -> str:

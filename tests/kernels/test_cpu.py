@@ -384,3 +384,29 @@ def test_prefill_refuses_bad_offsets_and_lengths(cu, context_lens, message):
     with pytest.raises(ValueError, match=message):
         cpu.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables,
                                     cu_seqlens_q, lens, 0.5)  # fmt: skip
+
+
+def test_prefill_skips_sequences_without_queries_wherever_they_are():
+    """Zero-query sequences at the front and in the middle are neither read nor checked (a
+    context of 0 there is fine, as in the reference); the rest match on 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(21)
+    context_lens = [1, 9, 6, 20]
+    case = make_paged_case(gen, context_lens, 4, 2, 16)
+    case.context_lens[0] = 0  # no queries and no context
+    query_lens = [0, 9, 0, 5]
+    q = torch.randn(14, 4, 16, generator=gen)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens(query_lens))
+    expected = ref.paged_prefill_attention(*args, case.context_lens, 0.25)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.paged_prefill_attention(*args, case.context_lens, 0.25)
+        torch.set_num_threads(2)
+        two = cpu.paged_prefill_attention(*args, case.context_lens, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two), "the result depends on the thread count"
+    assert_close(one, expected, ATTENTION_ATOL, "zero-query sequences vs reference")
+    case.block_tables[3, 0] = 10_000
+    with pytest.raises(ValueError, match=r"block_tables\[3, 0\] = 10000"):
+        cpu.paged_prefill_attention(*args, case.context_lens, 0.25)

@@ -282,3 +282,28 @@ def test_unsupported_architecture_and_missing_weights_are_named(tmp_path):
         make_engine(model=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="config.json"):
         make_engine(model=str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "keys", "want"),
+    [
+        ("LlamaForCausalLM", {}, (False, False, False)),
+        ("LlamaForCausalLM", {"attention_bias": True}, (True, True, False)),
+        ("LlamaForCausalLM", {"mlp_bias": True}, (False, False, True)),
+        ("Qwen2ForCausalLM", {}, (True, False, False)),
+        ("MistralForCausalLM", {"attention_bias": True, "mlp_bias": True}, (False, False, False)),
+    ],
+)
+def test_bias_switches_follow_each_architecture(tmp_path, architecture, keys, want):
+    """(q/k/v bias, o_proj bias, MLP biases) as the Hugging Face classes build them."""
+    import json
+
+    from executor.models.config import load_model_config
+
+    raw = dict(
+        architectures=[architecture], vocab_size=32, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, **keys,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = load_model_config(tmp_path)
+    assert (config.qkv_bias, config.o_proj_bias, config.mlp_bias) == want

@@ -184,6 +184,27 @@ def test_a_request_queued_past_queue_timeout_is_deadline_exceeded(
         gateway.stop()
 
 
+def test_reusing_a_just_cancelled_request_id_is_failed_precondition(
+    redis_url: str, redis_client: redis.Redis
+):
+    """The scheduler drops queued entries whose id has a cancel marker (until it expires, as
+    a re-queued copy may follow); a new request under that id is refused at once, not
+    silently dropped and left to time out."""
+    gateway = make_gateway(redis_url, queue_timeout_s=0.3)
+    ExecutorPeer(redis_client, RedisKeys()).register()
+    try:
+        code, _ = status_of(generate(gateway, request_id="reused-1"))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: redis_client.exists("kvgate:cancel:reused-1") or None, "the marker")
+        code, details = status_of(generate(gateway, request_id="reused-1"))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, f"{code}: {details}"
+        assert "request_id 'reused-1'" in details, details
+        info = gateway.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S)
+        assert info.model_id == "stories260K", "the service must still answer"
+    finally:
+        gateway.stop()
+
+
 def test_tokens_stream_as_text_with_usage_and_timings(
     gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
 ):

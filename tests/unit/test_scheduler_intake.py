@@ -152,26 +152,4 @@ def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_url, 
         assert message.assignment.request.request_id == "r1"
         assert message.assignment.executor_id == "exec-1"
     assert client.xlen(keys.requests) == 0, "the request entry should be deleted"
-    assert not client.exists(keys.cancelled("r1")), "a used-up cancel marker should go"
     assert client.xpending(keys.requests, SCHEDULER_GROUP)["pending"] == 0, "not acknowledged"
-
-
-def test_dropping_a_cancelled_request_uses_up_its_marker(redis_url):
-    """A request swept as cancelled while it waits takes its marker along, so the client can
-    send a new request under the same id."""
-    from common.keys import PAYLOAD_FIELD, SCHEDULER_GROUP, RedisKeys
-    from protos.kvgate.v1 import internal_pb2
-    from scheduler.streams import RequestStream
-
-    client, keys = redis.Redis.from_url(redis_url), RedisKeys("kvgate-test:")
-    stream = RequestStream(client, keys, "scheduler-a")
-    stream.ensure_group()
-    queued = internal_pb2.QueuedRequest(request_id="r2", prompt_token_ids=[5])
-    client.xadd(keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
-    [(entry_id, _)] = stream.read_new(None, 10)
-    client.set(keys.cancelled("r2"), b"1")
-    assert stream.cancelled(["r2", "other"]) == {"r2"}
-    stream.drop([entry_id], ["r2"])
-    assert not client.exists(keys.cancelled("r2"))
-    assert client.xlen(keys.requests) == 0
-    assert client.xpending(keys.requests, SCHEDULER_GROUP)["pending"] == 0
