@@ -30,6 +30,18 @@ from tests.kernels.test_triton import (
 )
 
 
+def on_one_and_two_threads(run):
+    """run() with one torch thread, then with two; the thread count is restored after."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        return one, run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def decode_args(seed: int, context_lens: list[int], block_size=4, head_dim=8, ratio=2):
     gen = torch.Generator().manual_seed(seed)
     case = make_paged_case(gen, context_lens, block_size, NUM_KV_HEADS, head_dim)
@@ -52,14 +64,7 @@ def test_decode_matches_reference(head_dim, block_size, ratio):
 
 def test_decode_gives_the_same_result_on_one_and_on_two_threads():
     _, args = decode_args(5, [3, 70, 1, 33], block_size=16, head_dim=64, ratio=4)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.paged_decode_attention(*args)
-        torch.set_num_threads(2)
-        two = cpu.paged_decode_attention(*args)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(lambda: cpu.paged_decode_attention(*args))
     assert torch.equal(one, two), "the result depends on the thread count"
 
 
@@ -352,14 +357,9 @@ def test_prefill_matches_reference(head_dim, block_size, ratio):
 def test_prefill_reads_strided_queries_and_is_thread_count_independent():
     case, q, cu = strided_prefill_case()
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.paged_prefill_attention(*args, case.context_lens, 0.5)
-        torch.set_num_threads(2)
-        two = cpu.paged_prefill_attention(*args, case.context_lens, 0.5)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(
+        lambda: cpu.paged_prefill_attention(*args, case.context_lens, 0.5)
+    )
     assert torch.equal(one, two), "the result depends on the thread count"
     expected = ref.paged_prefill_attention(*args, case.context_lens, 0.5)
     assert_close(one, expected, ATTENTION_ATOL, "strided q")
@@ -397,14 +397,9 @@ def test_prefill_skips_sequences_without_queries_wherever_they_are():
     q = torch.randn(14, 4, 16, generator=gen)
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens(query_lens))
     expected = ref.paged_prefill_attention(*args, case.context_lens, 0.25)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.paged_prefill_attention(*args, case.context_lens, 0.25)
-        torch.set_num_threads(2)
-        two = cpu.paged_prefill_attention(*args, case.context_lens, 0.25)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(
+        lambda: cpu.paged_prefill_attention(*args, case.context_lens, 0.25)
+    )
     assert torch.equal(one, two), "the result depends on the thread count"
     assert_close(one, expected, ATTENTION_ATOL, "zero-query sequences vs reference")
     case.block_tables[3, 0] = 10_000
