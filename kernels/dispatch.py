@@ -143,17 +143,17 @@ def _cpu_backend() -> KernelBackend:
 
 def _triton_backend() -> KernelBackend:
     # Imported here: triton is optional, and TRITON_INTERPRET is read when kernels are defined.
-    from kernels import reference, triton_attention, triton_cache, triton_norm
+    # Argmax and linear stay the reference's (torch on the GPU).
+    from kernels import triton_attention, triton_cache, triton_norm
 
-    return KernelBackend(
+    return dataclasses.replace(
+        _reference_backend(),
         name="triton",
         store_kvcache=triton_cache.store_kvcache,
         paged_decode_attention=triton_attention.paged_decode_attention,
         paged_prefill_attention=triton_attention.paged_prefill_attention,
         rms_norm=triton_norm.rms_norm,
         rotary_embedding=triton_norm.rotary_embedding,
-        argmax=reference.argmax,
-        linear=reference.linear,
     )
 
 

@@ -316,6 +316,13 @@ def _find_sequence(cu_seqlens_ptr, q_block, num_seqs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _load_queries(q_ptr, tokens, head, dims, mask, stride_token, stride_head):
+    """One head's queries of a block of tokens: [BLOCK_M, BLOCK_D], zero where masked."""
+    offsets = tokens[:, None] * stride_token + head * stride_head + dims[None, :]
+    return tl.load(q_ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -353,9 +360,8 @@ def _prefill_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     tokens_q = (q_start + rows).to(tl.int64)
-    q_offsets = tokens_q[:, None] * q_stride_token + head * q_stride_head + dims[None, :]
     q_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
+    q = _load_queries(q_ptr, tokens_q, head, dims, q_mask, q_stride_token, q_stride_head)
     kv_head = head // GROUP
     kv_end = tl.minimum(context_len, context_len - query_len + (local_block + 1) * BLOCK_M)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -418,18 +424,8 @@ def paged_prefill_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_q_blocks = num_tokens // PREFILL_BLOCK_M + num_seqs
     _prefill_kernel[(num_q_blocks, num_heads)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        cu_seqlens_q,
-        context_lens,
-        out,
-        scale,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale, num_seqs,
+        q.stride(0), q.stride(1), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -439,5 +435,5 @@ def paged_prefill_attention(
         BLOCK_D=_block_d(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_num_warps(head_dim),
-    )
+    )  # fmt: skip
     return out
