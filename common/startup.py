@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -30,7 +32,7 @@ M = TypeVar("M", bound=ProcessMetrics)
 def start_process(
     name: str, parse_config: Callable[[], C], make_metrics: Callable[[], M]
 ) -> tuple[C, M] | None:
-    """Parse and validate the config, set up logging and serve /metrics.
+    """Parse and validate the config, set up logging and stack dumps on SIGUSR1, serve /metrics.
 
     Args:
         name: the process name, for log lines and error messages.
@@ -48,6 +50,8 @@ def start_process(
         print(f"{name}: {error}", file=sys.stderr)
         return None
     setup_logging(name, config.log_level, config.log_format)
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: what a stuck process is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     metrics = make_metrics()
     try:
         start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)

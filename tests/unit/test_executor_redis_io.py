@@ -109,6 +109,17 @@ def test_heartbeat_and_inbox_survive_redis_being_down(tmp_path: Path):
     heartbeat.stop()
 
 
+def wait_or_dump_stacks(process: subprocess.Popen, timeout_s: float, log_path: Path) -> int:
+    """The process's exit status; if it has not exited in time, fail with its threads' stacks
+    (SIGUSR1, see common/startup.py) and its log."""
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        pytest.fail(f"still running {timeout_s:g} s after SIGTERM:\n{log_path.read_text()}")
+
+
 def test_an_executor_started_before_redis_registers_once_redis_is_up(tmp_path: Path):
     socket_path = tmp_path / "redis.sock"
     argv = [
@@ -129,7 +140,7 @@ def test_an_executor_started_before_redis_registers_once_redis_is_up(tmp_path: P
             up = redis.Redis.from_url(url)
             wait_for(lambda: up.get(KEYS.executor_status(EXECUTOR)), "the executor's heartbeat")
             process.send_signal(signal.SIGTERM)
-            assert process.wait(30) == 0, log_path.read_text()
+            assert wait_or_dump_stacks(process, 30.0, log_path) == 0, log_path.read_text()
     finally:
         if process.poll() is None:
             process.kill()
