@@ -184,7 +184,7 @@ def measure(folder: Path, prompts: list[list[int]], args: argparse.Namespace) ->
         stack.start_all()
         grpc_tokens_per_s(stack.address, prompts[:4], 8)
         through_stack = grpc_tokens_per_s(stack.address, prompts, args.output_len)
-        ttft_prompts = prompts[: args.ttft_requests]
+        ttft_prompts = [prompts[i % len(prompts)] for i in range(args.ttft_requests)]
         ttft_inprocess, ttft_grpc = interleaved_ttft_ms(
             engine, stack.address, ttft_prompts, args.ttft_interval_s
         )
@@ -237,7 +237,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--batch-window-ms", type=float, default=2.0)
-    parser.add_argument("--ttft-requests", type=int, default=10)
+    parser.add_argument(
+        "--ttft-requests",
+        type=int,
+        default=60,
+        help="TTFT samples per side: one step's time moves by several ms between requests",
+    )
     parser.add_argument("--ttft-interval-s", type=float, default=1.0, help="1 request/s")
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve.json"))
     return parser.parse_args(argv)

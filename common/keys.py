@@ -1,7 +1,8 @@
 """Every Redis key, stream and group name kvgate uses, under one prefix.
 
 Who writes and reads each is in docs/serving-contract.md. Stream entries hold
-one serialized protobuf message in the field PAYLOAD_FIELD.
+one serialized protobuf message in the field PAYLOAD_FIELD; a gateway's request
+entries also hold the Redis time they were queued at in QUEUED_AT_FIELD.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "kvgate:"
 # The field of a stream entry that holds the serialized protobuf message.
 PAYLOAD_FIELD = "pb"
+# The field of a request entry that holds the Redis server's time (TIME) it was queued at, in
+# unix microseconds: the scheduler's latency window counts from then.
+QUEUED_AT_FIELD = "queued_us"
 # The consumer group of the schedulers on the requests stream.
 SCHEDULER_GROUP = "schedulers"
 # An executor refreshes its status key every HEARTBEAT_INTERVAL_S with this TTL;

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from common.keys import PAYLOAD_FIELD, RedisKeys
+from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, RedisKeys
 from gateway.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from protos.kvgate.v1 import internal_pb2
 
 # KEYS: requests stream, executors set, the request id's cancel marker.
-# ARGV: payload, max_queue_len, status key head, tail, payload field.
-# Returns -3 when the id was cancelled within the queue timeout (its marker would drop the new
-# request), -2 when no executor is alive, -1 when the queue is full, else the new length.
+# ARGV: payload, max_queue_len, status key head, tail, payload field, queued-at field.
+# The entry also holds the server's time now (unix microseconds), where the scheduler's window
+# for the request starts. Returns -3 when the id was cancelled within the queue timeout (its
+# marker would drop the new request), -2 when no executor is alive, -1 when the queue is full,
+# else the new length.
 ENQUEUE_SCRIPT = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
 local alive = 0
@@ -28,7 +30,9 @@ end
 if alive == 0 then return -2 end
 local queued = redis.call('XLEN', KEYS[1])
 if queued >= tonumber(ARGV[2]) then return -1 end
-redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[1])
+local now = redis.call('TIME')
+local queued_us = now[1] .. string.format('%06d', now[2])
+redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[1], ARGV[6], queued_us)
 return queued + 1
 """
 CANCELLED_ID = -3
@@ -72,6 +76,7 @@ class RequestQueue:
                 self._status_head,
                 self._status_tail,
                 PAYLOAD_FIELD,
+                QUEUED_AT_FIELD,
             ],
         )
         if result == CANCELLED_ID:

@@ -29,7 +29,7 @@ class SchedulerMetrics:
         )
         self.queue_wait = Histogram(
             "kvgate_scheduler_queue_wait_seconds",
-            "time from the scheduler reading a request to assigning it to an executor",
+            "time from a request being queued (its XADD, on Redis's clock) to its assignment",
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )

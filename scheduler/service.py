@@ -12,13 +12,20 @@ import redis
 from common.keys import RedisKeys
 from common.logs import request_fields
 from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
+from scheduler.clock import RedisClock
 from scheduler.config import SchedulerConfig
 from scheduler.leader import LeaderLock
 from scheduler.metrics import SchedulerMetrics
 from scheduler.placement import Placer
 from scheduler.queue import PendingRequest, WindowBatcher, WindowLimits, make_policy
 from scheduler.registry import ExecutorRegistry
-from scheduler.streams import DEFAULT_BLOCK_SIZE, ExecutorDirectory, RequestStream, to_pending
+from scheduler.streams import (
+    DEFAULT_BLOCK_SIZE,
+    ExecutorDirectory,
+    RequestStream,
+    StreamEntry,
+    to_pending,
+)
 
 log = logging.getLogger(__name__)
 # Most entries read from the request stream in one call.
@@ -28,6 +35,9 @@ READ_COUNT = 512
 # Redis ends a timed-out BLOCK on its server clock (hz 10: every 100 ms): a BLOCK of T ms
 # returns between T and T + 100 ms unless an entry arrives first, which wakes it at once.
 REDIS_TIMEOUT_RESOLUTION_MS = 100
+# The last read before a window closes starts early by the average time a wake-up and that
+# read took, so the batch leaves on time; this is the weight of the latest in that average.
+READ_LEAD_WEIGHT = 0.2
 
 
 class Scheduler:
@@ -41,6 +51,7 @@ class Scheduler:
         self._metrics = metrics or SchedulerMetrics()
         self._stream = RequestStream(client, keys, config.scheduler_id)
         self._directory = ExecutorDirectory(client, keys)
+        self._clock = RedisClock(client)
         self._lock = LeaderLock(
             client, keys.scheduler_leader, config.scheduler_id, config.lock_ttl_ms
         )
@@ -51,6 +62,7 @@ class Scheduler:
         self._next_poll_s = 0.0
         self._next_renew_s = 0.0
         self._stalled = False  # nothing could be placed: wait for the next heartbeats
+        self._read_lead_s = 0.0
 
     def _new_batcher(self) -> WindowBatcher:
         config = self._config
@@ -89,6 +101,7 @@ class Scheduler:
             self._config.policy,
         )
         self._metrics.is_leader.set(1)
+        self._clock.sync()
         self._stream.ensure_group()
         reclaimed = self._stream.reclaim()
         if reclaimed:
@@ -131,14 +144,14 @@ class Scheduler:
             self._dispatch(now, reason)
         self._metrics.queue_length.set(len(self._batcher))
 
-    def _read_new(self) -> list[tuple[str, bytes]]:
+    def _read_new(self) -> list[StreamEntry]:
         """New requests: waits for them until the next poll, or until a window closes.
 
         A wait on the stream wakes at once when a request arrives, but its timeout ends only
         on Redis's coarse clock (up to REDIS_TIMEOUT_RESOLUTION_MS late). That is harmless
         for a poll, so with nothing to release the wait is on the stream; while requests wait
         for a window, the stream is waited on only while the close is more than a resolution
-        away, and the rest is slept here, to the exact time.
+        away, and the rest is slept here, to the exact time (`_read_until`).
         """
         now = time.monotonic()
         wait_s = max(0.0, self._next_poll_s - now)
@@ -148,12 +161,26 @@ class Scheduler:
         if wait_ms > REDIS_TIMEOUT_RESOLUTION_MS + 1:
             block_ms = math.floor(wait_ms) - REDIS_TIMEOUT_RESOLUTION_MS
             return self._stream.read_new(block_ms, READ_COUNT)
-        if wait_ms > 0.0:
-            time.sleep(wait_ms / 1000.0)
-        return self._stream.read_new(None, READ_COUNT)
+        return self._read_until(now + wait_ms / 1000.0)
+
+    def _read_until(self, due_s: float) -> list[StreamEntry]:
+        """Reads without waiting, so that the read ends at `due_s` (a window's close or a poll):
+        sleeps to the read's lead before it, and what is left of the lead after it."""
+        wake_s = due_s - self._read_lead_s
+        now = time.monotonic()
+        if wake_s > now:
+            time.sleep(wake_s - now)
+        started = max(now, wake_s)
+        entries = self._stream.read_new(None, READ_COUNT)
+        done_s = time.monotonic()
+        self._read_lead_s += READ_LEAD_WEIGHT * (done_s - started - self._read_lead_s)
+        if due_s > done_s:
+            time.sleep(due_s - done_s)
+        return entries
 
     def _poll_executors(self, now: float) -> None:
         self._next_poll_s = now + self._config.registry_poll_ms / 1000.0
+        self._clock.sync()
         reports, dead = self._directory.read()
         change = self._registry.refresh(reports)
         for executor_id in change.joined:
@@ -169,13 +196,14 @@ class Scheduler:
         views = list(self._placer.executors.values())
         return views[0].block_size if views else DEFAULT_BLOCK_SIZE
 
-    def _admit(self, entries: list[tuple[str, bytes]], now: float) -> None:
+    def _admit(self, entries: list[StreamEntry], now: float) -> None:
         block_size = self._block_size()
-        for entry_id, payload in entries:
-            request = to_pending(entry_id, payload, block_size, now)
+        for entry in entries:
+            queued_s = self._clock.monotonic(entry.queued_unix_us, now)
+            request = to_pending(entry, block_size, now, queued_s)
             if request is None:
-                log.warning("dropping request stream entry %s: not a QueuedRequest", entry_id)
-                self._stream.drop([entry_id])
+                log.warning("dropping request stream entry %s: not a QueuedRequest", entry.entry_id)
+                self._stream.drop([entry.entry_id])
                 continue
             self._replace_waiting(request)
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import redis
 from google.protobuf.message import DecodeError
 
-from common.keys import PAYLOAD_FIELD, SCHEDULER_GROUP, RedisKeys
+from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, SCHEDULER_GROUP, RedisKeys
 from common.prefix import block_hashes
 from protos.kvgate.v1 import internal_pb2
 from scheduler.queue import PendingRequest
@@ -39,6 +40,17 @@ return 1
 """
 
 
+@dataclass(slots=True, frozen=True)
+class StreamEntry:
+    """One entry of the request stream."""
+
+    entry_id: str
+    payload: bytes  # a serialized QueuedRequest, unless malformed
+    # Redis time it was queued at, in unix microseconds: the gateway's QUEUED_AT_FIELD, else
+    # the end of the millisecond in the entry id (entries re-queued without the field).
+    queued_unix_us: int
+
+
 class RequestStream:
     """The requests stream, read through the schedulers' consumer group."""
 
@@ -56,31 +68,31 @@ class RequestStream:
             if "BUSYGROUP" not in str(error):
                 raise
 
-    def reclaim(self) -> list[tuple[str, bytes]]:
+    def reclaim(self) -> list[StreamEntry]:
         """Takes over every pending entry of earlier schedulers (XAUTOCLAIM).
 
-        Returns: (entry id, payload) of each reclaimed entry, this consumer's own included.
+        Returns: each reclaimed entry, this consumer's own included.
         """
-        entries: list[tuple[str, bytes]] = []
+        entries: list[StreamEntry] = []
         start = "0-0"
         while True:
             reply = self._client.xautoclaim(
                 self._keys.requests, SCHEDULER_GROUP, self._consumer, 0, start_id=start, count=500
             )
             start, claimed = reply[0], reply[1]
-            entries.extend(_payloads(claimed))
+            entries.extend(_entries(claimed))
             if start in (b"0-0", "0-0"):
                 return entries
 
-    def read_new(self, block_ms: int | None, count: int) -> list[tuple[str, bytes]]:
+    def read_new(self, block_ms: int | None, count: int) -> list[StreamEntry]:
         """Args: how long to wait for entries (None: do not wait) and how many at most.
 
-        Returns: (entry id, payload) of new entries, now pending for this consumer.
+        Returns: the new entries, now pending for this consumer.
         """
         reply = self._client.xreadgroup(
             SCHEDULER_GROUP, self._consumer, {self._keys.requests: ">"}, count=count, block=block_ms
         )
-        return [entry for _, entries in reply or [] for entry in _payloads(entries)]
+        return [entry for _, entries in reply or [] for entry in _entries(entries)]
 
     def drop(self, entry_ids: list[str]) -> None:
         """Acknowledges and deletes entries that will not be assigned."""
@@ -146,8 +158,8 @@ class ExecutorDirectory:
         inbox = self._keys.executor_inbox(executor_id)
         pipe = self._client.pipeline(transaction=True)
         count = 0
-        for _, payload in _payloads(self._client.xrange(inbox)):
-            message = _inbox_message(payload)
+        for entry in _entries(self._client.xrange(inbox)):
+            message = _inbox_message(entry.payload)
             if message is None or not message.HasField("assignment"):
                 continue
             queued = message.assignment.request
@@ -161,15 +173,16 @@ class ExecutorDirectory:
 
 
 def to_pending(
-    entry_id: str, payload: bytes, block_size: int, now_s: float
+    entry: StreamEntry, block_size: int, now_s: float, queued_s: float
 ) -> PendingRequest | None:
-    """Args: a request stream entry, the block size for hashes and the monotonic time now.
+    """Args: a request stream entry, the block size for hashes, the monotonic time now and the
+    one it was queued at.
 
     Returns: the pending request, None when the payload is not a QueuedRequest.
     """
     queued = internal_pb2.QueuedRequest()
     try:
-        queued.ParseFromString(payload)
+        queued.ParseFromString(entry.payload)
     except DecodeError:
         return None
     if not queued.request_id:
@@ -177,15 +190,15 @@ def to_pending(
     tokens = list(queued.prompt_token_ids) + list(queued.resume_token_ids)
     return PendingRequest(
         request_id=queued.request_id,
-        entry_id=entry_id,
+        entry_id=entry.entry_id,
         num_prompt_tokens=len(tokens),
         block_hashes=block_hashes(tokens, block_size, queued.tenant),
         priority=queued.priority,
         session_id=queued.session_id or None,
         session_executor_id=queued.session_executor_id or None,
-        arrival_s=now_s,
+        arrival_s=min(queued_s, now_s),
         deadline_s=_monotonic_deadline(queued.queue_deadline_unix_ms, now_s),
-        payload=payload,
+        payload=entry.payload,
     )
 
 
@@ -221,11 +234,20 @@ def _inbox_message(payload: bytes) -> internal_pb2.InboxMessage | None:
     return message
 
 
-def _payloads(entries: list) -> list[tuple[str, bytes]]:
-    """Returns: (entry id, payload) of stream entries; entries deleted meanwhile are skipped."""
+def _entries(raw_entries: list) -> list[StreamEntry]:
+    """Returns: the stream entries of a reply; entries deleted meanwhile are skipped."""
     result = []
-    for entry_id, fields in entries:
+    for raw_id, fields in raw_entries:
         if fields is not None:
-            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            result.append((eid, fields.get(PAYLOAD_FIELD.encode(), b"")))
+            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            payload = fields.get(PAYLOAD_FIELD.encode(), b"")
+            result.append(StreamEntry(entry_id, payload, _queued_unix_us(entry_id, fields)))
     return result
+
+
+def _queued_unix_us(entry_id: str, fields: dict[bytes, bytes]) -> int:
+    queued_at = fields.get(QUEUED_AT_FIELD.encode(), b"")
+    if queued_at.isdigit():
+        return int(queued_at)
+    millis, _, _ = entry_id.partition("-")
+    return (int(millis) + 1) * 1000

@@ -14,6 +14,8 @@ from scheduler.queue import PendingRequest
 from scheduler.service import Scheduler
 from tests.unit.gateway_harness import redis_server, wait_for
 
+real_sleep = time.sleep
+
 
 @pytest.fixture
 def redis_url(tmp_path):
@@ -57,13 +59,16 @@ def test_an_idle_scheduler_waits_on_the_stream_between_polls(redis_url, registry
 
 
 class RecordingStream:
-    """Stands in for the request stream: records how each read was asked to wait."""
+    """Stands in for the request stream: records how each read was asked to wait; each read
+    takes `read_s`."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_s: float = 0.0) -> None:
         self.blocks: list[int | None] = []
+        self.read_s = read_s
 
     def read_new(self, block_ms: int | None, count: int) -> list:
         self.blocks.append(block_ms)
+        real_sleep(self.read_s)
         return []
 
 
@@ -74,7 +79,12 @@ def waits_of(monkeypatch, window_ms: float, poll_in_ms: float, waiting: bool, st
     stream = RecordingStream()
     scheduler._stream = stream
     slept: list[float] = []
-    monkeypatch.setattr("scheduler.service.time.sleep", slept.append)
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr("scheduler.service.time.sleep", sleep)
     now = time.monotonic()
     scheduler._next_poll_s = now + poll_in_ms / 1000.0
     scheduler._stalled = stalled
@@ -112,7 +122,20 @@ def test_a_window_closing_within_redis_resolution_is_slept_out_exactly(monkeypat
     block_ms, slept = waits_of(monkeypatch, window_ms=30.0, poll_in_ms=poll_in_ms, waiting=True)
     assert block_ms is None, f"read with BLOCK {block_ms} while a window closes in 30 ms"
     expected_s = min(30.0, poll_in_ms) / 1000.0
-    assert len(slept) == 1 and 0.0 < slept[0] <= expected_s, slept
+    assert slept and 0.0 < slept[0] <= expected_s and sum(slept) <= expected_s, slept
+
+
+def test_the_last_read_before_a_window_closes_starts_early_by_what_reads_take():
+    """The read before a close starts early by the average of what the reads took, and the
+    batch still leaves no earlier than the close."""
+    config = SchedulerConfig(scheduler_id="lead", metrics_port=-1)
+    scheduler = Scheduler(config, redis.Redis(port=1))  # never connects: the stream is replaced
+    scheduler._stream = RecordingStream(read_s=0.005)
+    for _ in range(10):
+        due_s = time.monotonic() + 0.02
+        scheduler._read_until(due_s)
+        assert time.monotonic() >= due_s
+    assert 0.004 < scheduler._read_lead_s, scheduler._read_lead_s
 
 
 def test_a_long_window_waits_on_the_stream_only_until_a_resolution_before_its_close(monkeypatch):
@@ -140,10 +163,11 @@ def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_url, 
     stream.ensure_group()
     queued = internal_pb2.QueuedRequest(request_id="r1", prompt_token_ids=[5, 6, 7])
     client.xadd(keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
-    [(entry_id, payload)] = stream.read_new(None, 10)
+    [entry] = stream.read_new(None, 10)
     if cancelled:
         client.set(keys.cancelled("r1"), b"1")
-    request = to_pending(entry_id, payload, 16, time.monotonic())
+    now = time.monotonic()
+    request = to_pending(entry, 16, now, now)
     assert stream.assign(request, "exec-1", "scheduler-a") is (not cancelled)
     inbox = client.xrange(keys.executor_inbox("exec-1"))
     assert len(inbox) == (0 if cancelled else 1)
@@ -153,3 +177,101 @@ def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_url, 
         assert message.assignment.executor_id == "exec-1"
     assert client.xlen(keys.requests) == 0, "the request entry should be deleted"
     assert client.xpending(keys.requests, SCHEDULER_GROUP)["pending"] == 0, "not acknowledged"
+
+
+def redis_time_us(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return seconds * 1_000_000 + micros
+
+
+def test_the_gateway_queues_a_request_with_the_redis_time(redis_url):
+    """The enqueue script stores the server's TIME in the entry: where the window starts."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from common.keys import QUEUED_AT_FIELD, RedisKeys
+    from gateway.request_queue import RequestQueue
+    from protos.kvgate.v1 import internal_pb2
+
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys("kvgate-test:")
+    client.sadd(keys.executors, "exec-1")
+    client.set(keys.executor_status("exec-1"), b"")
+
+    async def enqueue() -> None:
+        async with aioredis.Redis.from_url(redis_url) as aio_client:
+            queue = RequestQueue(aio_client, keys, max_queue_len=8, cancel_ttl_s=1.0)
+            await queue.enqueue(internal_pb2.QueuedRequest(request_id="r1"))
+
+    before = redis_time_us(client)
+    asyncio.run(enqueue())
+    after = redis_time_us(client)
+    [(_, fields)] = client.xrange(keys.requests)
+    assert before <= int(fields[QUEUED_AT_FIELD.encode()]) <= after
+
+
+def test_the_redis_clock_reads_server_times_onto_the_monotonic_clock(redis_url):
+    from scheduler.clock import RedisClock
+
+    client = redis.Redis.from_url(redis_url)
+    clock = RedisClock(client)
+    now = time.monotonic()
+    assert clock.monotonic(redis_time_us(client), now) == now, "before a sync: now"
+    for _ in range(3):
+        clock.sync()
+    now = time.monotonic()
+    server_now = redis_time_us(client)
+    mapped = clock.monotonic(server_now - 250_000, now + 1.0)
+    assert abs(mapped - (now - 0.25)) < 0.02, (mapped, now)
+    assert clock.monotonic(server_now + 5_000_000, now) == now, "a future time is clamped to now"
+
+
+def queue_raw(client: redis.Redis, keys, request_id: str, queued_us: int | None) -> None:
+    from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD
+    from protos.kvgate.v1 import internal_pb2
+
+    payload = internal_pb2.QueuedRequest(request_id=request_id, prompt_token_ids=[1, 2])
+    fields = {PAYLOAD_FIELD: payload.SerializeToString()}
+    if queued_us is not None:
+        fields[QUEUED_AT_FIELD] = str(queued_us)
+    client.xadd(keys.requests, fields)
+
+
+def test_the_window_counts_from_when_the_request_was_queued(redis_url):
+    """A request that spent the window in the stream before the scheduler read it is due at
+    once; one queued just now waits the whole window."""
+    from common.keys import RedisKeys
+
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys("kvgate-test:")
+    config = SchedulerConfig(
+        redis_prefix=keys.prefix, batch_window_ms=50.0, scheduler_id="s", metrics_port=-1
+    )
+    scheduler = Scheduler(config, client)
+    scheduler._clock.sync()
+    scheduler._stream.ensure_group()
+    queue_raw(client, keys, "late", redis_time_us(client) - 80_000)
+    scheduler._admit(scheduler._stream.read_new(None, 10), time.monotonic())
+    assert scheduler._batcher.release_reason(time.monotonic()) == "window"
+    assert [r.request_id for r in scheduler._batcher.release(time.monotonic())] == ["late"]
+
+    queue_raw(client, keys, "fresh", redis_time_us(client))
+    scheduler._admit(scheduler._stream.read_new(None, 10), time.monotonic())
+    now = time.monotonic()
+    assert scheduler._batcher.release_reason(now) is None
+    assert 0.03 < scheduler._batcher.seconds_until_due(now) <= 0.05
+
+
+def test_an_entry_without_a_queued_time_counts_from_the_end_of_its_id_millisecond(redis_url):
+    """Entries re-queued by plain XADD (an executor's hand-back, a gateway's re-queue)."""
+    from common.keys import RedisKeys
+    from scheduler.streams import RequestStream
+
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys("kvgate-test:")
+    stream = RequestStream(client, keys, "s")
+    stream.ensure_group()
+    queue_raw(client, keys, "r1", None)
+    queue_raw(client, keys, "r2", 1_700_000_000_123_456)
+    first, second = stream.read_new(None, 10)
+    millis = int(first.entry_id.split("-")[0])
+    assert first.queued_unix_us == (millis + 1) * 1000
+    assert second.queued_unix_us == 1_700_000_000_123_456
