@@ -16,7 +16,9 @@ class RedisClock:
 
     Each `sync` reads TIME once. The offset in use is that of the fastest of the latest
     CLOCK_SAMPLES reads: its error is at most half that read's round trip, so one read delayed
-    by a busy machine does not move it.
+    by a busy machine does not move it. After a step of the server's clock, the old offset can
+    last up to CLOCK_SAMPLES syncs: times that then map into the future count from now (the
+    window counts from the read), times that map too far back release their request at once.
     """
 
     def __init__(self, client: redis.Redis) -> None:

@@ -19,7 +19,7 @@ class PendingRequest:
     session_id: str | None
     session_executor_id: str | None  # executor that ran the session's last turn (a hint)
     # monotonic time it was queued at (Redis's clock read onto the scheduler's), at most the time
-    # the scheduler first saw it: the latency window, FCFS order and aging count from it
+    # the scheduler admitted it: the latency window, FCFS order and aging count from it
     arrival_s: float
     deadline_s: float | None  # monotonic time after which it may no longer wait
     payload: bytes = field(repr=False)  # the serialized QueuedRequest, forwarded as is

@@ -22,6 +22,9 @@ from scheduler.registry import ExecutorReport
 log = logging.getLogger(__name__)
 # The block size assumed for cache-hit estimates before any executor reported its own.
 DEFAULT_BLOCK_SIZE = 16
+# Farthest a request entry's QUEUED_AT_FIELD may be from the time in its entry id, in us; the
+# enqueue script writes both from one clock, so a value beyond this is malformed and ignored.
+MAX_QUEUED_AT_SKEW_US = 1_000_000
 
 # KEYS: the request's cancel marker, the request stream, the executor's inbox.
 # ARGV: consumer group, entry id, payload field, inbox message.
@@ -246,8 +249,12 @@ def _entries(raw_entries: list) -> list[StreamEntry]:
 
 
 def _queued_unix_us(entry_id: str, fields: dict[bytes, bytes]) -> int:
+    """The entry's QUEUED_AT_FIELD when it agrees with its id's millisecond (the script that
+    writes it also sets the id), else the end of that millisecond."""
+    id_us = int(entry_id.partition("-")[0]) * 1000
     queued_at = fields.get(QUEUED_AT_FIELD.encode(), b"")
-    if queued_at.isdigit():
-        return int(queued_at)
-    millis, _, _ = entry_id.partition("-")
-    return (int(millis) + 1) * 1000
+    if queued_at.isdigit() and len(queued_at) <= 20:
+        queued_us = int(queued_at)
+        if abs(queued_us - id_us) <= MAX_QUEUED_AT_SKEW_US:
+            return queued_us
+    return id_us + 1000
