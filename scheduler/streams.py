@@ -179,7 +179,7 @@ def to_pending(
     entry: StreamEntry, block_size: int, now_s: float, queued_s: float
 ) -> PendingRequest | None:
     """Args: a request stream entry, the block size for hashes, the monotonic time now and the
-    one it was queued at.
+    one it was queued at (RedisClock.monotonic: never later than now).
 
     Returns: the pending request, None when the payload is not a QueuedRequest.
     """
@@ -199,7 +199,7 @@ def to_pending(
         priority=queued.priority,
         session_id=queued.session_id or None,
         session_executor_id=queued.session_executor_id or None,
-        arrival_s=min(queued_s, now_s),
+        arrival_s=queued_s,
         deadline_s=_monotonic_deadline(queued.queue_deadline_unix_ms, now_s),
         payload=entry.payload,
     )
