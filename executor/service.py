@@ -1,7 +1,8 @@
 """The executor process: the Engine wrapped for the cluster.
 
 `python -m executor.service --model DIR`: reads assignments from its Redis
-inbox on a reader thread, runs the engine's step loop on the main thread, sends
+inbox (on a reader thread while the engine has work, on the step loop while it
+is idle), runs the engine's step loop on the main thread, sends
 one TokenBatch per step to each gateway on a TokenSink stream, and publishes a
 heartbeat every 0.5 s. SIGTERM drains: running work finishes, no more is taken,
 and assignments still unread in the inbox go back to the request stream.
@@ -54,8 +55,9 @@ log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 0.1
 # Longest time a thread holding the GIL keeps it while another thread asks for it, in seconds.
 GIL_SWITCH_INTERVAL_S = 0.0002
-# How long an idle step loop waits for an event before checking for a drain, in seconds.
-IDLE_WAIT_S = 0.05
+# How long an idle step loop waits on its inbox before checking for a drain and for gateway
+# events, in ms.
+IDLE_WAIT_MS = 50
 # Most prefix-cache block hashes reported in a heartbeat.
 MAX_REPORTED_HASHES = 1024
 FINISH_REASONS = {
@@ -251,9 +253,13 @@ class ExecutorService:
         )
         while self._taking_work or self._engine.has_unfinished() or not self._events.empty():
             self._stop_taking_work_if_draining()
-            self._handle_events(wait=not self._engine.has_unfinished())
+            self._handle_events()
+            if self._taking_work and not self._engine.has_unfinished():
+                for entry in self._inbox.read_while_idle(IDLE_WAIT_MS):
+                    self._handle(entry)
             self._flush()  # "accepted" entries go out before the step: queue_ms ends here
             if self._engine.has_unfinished():
+                self._inbox.read_on_thread()
                 self._step()
             self._refresh_status()
         self._shut_down()
@@ -288,17 +294,14 @@ class ExecutorService:
 
     # ---- events: inbox entries and gateway messages -----------------------------------
 
-    def _handle_events(self, wait: bool) -> None:
-        try:
-            event = self._events.get(timeout=IDLE_WAIT_S) if wait else self._events.get_nowait()
-        except queue.Empty:
-            return
+    def _handle_events(self) -> None:
+        """Handles what the reader and gateway threads delivered, without waiting."""
         while True:
-            self._handle(event)
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
+            self._handle(event)
 
     def _handle(self, event: InboxEntry | GatewayEvent) -> None:
         if isinstance(event, GatewayAbort):

@@ -6,6 +6,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +83,53 @@ def test_a_draining_reader_hands_back_assignments_and_still_delivers_releases(cl
     assert "before-drain" not in requeued(client), "an assignment taken before the drain came back"
     assert delivered.empty(), "an assignment read during the drain was delivered to the engine"
     assert client.xlen(KEYS.executor_inbox(EXECUTOR)) == 0, "handled entries stayed in the inbox"
+
+
+def drained(delivered: queue.SimpleQueue[InboxEntry]) -> list[str]:
+    ids = []
+    while not delivered.empty():
+        ids.append(delivered.get().message.assignment.request.request_id)
+    return ids
+
+
+def later(seconds: float, action) -> threading.Timer:
+    timer = threading.Timer(seconds, action)
+    timer.start()
+    return timer
+
+
+def test_an_idle_step_loop_reads_entries_itself_while_the_thread_pauses(client):
+    delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
+    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
+    reader.start()
+    try:
+        assert reader.read_while_idle(400) == []  # the thread's own read ends meanwhile
+        later(0.1, lambda: assign(client, "idle"))
+        entries = reader.read_while_idle(5000)
+        assert [e.message.assignment.request.request_id for e in entries] == ["idle"]
+        time.sleep(0.5)
+        assert drained(delivered) == [], "the paused thread delivered an entry"
+        reader.read_on_thread()
+        assign(client, "busy")
+        assert delivered.get(timeout=5.0).message.assignment.request.request_id == "busy"
+    finally:
+        reader.stop()
+
+
+def test_an_entry_both_readers_get_is_delivered_once(client):
+    delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
+    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
+    reader.start()
+    try:
+        for index in range(10):
+            reader.read_on_thread()
+            time.sleep(0.05)  # the thread waits on the stream now
+            later(0.05, lambda i=index: assign(client, f"r{i}"))
+            taken = [e.message.assignment.request.request_id for e in reader.read_while_idle(500)]
+            time.sleep(0.3)  # the thread's read has returned
+            assert sorted(taken + drained(delivered)) == [f"r{index}"], "not delivered once"
+    finally:
+        reader.stop()
 
 
 def test_stop_hands_back_the_assignments_left_unread(client):
