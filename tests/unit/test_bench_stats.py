@@ -66,3 +66,14 @@ def test_slo_flags_parse_and_reject_unknown_names():
     for bad in ("itl=3", "ttft_ms=fast", "tpot_ms=0"):
         with pytest.raises(ValueError, match="--slo"):
             parse_slos([bad])
+
+
+def test_the_paired_overhead_is_the_median_of_the_pairs_differences():
+    from bench.bench_serve import paired_overhead_ms
+
+    inprocess = [30.0, 40.0, 35.0, 50.0]
+    grpc = [35.0, 44.0, 42.0, 51.0]  # differences 5, 4, 7, 1; minus a 2 ms window
+    assert paired_overhead_ms(inprocess, grpc, 2.0) == pytest.approx(2.5)
+    # the difference of the medians would say 3.5 here: 43.0 - 37.5 - 2.0
+    with pytest.raises(ValueError, match="pairs"):
+        paired_overhead_ms([1.0], [1.0, 2.0], 2.0)
