@@ -87,7 +87,8 @@ class InboxReader:
         """The idle step loop's read: pauses the reader thread, then waits up to `block_ms`
         for new entries. Redis down is logged once and waited out here (nothing runs).
 
-        Returns: the new entries, in order; empty once the executor drains.
+        Returns: the new entries, in order, all after those already in the `deliver` queue
+        (handle those first); empty once the executor drains.
         """
         if self._handing_back.is_set():
             return []
@@ -132,8 +133,7 @@ class InboxReader:
                 self._delete_handled()
                 self._hand_back_pending()
                 if self._thread_reads.wait(INBOX_BLOCK_MS / 1000.0):
-                    for entry in self._read(INBOX_BLOCK_MS):
-                        self._deliver.put(entry)
+                    self._read(INBOX_BLOCK_MS, to_queue=True)
                 self._hand_back_pending()
                 delays = Backoff().delays()
                 if redis_down:
@@ -145,11 +145,13 @@ class InboxReader:
                     redis_down = True
                 self._stop.wait(next(delays))
 
-    def _read(self, block_ms: int) -> list[InboxEntry]:
+    def _read(self, block_ms: int, to_queue: bool = False) -> list[InboxEntry]:
         """Waits up to `block_ms` for entries after the last one either reader took.
 
-        Returns: those entries to deliver, in order; assignments of a draining executor are
-        queued for hand-back instead, and malformed entries for deletion.
+        Returns: those entries to deliver, in order (none when `to_queue`: they went to the
+        `deliver` queue, under the lock, so that whatever the other reader takes after them
+        comes after them in the queue too); assignments of a draining executor are queued for
+        hand-back instead, and malformed entries for deletion.
         """
         reply = self._client.xread(
             {self._inbox_key: self._last_id}, count=INBOX_COUNT, block=block_ms
@@ -163,7 +165,9 @@ class InboxReader:
                         continue  # the other reader took it
                     self._last_id = entry_id
                     entry = self._parse(entry_id, fields.get(PAYLOAD_FIELD.encode(), b""))
-                    if entry is not None:
+                    if entry is not None and to_queue:
+                        self._deliver.put(entry)
+                    elif entry is not None:
                         taken.append(entry)
         return taken
 

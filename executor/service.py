@@ -255,7 +255,9 @@ class ExecutorService:
             self._stop_taking_work_if_draining()
             self._handle_events()
             if self._taking_work and not self._engine.has_unfinished():
-                for entry in self._inbox.read_while_idle(IDLE_WAIT_MS):
+                entries = self._inbox.read_while_idle(IDLE_WAIT_MS)
+                self._handle_events()  # the reader thread's last entries come first
+                for entry in entries:
                     self._handle(entry)
             self._flush()  # "accepted" entries go out before the step: queue_ms ends here
             if self._engine.has_unfinished():
