@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from common import resp
 from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, RedisKeys
 from gateway.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from protos.kvgate.v1 import internal_pb2
@@ -45,12 +44,7 @@ class RequestQueue:
     """Puts requests on the requests stream and talks to executors through Redis."""
 
     def __init__(
-        self,
-        client: aioredis.Redis,
-        keys: RedisKeys,
-        max_queue_len: int,
-        cancel_ttl_s: float,
-        enqueue_connection: resp.RespConnection | None = None,
+        self, client: aioredis.Redis, keys: RedisKeys, max_queue_len: int, cancel_ttl_s: float
     ) -> None:
         """
         Args:
@@ -58,11 +52,8 @@ class RequestQueue:
             keys: key names.
             max_queue_len: requests waiting for placement beyond which enqueue refuses.
             cancel_ttl_s: how long a cancel marker lives (the queue timeout).
-            enqueue_connection: the connection the enqueue script runs on (None: `client`),
-                to the same Redis with the same timeout.
         """
         self.client = client
-        self.enqueue_connection = enqueue_connection
         self.keys = keys
         self.max_queue_len = max_queue_len
         self.cancel_ttl_ms = max(1, int(cancel_ttl_s * 1000))
@@ -77,19 +68,17 @@ class RequestQueue:
             Unavailable: no executor is alive.
             ResourceExhausted: max_queue_len requests already wait.
         """
-        keys = [self.keys.requests, self.keys.executors, self.keys.cancelled(request.request_id)]
-        args: list[bytes | str | int] = [
-            request.SerializeToString(),
-            self.max_queue_len,
-            self._status_head,
-            self._status_tail,
-            PAYLOAD_FIELD,
-            QUEUED_AT_FIELD,
-        ]
-        if self.enqueue_connection is not None:
-            result = await self.enqueue_connection.evalsha(ENQUEUE_SCRIPT, keys, args)
-        else:
-            result = await self._enqueue(keys=keys, args=args)
+        result = await self._enqueue(
+            keys=[self.keys.requests, self.keys.executors, self.keys.cancelled(request.request_id)],
+            args=[
+                request.SerializeToString(),
+                self.max_queue_len,
+                self._status_head,
+                self._status_tail,
+                PAYLOAD_FIELD,
+                QUEUED_AT_FIELD,
+            ],
+        )
         if result == CANCELLED_ID:
             raise FailedPrecondition(
                 f"request_id {request.request_id!r} was cancelled less than queue_timeout_s "

@@ -12,7 +12,6 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import resp
 from common.keys import RedisKeys
 from common.redis_conn import REDIS_DOWN_ERRORS, connect
 from gateway.config import GatewayConfig
@@ -39,7 +38,6 @@ class RunningGateway:
     internal: aio.Server
     health: health.aio.HealthServicer
     redis: aioredis.Redis
-    enqueue_connection: resp.RespConnection | None
     address: str  # host:port of the public Inference service
     reply_to: str  # host:port of the TokenSink service
     grace_s: float
@@ -54,8 +52,6 @@ class RunningGateway:
         await self.public.stop(self.grace_s)
         await self.internal.stop(0)
         await self.redis.aclose()
-        if self.enqueue_connection is not None:
-            await self.enqueue_connection.aclose()
 
 
 # The token sink pings idle executor streams so that a vanished executor host (no TCP
@@ -105,12 +101,7 @@ async def start_gateway(
     keys = RedisKeys(config.redis_prefix)
     router = TokenRouter()
     internal, reply_to = _internal_server(config, router)
-    enqueue_connection = None
-    if resp.supports(config.redis_url):  # rediss:// stays on redis-py (its TLS options)
-        enqueue_connection = resp.RespConnection(config.redis_url, config.redis_timeout_s)
-    queue = RequestQueue(
-        client, keys, config.max_queue_len, config.queue_timeout_s, enqueue_connection
-    )
+    queue = RequestQueue(client, keys, config.max_queue_len, config.queue_timeout_s)
     metrics = metrics or GatewayMetrics()
     deps = GenerationDeps(
         router, queue, model_text, BackgroundTasks(), reply_to, config.queue_timeout_s, metrics
@@ -131,14 +122,7 @@ async def start_gateway(
         "gateway serving on %s (token sink %s, model %s)", address, reply_to, model_text.model_id
     )
     return RunningGateway(
-        public,
-        internal,
-        health_servicer,
-        client,
-        enqueue_connection,
-        address,
-        reply_to,
-        config.grace_s,
+        public, internal, health_servicer, client, address, reply_to, config.grace_s
     )
 
 

@@ -10,7 +10,7 @@ from common.redis_conn import connect_sync
 from common.startup import start_process
 from scheduler.config import SchedulerConfig
 from scheduler.metrics import SchedulerMetrics
-from scheduler.service import REDIS_TIMEOUT_S, Scheduler
+from scheduler.service import Scheduler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,9 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     config, metrics = started
-    scheduler = Scheduler(
-        config, connect_sync(config.redis_url, timeout_s=REDIS_TIMEOUT_S), metrics
-    )
+    scheduler = Scheduler(config, connect_sync(config.redis_url, timeout_s=2.0), metrics)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
     scheduler.run()

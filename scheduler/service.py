@@ -9,7 +9,6 @@ import time
 
 import redis
 
-from common import resp
 from common.keys import RedisKeys
 from common.logs import request_fields
 from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
@@ -39,8 +38,6 @@ REDIS_TIMEOUT_RESOLUTION_MS = 100
 # The last read before a window closes starts early by the average time a wake-up and that
 # read took, so the batch leaves on time; this is the weight of the latest in that average.
 READ_LEAD_WEIGHT = 0.2
-# Longest a Redis call of the scheduler may take before it counts Redis as down, in seconds.
-REDIS_TIMEOUT_S = 2.0
 
 
 class Scheduler:
@@ -52,10 +49,7 @@ class Scheduler:
         keys = RedisKeys(config.redis_prefix)
         self._config = config
         self._metrics = metrics or SchedulerMetrics()
-        self._assign_connection = None
-        if resp.supports(config.redis_url):  # rediss:// stays on redis-py (its TLS options)
-            self._assign_connection = resp.BlockingRespConnection(config.redis_url, REDIS_TIMEOUT_S)
-        self._stream = RequestStream(client, keys, config.scheduler_id, self._assign_connection)
+        self._stream = RequestStream(client, keys, config.scheduler_id)
         self._directory = ExecutorDirectory(client, keys)
         self._clock = RedisClock(client)
         self._lock = LeaderLock(
@@ -95,8 +89,6 @@ class Scheduler:
                 self._batcher = self._new_batcher()
                 self._stop.wait(delay_s)
         self._release_lock()
-        if self._assign_connection is not None:
-            self._assign_connection.close()
 
     def _serve_once(self) -> None:
         poll_s = self._config.lock_ttl_ms / 4000.0

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import redis
 from google.protobuf.message import DecodeError
 
-from common import resp
 from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, SCHEDULER_GROUP, RedisKeys
 from common.prefix import block_hashes
 from protos.kvgate.v1 import internal_pb2
@@ -58,26 +57,11 @@ class StreamEntry:
 class RequestStream:
     """The requests stream, read through the schedulers' consumer group."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        keys: RedisKeys,
-        consumer: str,
-        assign_connection: resp.BlockingRespConnection | None = None,
-    ) -> None:
-        """
-        Args:
-            client: a fail-fast client (common.redis_conn.connect_sync).
-            keys: key names.
-            consumer: this scheduler's name in the consumer group.
-            assign_connection: the connection the assignment script runs on (None: `client`),
-                to the same Redis with the same timeout.
-        """
+    def __init__(self, client: redis.Redis, keys: RedisKeys, consumer: str) -> None:
         self._client = client
         self._keys = keys
         self._consumer = consumer
         self._assign = client.register_script(ASSIGN_SCRIPT)
-        self._assign_connection = assign_connection
 
     def ensure_group(self) -> None:
         """Creates the consumer group (and the stream) unless it exists."""
@@ -140,8 +124,6 @@ class RequestStream:
             self._keys.executor_inbox(executor_id),
         ]
         args = [SCHEDULER_GROUP, request.entry_id, PAYLOAD_FIELD, message.SerializeToString()]
-        if self._assign_connection is not None:
-            return self._assign_connection.evalsha(ASSIGN_SCRIPT, keys, args) == 1
         return self._assign(keys=keys, args=args) == 1
 
     def cancelled(self, request_ids: list[str]) -> set[str]:

@@ -159,28 +159,22 @@ def test_a_stalled_batch_waits_for_the_next_poll(monkeypatch):
     assert slept == [] and block_ms is not None and 1 <= block_ms <= 80, (block_ms, slept)
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["redis-py", "lean-connection"])
 @pytest.mark.parametrize("cancelled", [False, True])
-def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_url, cancelled, lean):
+def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_url, cancelled):
     """The assignment is written unless the gateway marked the request cancelled; either way
-    the request stream entry is acknowledged and deleted. Through redis-py, and through the
-    lean connection the scheduler uses for it."""
+    the request stream entry is acknowledged and deleted."""
     from common.keys import PAYLOAD_FIELD, SCHEDULER_GROUP, RedisKeys
-    from common.resp import BlockingRespConnection
     from protos.kvgate.v1 import internal_pb2
     from scheduler.streams import RequestStream, to_pending
 
     client, keys = redis.Redis.from_url(redis_url), RedisKeys("kvgate-test:")
-    client.delete(keys.executor_inbox("exec-1"))
-    connection = BlockingRespConnection(redis_url, 2.0) if lean else None
-    stream = RequestStream(client, keys, "scheduler-a", connection)
+    stream = RequestStream(client, keys, "scheduler-a")
     stream.ensure_group()
-    request_id = f"r-{cancelled}-{lean}"
-    queued = internal_pb2.QueuedRequest(request_id=request_id, prompt_token_ids=[5, 6, 7])
+    queued = internal_pb2.QueuedRequest(request_id="r1", prompt_token_ids=[5, 6, 7])
     client.xadd(keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
     [entry] = stream.read_new(None, 10)
     if cancelled:
-        client.set(keys.cancelled(request_id), b"1")
+        client.set(keys.cancelled("r1"), b"1")
     now = time.monotonic()
     request = to_pending(entry, 16, now, now)
     assert stream.assign(request, "exec-1", "scheduler-a") is (not cancelled)
@@ -188,7 +182,7 @@ def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_url, 
     assert len(inbox) == (0 if cancelled else 1)
     if inbox:
         message = internal_pb2.InboxMessage.FromString(inbox[0][1][PAYLOAD_FIELD.encode()])
-        assert message.assignment.request.request_id == request_id
+        assert message.assignment.request.request_id == "r1"
         assert message.assignment.executor_id == "exec-1"
     assert client.xlen(keys.requests) == 0, "the request entry should be deleted"
     assert client.xpending(keys.requests, SCHEDULER_GROUP)["pending"] == 0, "not acknowledged"
@@ -199,31 +193,24 @@ def redis_time_us(client: redis.Redis) -> int:
     return seconds * 1_000_000 + micros
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["redis-py", "lean-connection"])
-def test_the_gateway_queues_a_request_with_the_redis_time(redis_url, lean):
-    """The enqueue script stores the server's TIME in the entry: where the window starts.
-    Through redis-py, and through the lean connection the gateway uses for it."""
+def test_the_gateway_queues_a_request_with_the_redis_time(redis_url):
+    """The enqueue script stores the server's TIME in the entry: where the window starts."""
     import asyncio
 
     import redis.asyncio as aioredis
 
     from common.keys import QUEUED_AT_FIELD, RedisKeys
-    from common.resp import RespConnection
     from gateway.request_queue import RequestQueue
     from protos.kvgate.v1 import internal_pb2
 
     client, keys = redis.Redis.from_url(redis_url), RedisKeys("kvgate-test:")
-    client.delete(keys.requests)
     client.sadd(keys.executors, "exec-1")
     client.set(keys.executor_status("exec-1"), b"")
 
     async def enqueue() -> None:
         async with aioredis.Redis.from_url(redis_url) as aio_client:
-            connection = RespConnection(redis_url, 1.0) if lean else None
-            queue = RequestQueue(
-                aio_client, keys, 8, cancel_ttl_s=1.0, enqueue_connection=connection
-            )
-            await queue.enqueue(internal_pb2.QueuedRequest(request_id=f"queued-{lean}"))
+            queue = RequestQueue(aio_client, keys, max_queue_len=8, cancel_ttl_s=1.0)
+            await queue.enqueue(internal_pb2.QueuedRequest(request_id="r1"))
 
     before = redis_time_us(client)
     asyncio.run(enqueue())
