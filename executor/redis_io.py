@@ -35,12 +35,12 @@ class InboxEntry:
 class InboxReader:
     """Reads the inbox stream and hands entries to the step loop.
 
-    Two readers share it. While the engine runs work, a thread of its own reads and
-    delivers entries through the `deliver` queue, so the step loop never waits on Redis.
+    Two readers share it, and both put what they read on the `deliver` queue. While the
+    engine runs work, a thread of its own reads, so the step loop never waits on Redis.
     While the engine is idle, the step loop reads itself (`read_while_idle`) and the thread
-    pauses: an entry then goes straight from the socket to admission, without a hand-off
-    between threads (0.25-0.3 ms a request on a busy 2-core machine). Around a switch both
-    may read the same entry; each is delivered once, to whichever reader got it first.
+    pauses: an entry then goes from the socket to admission on one thread, without a
+    hand-off between threads (traced: 0.25-0.3 ms a request on a busy 2-core machine).
+    Around a switch both may read the same entry; each is delivered once, in stream order.
 
     Entries stay in the stream until the step loop handled them (`handled`);
     they are XDEL'd then, so the scheduler re-queues whatever a dead executor
@@ -83,28 +83,26 @@ class InboxReader:
         """The reader thread reads from now on (the step loop has work); does no I/O."""
         self._thread_reads.set()
 
-    def read_while_idle(self, block_ms: int) -> list[InboxEntry]:
+    def read_while_idle(self, block_ms: int) -> None:
         """The idle step loop's read: pauses the reader thread, then waits up to `block_ms`
-        for new entries. Redis down is logged once and waited out here (nothing runs).
-
-        Returns: the new entries, in order, all after those already in the `deliver` queue
-        (handle those first); empty once the executor drains.
+        (Redis rounds it up to its 100 ms timer) for new entries and puts them on the
+        `deliver` queue, after any the thread put there. Redis down is logged once and
+        waited out here (nothing runs); nothing is read once the executor drains.
         """
         if self._handing_back.is_set():
-            return []
+            return
         self._thread_reads.clear()
         try:
-            entries = self._read(block_ms)
+            self._read(block_ms)
         except REDIS_DOWN_ERRORS as error:
             if not self._idle_read_failed:
                 log.warning("inbox: redis unreachable (%s); retrying", error)
                 self._idle_read_failed = True
             time.sleep(block_ms / 1000.0)
-            return []
+            return
         if self._idle_read_failed:
             log.info("inbox: redis reachable again")
             self._idle_read_failed = False
-        return entries
 
     def stop(self) -> None:
         """Stops reading (if started), then hands back the assignments left unread.
@@ -133,7 +131,7 @@ class InboxReader:
                 self._delete_handled()
                 self._hand_back_pending()
                 if self._thread_reads.wait(INBOX_BLOCK_MS / 1000.0):
-                    self._read(INBOX_BLOCK_MS, to_queue=True)
+                    self._read(INBOX_BLOCK_MS)
                 self._hand_back_pending()
                 delays = Backoff().delays()
                 if redis_down:
@@ -145,18 +143,15 @@ class InboxReader:
                     redis_down = True
                 self._stop.wait(next(delays))
 
-    def _read(self, block_ms: int, to_queue: bool = False) -> list[InboxEntry]:
-        """Waits up to `block_ms` for entries after the last one either reader took.
-
-        Returns: those entries to deliver, in order (none when `to_queue`: they went to the
-        `deliver` queue, under the lock, so that whatever the other reader takes after them
-        comes after them in the queue too); assignments of a draining executor are queued for
+    def _read(self, block_ms: int) -> None:
+        """Waits up to `block_ms` for entries after the last one either reader took, and puts
+        them on the `deliver` queue under the lock, so that the queue holds them in stream
+        order whichever reader took them. Assignments of a draining executor are queued for
         hand-back instead, and malformed entries for deletion.
         """
         reply = self._client.xread(
             {self._inbox_key: self._last_id}, count=INBOX_COUNT, block=block_ms
         )
-        taken: list[InboxEntry] = []
         with self._lock:
             for _, entries in reply or []:
                 for raw_id, fields in entries:
@@ -165,11 +160,8 @@ class InboxReader:
                         continue  # the other reader took it
                     self._last_id = entry_id
                     entry = self._parse(entry_id, fields.get(PAYLOAD_FIELD.encode(), b""))
-                    if entry is not None and to_queue:
+                    if entry is not None:
                         self._deliver.put(entry)
-                    elif entry is not None:
-                        taken.append(entry)
-        return taken
 
     def _parse(self, entry_id: str, payload: bytes) -> InboxEntry | None:
         message = internal_pb2.InboxMessage()

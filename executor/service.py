@@ -56,7 +56,7 @@ STATUS_INTERVAL_S = 0.1
 # Longest time a thread holding the GIL keeps it while another thread asks for it, in seconds.
 GIL_SWITCH_INTERVAL_S = 0.0002
 # How long an idle step loop waits on its inbox before checking for a drain and for gateway
-# events, in ms.
+# events, in ms; Redis rounds it up to its 100 ms timer (default hz 10).
 IDLE_WAIT_MS = 50
 # Most prefix-cache block hashes reported in a heartbeat.
 MAX_REPORTED_HASHES = 1024
@@ -255,10 +255,9 @@ class ExecutorService:
             self._stop_taking_work_if_draining()
             self._handle_events()
             if self._taking_work and not self._engine.has_unfinished():
-                entries = self._inbox.read_while_idle(IDLE_WAIT_MS)
-                self._handle_events()  # the reader thread's last entries come first
-                for entry in entries:
-                    self._handle(entry)
+                self._flush()  # answers due already (a request refused) do not wait for it
+                self._inbox.read_while_idle(IDLE_WAIT_MS)
+                self._handle_events()
             self._flush()  # "accepted" entries go out before the step: queue_ms ends here
             if self._engine.has_unfinished():
                 self._inbox.read_on_thread()
