@@ -87,7 +87,8 @@ class InboxReader:
         """The idle step loop's read: pauses the reader thread, then waits up to `block_ms`
         (Redis rounds it up to its 100 ms timer) for new entries and puts them on the
         `deliver` queue, after any the thread put there. Redis down is logged once and
-        waited out here (nothing runs); nothing is read once the executor drains.
+        waited out here, and a paused Redis holds the read for the client's socket timeout;
+        either way nothing runs meanwhile. Nothing is read once the executor drains.
         """
         if self._handing_back.is_set():
             return

@@ -296,7 +296,8 @@ class ExecutorService:
     # ---- events: inbox entries and gateway messages -----------------------------------
 
     def _handle_events(self) -> None:
-        """Handles what the reader and gateway threads delivered, without waiting."""
+        """Handles what is on the event queue, without waiting: inbox entries (from either
+        reader) and gateway events."""
         while True:
             try:
                 event = self._events.get_nowait()
