@@ -15,6 +15,7 @@ import redis
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from common.redis_conn import connect_sync
+from executor import redis_io
 from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
 from protos.kvgate.v1 import internal_pb2
 from tests.unit.gateway_harness import STORIES, redis_server, wait_for
@@ -117,7 +118,9 @@ def test_an_idle_step_loop_reads_entries_itself_while_the_thread_pauses(client):
         reader.stop()
 
 
-def test_an_entry_both_readers_get_is_delivered_once(client):
+def test_an_entry_both_readers_get_is_delivered_once(client, monkeypatch):
+    # The thread's read outlasts each round, so both readers surely wait when the entry comes.
+    monkeypatch.setattr(redis_io, "INBOX_BLOCK_MS", 2000)
     delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
     reader = InboxReader(client, KEYS, EXECUTOR, delivered)
     reader.start()
@@ -131,6 +134,29 @@ def test_an_entry_both_readers_get_is_delivered_once(client):
             assert drained(delivered) == [f"r{index}"], "not delivered exactly once"
     finally:
         reader.stop()
+
+
+def test_the_idle_read_does_not_wait_while_an_entry_is_queued(client):
+    """An entry the thread queued just before the idle read is not left waiting behind it."""
+    delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
+    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
+    assign(client, "queued-first")
+    reader._read(None, "0")  # the thread's last read, just before the step loop went idle
+    idle_read = threading.Thread(target=reader.read_while_idle, args=(60_000,), daemon=True)
+    idle_read.start()
+    idle_read.join(20.0)
+    assert not idle_read.is_alive(), "the idle read waited with an entry queued"
+    assert drained(delivered) == ["queued-first"]
+
+
+def test_the_idle_read_waits_out_redis_errors_and_logs_once(tmp_path: Path, caplog):
+    client = connect_sync(f"unix://{tmp_path}/no-redis.sock", timeout_s=0.5)
+    reader = InboxReader(client, KEYS, EXECUTOR, queue.SimpleQueue())
+    with caplog.at_level("WARNING", logger="executor.redis_io"):
+        for _ in range(3):
+            reader.read_while_idle(10)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "redis failed" in caplog.records[0].message
 
 
 def test_stop_hands_back_the_assignments_left_unread(client):
