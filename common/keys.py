@@ -23,6 +23,12 @@ HEARTBEAT_INTERVAL_S = 0.5
 EXECUTOR_STATUS_TTL_MS = 2000
 
 
+def stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as (unix ms, sequence): pairs sort as Redis orders ids."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 @dataclass(frozen=True, slots=True)
 class RedisKeys:
     """Key names under one prefix (default `kvgate:`)."""

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import redis
 from google.protobuf.message import DecodeError
 
-from common.keys import EXECUTOR_STATUS_TTL_MS, HEARTBEAT_INTERVAL_S, PAYLOAD_FIELD, RedisKeys
+from common.keys import (
+    EXECUTOR_STATUS_TTL_MS,
+    HEARTBEAT_INTERVAL_S,
+    PAYLOAD_FIELD,
+    RedisKeys,
+    stream_id,
+)
 from common.logs import request_fields
 from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
 from protos.kvgate.v1 import internal_pb2
@@ -167,7 +173,7 @@ class InboxReader:
             for _, entries in reply or []:
                 for raw_id, fields in entries:
                     entry_id = raw_id.decode()
-                    if _stream_id(entry_id) <= _stream_id(self._last_id):
+                    if stream_id(entry_id) <= stream_id(self._last_id):
                         continue  # the other reader took it
                     self._last_id = entry_id
                     entry = self._parse(entry_id, fields.get(PAYLOAD_FIELD.encode(), b""))
@@ -238,12 +244,6 @@ class InboxReader:
                     extra=request_fields(request.request_id, request.session_id),
                 )
         self._to_hand_back.clear()
-
-
-def _stream_id(entry_id: str) -> tuple[int, int]:
-    """A stream entry id ("ms-seq") as a pair that sorts as Redis orders ids."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 @dataclass(slots=True)

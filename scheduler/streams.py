@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 from google.protobuf.message import DecodeError
 
-from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, SCHEDULER_GROUP, RedisKeys
+from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, SCHEDULER_GROUP, RedisKeys, stream_id
 from common.prefix import block_hashes
 from protos.kvgate.v1 import internal_pb2
 from scheduler.queue import PendingRequest
@@ -251,7 +251,7 @@ def _entries(raw_entries: list) -> list[StreamEntry]:
 def _queued_unix_us(entry_id: str, fields: dict[bytes, bytes]) -> int:
     """The entry's QUEUED_AT_FIELD when it agrees with its id's millisecond (the script that
     writes it also sets the id), else the end of that millisecond."""
-    id_us = int(entry_id.partition("-")[0]) * 1000
+    id_us = stream_id(entry_id)[0] * 1000
     queued_at = fields.get(QUEUED_AT_FIELD.encode(), b"")
     if queued_at.isdigit() and len(queued_at) <= 20:
         queued_us = int(queued_at)
