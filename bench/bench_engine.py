@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from bench.scratch import scratch_folder
 from executor.config import EngineConfig
 from executor.engine import Engine
 from executor.host_memory import retain_freed_memory
@@ -195,8 +195,8 @@ def run(args: argparse.Namespace) -> dict:
     output_len = workload.output_len
     # Warm-up prompts of another seed: the measured prompts must not hit the prefix cache.
     warm_up = Workload(4, args.prompt_len, 8, seed=workload.seed + 1).prompts(vocab_size)
-    with tempfile.TemporaryDirectory() as folder:
-        save_model(model, Path(folder))
+    with scratch_folder() as folder:
+        save_model(model, folder)
 
         def fresh_engine() -> Engine:
             engine = Engine(_engine_config(folder, args))
@@ -243,9 +243,9 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _engine_config(folder: str, args: argparse.Namespace) -> EngineConfig:
+def _engine_config(folder: Path, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=folder,
+        model=str(folder),
         device=args.device,
         max_num_seqs=args.num_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -17,7 +17,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bench.bench_engine import BENCH_SHAPE, Workload, build_model
+from bench.scratch import scratch_folder
 from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
 from executor.config import EngineConfig
 from executor.engine import Engine
@@ -211,8 +211,7 @@ def paired_overhead_ms(inprocess: list[float], grpc: list[float], window_ms: flo
 def run(args: argparse.Namespace) -> dict:
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
     prompts = workload.prompts(BENCH_SHAPE["vocab_size"])
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+    with scratch_folder() as folder:
         write_model(folder)
         samples = measure(folder, prompts, args)
     ttft_inprocess = statistics.median(samples["ttft_ms_inprocess"])

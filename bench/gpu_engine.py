@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from bench.bench_engine import (
     hf_generate_batch_tokens_per_s,
     kvgate_tokens_per_s,
 )
+from bench.scratch import scratch_folder
 from executor.config import EngineConfig
 from executor.engine import Engine
 
@@ -52,8 +52,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in unique.values())
 
 
-def measure(model_dir: str, model: LlamaForCausalLM, concurrency: list[int]) -> dict:
-    engine = Engine(EngineConfig(model=model_dir, device="cuda", max_num_seqs=max(concurrency),
+def measure(model_dir: Path, model: LlamaForCausalLM, concurrency: list[int]) -> dict:
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", max_num_seqs=max(concurrency),
                                  gpu_memory_utilization=0.8))  # fmt: skip
     workload = Workload(num_requests=max(concurrency))
     prompts = workload.prompts(LLAMA_1B_SHAPE["vocab_size"])
@@ -94,7 +94,7 @@ def main() -> int:
         print("gpu_engine: no CUDA device", flush=True)
         return 2
     model = build_cuda_model()
-    with tempfile.TemporaryDirectory() as folder:
+    with scratch_folder() as folder:
         model.save_pretrained(folder)
         result = measure(folder, model, args.concurrency)
     result["device"] = torch.cuda.get_device_name()
