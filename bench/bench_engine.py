@@ -23,10 +23,10 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from bench.scratch import scratch_folder
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
 from executor.host_memory import retain_freed_memory
-from executor.sampling_params import SamplingParams
 
 BENCH_SHAPE = dict(
     hidden_size=512,

@@ -27,10 +27,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bench.bench_engine import BENCH_SHAPE, Workload, build_model
 from bench.scratch import scratch_folder
+from common.sampling_params import SamplingParams
 from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
 from executor.config import EngineConfig
 from executor.engine import Engine
-from executor.sampling_params import SamplingParams
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 

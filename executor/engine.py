@@ -12,12 +12,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.kv_cache import KVCacheManager
 from executor.model_runner import ModelRunner
 from executor.request import FinishReason, Request
 from executor.sampler import Sampler, SamplingBatch, TokenLogprobs
-from executor.sampling_params import SamplingParams
 from executor.scheduler import SchedulerOutput, StepScheduler
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-from executor.sampling_params import SamplingParams
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer:

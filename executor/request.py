@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -25,7 +25,7 @@ from itertools import chain
 
 import torch
 
-from executor.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from kernels import reference
 
 

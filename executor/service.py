@@ -40,6 +40,8 @@ from common.keys import RedisKeys
 from common.logs import request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.redis_conn import connect_sync
+from common.sampling_params import SamplingParams
+from common.sampling_pb import sampling_params_from_pb
 from common.startup import start_process
 from executor.config import EngineConfig
 from executor.engine import Engine, RequestOutput
@@ -47,7 +49,6 @@ from executor.gateway_link import GatewayAbort, GatewayEvent, GatewayGone, Gatew
 from executor.metrics import ExecutorMetrics
 from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
 from executor.sampler import TokenLogprobs
-from executor.sampling_params import SamplingParams
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 
 log = logging.getLogger(__name__)
@@ -181,22 +182,10 @@ def to_sampling_params(params: inference_pb2.SamplingParams, num_resumed: int) -
     Returns: the engine's parameters for the tokens still to generate (ValueError naming a field).
     """
     max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
-    return SamplingParams(
+    return sampling_params_from_pb(
+        params,
         max_tokens=max_tokens - num_resumed,
-        temperature=params.temperature if params.HasField("temperature") else 1.0,
-        top_k=params.top_k,
-        top_p=params.top_p if params.HasField("top_p") else 1.0,
-        min_p=params.min_p,
-        repetition_penalty=(
-            params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
-        ),
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        seed=params.seed if params.HasField("seed") else None,
         min_tokens=max(0, params.min_tokens - num_resumed),
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs if params.HasField("logprobs") else None,
     )
 
 

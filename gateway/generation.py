@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 
 from common.logs import request_fields
+from common.sampling_pb import sampling_params_to_pb
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import DeadlineExceeded
 from gateway.metrics import GatewayMetrics
@@ -30,8 +31,8 @@ from gateway.token_sink import (
     TokenRouter,
     TokenUpdate,
 )
-from gateway.validation import GenerationSpec, SamplingSpec
-from protos.kvgate.v1 import inference_pb2, internal_pb2
+from gateway.validation import GenerationSpec
+from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
 
@@ -93,28 +94,6 @@ class GenerationDeps:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
 
-def sampling_to_pb(sampling: SamplingSpec) -> inference_pb2.SamplingParams:
-    """The resolved sampling parameters as sent to executors (every default explicit)."""
-    params = inference_pb2.SamplingParams(
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        min_tokens=sampling.min_tokens,
-        ignore_eos=sampling.ignore_eos,
-        stop_token_ids=sampling.stop_token_ids,
-    )
-    if sampling.seed is not None:
-        params.seed = sampling.seed
-    if sampling.logprobs is not None:
-        params.logprobs = sampling.logprobs
-    return params
-
-
 class Generation:
     """Streams one validated request."""
 
@@ -153,7 +132,7 @@ class Generation:
             priority=self.spec.priority,
             prompt_token_ids=self.spec.prompt_token_ids,
             resume_token_ids=self.tokens,
-            params=sampling_to_pb(self.spec.sampling),
+            params=sampling_params_to_pb(self.spec.sampling),
             arrival_unix_ms=self.arrival_unix_ms,
             queue_deadline_unix_ms=deadline_unix_ms,
             attempt=self.attempt,

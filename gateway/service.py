@@ -21,8 +21,8 @@ from gateway.validation import (
     check_prompt_len,
     check_stop,
     check_token_ids,
+    checked_sampling_params,
     resolve_request_id,
-    sampling_spec,
 )
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
@@ -106,7 +106,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return GenerationSpec(
             request_id=resolve_request_id("request_id", request_id),
             prompt_token_ids=prompt_token_ids,
-            sampling=sampling_spec(params, len(prompt_token_ids), limits, self.default_max_tokens),
+            sampling=checked_sampling_params(
+                params, len(prompt_token_ids), limits, self.default_max_tokens
+            ),
             stop=check_stop(list(params.stop), self.stop_limits),
             priority=priority,
             session_id=session_id,

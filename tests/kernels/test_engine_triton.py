@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-from executor.sampling_params import SamplingParams
 from tests.helpers import STORIES_260K, hf_generate, run_to_completion
 
 

@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.prefix import block_hashes
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-from executor.sampling_params import SamplingParams
 from tests.helpers import STORIES_260K, run_to_completion
 
 

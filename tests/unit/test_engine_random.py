@@ -20,9 +20,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-from executor.sampling_params import SamplingParams
 from tests.helpers import (
     GreedyReference,
     assert_greedy_matches,

@@ -7,10 +7,10 @@ import sys
 
 from tokenizers import Tokenizer
 
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
 from executor.generate import generate
-from executor.sampling_params import SamplingParams
 from tests.helpers import REPO, STORIES_260K
 
 PROMPTS = ["Once upon a time", "The little dog"]

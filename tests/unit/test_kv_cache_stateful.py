@@ -22,9 +22,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from common.sampling_params import SamplingParams
 from executor.kv_cache import KVCacheManager, Session
 from executor.request import Request
-from executor.sampling_params import SamplingParams
 
 VOCAB = st.integers(0, 3)  # tiny, so prefixes repeat and the cache hits often
 # Prompts often start with a shared "system prompt", as in real traffic: blocks get shared.

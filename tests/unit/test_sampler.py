@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from executor.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_tokens,
     apply_penalties,
 )
-from executor.sampling_params import SamplingParams
 
 EOS = 7
 # A fixed distribution with distinct probabilities, laid out out of order in the vocab.

@@ -1,10 +1,13 @@
-"""SamplingParams: every bad value is a ValueError naming the field."""
+"""SamplingParams: every bad value is a SamplingParamError naming the field; the message
+conversions keep every field."""
 
 import math
 
 import pytest
 
-from executor.sampling_params import SamplingParams
+from common.sampling_params import SamplingParamError, SamplingParams
+from common.sampling_pb import sampling_params_from_pb, sampling_params_to_pb
+from protos.kvgate.v1 import inference_pb2 as pb
 
 BAD_VALUES = [
     ("max_tokens", 0),
@@ -53,11 +56,10 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize(("field", "value"), BAD_VALUES)
 def test_bad_value_is_rejected_naming_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(SamplingParamError) as raised:
         SamplingParams(**{field: value})
-    assert field in str(raised.value), (
-        f"expected the error for {field}={value!r} to name {field!r}, got {str(raised.value)!r}"
-    )
+    assert raised.value.field == field, f"{field}={value!r} was blamed on {raised.value.field!r}"
+    assert str(raised.value) == f"{field} {raised.value.problem}", str(raised.value)
 
 
 def test_error_message_states_allowed_range() -> None:
@@ -85,6 +87,29 @@ def test_edge_values_are_accepted() -> None:
         logprobs=20,
     )
     assert params.stop_token_ids == [0, 3], f"expected a list, got {params.stop_token_ids!r}"
+
+
+def test_the_message_carries_every_field_both_ways() -> None:
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0.0,
+        top_k=7,
+        top_p=0.5,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        presence_penalty=-0.5,
+        frequency_penalty=0.75,
+        seed=2**64 - 1,
+        min_tokens=3,
+        stop_token_ids=[5, 9],
+        ignore_eos=True,
+        logprobs=0,
+    )
+    message = sampling_params_to_pb(params)
+    back = sampling_params_from_pb(message, max_tokens=40, min_tokens=3)
+    assert back == params, f"{params} became {back} through {message}"
+    unset = sampling_params_from_pb(pb.SamplingParams(), max_tokens=16, min_tokens=0)
+    assert unset == SamplingParams(), f"an empty message must give the defaults, got {unset}"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, validated when built."""
+"""Per-request sampling parameters, validated when built: the one definition of their
+ranges, used by the engine and by the gateway (which names the field as its proto does)."""
 
 import math
 from dataclasses import dataclass, field
@@ -8,6 +9,15 @@ MAX_SEED = 2**64 - 1
 # Temperatures below this are sampled greedily: dividing logits by a smaller
 # number overflows float32 and the distribution is one-hot anyway (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingParamError(ValueError):
+    """A sampling field out of its range: `field` is its name, `problem` what is wrong."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
 
 
 @dataclass(slots=True)
@@ -44,7 +54,7 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         self.stop_token_ids = _checked_token_ids("stop_token_ids", self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise SamplingParamError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
 
@@ -70,7 +80,7 @@ def _is_int(value: object) -> bool:
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
     allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
     if not _is_int(value) or value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise SamplingParamError(name, f"must be {allowed}, got {value!r}")
 
 
 def _check_number(
@@ -78,16 +88,16 @@ def _check_number(
 ) -> None:
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
     if not is_number or math.isnan(value) or math.isinf(value):
-        raise ValueError(f"{name} must be a finite number in {allowed}, got {value!r}")
+        raise SamplingParamError(name, f"must be a finite number in {allowed}, got {value!r}")
     too_low = value <= low if low_open else value < low
     if too_low or value > high:
-        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
+        raise SamplingParamError(name, f"must be in {allowed}, got {value!r}")
 
 
 def _checked_token_ids(name: str, value: object) -> list[int]:
     if not isinstance(value, list | tuple):
-        raise ValueError(f"{name} must be a list of token ids >= 0, got {value!r}")
+        raise SamplingParamError(name, f"must be a list of token ids >= 0, got {value!r}")
     for token_id in value:
         if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"{name} must hold token ids >= 0, got {token_id!r}")
+            raise SamplingParamError(name, f"must hold token ids >= 0, got {token_id!r}")
     return list(value)

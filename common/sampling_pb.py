@@ -1,0 +1,62 @@
+"""SamplingParams to and from the `kvgate.v1.SamplingParams` message.
+
+Kept out of common/sampling_params.py so the in-process engine needs no generated code.
+"""
+
+from __future__ import annotations
+
+from common.sampling_params import SamplingParams
+from protos.kvgate.v1 import inference_pb2
+
+
+def sampling_params_from_pb(
+    params: inference_pb2.SamplingParams, *, max_tokens: int, min_tokens: int
+) -> SamplingParams:
+    """The message's fields, each unset optional one at the engine's default.
+
+    Args:
+        params: the message; its own max_tokens and min_tokens are not read.
+        max_tokens, min_tokens: the values to use for those two (the caller resolves them).
+
+    Raises:
+        SamplingParamError: naming the first field out of range.
+    """
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        top_k=params.top_k,
+        top_p=params.top_p if params.HasField("top_p") else 1.0,
+        min_p=params.min_p,
+        repetition_penalty=(
+            params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+        ),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        seed=params.seed if params.HasField("seed") else None,
+        min_tokens=min_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+    )
+
+
+def sampling_params_to_pb(sampling: SamplingParams) -> inference_pb2.SamplingParams:
+    """The message for `sampling`, with every field set explicitly."""
+    params = inference_pb2.SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        min_tokens=sampling.min_tokens,
+        ignore_eos=sampling.ignore_eos,
+        stop_token_ids=sampling.stop_token_ids,
+    )
+    if sampling.seed is not None:
+        params.seed = sampling.seed
+    if sampling.logprobs is not None:
+        params.logprobs = sampling.logprobs
+    return params
