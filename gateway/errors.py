@@ -13,6 +13,19 @@ from common.redis_conn import REDIS_DOWN_ERRORS
 
 log = logging.getLogger(__name__)
 
+# Longer status messages are cut: gRPC sends the message percent-encoded in a trailer, and a
+# client drops the whole reply (RESOURCE_EXHAUSTED) once its metadata passes 8 KiB.
+MAX_DETAILS_CHARS = 512
+SHOWN_VALUE_CHARS = 64
+
+
+def shown(value: str) -> str:
+    """`repr(value)` for an error message, cut to its first SHOWN_VALUE_CHARS characters
+    with the whole length noted when longer."""
+    if len(value) <= SHOWN_VALUE_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_VALUE_CHARS]!r}... ({len(value)} characters)"
+
 
 class ServiceError(Exception):
     """An error with the gRPC status code the client gets."""
@@ -57,10 +70,16 @@ class FailedPrecondition(ServiceError):
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
     """The status for an error the interceptor maps, or None to let it through."""
     if isinstance(error, ServiceError):
-        return error.code, str(error)
+        return error.code, _cut(str(error))
     if isinstance(error, REDIS_DOWN_ERRORS):
-        return grpc.StatusCode.UNAVAILABLE, f"redis unreachable: {error}"
+        return grpc.StatusCode.UNAVAILABLE, _cut(f"redis unreachable: {error}")
     return None
+
+
+def _cut(details: str) -> str:
+    if len(details) <= MAX_DETAILS_CHARS:
+        return details
+    return f"{details[: MAX_DETAILS_CHARS - 32]}... ({len(details)} characters)"
 
 
 async def _abort_with(context: aio.ServicerContext, error: Exception) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from common.sampling_params import SamplingParamError, SamplingParams
 from common.sampling_pb import sampling_params_from_pb
-from gateway.errors import InvalidArgument
+from gateway.errors import InvalidArgument, shown
 from gateway.model_text import ModelLimits
 from protos.kvgate.v1 import inference_pb2
 
@@ -45,7 +45,8 @@ def check_id(field_name: str, value: str) -> None:
     """An id (request or session) must be 1-128 characters of [A-Za-z0-9._:-]."""
     if len(value) > MAX_ID_LEN or not ID_PATTERN.fullmatch(value):
         raise InvalidArgument(
-            field_name, f"must be 1-{MAX_ID_LEN} characters of A-Z a-z 0-9 . _ : -, got {value!r}"
+            field_name,
+            f"must be 1-{MAX_ID_LEN} characters of A-Z a-z 0-9 . _ : -, got {shown(value)}",
         )
 
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import cli
 from common.keys import RedisKeys
+from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.model_text import ModelText
 from protos.kvgate.v1 import inference_pb2 as pb
@@ -141,6 +142,9 @@ def test_redis_down_is_unavailable_before_the_clients_deadline(tmp_path: Path):
         ({"params": pb.SamplingParams(logprobs=21)}, "params.logprobs"),
         ({"request_id": "has space"}, "request_id"),
         ({"session_id": "x" * 200}, "session_id"),
+        # echoed whole, these passed gRPC's 8 KiB trailer limit: the client got RESOURCE_EXHAUSTED
+        ({"session_id": "x" * 100_000}, "session_id"),
+        ({"request_id": "\u00e9" * 50_000}, "request_id"),
     ],
 )
 def test_each_bad_field_is_invalid_argument_naming_it(
@@ -153,6 +157,17 @@ def test_each_bad_field_is_invalid_argument_naming_it(
     assert details.startswith(f"{field}:"), f"expected the message to name {field}: {details!r}"
     info = gateway.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S)
     assert info.model_id == "stories260K", "the service must still answer after a bad request"
+
+
+def test_any_status_message_is_cut_below_the_trailer_limit():
+    error = errors.InvalidArgument("messages", "unknown role " + "\u00e9" * 100_000)
+    code, details = errors.status_of(error)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("messages: unknown role ")
+    assert len(details.encode()) * 3 < 8192, (
+        f"{len(details)} characters, percent-encoded past 8 KiB"
+    )
+    assert details.endswith("(100023 characters)"), details[-40:]
 
 
 def test_a_full_queue_is_resource_exhausted(redis_url: str, redis_client: redis.Redis):
