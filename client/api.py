@@ -18,6 +18,7 @@ import grpc
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+CLOSE_WAIT_S = 5.0  # how long ChatSession.close waits for the server to end the stream
 
 
 @dataclass(slots=True)
@@ -197,6 +198,17 @@ class ChatSession:
         return rest
 
     def close(self) -> None:
-        """Close the stream (the session stays until EndSession or its TTL)."""
+        """Close the stream (the session stays until EndSession or its TTL).
+
+        Between turns the stream is half-closed and the server ends the call with OK (it is
+        cancelled if that takes over CLOSE_WAIT_S); with a turn still running, or after the
+        call failed, it is cancelled.
+        """
         self._outgoing.put(None)
-        self._responses.cancel()
+        if self._turn_open:
+            self._responses.cancel()
+            return
+        try:
+            self._responses.exception(timeout=CLOSE_WAIT_S)
+        except grpc.FutureTimeoutError:
+            self._responses.cancel()

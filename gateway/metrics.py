@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -73,14 +74,21 @@ def _split_method(full_method: str) -> tuple[str, str]:
     return service, method
 
 
-def _code_of(context: aio.ServicerContext, completed: bool) -> str:
-    """The status code a call ended with, as a label value."""
+def _code_of(context: aio.ServicerContext, ended: str) -> str:
+    """The status code a call ended with, as a label value.
+
+    Args:
+        ended: "completed", "cancelled" (its task was cancelled: the client went away or
+            its deadline passed) or "raised".
+    """
     code = context.code()
     if code is not None:
         return code.name if isinstance(code, grpc.StatusCode) else str(code)
-    if completed:
+    if ended == "completed":
         return grpc.StatusCode.OK.name
-    return grpc.StatusCode.CANCELLED.name if context.cancelled() else grpc.StatusCode.UNKNOWN.name
+    if ended == "cancelled" or context.cancelled():
+        return grpc.StatusCode.CANCELLED.name
+    return grpc.StatusCode.UNKNOWN.name
 
 
 class MetricsInterceptor(aio.ServerInterceptor):
@@ -92,19 +100,22 @@ class MetricsInterceptor(aio.ServerInterceptor):
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
 
-    def _count(self, full_method: str, context: aio.ServicerContext, completed: bool) -> None:
+    def _count(self, full_method: str, context: aio.ServicerContext, ended: str) -> None:
         service, method = _split_method(full_method)
-        self.metrics.requests.labels(service, method, _code_of(context, completed)).inc()
+        self.metrics.requests.labels(service, method, _code_of(context, ended)).inc()
 
     def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str):
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
-            completed = False
+            ended = "raised"
             try:
                 response = await behavior(request_or_iterator, context)
-                completed = True
+                ended = "completed"
                 return response
+            except asyncio.CancelledError:
+                ended = "cancelled"
+                raise
             finally:
-                self._count(full_method, context, completed)
+                self._count(full_method, context, ended)
 
         return wrapper
 
@@ -112,15 +123,18 @@ class MetricsInterceptor(aio.ServerInterceptor):
         active = self.metrics.active_streams.labels(_split_method(full_method)[1])
 
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
-            completed = False
+            ended = "raised"
             active.inc()
             try:
                 async for response in behavior(request_or_iterator, context):
                     yield response
-                completed = True
+                ended = "completed"
+            except asyncio.CancelledError:
+                ended = "cancelled"
+                raise
             finally:
                 active.dec()
-                self._count(full_method, context, completed)
+                self._count(full_method, context, ended)
 
         return wrapper
 

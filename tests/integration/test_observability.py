@@ -143,6 +143,33 @@ def test_gateway_metrics_count_calls_tokens_and_latencies(stack: Stack) -> None:
     assert value(after, "kvgate_gateway_active_streams", method="Generate") == 0
 
 
+def test_a_closed_chat_counts_ok_and_a_cancelled_generate_counts_cancelled(stack: Stack) -> None:
+    calls = "kvgate_gateway_requests_total"
+    before = parse(scrape(stack, "gateway"))
+    with KvgateClient(stack.address, timeout_s=60.0) as client:
+        chat = client.chat()
+        assert chat.ask("Tell me a story.", max_tokens=4).token_ids, "the turn produced tokens"
+        chat.close()
+        params = sampling_params(max_tokens=400, ignore_eos=True)
+        call = client.stub.Generate(
+            inference_pb2.GenerateRequest(prompt="Once upon a time", params=params), timeout=60.0
+        )
+        next(call)  # the first chunk: the request is running
+        call.cancel()
+
+    def counted(method: str, code: str) -> bool:
+        after = parse(scrape(stack, "gateway"))
+        return increase(before, after, calls, service=INFERENCE, method=method, code=code) == 1
+
+    wait_for(lambda: counted("Chat", "OK"), 10.0, "the closed Chat counted as OK")
+    wait_for(lambda: counted("Generate", "CANCELLED"), 10.0, "the cancelled call as CANCELLED")
+    after = parse(scrape(stack, "gateway"))
+    unknown = sum(
+        v for (n, labels), v in after.items() if n == calls and ("code", "UNKNOWN") in labels
+    )
+    assert unknown == 0, f"calls counted with code UNKNOWN: {unknown}"
+
+
 def test_scheduler_metrics_count_batches_and_queue_waits(stack: Stack) -> None:
     before = parse(scrape(stack, "scheduler"))
     run_requests(stack)
