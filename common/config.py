@@ -13,6 +13,7 @@ import os
 from urllib.parse import urlparse
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_MODEL = "../shared/models/stories260K"  # --model of gateway and executor
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 TRUE_WORDS = ("1", "true", "yes", "on")

@@ -86,3 +86,17 @@ def setup_logging(process_name: str, level: str = "info", log_format: str = "jso
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.captureWarnings(True)
+
+
+def add_log_context(**fields: str) -> None:
+    """Put `fields` (CONTEXT_FIELDS) on every line the process logs from now on; a line's own
+    value of a field wins. Call after setup_logging: an executor adds its executor_id."""
+
+    def fill(record: logging.LogRecord) -> bool:
+        for name, value in fields.items():
+            if not hasattr(record, name):
+                setattr(record, name, value)
+        return True
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(fill)

@@ -196,7 +196,7 @@ class Stack:
         argv = [
             sys.executable,
             "-m",
-            "executor.service",
+            "executor",
             "--model",
             self.config.model,
             "--executor-id",

@@ -1,6 +1,6 @@
 """The executor process: the Engine wrapped for the cluster.
 
-`python -m executor.service --model DIR`: reads assignments from its Redis
+`python -m executor --model DIR`: reads assignments from its Redis
 inbox (on a reader thread while the engine has work, on the step loop while it
 is idle), runs the engine's step loop on the main thread, sends
 one TokenBatch per step to each gateway on a TokenSink stream, and publishes a
@@ -27,6 +27,7 @@ import redis
 import torch
 
 from common.config import (
+    DEFAULT_MODEL,
     DEFAULT_REDIS_URL,
     add_common_flags,
     check_common_fields,
@@ -37,7 +38,7 @@ from common.config import (
     env_str,
 )
 from common.keys import RedisKeys
-from common.logs import request_fields
+from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.redis_conn import connect_sync
 from common.sampling_params import SamplingParams
@@ -126,10 +127,10 @@ class ExecutorServiceConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorServiceConfig:
         """Args: command-line flags (None: sys.argv). Returns: the validated config."""
-        parser = argparse.ArgumentParser(prog="python -m executor.service", description=__doc__)
+        parser = argparse.ArgumentParser(prog="python -m executor", description=__doc__)
         add_common_flags(parser)
         add = parser.add_argument
-        add("--model", default=env_str("KVGATE_MODEL", ""), help="model folder (KVGATE_MODEL)")
+        add("--model", default=env_str("KVGATE_MODEL", DEFAULT_MODEL), help="model folder")
         add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
         add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
         add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))
@@ -465,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     config, metrics = started
+    add_log_context(executor_id=config.executor_id)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     # The step loop holds the GIL between torch ops; the threads that send tokens to gateways

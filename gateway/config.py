@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from common.config import (
+    DEFAULT_MODEL,
     add_common_flags,
     check_common_fields,
     check_positive,
@@ -16,8 +17,6 @@ from common.config import (
     env_str,
 )
 from common.metrics import add_metrics_flags, check_metrics_port
-
-DEFAULT_MODEL = "../shared/models/stories260K"
 
 
 @dataclass(slots=True)

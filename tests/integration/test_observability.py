@@ -250,3 +250,6 @@ def test_a_request_is_followed_through_every_log_by_its_id(stack: Stack) -> None
             assert line.get("session_id") == session_id, (
                 f"{name}: a line about {request_id} should carry session_id {session_id}: {line}"
             )
+    for line in mentions("executor-0"):
+        assert line.get("executor_id") == "executor-0", f"the executor's line lacks its id: {line}"
+        assert line["logger"].startswith("executor."), f"a module's logger name: {line}"

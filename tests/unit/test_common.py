@@ -9,7 +9,13 @@ import pytest
 
 from common.config import check_host_port, check_range, env_bool, env_int
 from common.keys import RedisKeys
-from common.logs import JsonFormatter, TextFormatter, request_fields
+from common.logs import (
+    JsonFormatter,
+    TextFormatter,
+    add_log_context,
+    request_fields,
+    setup_logging,
+)
 from common.metrics import METRICS_DISABLED, check_metrics_port
 from common.prefix import block_hashes
 
@@ -76,6 +82,24 @@ def test_log_lines_carry_the_request_ids_as_fields():
     assert text.endswith("turn 2 done request_id=r-1 session_id=s-1"), text
     assert "session_id" not in request_fields("r-2", ""), "no session: no session_id field"
     assert "request_id" not in json.loads(_formatted(JsonFormatter("scheduler")))
+
+
+def test_a_process_log_context_is_on_every_line(capsys: pytest.CaptureFixture[str]):
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging("executor", "info", "json")
+        add_log_context(executor_id="exec-7")
+        log = logging.getLogger("kvgate.test")
+        log.info("step loop started")
+        log.info("request admitted", extra=request_fields("r-1"))
+        log.info("handed over", extra={"request_id": "r-2", "executor_id": "exec-9"})
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [line.get("executor_id") for line in lines] == ["exec-7", "exec-7", "exec-9"], lines
+    assert lines[1]["request_id"] == "r-1", lines[1]
 
 
 def test_metrics_port_accepts_a_port_zero_or_disabled_and_names_the_flag():

@@ -198,7 +198,7 @@ def wait_or_dump_stacks(process: subprocess.Popen, timeout_s: float, log_path: P
 def test_an_executor_started_before_redis_registers_once_redis_is_up(tmp_path: Path):
     socket_path = tmp_path / "redis.sock"
     argv = [
-        sys.executable, "-m", "executor.service", "--model", str(STORIES),
+        sys.executable, "-m", "executor", "--model", str(STORIES),
         "--redis-url", f"unix://{socket_path}", "--executor-id", EXECUTOR,
         "--num-gpu-blocks", "64", "--metrics-port", "-1",
     ]  # fmt: skip
