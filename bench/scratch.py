@@ -3,12 +3,14 @@
 A benchmark model is hundreds of MB. `tempfile.TemporaryDirectory` removes its folder
 when the `with` block ends by return or exception, but SIGTERM (what `timeout` and a
 job runner send) ends the process without leaving the block, and the folder stays.
-`scratch_folder` turns SIGTERM into SystemExit for the length of the block, so the
+`scratch_folder` turns SIGTERM into SystemExit for the length of the block, and holds a
+SIGTERM that comes while the folder is being removed until the removal is done, so the
 folder goes in every ending but SIGKILL.
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,8 +27,15 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def scratch_folder(prefix: str = "kvgate-bench-") -> Iterator[Path]:
     """A new empty folder, removed with its contents when the block ends or on SIGTERM."""
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        with tempfile.TemporaryDirectory(prefix=prefix) as folder:
-            yield Path(folder)
+        yield folder
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        held: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if held:
+            sys.exit(128 + signal.SIGTERM)

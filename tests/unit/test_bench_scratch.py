@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,25 +18,48 @@ HOLD_FOLDER = """
 import sys, time
 from bench.scratch import scratch_folder
 with scratch_folder() as folder:
-    (folder / "model.safetensors").write_bytes(b"x" * 1024)
+    for index in range(int(sys.argv[1])):
+        (folder / f"shard-{index}.bin").write_bytes(b"x" * 64)
     print(folder, flush=True)
     time.sleep(60)
 """
 
 
+def hold_folder(num_files: int) -> tuple[subprocess.Popen, Path]:
+    """A child process holding a scratch folder of `num_files` files, and the folder."""
+    argv = [sys.executable, "-c", HOLD_FOLDER, str(num_files)]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    folder = Path(proc.stdout.readline().strip())
+    assert (folder / "shard-0.bin").is_file(), "the child wrote into its folder"
+    return proc, folder
+
+
 def test_the_folder_goes_when_the_process_gets_sigterm():
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD_FOLDER], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
+    proc, folder = hold_folder(1)
     try:
-        folder = Path(proc.stdout.readline().strip())
-        assert (folder / "model.safetensors").is_file(), "the child wrote into its folder"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     finally:
         proc.kill()
         proc.wait()
-    assert not folder.exists(), f"{folder} was left behind after SIGTERM"
+        left = folder.exists()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert not left, f"{folder} was left behind after SIGTERM"
+
+
+def test_a_second_sigterm_does_not_stop_the_removal():
+    proc, folder = hold_folder(20_000)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)  # most likely while the 20,000 files are being removed
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+        left = folder.exists()
+        shutil.rmtree(folder, ignore_errors=True)
+    assert not left, f"{folder} was left behind after two SIGTERMs"
 
 
 def test_the_folder_goes_on_an_exception_and_the_sigterm_handler_comes_back():
