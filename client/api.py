@@ -152,6 +152,7 @@ class ChatSession:
         self._responses = stub.Chat(iter(self._outgoing.get, None), timeout=timeout_s)
         self._first_turn = True
         self._turn_open = False
+        self._closed = False
         self.system_prompt = system_prompt
         self.session_id = session_id
 
@@ -202,8 +203,11 @@ class ChatSession:
 
         Between turns the stream is half-closed and the server ends the call with OK (it is
         cancelled if that takes over CLOSE_WAIT_S); with a turn still running, or after the
-        call failed, it is cancelled.
+        call failed, it is cancelled. Closing again does nothing.
         """
+        if self._closed:
+            return
+        self._closed = True
         self._outgoing.put(None)
         if self._turn_open:
             self._responses.cancel()
