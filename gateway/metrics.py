@@ -78,16 +78,22 @@ def _code_of(context: aio.ServicerContext, ended: str) -> str:
     """The status code a call ended with, as a label value.
 
     Args:
-        ended: "completed", "cancelled" (its task was cancelled: the client went away or
-            its deadline passed) or "raised".
+        ended: "completed", "cancelled" (its task was cancelled) or "raised".
     """
     code = context.code()
     if code is not None:
         return code.name if isinstance(code, grpc.StatusCode) else str(code)
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        # The client's deadline passed: it got DEADLINE_EXCEEDED, even when the handler then
+        # ended by itself (a Chat ends when its request stream breaks off).
+        return grpc.StatusCode.DEADLINE_EXCEEDED.name
+    if ended == "cancelled" or context.cancelled():
+        # The client cancelled, even when the handler then ended by itself (a Generate
+        # whose client went away ends once the executor confirms the abort).
+        return grpc.StatusCode.CANCELLED.name
     if ended == "completed":
         return grpc.StatusCode.OK.name
-    if ended == "cancelled" or context.cancelled():
-        return grpc.StatusCode.CANCELLED.name
     return grpc.StatusCode.UNKNOWN.name
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 import urllib.request
 import uuid
 
@@ -143,7 +144,7 @@ def test_gateway_metrics_count_calls_tokens_and_latencies(stack: Stack) -> None:
     assert value(after, "kvgate_gateway_active_streams", method="Generate") == 0
 
 
-def test_a_closed_chat_counts_ok_and_a_cancelled_generate_counts_cancelled(stack: Stack) -> None:
+def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack: Stack) -> None:
     calls = "kvgate_gateway_requests_total"
     before = parse(scrape(stack, "gateway"))
     with KvgateClient(stack.address, timeout_s=60.0) as client:
@@ -156,6 +157,10 @@ def test_a_closed_chat_counts_ok_and_a_cancelled_generate_counts_cancelled(stack
         )
         next(call)  # the first chunk: the request is running
         call.cancel()
+        idle_chat = client.stub.Chat(iter(threading.Event().wait, True), timeout=0.5)
+        with pytest.raises(grpc.RpcError) as raised:
+            next(idle_chat)  # no turn sent: the call waits for one until its deadline
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     def counted(method: str, code: str) -> bool:
         after = parse(scrape(stack, "gateway"))
@@ -163,6 +168,7 @@ def test_a_closed_chat_counts_ok_and_a_cancelled_generate_counts_cancelled(stack
 
     wait_for(lambda: counted("Chat", "OK"), 10.0, "the closed Chat counted as OK")
     wait_for(lambda: counted("Generate", "CANCELLED"), 10.0, "the cancelled call as CANCELLED")
+    wait_for(lambda: counted("Chat", "DEADLINE_EXCEEDED"), 10.0, "the Chat past its deadline")
     after = parse(scrape(stack, "gateway"))
     unknown = sum(
         v for (n, labels), v in after.items() if n == calls and ("code", "UNKNOWN") in labels
