@@ -51,7 +51,11 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
-        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise SamplingParamError(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
         self.stop_token_ids = _checked_token_ids("stop_token_ids", self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")

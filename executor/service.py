@@ -130,7 +130,11 @@ class ExecutorServiceConfig:
         parser = argparse.ArgumentParser(prog="python -m executor", description=__doc__)
         add_common_flags(parser)
         add = parser.add_argument
-        add("--model", default=env_str("KVGATE_MODEL", DEFAULT_MODEL), help="model folder")
+        add(
+            "--model",
+            default=env_str("KVGATE_MODEL", DEFAULT_MODEL),
+            help="model folder (KVGATE_MODEL)",
+        )
         add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
         add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
         add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))

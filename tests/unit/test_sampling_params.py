@@ -140,3 +140,22 @@ def test_is_greedy(kwargs: dict, greedy: bool) -> None:
 def test_has_penalties(kwargs: dict, penalized: bool) -> None:
     got = SamplingParams(**kwargs).has_penalties
     assert got is penalized, f"expected has_penalties={penalized} for {kwargs}, got {got}"
+
+
+@pytest.mark.parametrize(
+    ("num_resumed", "max_tokens", "min_tokens"), [(0, 10, 6), (4, 6, 2), (8, 2, 0)]
+)
+def test_a_resumed_request_asks_only_for_the_tokens_still_due(
+    num_resumed: int, max_tokens: int, min_tokens: int
+) -> None:
+    from executor.service import to_sampling_params
+
+    message = pb.SamplingParams(max_tokens=10, min_tokens=6, temperature=0.5)
+    params = to_sampling_params(message, num_resumed)
+    assert (params.max_tokens, params.min_tokens) == (max_tokens, min_tokens), params
+    assert params.temperature == 0.5 and params.top_p == 1.0, params
+
+
+def test_min_tokens_above_max_tokens_names_max_tokens() -> None:
+    with pytest.raises(SamplingParamError, match=r"must be <= max_tokens \(4\), got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
