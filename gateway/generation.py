@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from common.logs import request_fields
 from common.sampling_pb import sampling_params_to_pb
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import DeadlineExceeded
+from gateway.errors import DeadlineExceeded, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
@@ -35,6 +35,11 @@ from gateway.validation import GenerationSpec
 from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
+
+# A request no executor runs yet checks every LIVENESS_CHECK_S that one is alive, and fails
+# with UNAVAILABLE once none has been for NO_EXECUTOR_GRACE_S (a heartbeat lives 2 s).
+LIVENESS_CHECK_S = 0.5
+NO_EXECUTOR_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,7 @@ class Generation:
         self.attempt = 0
         self.executor_id = ""  # the executor that last reported this request
         self.waiting_for_executor = True
+        self.no_executor_since: float | None = None  # first seen with no executor alive
         self.finished = False
         self.log_fields = request_fields(spec.request_id, spec.session_id)
 
@@ -169,18 +175,42 @@ class Generation:
         log.info("request queued: %d prompt tokens", num_prompt_tokens, extra=self.log_fields)
 
     async def _next_event(self, inbox: asyncio.Queue[RequestEvent]) -> RequestEvent:
-        if not self.waiting_for_executor:
-            return await inbox.get()
-        try:
-            return await asyncio.wait_for(inbox.get(), self.queue_deadline - time.monotonic())
-        except TimeoutError:
-            self._cancel(internal_pb2.ABORT_REASON_DEADLINE)
-            self.finished = True
-            log.info("request expired: no executor took it in time", extra=self.log_fields)
-            raise DeadlineExceeded(
-                f"no executor took the request within queue_timeout_s "
-                f"({self.deps.queue_timeout_s:g} s)"
-            ) from None
+        """The next event; while no executor runs the request, it fails once
+        queue_timeout_s passes, or once no executor has been alive for NO_EXECUTOR_GRACE_S
+        (a re-queued request skips enqueue's check, and the last executor may leave)."""
+        while self.waiting_for_executor:
+            wait_s = min(self.queue_deadline - time.monotonic(), LIVENESS_CHECK_S)
+            try:
+                return await asyncio.wait_for(inbox.get(), max(0.0, wait_s))
+            except TimeoutError:
+                pass
+            if time.monotonic() >= self.queue_deadline:
+                self._stop_waiting(
+                    internal_pb2.ABORT_REASON_DEADLINE, "no executor took it in time"
+                )
+                raise DeadlineExceeded(
+                    f"no executor took the request within queue_timeout_s "
+                    f"({self.deps.queue_timeout_s:g} s)"
+                )
+            await self._check_an_executor_is_alive()
+        return await inbox.get()
+
+    async def _check_an_executor_is_alive(self) -> None:
+        alive = await self.deps.queue.any_executor_alive()
+        if alive is not False:  # alive, or Redis cannot tell now: keep waiting
+            self.no_executor_since = None
+            return
+        now = time.monotonic()
+        if self.no_executor_since is None:
+            self.no_executor_since = now
+        elif now - self.no_executor_since >= NO_EXECUTOR_GRACE_S:
+            self._stop_waiting(internal_pb2.ABORT_REASON_NO_EXECUTOR, "no executor is alive")
+            raise Unavailable("no executor is alive; try again later")
+
+    def _stop_waiting(self, reason: internal_pb2.AbortReason, why: str) -> None:
+        self._cancel(reason)
+        self.finished = True
+        log.info("request stopped in the queue: %s", why, extra=self.log_fields)
 
     def _cancel(self, reason: internal_pb2.AbortReason) -> None:
         """Stop the request wherever it is: on its executor, or still in the queue."""

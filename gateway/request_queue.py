@@ -6,9 +6,12 @@ so a Redis outage surfaces as a REDIS_DOWN_ERRORS error (UNAVAILABLE) quickly.
 
 from __future__ import annotations
 
+import time
+
 import redis.asyncio as aioredis
 
 from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, RedisKeys
+from common.redis_conn import REDIS_DOWN_ERRORS
 from gateway.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from protos.kvgate.v1 import internal_pb2
 
@@ -38,6 +41,7 @@ return queued + 1
 CANCELLED_ID = -3
 NO_EXECUTOR = -2
 QUEUE_FULL = -1
+LIVENESS_MAX_AGE_S = 0.25
 
 
 class RequestQueue:
@@ -59,6 +63,8 @@ class RequestQueue:
         self.cancel_ttl_ms = max(1, int(cancel_ttl_s * 1000))
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._status_head, self._status_tail = keys.executor_status("\0").split("\0")
+        self._liveness = True
+        self._liveness_read_at = -LIVENESS_MAX_AGE_S
 
     async def enqueue(self, request: internal_pb2.QueuedRequest) -> None:
         """Queue a new request.
@@ -105,6 +111,18 @@ class RequestQueue:
         await self.client.xadd(
             self.keys.executor_inbox(executor_id), {PAYLOAD_FIELD: message.SerializeToString()}
         )
+
+    async def any_executor_alive(self) -> bool | None:
+        """Whether an executor's heartbeat is live, as read at most LIVENESS_MAX_AGE_S ago
+        (one read serves every waiting request); None when Redis cannot tell now."""
+        now = time.monotonic()
+        if now - self._liveness_read_at > LIVENESS_MAX_AGE_S:
+            try:
+                self._liveness = bool(await self.live_executor_ids())
+            except REDIS_DOWN_ERRORS:
+                return None
+            self._liveness_read_at = now
+        return self._liveness
 
     async def live_executor_ids(self) -> list[str]:
         """Ids of the executors whose heartbeat has not expired."""

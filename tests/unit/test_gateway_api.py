@@ -183,6 +183,29 @@ def test_a_full_queue_is_resource_exhausted(redis_url: str, redis_client: redis.
         gateway.stop()
 
 
+def test_a_queued_request_is_unavailable_once_no_executor_is_alive(
+    redis_url: str, redis_client: redis.Redis
+):
+    """The last executor leaves after the request was queued (the enqueue check passed):
+    the request fails with UNAVAILABLE instead of waiting out queue_timeout_s."""
+    gateway = make_gateway(redis_url, queue_timeout_s=60.0)
+    peer = ExecutorPeer(redis_client, RedisKeys())
+    peer.register()
+    try:
+        call = generate(gateway, request_id="orphan-1")
+        peer.take_request()  # placed by nobody: it waits for an executor
+        redis_client.delete(RedisKeys().executor_status(peer.executor_id))  # heartbeat expired
+        code, details = status_of(call)
+        assert code == grpc.StatusCode.UNAVAILABLE, f"{code}: {details}"
+        assert "no executor is alive" in details, details
+        wait_for(
+            lambda: redis_client.exists("kvgate:cancel:orphan-1") or None,
+            "the cancel marker for the scheduler",
+        )
+    finally:
+        gateway.stop()
+
+
 def test_a_request_queued_past_queue_timeout_is_deadline_exceeded(
     redis_url: str, redis_client: redis.Redis
 ):
