@@ -9,7 +9,7 @@ import sys
 from common.startup import start_process
 from gateway.config import config_from_args
 from gateway.metrics import GatewayMetrics
-from gateway.server import serve
+from gateway.server import ListenError, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     config, metrics = started
-    asyncio.run(serve(config, metrics))
+    try:
+        asyncio.run(serve(config, metrics))
+    except ListenError as error:
+        print(f"gateway: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -61,26 +61,44 @@ SINK_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# gRPC binds with SO_REUSEPORT by default: a second gateway (or anything else that sets it)
+# on a taken port would start and silently take half of its connections.
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
+
+class ListenError(Exception):
+    """A server could not listen on its address; the message names the flags."""
+
+
+def _listen(server: aio.Server, host: str, port: int, flags: str) -> int:
+    try:
+        return server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as error:
+        raise ListenError(f"{flags}: cannot listen on {host}:{port} ({error})") from None
 
 
 def _internal_server(config: GatewayConfig, router: TokenRouter) -> tuple[aio.Server, str]:
-    server = aio.server(options=SINK_KEEPALIVE_OPTIONS)
+    server = aio.server(options=SINK_KEEPALIVE_OPTIONS + EXCLUSIVE_PORT)
     internal_pb2_grpc.add_TokenSinkServicer_to_server(TokenSinkServicer(router), server)
-    port = server.add_insecure_port(f"{config.internal_host}:{config.internal_port}")
+    port = _listen(
+        server, config.internal_host, config.internal_port, "--internal-host/--internal-port"
+    )
     return server, f"{config.reply_host}:{port}"
 
 
 def _public_server(
     config: GatewayConfig, servicer: InferenceServicer, metrics: GatewayMetrics
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
-    server = aio.server(interceptors=[MetricsInterceptor(metrics), ErrorInterceptor()])
+    server = aio.server(
+        interceptors=[MetricsInterceptor(metrics), ErrorInterceptor()], options=EXCLUSIVE_PORT
+    )
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = _listen(server, config.host, config.port, "--host/--port")
     return server, health_servicer, f"{config.host}:{port}"
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -512,3 +513,22 @@ def test_kvgate_chat_streams_replies_and_ends_its_session(
     assert exit_code == 0
     assert capsys.readouterr().out.count(STORY) == 2
     assert executor.client.keys("kvgate:session:*") == [], "the REPL must end its session"
+
+
+def test_a_gateway_on_a_taken_port_exits_naming_the_flag(redis_url: str):
+    """gRPC servers share a port by default (SO_REUSEPORT): a second gateway on a taken
+    port used to start and take half of the first one's connections."""
+    holder = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = holder.add_insecure_port("127.0.0.1:0")
+    holder.start()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "--model", str(STORIES), "--redis-url", redis_url,
+             "--port", str(port), "--metrics-port", "-1"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        holder.stop(grace=None)
+    assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
