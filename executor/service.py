@@ -37,7 +37,7 @@ from common.config import (
     env_int,
     env_str,
 )
-from common.keys import RedisKeys
+from common.keys import EXECUTOR_STATUS_TTL_MS, HEARTBEAT_INTERVAL_S, RedisKeys
 from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.redis_conn import connect_sync
@@ -463,6 +463,19 @@ class ExecutorService:
         self._board.post(status)
 
 
+def another_executor_has_the_id(client: redis.Redis, keys: RedisKeys, executor_id: str) -> bool:
+    """Whether a live executor already uses `executor_id`: its status key is still there one
+    heartbeat TTL later (a crashed one's key expires by then). False when Redis is down."""
+    key = keys.executor_status(executor_id)
+    try:
+        if not client.exists(key):
+            return False
+        time.sleep(EXECUTOR_STATUS_TTL_MS / 1000 + HEARTBEAT_INTERVAL_S)
+        return bool(client.exists(key))
+    except redis.RedisError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Args: command-line flags (None: sys.argv). Returns: the exit status."""
     parse = functools.partial(ExecutorServiceConfig.from_args, argv)
@@ -476,8 +489,15 @@ def main(argv: list[str] | None = None) -> int:
     # The step loop holds the GIL between torch ops; the threads that send tokens to gateways
     # and read the inbox would otherwise wait up to the default 5 ms for it after each step.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    engine = Engine(config.engine)
     client = connect_sync(config.redis_url, timeout_s=2.0)
+    if another_executor_has_the_id(client, RedisKeys(config.redis_prefix), config.executor_id):
+        print(
+            f"executor: --executor-id {config.executor_id}: another live executor has this id "
+            "(its heartbeat is being refreshed); give each executor its own id",
+            file=sys.stderr,
+        )
+        return 2
+    engine = Engine(config.engine)
     service = ExecutorService(config, engine, client, metrics)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: service.drain())

@@ -223,3 +223,28 @@ def test_an_executor_started_before_redis_registers_once_redis_is_up(tmp_path: P
     log_text = log_path.read_text()
     assert "Traceback" not in log_text, log_text
     assert log_text.count("heartbeat: redis unreachable") == 1, f"expected one line:\n{log_text}"
+
+
+def test_an_executor_whose_id_a_live_executor_has_exits_naming_the_flag(tmp_path: Path):
+    with redis_server(tmp_path) as url:
+        client = redis.Redis.from_url(url)
+        stop = threading.Event()
+
+        def beat() -> None:  # a live executor "dup-1": its status key refreshed every 0.3 s
+            while not stop.is_set():
+                client.set(KEYS.executor_status("dup-1"), b"", px=2000)
+                stop.wait(0.3)
+
+        beater = threading.Thread(target=beat, daemon=True)
+        beater.start()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "executor", "--model", str(STORIES), "--redis-url", url,
+                 "--executor-id", "dup-1", "--num-gpu-blocks", "64", "--metrics-port", "-1"],
+                cwd=REPO, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+        finally:
+            stop.set()
+            beater.join()
+    assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "--executor-id dup-1: another live executor has this id" in done.stderr, done.stderr
