@@ -104,6 +104,7 @@ class ExecutorServiceConfig:
             raise ValueError(f"--executor-id must hold no spaces or ':', got {self.executor_id!r}")
         self.executor_id = self.executor_id or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = self._engine_config()
+        _check_device_present(self.device)
 
     def _engine_config(self) -> EngineConfig:
         try:
@@ -461,6 +462,20 @@ class ExecutorService:
             draining=not self._taking_work,
         )
         self._board.post(status)
+
+
+def _check_device_present(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine's torch sees no CUDA device")
+    try:
+        index = torch.device(device).index
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}") from None
+    if index is not None and index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"--device {device}: there are {count} CUDA devices (0 to {count - 1})")
 
 
 def another_executor_has_the_id(client: redis.Redis, keys: RedisKeys, executor_id: str) -> bool:

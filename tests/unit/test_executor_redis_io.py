@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from common.redis_conn import connect_sync
@@ -248,3 +249,12 @@ def test_an_executor_whose_id_a_live_executor_has_exits_naming_the_flag(tmp_path
             beater.join()
     assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "--executor-id dup-1: another live executor has this id" in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_a_cuda_device_on_a_machine_without_one_is_a_flag_error():
+    from executor.service import ExecutorServiceConfig
+
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=f"--device {device}: .* no CUDA device"):
+            ExecutorServiceConfig.from_args(["--model", str(STORIES), "--device", device])
