@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                 return run_generate(client, args)
             return run_chat(client, args)
         except grpc.RpcError as error:
-            status = f"{error.code().name}: {error.details()}"
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                status = f"cannot reach --target {args.target}: {status}"
+            # UNAVAILABLE is the gateway unreachable, or its answer (no executor, Redis down):
+            # the details tell which.
+            status = f"--target {args.target}: {error.code().name}: {error.details()}"
             print(f"kvgate: {status}", file=sys.stderr)
             return 1
 
