@@ -151,10 +151,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _record_turn(
         self, session: Session, generation: Generation, new_messages: list[Message]
     ) -> None:
-        session.messages.extend(new_messages)
-        session.executor_id = generation.executor_id or session.executor_id
-        session.num_turns += 1
-        await self.sessions.save(session)
+        await self.sessions.record_turn(session, new_messages, generation.executor_id)
 
     async def Chat(  # noqa: N802 (gRPC method name)
         self,

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from common.keys import RedisKeys
 from gateway.errors import NotFound, PermissionDenied
@@ -95,13 +96,41 @@ class SessionStore:
         created = await self._create(tenant, session_id)
         return created if created is not None else await self.load(session_id, tenant)
 
-    async def save(self, session: Session) -> None:
-        """Write the session and renew its TTL."""
-        await self.client.set(
-            self.keys.session(session.session_id),
-            session.to_pb().SerializeToString(),
-            px=self.ttl_ms,
-        )
+    async def record_turn(
+        self, session: Session, new_messages: list[Message], executor_id: str
+    ) -> None:
+        """Append a finished turn to the stored session, renew its TTL, and bring `session` up
+        to date with what is stored.
+
+        The turn is appended to the messages stored now, not to those `session` was loaded
+        with: another stream on the same session may have added turns since, and they stay
+        (a check-and-set that retries when the key changes under it).
+
+        Args:
+            session: the caller's copy; updated in place.
+            new_messages: the turn's messages (none for a Generate turn).
+            executor_id: the executor that ran the turn (empty: keep the stored one).
+        """
+        key = self.keys.session(session.session_id)
+        async with self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is not None:
+                        stored = Session.from_pb(internal_pb2.SessionState.FromString(raw))
+                        session.messages = stored.messages
+                        session.num_turns = stored.num_turns
+                        session.executor_id = stored.executor_id
+                    session.messages.extend(new_messages)
+                    session.executor_id = executor_id or session.executor_id
+                    session.num_turns += 1
+                    pipe.multi()
+                    pipe.set(key, session.to_pb().SerializeToString(), px=self.ttl_ms)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
 
     async def end(self, session_id: str, tenant: str) -> Session:
         """Delete a session and return its last state.

@@ -3,6 +3,7 @@ of the wire protocol (requests stream + TokenSink stream) driven by the test."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import queue
@@ -20,9 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import cli
 from common.keys import RedisKeys
+from common.redis_conn import connect
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.model_text import ModelText
+from gateway.sessions import Session, SessionStore
+from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import internal_pb2
 from tests.unit.gateway_harness import (
@@ -532,3 +536,26 @@ def test_a_gateway_on_a_taken_port_exits_naming_the_flag(redis_url: str):
     assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_turns_recorded_by_two_streams_on_one_session_are_all_kept(redis_url: str, redis_client):
+    """Two Chat streams hold copies of one session; each records a turn. The second must not
+    overwrite the first's turn (each used to save its whole copy)."""
+    store_a = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
+    store_b = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
+
+    async def two_streams() -> tuple[Session, Session, Session]:
+        opened = await store_a.create("default")
+        copy_a = await store_a.load(opened.session_id, "default")
+        copy_b = await store_b.load(opened.session_id, "default")
+        apple = [Message("user", "apple"), Message("assistant", "red")]
+        banana = [Message("user", "banana"), Message("assistant", "yellow")]
+        await store_a.record_turn(copy_a, apple, "e1")
+        await store_b.record_turn(copy_b, banana, "")
+        return copy_a, copy_b, await store_a.load(opened.session_id, "default")
+
+    copy_a, copy_b, stored = asyncio.run(two_streams())
+    assert [m.content for m in stored.messages] == ["apple", "red", "banana", "yellow"]
+    assert (stored.num_turns, stored.executor_id) == (2, "e1"), stored
+    assert copy_b.messages == stored.messages, "the recording copy is brought up to date"
+    assert [m.content for m in copy_a.messages] == ["apple", "red"]
