@@ -117,20 +117,29 @@ class SessionStore:
                 try:
                     await pipe.watch(key)
                     raw = await pipe.get(key)
-                    if raw is not None:
-                        stored = Session.from_pb(internal_pb2.SessionState.FromString(raw))
-                        session.messages = stored.messages
-                        session.num_turns = stored.num_turns
-                        session.executor_id = stored.executor_id
-                    session.messages.extend(new_messages)
-                    session.executor_id = executor_id or session.executor_id
-                    session.num_turns += 1
+                    # Gone (expired, or ended meanwhile): written again from this copy.
+                    base = (
+                        session
+                        if raw is None
+                        else Session.from_pb(internal_pb2.SessionState.FromString(raw))
+                    )
+                    updated = Session(
+                        session.session_id,
+                        session.tenant,
+                        [*base.messages, *new_messages],
+                        executor_id or base.executor_id,
+                        base.num_turns + 1,
+                        base.created_unix_ms,
+                    )
                     pipe.multi()
-                    pipe.set(key, session.to_pb().SerializeToString(), px=self.ttl_ms)
+                    pipe.set(key, updated.to_pb().SerializeToString(), px=self.ttl_ms)
                     await pipe.execute()
-                    return
                 except WatchError:
                     continue
+                session.messages = updated.messages
+                session.executor_id = updated.executor_id
+                session.num_turns = updated.num_turns
+                return
 
     async def end(self, session_id: str, tenant: str) -> Session:
         """Delete a session and return its last state.

@@ -559,3 +559,53 @@ def test_turns_recorded_by_two_streams_on_one_session_are_all_kept(redis_url: st
     assert (stored.num_turns, stored.executor_id) == (2, "e1"), stored
     assert copy_b.messages == stored.messages, "the recording copy is brought up to date"
     assert [m.content for m in copy_a.messages] == ["apple", "red"]
+
+
+def test_a_turn_whose_write_races_another_is_retried_on_the_new_state(
+    redis_url: str, redis_client, monkeypatch
+):
+    """Another stream writes the session between this turn's read and its write (the session
+    had expired): the write is retried on top of the other one's, and nothing is doubled."""
+    store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
+    session = Session("s-race", "default", [Message("user", "hi"), Message("assistant", "yo")])
+    key = RedisKeys().session("s-race")
+    other = Session("s-race", "default", [Message("user", "other")], "e9", num_turns=4)
+    original_to_pb = Session.to_pb
+    writes = []
+
+    def to_pb_racing(self):
+        if not writes:  # the first attempt: the other stream writes just before our EXEC
+            writes.append(other)
+            redis_client.set(key, original_to_pb(other).SerializeToString())
+        return original_to_pb(self)
+
+    monkeypatch.setattr(Session, "to_pb", to_pb_racing)
+    turn = [Message("user", "again"), Message("assistant", "sure")]
+    asyncio.run(store.record_turn(session, turn, ""))
+    stored = Session.from_pb(internal_pb2.SessionState.FromString(redis_client.get(key)))
+    assert [m.content for m in stored.messages] == ["other", "again", "sure"], stored
+    assert (stored.num_turns, stored.executor_id) == (5, "e9"), stored
+    assert session.messages == stored.messages and session.num_turns == 5
+
+
+def test_a_turn_whose_session_is_deleted_under_it_is_written_once(
+    redis_url: str, redis_client, monkeypatch
+):
+    store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
+    key = RedisKeys().session("s-gone")
+    stored_before = Session("s-gone", "default", [Message("user", "hi")], "e1", num_turns=1)
+    redis_client.set(key, stored_before.to_pb().SerializeToString())
+    session = Session("s-gone", "default", [Message("user", "hi")], "e1", num_turns=1)
+    original_to_pb = Session.to_pb
+    deleted = []
+
+    def to_pb_racing(self):
+        if not deleted:  # EndSession on another stream, just before our EXEC
+            deleted.append(redis_client.delete(key))
+        return original_to_pb(self)
+
+    monkeypatch.setattr(Session, "to_pb", to_pb_racing)
+    asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
+    stored = Session.from_pb(internal_pb2.SessionState.FromString(redis_client.get(key)))
+    assert [m.content for m in stored.messages] == ["hi", "yo"], stored
+    assert stored.num_turns == 2 and session.messages == stored.messages, stored
