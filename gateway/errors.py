@@ -67,6 +67,12 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Aborted(ServiceError):
+    """A concurrent change won; the client may retry."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
     """The status for an error the interceptor maps, or None to let it through."""
     if isinstance(error, ServiceError):

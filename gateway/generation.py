@@ -232,6 +232,7 @@ class Generation:
     async def _requeue(self, executor_id: str) -> None:
         self.attempt += 1
         self.waiting_for_executor = True
+        self.no_executor_since = None  # the grace starts anew for this attempt
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
         self.session_executor_id = ""
         self.deps.metrics.requeues.inc()

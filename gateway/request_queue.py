@@ -6,6 +6,7 @@ so a Redis outage surfaces as a REDIS_DOWN_ERRORS error (UNAVAILABLE) quickly.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import redis.asyncio as aioredis
@@ -63,8 +64,9 @@ class RequestQueue:
         self.cancel_ttl_ms = max(1, int(cancel_ttl_s * 1000))
         self._enqueue = client.register_script(ENQUEUE_SCRIPT)
         self._status_head, self._status_tail = keys.executor_status("\0").split("\0")
-        self._liveness = True
+        self._liveness: bool | None = True
         self._liveness_read_at = -LIVENESS_MAX_AGE_S
+        self._liveness_read: asyncio.Future[None] | None = None
 
     async def enqueue(self, request: internal_pb2.QueuedRequest) -> None:
         """Queue a new request.
@@ -113,16 +115,21 @@ class RequestQueue:
         )
 
     async def any_executor_alive(self) -> bool | None:
-        """Whether an executor's heartbeat is live, as read at most LIVENESS_MAX_AGE_S ago
-        (one read serves every waiting request); None when Redis cannot tell now."""
-        now = time.monotonic()
-        if now - self._liveness_read_at > LIVENESS_MAX_AGE_S:
-            try:
-                self._liveness = bool(await self.live_executor_ids())
-            except REDIS_DOWN_ERRORS:
-                return None
-            self._liveness_read_at = now
+        """Whether an executor's heartbeat is live, as read at most LIVENESS_MAX_AGE_S ago;
+        None when Redis could not tell. Every waiting request shares one read: callers that
+        come while it runs await it, and its answer (None too) serves until it is stale."""
+        if time.monotonic() - self._liveness_read_at > LIVENESS_MAX_AGE_S:
+            if self._liveness_read is None or self._liveness_read.done():
+                self._liveness_read = asyncio.ensure_future(self._read_liveness())
+            await asyncio.shield(self._liveness_read)
         return self._liveness
+
+    async def _read_liveness(self) -> None:
+        try:
+            self._liveness = bool(await self.live_executor_ids())
+        except REDIS_DOWN_ERRORS:
+            self._liveness = None
+        self._liveness_read_at = time.monotonic()
 
     async def live_executor_ids(self) -> list[str]:
         """Ids of the executors whose heartbeat has not expired."""

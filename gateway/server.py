@@ -130,7 +130,12 @@ async def start_gateway(
         config.default_max_tokens,
         StopLimits(config.max_stop_strings, config.max_stop_len),
     )
-    public, health_servicer, address = _public_server(config, servicer, metrics)
+    try:
+        public, health_servicer, address = _public_server(config, servicer, metrics)
+    except ListenError:
+        await internal.stop(None)  # frees the token sink's port (bound, not started)
+        await client.aclose()
+        raise
     await internal.start()
     await public.start()
     for service in ("", INFERENCE_SERVICE):

@@ -10,9 +10,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from common.keys import RedisKeys
-from gateway.errors import NotFound, PermissionDenied
+from gateway.errors import Aborted, NotFound, PermissionDenied
 from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2, internal_pb2
+
+MAX_TURN_WRITES = 16  # check-and-set attempts of record_turn
 
 
 @dataclass(slots=True)
@@ -104,42 +106,40 @@ class SessionStore:
 
         The turn is appended to the messages stored now, not to those `session` was loaded
         with: another stream on the same session may have added turns since, and they stay
-        (a check-and-set that retries when the key changes under it).
+        (a check-and-set, tried again when the key changes under it). A session ended
+        (EndSession) or expired meanwhile is not brought back: the turn is not recorded.
 
         Args:
             session: the caller's copy; updated in place.
             new_messages: the turn's messages (none for a Generate turn).
             executor_id: the executor that ran the turn (empty: keep the stored one).
+
+        Raises:
+            Aborted: the session changed under every one of MAX_TURN_WRITES attempts.
         """
         key = self.keys.session(session.session_id)
         async with self.client.pipeline(transaction=True) as pipe:
-            while True:
+            for _ in range(MAX_TURN_WRITES):
                 try:
                     await pipe.watch(key)
                     raw = await pipe.get(key)
-                    # Gone (expired, or ended meanwhile): written again from this copy.
-                    base = (
-                        session
-                        if raw is None
-                        else Session.from_pb(internal_pb2.SessionState.FromString(raw))
-                    )
-                    updated = Session(
-                        session.session_id,
-                        session.tenant,
-                        [*base.messages, *new_messages],
-                        executor_id or base.executor_id,
-                        base.num_turns + 1,
-                        base.created_unix_ms,
-                    )
+                    if raw is None:
+                        await pipe.unwatch()
+                        return
+                    stored = Session.from_pb(internal_pb2.SessionState.FromString(raw))
+                    stored.messages.extend(new_messages)
+                    stored.executor_id = executor_id or stored.executor_id
+                    stored.num_turns += 1
                     pipe.multi()
-                    pipe.set(key, updated.to_pb().SerializeToString(), px=self.ttl_ms)
+                    pipe.set(key, stored.to_pb().SerializeToString(), px=self.ttl_ms)
                     await pipe.execute()
                 except WatchError:
                     continue
-                session.messages = updated.messages
-                session.executor_id = updated.executor_id
-                session.num_turns = updated.num_turns
+                session.messages = stored.messages
+                session.executor_id = stored.executor_id
+                session.num_turns = stored.num_turns
                 return
+        raise Aborted(f"session_id: {session.session_id!r} kept changing; send the turn again")
 
     async def end(self, session_id: str, tenant: str) -> Session:
         """Delete a session and return its last state.

@@ -25,6 +25,7 @@ from common.redis_conn import connect
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.model_text import ModelText
+from gateway.request_queue import RequestQueue
 from gateway.sessions import Session, SessionStore
 from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2 as pb
@@ -564,12 +565,13 @@ def test_turns_recorded_by_two_streams_on_one_session_are_all_kept(redis_url: st
 def test_a_turn_whose_write_races_another_is_retried_on_the_new_state(
     redis_url: str, redis_client, monkeypatch
 ):
-    """Another stream writes the session between this turn's read and its write (the session
-    had expired): the write is retried on top of the other one's, and nothing is doubled."""
+    """Another stream writes the session between this turn's read and its write: the write
+    is tried again on top of the other one's, and nothing is doubled."""
     store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
     session = Session("s-race", "default", [Message("user", "hi"), Message("assistant", "yo")])
     key = RedisKeys().session("s-race")
     other = Session("s-race", "default", [Message("user", "other")], "e9", num_turns=4)
+    redis_client.set(key, session.to_pb().SerializeToString())
     original_to_pb = Session.to_pb
     writes = []
 
@@ -588,7 +590,7 @@ def test_a_turn_whose_write_races_another_is_retried_on_the_new_state(
     assert session.messages == stored.messages and session.num_turns == 5
 
 
-def test_a_turn_whose_session_is_deleted_under_it_is_written_once(
+def test_a_turn_whose_session_is_ended_under_it_does_not_bring_it_back(
     redis_url: str, redis_client, monkeypatch
 ):
     store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
@@ -606,6 +608,24 @@ def test_a_turn_whose_session_is_deleted_under_it_is_written_once(
 
     monkeypatch.setattr(Session, "to_pb", to_pb_racing)
     asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
-    stored = Session.from_pb(internal_pb2.SessionState.FromString(redis_client.get(key)))
-    assert [m.content for m in stored.messages] == ["hi", "yo"], stored
-    assert stored.num_turns == 2 and session.messages == stored.messages, stored
+    assert deleted == [1], "the session was deleted between the read and the write"
+    assert redis_client.get(key) is None, "an ended session must stay ended"
+    assert [m.content for m in session.messages] == ["hi"], session
+
+
+def test_waiting_requests_share_one_liveness_read(redis_url: str, monkeypatch):
+    queue = RequestQueue(connect(redis_url, timeout_s=2.0), RedisKeys(), 8, cancel_ttl_s=1.0)
+    reads = []
+
+    async def slow_read() -> list[str]:
+        reads.append(1)
+        await asyncio.sleep(0.05)
+        return ["e1"]
+
+    monkeypatch.setattr(queue, "live_executor_ids", slow_read)
+
+    async def many_waiting() -> list[bool | None]:
+        return await asyncio.gather(*(queue.any_executor_alive() for _ in range(50)))
+
+    assert asyncio.run(many_waiting()) == [True] * 50
+    assert len(reads) == 1, f"{len(reads)} reads for 50 waiting requests at once"
