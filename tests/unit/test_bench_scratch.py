@@ -34,32 +34,33 @@ def hold_folder(num_files: int) -> tuple[subprocess.Popen, Path]:
     return proc, folder
 
 
-def test_the_folder_goes_when_the_process_gets_sigterm():
-    proc, folder = hold_folder(1)
+def terminate(num_files: int, gaps_s: list[float]) -> bool:
+    """SIGTERM a child holding a folder of `num_files` files, then once more after each gap.
+
+    Returns: whether the folder was left behind (it is removed either way).
+    """
+    proc, folder = hold_folder(num_files)
     try:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-    finally:
-        proc.kill()
-        proc.wait()
-        left = folder.exists()
-        shutil.rmtree(folder, ignore_errors=True)
-    assert not left, f"{folder} was left behind after SIGTERM"
-
-
-def test_a_second_sigterm_does_not_stop_the_removal():
-    proc, folder = hold_folder(20_000)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)  # most likely while the 20,000 files are being removed
-        proc.send_signal(signal.SIGTERM)
+        for gap_s in gaps_s:
+            time.sleep(gap_s)
+            proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         proc.kill()
         proc.wait()
         left = folder.exists()
         shutil.rmtree(folder, ignore_errors=True)
-    assert not left, f"{folder} was left behind after two SIGTERMs"
+    return left
+
+
+def test_the_folder_goes_when_the_process_gets_sigterm():
+    assert not terminate(1, []), "the folder was left behind after SIGTERM"
+
+
+def test_a_second_sigterm_does_not_stop_the_removal():
+    # 50 ms: most likely while the 20,000 files are being removed
+    assert not terminate(20_000, [0.05]), "the folder was left behind after two SIGTERMs"
 
 
 def test_the_folder_goes_on_an_exception_and_the_sigterm_handler_comes_back():
