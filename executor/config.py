@@ -76,3 +76,20 @@ class EngineConfig:
 def _require(ok: bool, field: str, allowed: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+def check_device_present(device: str) -> None:
+    """Raise ValueError naming --device when it is a CUDA device this machine lacks."""
+    import torch  # here: the config itself is read without torch
+
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine's torch sees no CUDA device")
+    try:
+        index = torch.device(device).index
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}") from None
+    if index is not None and index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(f"--device {device}: there are {count} CUDA devices (0 to {count - 1})")

@@ -331,3 +331,16 @@ class Heartbeat:
                 wait_s = HEARTBEAT_INTERVAL_S
             else:
                 wait_s = next(delays)
+
+
+def another_executor_has_the_id(client: redis.Redis, keys: RedisKeys, executor_id: str) -> bool:
+    """Whether a live executor already uses `executor_id`: its status key is still there one
+    heartbeat TTL later (a crashed one's key expires by then). False when Redis is down."""
+    key = keys.executor_status(executor_id)
+    try:
+        if not client.exists(key):
+            return False
+        time.sleep(EXECUTOR_STATUS_TTL_MS / 1000 + HEARTBEAT_INTERVAL_S)
+        return bool(client.exists(key))
+    except redis.RedisError:
+        return False

@@ -37,18 +37,24 @@ from common.config import (
     env_int,
     env_str,
 )
-from common.keys import EXECUTOR_STATUS_TTL_MS, HEARTBEAT_INTERVAL_S, RedisKeys
+from common.keys import RedisKeys
 from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.redis_conn import connect_sync
 from common.sampling_params import SamplingParams
 from common.sampling_pb import sampling_params_from_pb
 from common.startup import start_process
-from executor.config import EngineConfig
+from executor.config import EngineConfig, check_device_present
 from executor.engine import Engine, RequestOutput
 from executor.gateway_link import GatewayAbort, GatewayEvent, GatewayGone, GatewayLink
 from executor.metrics import ExecutorMetrics
-from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
+from executor.redis_io import (
+    Heartbeat,
+    InboxEntry,
+    InboxReader,
+    StatusBoard,
+    another_executor_has_the_id,
+)
 from executor.sampler import TokenLogprobs
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 
@@ -104,7 +110,7 @@ class ExecutorServiceConfig:
             raise ValueError(f"--executor-id must hold no spaces or ':', got {self.executor_id!r}")
         self.executor_id = self.executor_id or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = self._engine_config()
-        _check_device_present(self.device)
+        check_device_present(self.device)
 
     def _engine_config(self) -> EngineConfig:
         try:
@@ -462,33 +468,6 @@ class ExecutorService:
             draining=not self._taking_work,
         )
         self._board.post(status)
-
-
-def _check_device_present(device: str) -> None:
-    if not device.startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine's torch sees no CUDA device")
-    try:
-        index = torch.device(device).index
-    except RuntimeError:
-        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}") from None
-    if index is not None and index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise ValueError(f"--device {device}: there are {count} CUDA devices (0 to {count - 1})")
-
-
-def another_executor_has_the_id(client: redis.Redis, keys: RedisKeys, executor_id: str) -> bool:
-    """Whether a live executor already uses `executor_id`: its status key is still there one
-    heartbeat TTL later (a crashed one's key expires by then). False when Redis is down."""
-    key = keys.executor_status(executor_id)
-    try:
-        if not client.exists(key):
-            return False
-        time.sleep(EXECUTOR_STATUS_TTL_MS / 1000 + HEARTBEAT_INTERVAL_S)
-        return bool(client.exists(key))
-    except redis.RedisError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
