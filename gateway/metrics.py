@@ -89,8 +89,8 @@ def _code_of(context: aio.ServicerContext, ended: str) -> str:
         # ended by itself (a Chat ends when its request stream breaks off).
         return grpc.StatusCode.DEADLINE_EXCEEDED.name
     if ended == "cancelled" or context.cancelled():
-        # The client cancelled, even when the handler then ended by itself (a Generate
-        # whose client went away ends once the executor confirms the abort).
+        # The client cancelled, even when the handler then ended by itself (seen now and
+        # then for a Generate cancelled mid-stream).
         return grpc.StatusCode.CANCELLED.name
     if ended == "completed":
         return grpc.StatusCode.OK.name
