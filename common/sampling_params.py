@@ -4,6 +4,7 @@ ranges, used by the engine and by the gateway (which names the field as its prot
 import math
 from dataclasses import dataclass, field
 
+DEFAULT_MAX_TOKENS = 16  # when a request sets none
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 # Temperatures below this are sampled greedily: dividing logits by a smaller
@@ -24,7 +25,7 @@ class SamplingParamError(ValueError):
 class SamplingParams:
     """How the next tokens of one request are chosen and when it stops on token ids."""
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

@@ -5,7 +5,7 @@ Kept out of common/sampling_params.py so the in-process engine needs no generate
 
 from __future__ import annotations
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from protos.kvgate.v1 import inference_pb2
 
 
@@ -37,6 +37,23 @@ def sampling_params_from_pb(
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+    )
+
+
+def resumed_sampling_params(
+    params: inference_pb2.SamplingParams, num_resumed: int
+) -> SamplingParams:
+    """The parameters for the tokens a request still has to generate after an earlier
+    attempt produced `num_resumed` (0 for a first attempt).
+
+    Raises:
+        SamplingParamError: naming the first field out of range.
+    """
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    return sampling_params_from_pb(
+        params,
+        max_tokens=max_tokens - num_resumed,
+        min_tokens=max(0, params.min_tokens - num_resumed),
     )
 
 

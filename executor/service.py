@@ -41,8 +41,7 @@ from common.keys import RedisKeys
 from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.redis_conn import connect_sync
-from common.sampling_params import SamplingParams
-from common.sampling_pb import sampling_params_from_pb
+from common.sampling_pb import resumed_sampling_params
 from common.startup import start_process
 from executor.config import EngineConfig, check_device_present
 from executor.engine import Engine, RequestOutput
@@ -188,19 +187,6 @@ class Tracked:
     session_id: str = ""  # empty: no session
 
 
-def to_sampling_params(params: inference_pb2.SamplingParams, num_resumed: int) -> SamplingParams:
-    """Args: the request's sampling fields and how many tokens an earlier attempt produced.
-
-    Returns: the engine's parameters for the tokens still to generate (ValueError naming a field).
-    """
-    max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
-    return sampling_params_from_pb(
-        params,
-        max_tokens=max_tokens - num_resumed,
-        min_tokens=max(0, params.min_tokens - num_resumed),
-    )
-
-
 def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
     """Returns: the engine's logprobs as protobuf messages."""
     return [
@@ -328,7 +314,7 @@ class ExecutorService:
             self._finish_at_once(queued, inference_pb2.FINISH_REASON_LENGTH, "")
             return
         try:
-            params = to_sampling_params(queued.params, len(resumed))
+            params = resumed_sampling_params(queued.params, len(resumed))
             self._engine.add_request(
                 queued.request_id,
                 prompt,

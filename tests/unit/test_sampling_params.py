@@ -6,7 +6,11 @@ import math
 import pytest
 
 from common.sampling_params import SamplingParamError, SamplingParams
-from common.sampling_pb import sampling_params_from_pb, sampling_params_to_pb
+from common.sampling_pb import (
+    resumed_sampling_params,
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+)
 from protos.kvgate.v1 import inference_pb2 as pb
 
 BAD_VALUES = [
@@ -148,10 +152,8 @@ def test_has_penalties(kwargs: dict, penalized: bool) -> None:
 def test_a_resumed_request_asks_only_for_the_tokens_still_due(
     num_resumed: int, max_tokens: int, min_tokens: int
 ) -> None:
-    from executor.service import to_sampling_params
-
     message = pb.SamplingParams(max_tokens=10, min_tokens=6, temperature=0.5)
-    params = to_sampling_params(message, num_resumed)
+    params = resumed_sampling_params(message, num_resumed)
     assert (params.max_tokens, params.min_tokens) == (max_tokens, min_tokens), params
     assert params.temperature == 0.5 and params.top_p == 1.0, params
 
