@@ -22,7 +22,6 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
-    seed: int = 0
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
 
     def __post_init__(self) -> None:

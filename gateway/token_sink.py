@@ -132,12 +132,6 @@ class TokenRouter:
         if tracked is not None:
             tracked.inbox.put_nowait(event)
 
-    def forget_owner(self, request_id: str) -> None:
-        """The request is re-queued: the next executor to report it owns it."""
-        tracked = self._requests.get(request_id)
-        if tracked is not None:
-            tracked.owner = None
-
     def abort(self, request_id: str, reason: internal_pb2.AbortReason) -> None:
         """Send an abort to the executor running the request, or to all when none is known yet."""
         tracked = self._requests.get(request_id)

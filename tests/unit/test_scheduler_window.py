@@ -33,8 +33,8 @@ def batcher(window_ms=10.0, size=4, tokens=100, policy=None) -> WindowBatcher:
 def test_window_releases_when_oldest_waited_the_window():
     queue = batcher(window_ms=10.0)
     queue.add(request("a", arrival_s=1.000))
-    assert not queue.is_ready(1.005), "released before the window closed"
-    assert queue.is_ready(1.010), "not released once the oldest waited batch_window_ms"
+    assert queue.release_reason(1.005) is None, "released before the window closed"
+    assert queue.release_reason(1.010) == "window", "not released once the oldest waited"
     assert [r.request_id for r in queue.release(1.010)] == ["a"]
 
 
@@ -42,15 +42,15 @@ def test_window_releases_early_at_max_batch_size():
     queue = batcher(window_ms=1000.0, size=3)
     for i in range(3):
         queue.add(request(f"r{i}", arrival_s=1.0))
-    assert queue.is_ready(1.0), "3 requests wait and max_batch_size is 3: expected a release"
+    assert queue.release_reason(1.0) == "max_batch_size", "3 requests wait, max_batch_size 3"
 
 
 def test_window_releases_early_at_max_batch_tokens_and_splits_the_batch():
     queue = batcher(window_ms=1000.0, size=10, tokens=100)
     queue.add(request("a", 1.0, tokens=60))
-    assert not queue.is_ready(1.0)
+    assert queue.release_reason(1.0) is None
     queue.add(request("b", 1.1, tokens=60))
-    assert queue.is_ready(1.1), "120 prompt tokens wait with max_batch_tokens 100"
+    assert queue.release_reason(1.1) == "max_batch_tokens", "120 tokens wait, limit 100"
     assert [r.request_id for r in queue.release(1.1)] == ["a"], "batch over max_batch_tokens"
     assert len(queue) == 1
 
@@ -92,7 +92,7 @@ def test_duplicates_are_ignored_and_removal_works():
     assert not queue.add(request("a", 1.0)), "the same request id was queued twice"
     assert queue.remove("a") is not None
     assert queue.remove("a") is None
-    assert not queue.is_ready(10.0)
+    assert queue.release_reason(10.0) is None
 
 
 def test_expired_requests_leave_the_queue():
