@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.finish_reason_pb import finish_reason_from_pb
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -28,7 +29,7 @@ class Completion:
     request_id: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "stop", "length", "abort" or "error"
+    finish_reason: str = ""  # a FinishReason ("stop", "length", "abort", "error") once finished
     usage: inference_pb2.Usage | None = None
     timings: inference_pb2.Timings | None = None
 
@@ -38,8 +39,7 @@ class Completion:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason:
-            name = inference_pb2.FinishReason.Name(chunk.finish_reason)
-            self.finish_reason = name.removeprefix("FINISH_REASON_").lower()
+            self.finish_reason = finish_reason_from_pb(chunk.finish_reason) or ""
             self.usage = chunk.usage
             self.timings = chunk.timings
 

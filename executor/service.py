@@ -37,6 +37,8 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.finish_reason import FinishReason
+from common.finish_reason_pb import finish_reason_to_pb
 from common.keys import RedisKeys
 from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
@@ -67,11 +69,6 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 IDLE_WAIT_MS = 50
 # Most prefix-cache block hashes reported in a heartbeat.
 MAX_REPORTED_HASHES = 1024
-FINISH_REASONS = {
-    "stop": inference_pb2.FINISH_REASON_STOP,
-    "length": inference_pb2.FINISH_REASON_LENGTH,
-    "abort": inference_pb2.FINISH_REASON_ABORT,
-}
 
 
 @dataclass(slots=True)
@@ -311,7 +308,7 @@ class ExecutorService:
         resumed = list(queued.resume_token_ids)
         prompt = list(queued.prompt_token_ids) + resumed
         if resumed and len(resumed) >= queued.params.max_tokens:
-            self._finish_at_once(queued, inference_pb2.FINISH_REASON_LENGTH, "")
+            self._finish_at_once(queued, FinishReason.LENGTH, "")
             return
         try:
             params = resumed_sampling_params(queued.params, len(resumed))
@@ -328,7 +325,7 @@ class ExecutorService:
             return
         tracked = Tracked(queued.reply_to, len(resumed), queued.tenant, prompt, queued.session_id)
         self._tracked[queued.request_id] = tracked
-        self._entry(queued.request_id, tracked)
+        self._entry(queued.request_id, tracked).accepted = True
         log.info(
             "request admitted: %d prompt tokens (%d resumed), attempt %d",
             len(prompt),
@@ -344,15 +341,15 @@ class ExecutorService:
             reason,
             extra=request_fields(queued.request_id, queued.session_id),
         )
-        self._finish_at_once(queued, inference_pb2.FINISH_REASON_ERROR, reason)
+        self._finish_at_once(queued, FinishReason.ERROR, reason)
 
     def _finish_at_once(
-        self, queued: internal_pb2.QueuedRequest, finish_reason: int, error_message: str
+        self, queued: internal_pb2.QueuedRequest, finish_reason: FinishReason, error_message: str
     ) -> None:
         offset = len(queued.resume_token_ids)
         entry = self._entry(queued.request_id, Tracked(queued.reply_to, offset, queued.tenant, []))
         entry.finished = True
-        entry.finish_reason = finish_reason
+        entry.finish_reason = finish_reason_to_pb(finish_reason)
         entry.error_message = error_message
 
     def _abort(self, address: str, request_ids: list[str]) -> None:
@@ -400,7 +397,7 @@ class ExecutorService:
             tracked.offset += len(output.new_token_ids)
             if output.finished:
                 entry.finished = True
-                entry.finish_reason = FINISH_REASONS[output.finish_reason or "stop"]
+                entry.finish_reason = finish_reason_to_pb(output.finish_reason)
                 del self._tracked[output.request_id]
                 log.info(
                     "request finished: %s, %d cached prompt tokens",

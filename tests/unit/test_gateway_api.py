@@ -257,7 +257,7 @@ def test_tokens_stream_as_text_with_usage_and_timings(
     assert queued.reply_to == gateway.gateway.reply_to
     assert queued.params.max_tokens == 64 and queued.params.HasField("temperature")
     assert queued.prompt_token_ids == model_text.encode(PROMPT)
-    executor.send(queued.request_id, 0, [], num_cached_tokens=3)
+    executor.send(queued.request_id, 0, [], accepted=True, num_cached_tokens=3)
     tokens = story_ids(model_text)
     for offset, token in enumerate(tokens[:-1]):
         executor.send(queued.request_id, offset, [token])
