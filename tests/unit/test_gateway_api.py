@@ -26,7 +26,7 @@ from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
-from gateway.sessions import Session, SessionStore
+from gateway.sessions import MAX_TURN_WRITES, Session, SessionStore
 from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import internal_pb2
@@ -610,6 +610,30 @@ def test_a_turn_whose_session_is_ended_under_it_does_not_bring_it_back(
     asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
     assert deleted == [1], "the session was deleted between the read and the write"
     assert redis_client.get(key) is None, "an ended session must stay ended"
+    assert [m.content for m in session.messages] == ["hi"], session
+
+
+def test_a_turn_that_keeps_losing_the_race_gives_up_with_aborted(
+    redis_url: str, redis_client, monkeypatch
+):
+    """Another stream writes the session before every one of this turn's writes: after
+    MAX_TURN_WRITES tries the turn gives up with ABORTED instead of trying forever."""
+    store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
+    key = RedisKeys().session("s-busy")
+    session = Session("s-busy", "default", [Message("user", "hi")])
+    redis_client.set(key, session.to_pb().SerializeToString())
+    original_to_pb = Session.to_pb
+    tries = []
+
+    def to_pb_always_racing(self):
+        tries.append(1)
+        redis_client.set(key, original_to_pb(session).SerializeToString())
+        return original_to_pb(self)
+
+    monkeypatch.setattr(Session, "to_pb", to_pb_always_racing)
+    with pytest.raises(errors.Aborted, match="kept changing"):
+        asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
+    assert len(tries) == MAX_TURN_WRITES, f"{len(tries)} writes tried"
     assert [m.content for m in session.messages] == ["hi"], session
 
 
