@@ -299,9 +299,9 @@ class Generation:
         metrics.output_tokens.inc(num_tokens)
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.ttft.observe(now - self.arrival)
+            metrics.ttft_seconds.observe(now - self.arrival)
         else:
-            metrics.itl.observe(now - self.last_token_at)
+            metrics.itl_seconds.observe(now - self.last_token_at)
         self.last_token_at = now
 
     def _flush_text(self) -> tuple[str, bool]:
@@ -330,8 +330,8 @@ class Generation:
 
     def _record_finish(self, chunk: Chunk) -> None:
         metrics = self.deps.metrics
-        metrics.finished.labels(chunk.finish_reason).inc()
-        metrics.e2e.observe(chunk.timings.total_ms / 1000.0)
+        metrics.finished_requests.labels(chunk.finish_reason).inc()
+        metrics.e2e_seconds.observe(chunk.timings.total_ms / 1000.0)
         log.info(
             "request finished: %s, %d tokens, queue %.1f ms, ttft %.1f ms, total %.1f ms",
             chunk.finish_reason,

@@ -222,7 +222,7 @@ class Scheduler:
                 request.request_id,
                 extra=request_fields(request.request_id, request.session_id),
             )
-        self._metrics.dropped.labels("expired").inc(len(expired))
+        self._metrics.dropped_requests.labels("expired").inc(len(expired))
         self._stream.drop([r.entry_id for r in expired])
 
     def _drop_cancelled(self, request_ids: list[str]) -> None:
@@ -239,7 +239,7 @@ class Scheduler:
                 "request cancelled while queued: dropped",
                 extra=request_fields(request.request_id, request.session_id),
             )
-        self._metrics.dropped.labels("cancelled").inc(len(requests))
+        self._metrics.dropped_requests.labels("cancelled").inc(len(requests))
 
     def _dispatch(self, now: float, reason: str) -> None:
         batch = self._batcher.release(now)
@@ -267,8 +267,8 @@ class Scheduler:
             return True
         self._placer.book(placement, request.block_hashes)
         waited_s = request.waited_ms(time.monotonic()) / 1000.0
-        self._metrics.queue_wait.observe(waited_s)
-        self._metrics.assigned.inc()
+        self._metrics.queue_wait_seconds.observe(waited_s)
+        self._metrics.assigned_requests.inc()
         log.info(
             "request assigned to %s after %.1f ms in the queue (%d cached blocks)",
             placement.executor_id,
