@@ -16,8 +16,9 @@ import torch
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from common.redis_conn import connect_sync
-from executor import redis_io
-from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
+from executor import streams
+from executor.heartbeat import Heartbeat, StatusBoard
+from executor.streams import InboxEntry, InboxReader
 from protos.kvgate.v1 import internal_pb2
 from tests.unit.gateway_harness import STORIES, redis_server, wait_for
 
@@ -121,7 +122,7 @@ def test_an_idle_step_loop_reads_entries_itself_while_the_thread_pauses(client):
 
 def test_an_entry_both_readers_get_is_delivered_once(client, monkeypatch):
     # The thread's read outlasts each round, so both readers surely wait when the entry comes.
-    monkeypatch.setattr(redis_io, "INBOX_BLOCK_MS", 2000)
+    monkeypatch.setattr(streams, "INBOX_BLOCK_MS", 2000)
     delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
     reader = InboxReader(client, KEYS, EXECUTOR, delivered)
     reader.start()
@@ -153,7 +154,7 @@ def test_the_idle_read_does_not_wait_while_an_entry_is_queued(client):
 def test_the_idle_read_waits_out_redis_errors_and_logs_once(tmp_path: Path, caplog):
     client = connect_sync(f"unix://{tmp_path}/no-redis.sock", timeout_s=0.5)
     reader = InboxReader(client, KEYS, EXECUTOR, queue.SimpleQueue())
-    with caplog.at_level("WARNING", logger="executor.redis_io"):
+    with caplog.at_level("WARNING", logger="executor.streams"):
         for _ in range(3):
             reader.read_while_idle(10)
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
@@ -253,8 +254,8 @@ def test_an_executor_whose_id_a_live_executor_has_exits_naming_the_flag(tmp_path
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_a_cuda_device_on_a_machine_without_one_is_a_flag_error():
-    from executor.service import ExecutorServiceConfig
+    from executor.config import ExecutorConfig
 
     for device in ("cuda", "cuda:1"):
         with pytest.raises(ValueError, match=f"--device {device}: .* no CUDA device"):
-            ExecutorServiceConfig.from_args(["--model", str(STORIES), "--device", device])
+            ExecutorConfig.from_args(["--model", str(STORIES), "--device", device])
