@@ -9,6 +9,7 @@ with KvgateClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import os
 import queue
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,14 @@ class Completion:
             self.finish_reason = finish_reason_from_pb(chunk.finish_reason) or ""
             self.usage = chunk.usage
             self.timings = chunk.timings
+
+
+def default_target() -> str:
+    """KVGATE_TARGET, else KVGATE_HOST:KVGATE_PORT, else 127.0.0.1:50051."""
+    if "KVGATE_TARGET" in os.environ:
+        return os.environ["KVGATE_TARGET"]
+    host, _, port = DEFAULT_TARGET.partition(":")
+    return f"{os.environ.get('KVGATE_HOST', host)}:{os.environ.get('KVGATE_PORT', port)}"
 
 
 def sampling_params(
