@@ -116,6 +116,11 @@ class WindowBatcher:
             self._waiting_tokens -= request.num_prompt_tokens
         return request
 
+    def clear(self) -> None:
+        """Forgets every waiting request (their entries stay pending in the stream)."""
+        self._waiting.clear()
+        self._waiting_tokens = 0
+
     def requests(self) -> list[PendingRequest]:
         return list(self._waiting.values())
 

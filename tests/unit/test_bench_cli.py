@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from client.cli import main
 from deploy.stack import free_port
-from tests.helpers import REPO
+from tests.helpers import REPO, STORIES_260K
 
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+MODEL = STORIES_260K
 
 
 def bench_error(capsys: pytest.CaptureFixture[str], *flags: str) -> str:

@@ -13,14 +13,14 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.model_text import ModelText
 from gateway.stops import StopStringMatcher
 from gateway.templates import ChatTemplate, ChatTemplateError, Message, template_source
+from tests.helpers import STORIES_260K
 
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
 PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
 def model_text() -> ModelText:
-    return ModelText(STORIES)
+    return ModelText(STORIES_260K)
 
 
 def stream(detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> list[str]:
@@ -154,7 +154,7 @@ def test_chat_prompt_starts_with_one_bos_and_extends_the_previous_turn(model_tex
 
 def test_a_model_template_from_tokenizer_config_is_used(tmp_path: Path):
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
-        shutil.copy(STORIES / name, tmp_path / name)
+        shutil.copy(STORIES_260K / name, tmp_path / name)
     template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
