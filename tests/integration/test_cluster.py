@@ -13,7 +13,8 @@ import pytest
 from client.api import KvgateClient
 from common.keys import PAYLOAD_FIELD
 from protos.kvgate.v1 import inference_pb2, internal_pb2
-from tests.integration.conftest import generate, session_executor, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import generate, session_executor
 
 # Long enough that executor-1 is still draining its share when the test hands it more work.
 DRAIN_TOKENS = 480
@@ -34,7 +35,9 @@ def stack(stack_factory):
 def wait_until_scheduled(stack, executor_id: str) -> None:
     """Waits until the scheduler has seen the executor's heartbeat and can place work on it."""
     joined = f"executor {executor_id} joined"
-    wait_for(lambda: bool(log_lines(stack, "scheduler", joined)), 30.0, f"{executor_id} joined")
+    wait_for(
+        lambda: bool(log_lines(stack, "scheduler", joined)), f"{executor_id} joined", timeout_s=30.0
+    )
 
 
 def new_sessions(count: int) -> list[str]:
@@ -132,14 +135,14 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
             status = stack.executor_status("executor-1")
             return status is not None and status.draining
 
-        wait_for(busy, 30.0, "executor-1 running requests")
+        wait_for(busy, "executor-1 running requests", timeout_s=30.0)
         stack.procs["executor-1"].send_signal(signal.SIGTERM)
-        wait_for(draining, 10.0, "executor-1 to report draining")
+        wait_for(draining, "executor-1 to report draining", timeout_s=10.0)
         inject_assignment(stack, "executor-1", probe_id)
         wait_for(
             lambda: bool(log_lines(stack, "executor-1", "handed back", probe_id)),
-            5.0,
             "executor-1 to hand the unread assignment back",
+            timeout_s=5.0,
         )
         assert draining(), "the assignment was handed back only when executor-1 exited"
         status = stack.stop("executor-1", sig=signal.SIGTERM, timeout_s=60.0)
@@ -163,4 +166,6 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
         others = ("executor-0", "executor-2")
         return any(log_lines(stack, e, "request admitted", probe_id) for e in others)
 
-    wait_for(probe_ran_elsewhere, 10.0, "another executor to run the handed-back assignment")
+    wait_for(
+        probe_ran_elsewhere, "another executor to run the handed-back assignment", timeout_s=10.0
+    )
