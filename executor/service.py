@@ -40,6 +40,7 @@ from common.config import (
 from common.keys import RedisKeys
 from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
+from common.model_files import MODEL_HELP
 from common.redis_conn import connect_sync
 from common.sampling_pb import resumed_sampling_params
 from common.startup import start_process
@@ -139,7 +140,7 @@ class ExecutorServiceConfig:
         add(
             "--model",
             default=env_str("KVGATE_MODEL", DEFAULT_MODEL),
-            help="model folder (KVGATE_MODEL)",
+            help=MODEL_HELP,
         )
         add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
         add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
