@@ -72,15 +72,16 @@ def model_id(model: str | Path) -> str:
 MODEL_HELP = "Hugging Face checkpoint folder or GGUF file (env KVGATE_MODEL)"
 
 
-def check_model_path(flag: str, model: str) -> None:
+def check_model_path(flag: str, model: str, folder_file: str) -> None:
     """Raise a ValueError naming `flag` unless `model` is a GGUF file, a folder holding one,
-    or a checkpoint folder with tokenizer.json."""
+    or a checkpoint folder with `folder_file` (tokenizer.json for the gateway, config.json
+    for the executor)."""
     try:
         if gguf_file(model) is not None:
             return
     except (FileNotFoundError, ValueError) as error:
         raise ValueError(f"{flag}: {str(error).partition(': ')[2]}") from None
-    if not (Path(model) / "tokenizer.json").is_file():
+    if not (Path(model) / folder_file).is_file():
         raise ValueError(
-            f"{flag} must be a GGUF file or a checkpoint folder with tokenizer.json, got {model}"
+            f"{flag} must be a GGUF file or a checkpoint folder with {folder_file}, got {model!r}"
         )

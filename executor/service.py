@@ -40,7 +40,7 @@ from common.config import (
 from common.keys import RedisKeys
 from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
-from common.model_files import MODEL_HELP
+from common.model_files import MODEL_HELP, check_model_path
 from common.redis_conn import connect_sync
 from common.sampling_pb import resumed_sampling_params
 from common.startup import start_process
@@ -104,8 +104,7 @@ class ExecutorServiceConfig:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
         check_metrics_port(self.metrics_port)
         check_range("--torch-threads", self.torch_threads, min_value=0, max_value=1024)
-        if not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"--model must be a model folder with config.json, got {self.model!r}")
+        check_model_path("--model", self.model, "config.json")
         if any(c.isspace() or c == ":" for c in self.executor_id):
             raise ValueError(f"--executor-id must hold no spaces or ':', got {self.executor_id!r}")
         self.executor_id = self.executor_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -46,7 +46,7 @@ class GatewayConfig:
     log_format: str = "json"
 
     def __post_init__(self) -> None:
-        check_model_path("--model", self.model)
+        check_model_path("--model", self.model, "tokenizer.json")
         check_range("--port", self.port, min_value=0, max_value=65535)
         check_range("--internal-port", self.internal_port, min_value=0, max_value=65535)
         check_positive("--redis-timeout-s", self.redis_timeout_s)
