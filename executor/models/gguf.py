@@ -111,7 +111,7 @@ def read_gguf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch
         name = hf_names.get(tensor.name)
         if name is None:
             raise ValueError(f"--model {gguf.path}: unexpected tensor {tensor.name}")
-        weight = torch.from_numpy(_dequantize(tensor, gguf.path))
+        weight = torch.from_numpy(dequantize_tensor(tensor, gguf.path))
         if name.endswith("q_proj.weight"):
             weight = _unpermute_rotary_rows(weight, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
@@ -130,8 +130,12 @@ def _hf_names(num_layers: int) -> dict[str, str]:
     return names
 
 
-def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
-    """The tensor as float32 in Hugging Face's [out_features, in_features] layout."""
+def dequantize_tensor(tensor: ReaderTensor, path: Path) -> np.ndarray:
+    """A tensor of the file as float32, in Hugging Face's [out_features, in_features] layout.
+
+    Raises:
+        ValueError: naming the tensor and its type, when the gguf package cannot dequantize it.
+    """
     qtype = GGMLQuantizationType(tensor.tensor_type)
     try:
         values = quants.dequantize(tensor.data, qtype)

@@ -11,10 +11,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM
 
+from common.gguf_metadata import GgufFile
 from common.model_files import gguf_file
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
+from executor.models.gguf import dequantize_tensor
 from executor.models.loader import load_model
 from tests.helpers import assert_greedy_matches, hf_greedy, run_to_completion
 from tests.tiny_gguf import EOS_ID, EOT_ID, MIXED_TYPES, write_tiny_llama
@@ -69,6 +71,23 @@ def test_weights_equal_transformers_for_every_tensor_type(mixed_gguf: Path, hf_m
             torch.testing.assert_close(tensor, expected[name], msg=f"layer {layer} {name}")
     embed = hf_model.state_dict()["model.embed_tokens.weight"]
     torch.testing.assert_close(model.embed_tokens.weight, embed, msg="token_embd (Q8_0)")
+
+
+def test_dequantized_values_equal_transformers_torch_dequantizer(mixed_gguf: Path):
+    """transformers' from_pretrained reads Llama GGUF files with the gguf package, as kvgate
+    does; its torch dequantizer (used for other architectures) is a second implementation."""
+    from transformers.integrations.gguf import dequant
+
+    checked = set()
+    for tensor in GgufFile(mixed_gguf).reader.tensors:
+        if int(tensor.tensor_type) not in dequant.GGML_BLOCK:
+            continue
+        raw = torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(-1))
+        expected = dequant.dequantize(raw, int(tensor.tensor_type))
+        got = torch.from_numpy(dequantize_tensor(tensor, mixed_gguf)).reshape(-1)
+        torch.testing.assert_close(got, expected, msg=f"{tensor.name} ({tensor.tensor_type.name})")
+        checked.add(tensor.tensor_type.name)
+    assert checked == {"Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def test_config_comes_from_the_metadata(mixed_gguf: Path):
