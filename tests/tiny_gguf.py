@@ -62,7 +62,11 @@ def vocabulary() -> list[str]:
 
 
 def write_tiny_llama(
-    path: Path, types: dict[str, Q] | None = None, seed: int = 0, add_bos: bool = False
+    path: Path,
+    types: dict[str, Q] | None = None,
+    seed: int = 0,
+    add_bos: bool = False,
+    eot_id: int = EOT_ID,
 ) -> dict[str, np.ndarray]:
     """Write a seeded random two-layer Llama as a GGUF file.
 
@@ -73,6 +77,7 @@ def write_tiny_llama(
             random blocks (small finite scales for the K-quants).
         seed: seed of the weights.
         add_bos: the tokenizer's tokenizer.ggml.add_bos_token.
+        eot_id: the tokenizer's end-of-turn id (tokenizer.ggml.eot_token_id).
 
     Returns:
         The float values each tensor was quantized from, by GGUF name, in Hugging Face's
@@ -80,7 +85,7 @@ def write_tiny_llama(
     """
     types = MIXED_TYPES if types is None else types
     writer = gguf.GGUFWriter(str(path), "llama")
-    _write_metadata(writer, add_bos)
+    _write_metadata(writer, add_bos, eot_id)
     rng = np.random.default_rng(seed)
     drawn: dict[str, np.ndarray] = {}
     for name, shape in _weight_shapes(len(vocabulary())).items():
@@ -101,7 +106,7 @@ def write_tiny_llama(
     return drawn
 
 
-def _write_metadata(writer: gguf.GGUFWriter, add_bos: bool) -> None:
+def _write_metadata(writer: gguf.GGUFWriter, add_bos: bool, eot_id: int) -> None:
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
@@ -121,7 +126,7 @@ def _write_metadata(writer: gguf.GGUFWriter, add_bos: bool) -> None:
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
-    writer.add_eot_token_id(EOT_ID)
+    writer.add_eot_token_id(eot_id)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
 

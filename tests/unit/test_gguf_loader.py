@@ -108,6 +108,27 @@ def test_engine_greedy_equals_transformers_on_the_same_gguf(mixed_gguf: Path, hf
         assert_greedy_matches(got[f"p{i}"], hf_greedy(hf_model, prompt, 24), f"prompt {i}")
 
 
+def test_generation_stops_at_the_files_end_of_turn_id(tmp_path: Path):
+    path = tmp_path / "t.gguf"
+    write_tiny_llama(path)
+    free = run_to_completion(engine_with(path, SamplingParams(max_tokens=8, temperature=0.0)))
+    tokens = free["r"]
+    # The last step whose token came for the first time: the reply must end right there.
+    step = max(k for k in range(1, len(tokens)) if tokens[k] not in tokens[:k])
+    eot = tokens[step]
+    write_tiny_llama(path, eot_id=eot)  # the same weights, another end-of-turn id
+    engine = engine_with(path, SamplingParams(max_tokens=8, temperature=0.0))
+    outputs = [out for _ in range(16) if engine.has_unfinished() for out in engine.step()]
+    assert [t for out in outputs for t in out.new_token_ids] == tokens[: step + 1]
+    assert outputs[-1].finish_reason == "stop", "the end-of-turn id must end the reply"
+
+
+def engine_with(path: Path, params: SamplingParams) -> Engine:
+    engine = Engine(EngineConfig(model=str(path), kv_cache_gib=0.02))
+    engine.add_request("r", PROMPTS[1], params)
+    return engine
+
+
 def test_a_folder_holding_one_gguf_file_is_that_file(mixed_gguf: Path, tmp_path: Path):
     assert gguf_file(mixed_gguf.parent) == mixed_gguf
     (tmp_path / "a.gguf").write_bytes(b"")
