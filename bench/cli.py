@@ -28,6 +28,7 @@ from bench.runs import run_bench
 from bench.stats import parse_slos
 from bench.workloads import WORKLOADS, WorkloadConfig
 from client.api import KvgateClient, default_target
+from common.model_files import check_model_path, model_id
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,21 +159,19 @@ def check_inputs(config: BenchConfig) -> None:
     """
     if config.out.is_dir():
         raise ValueError(f"--out must be a JSON file, got the folder {config.out}")
+    model = served_model(config)
     if config.prompt_words == "vocab":
-        tokenizer = Path(served_model(config)) / "tokenizer.json"
-        if not tokenizer.is_file():
-            raise ValueError(f"--prompt-words vocab reads --model's {tokenizer}: no such file")
+        try:
+            check_model_path("--model", model, "tokenizer.json")
+        except ValueError as error:
+            raise ValueError(f"--prompt-words vocab reads --model's tokenizer: {error}") from None
     if config.compare_hf or config.sweep_windows_ms:
-        model_dir = Path(served_model(config))
-        if not (model_dir / "config.json").is_file():
-            raise ValueError(f"--model must be a model folder with config.json, got {model_dir}")
+        check_model_path("--model", model, "config.json")
     if config.compare_hf:
         with KvgateClient(config.target, timeout_s=30.0) as client:
-            model_id = client.model_info().model_id
-        if model_dir.name != model_id:
-            raise ValueError(
-                f"--compare-hf: --target serves {model_id!r} but --model is {model_dir}"
-            )
+            served_id = client.model_info().model_id
+        if model_id(model) != served_id:
+            raise ValueError(f"--compare-hf: --target serves {served_id!r} but --model is {model}")
 
 
 def rpc_failure(args: argparse.Namespace, error: grpc.RpcError) -> str:

@@ -11,7 +11,6 @@ import argparse
 import os
 import socket
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 from common.config import (
     DEFAULT_MODEL,
@@ -25,6 +24,7 @@ from common.config import (
     env_str,
 )
 from common.metrics import add_metrics_flags, check_metrics_port
+from common.model_files import MODEL_HELP, check_model_path
 
 
 class EngineConfigError(ValueError):
@@ -145,9 +145,7 @@ class ExecutorConfig:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
         check_metrics_port(self.metrics_port)
         check_range("--torch-threads", self.torch_threads, min_value=0, max_value=1024)
-        model = self.engine.model
-        if not (Path(model) / "config.json").is_file():
-            raise ValueError(f"--model must be a model folder with config.json, got {model!r}")
+        check_model_path("--model", self.engine.model, "config.json")
         if any(c.isspace() or c == ":" for c in self.executor_id):
             raise ValueError(f"--executor-id must hold no spaces or ':', got {self.executor_id!r}")
         self.executor_id = self.executor_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -190,7 +188,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--model",
         default=env_str("KVGATE_MODEL", DEFAULT_MODEL),
-        help="model folder (KVGATE_MODEL)",
+        help=MODEL_HELP,
     )
     add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
     add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))

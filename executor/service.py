@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import redis
 
@@ -22,6 +21,7 @@ from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
 from common.keys import RedisKeys
 from common.logs import request_fields
+from common.model_files import model_id
 from common.sampling_pb import resumed_sampling_params
 from executor.config import ExecutorConfig
 from executor.engine import Engine, RequestOutput
@@ -306,7 +306,7 @@ class ExecutorService:
         engine_config = self._config.engine
         status = internal_pb2.ExecutorStatus(
             executor_id=self._config.executor_id,
-            model_id=Path(engine_config.model).name,
+            model_id=model_id(engine_config.model),
             block_size=engine_config.block_size,
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,

@@ -212,9 +212,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             messages = messages_from_pb("messages", list(request.messages))
             try:
                 text = self.model_text.render_chat(messages)
+                token_ids = self.model_text.encode_chat(messages)
             except ChatTemplateError as error:
                 raise InvalidArgument("messages", str(error)) from error
-            token_ids = self.model_text.encode(text, add_special_tokens=False)
         else:
             text = request.text
             token_ids = self.model_text.encode(text, request.add_special_tokens)

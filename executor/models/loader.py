@@ -1,4 +1,5 @@
-"""Load safetensors weights (single file or sharded) straight into kvgate's modules."""
+"""Load a checkpoint straight into kvgate's modules: a Hugging Face folder (safetensors, single
+file or sharded) or a GGUF file (executor/models/gguf.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.model_files import gguf_file
 from executor.models.config import ModelConfig, load_model_config
+from executor.models.gguf import read_gguf_checkpoint
 from executor.models.llama import LlamaForCausalLM
 
 _FUSED = {  # our fused parameter -> checkpoint parameters concatenated along dim 0
@@ -69,24 +72,31 @@ def to_kvgate_state_dict(config: ModelConfig, tensors: dict[str, torch.Tensor]) 
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype
+    model: str | Path, device: torch.device, dtype: torch.dtype
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model of a Hugging Face checkpoint folder on `device` in `dtype`.
+    """Build the model that `model` names (a checkpoint folder or a GGUF file) on `device`
+    in `dtype`.
 
     Raises:
         FileNotFoundError: config.json or the weights are missing.
-        ValueError: unsupported architecture, or the weights do not fit the config.
+        ValueError: unsupported architecture or tensor type, or the weights do not fit the
+            config.
     """
-    model_dir = Path(model_dir)
-    config = load_model_config(model_dir)
-    state = to_kvgate_state_dict(config, read_checkpoint(model_dir))
+    gguf = gguf_file(model)
+    if gguf is not None:
+        config, tensors = read_gguf_checkpoint(gguf)
+    else:
+        config = load_model_config(model)
+        tensors = read_checkpoint(Path(model))
+    state = to_kvgate_state_dict(config, tensors)
+    del tensors
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        built = LlamaForCausalLM(config)
     try:
-        model.load_state_dict(state, strict=True, assign=True)
+        built.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
-        raise ValueError(f"weights in {model_dir} do not match its config.json: {e}") from e
+        raise ValueError(f"weights in {model} do not match its config: {e}") from e
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model.eval().requires_grad_(False), config
+        built.lm_head.weight = built.embed_tokens.weight
+    return built.eval().requires_grad_(False), config

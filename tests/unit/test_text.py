@@ -1,10 +1,7 @@
-"""Text on the gateway: incremental detokenization, stop strings, chat templates."""
+"""Text on the gateway: incremental detokenization, stop strings (chat templates:
+test_chat_templates.py)."""
 
 from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models
@@ -12,7 +9,6 @@ from tokenizers import Tokenizer, decoders, models
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.model_text import ModelText
 from gateway.stops import StopStringMatcher
-from gateway.templates import ChatTemplate, ChatTemplateError, Message, template_source
 from tests.helpers import STORIES_260K
 
 PROMPT = "Once upon a time"
@@ -127,55 +123,3 @@ def test_text_that_may_start_a_stop_string_is_held_back():
     first = matcher.feed("happy. The")
     assert (first.text, first.stopped) == ("happy. ", False)
     assert matcher.flush() == "The"
-
-
-def test_default_template_renders_the_documented_format(model_text: ModelText):
-    conversation = [
-        Message("system", "Be kind."),
-        Message("user", "hi"),
-        Message("assistant", "Hello."),
-        Message("user", "a story"),
-    ]
-    assert model_text.chat_template.is_default, "stories260K ships no chat template"
-    assert model_text.render_chat(conversation) == (
-        "<s>Be kind.\n\nUser: hi\nAssistant: Hello.</s>\nUser: a story\nAssistant:"
-    )
-
-
-def test_chat_prompt_starts_with_one_bos_and_extends_the_previous_turn(model_text: ModelText):
-    first = model_text.encode_chat([Message("user", "hi")])
-    second = model_text.encode_chat(
-        [Message("user", "hi"), Message("assistant", "Hello."), Message("user", "more")]
-    )
-    bos = model_text.limits.bos_token_id
-    assert first[0] == bos and first.count(bos) == 1, f"expected one BOS at the start: {first}"
-    assert second[: len(first)] == first, "turn 2's prompt must extend turn 1's (KV reuse)"
-
-
-def test_a_model_template_from_tokenizer_config_is_used(tmp_path: Path):
-    for name in ("tokenizer.json", "config.json", "generation_config.json"):
-        shutil.copy(STORIES_260K / name, tmp_path / name)
-    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
-    )
-    model_text = ModelText(tmp_path)
-    assert not model_text.chat_template.is_default
-    assert model_text.render_chat([Message("user", "hi")]) == "<|user|>hi<|assistant|>"
-
-
-def test_named_templates_pick_default():
-    config = {
-        "chat_template": [
-            {"name": "tool_use", "template": "T"},
-            {"name": "default", "template": "D"},
-        ]
-    }
-    assert template_source(config) == "D"
-    assert template_source({}) is None
-
-
-def test_template_raise_exception_becomes_a_chat_template_error():
-    template = ChatTemplate("{{ raise_exception('no system role') }}", "<s>", "</s>")
-    with pytest.raises(ChatTemplateError, match="no system role"):
-        template.render([Message("system", "x")])
