@@ -133,47 +133,52 @@ class ExecutorServiceConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorServiceConfig:
         """Args: command-line flags (None: sys.argv). Returns: the validated config."""
-        parser = argparse.ArgumentParser(prog="python -m executor", description=__doc__)
-        add_common_flags(parser)
-        add = parser.add_argument
-        add(
-            "--model",
-            default=env_str("KVGATE_MODEL", DEFAULT_MODEL),
-            help="model folder (KVGATE_MODEL)",
-        )
-        add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
-        add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
-        add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))
-        add("--max-num-seqs", type=int, default=env_int("KVGATE_MAX_NUM_SEQS", 64))
-        add(
-            "--max-num-batched-tokens",
-            type=int,
-            default=env_int("KVGATE_MAX_NUM_BATCHED_TOKENS", 2048),
-        )
-        add("--max-model-len", type=int, default=env_int("KVGATE_MAX_MODEL_LEN", 0))
-        add("--kv-cache-gib", type=float, default=env_float("KVGATE_KV_CACHE_GIB", 1.0))
-        add("--num-gpu-blocks", type=int, default=env_int("KVGATE_NUM_GPU_BLOCKS", 0))
-        add(
-            "--gpu-memory-utilization",
-            type=float,
-            default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
-        )
-        add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
-        threads_help = "CPU threads for the model (0: all cores)"
-        add(
-            "--torch-threads",
-            type=int,
-            default=env_int("KVGATE_TORCH_THREADS", 0),
-            help=threads_help,
-        )
-        add(
-            "--retain-freed-memory",
-            action=argparse.BooleanOptionalAction,
-            default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
-            help="CPU: keep freed activation memory in the process for reuse (glibc)",
-        )
-        add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
-        return cls(**vars(parser.parse_args(argv)))
+        return cls(**vars(build_parser().parse_args(argv)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of `python -m executor`, with KVGATE_* environment variables as defaults."""
+    parser = argparse.ArgumentParser(prog="python -m executor", description=__doc__)
+    add_common_flags(parser)
+    add = parser.add_argument
+    add(
+        "--model",
+        default=env_str("KVGATE_MODEL", DEFAULT_MODEL),
+        help="model folder (KVGATE_MODEL)",
+    )
+    add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
+    add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
+    add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))
+    add("--max-num-seqs", type=int, default=env_int("KVGATE_MAX_NUM_SEQS", 64))
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=env_int("KVGATE_MAX_NUM_BATCHED_TOKENS", 2048),
+    )
+    add("--max-model-len", type=int, default=env_int("KVGATE_MAX_MODEL_LEN", 0))
+    add("--kv-cache-gib", type=float, default=env_float("KVGATE_KV_CACHE_GIB", 1.0))
+    add("--num-gpu-blocks", type=int, default=env_int("KVGATE_NUM_GPU_BLOCKS", 0))
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
+    )
+    add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+    threads_help = "CPU threads for the model (0: all cores)"
+    add(
+        "--torch-threads",
+        type=int,
+        default=env_int("KVGATE_TORCH_THREADS", 0),
+        help=threads_help,
+    )
+    add(
+        "--retain-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
+        help="CPU: keep freed activation memory in the process for reuse (glibc)",
+    )
+    add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
+    return parser
 
 
 @dataclass(slots=True)
