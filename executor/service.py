@@ -37,6 +37,7 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.health import add_health_flags, check_health_port, start_health
 from common.keys import RedisKeys
 from common.logs import add_log_context, request_fields
 from common.metrics import add_metrics_flags, check_metrics_port
@@ -97,11 +98,14 @@ class ExecutorServiceConfig:
     metrics_port: int = 0  # 0: a free port, -1: no metrics
     torch_threads: int = 0  # CPU threads for the model; 0: torch's default (all cores)
     retain_freed_memory: bool = True  # CPU: keep freed activations in the process for reuse
+    health_host: str = "127.0.0.1"
+    health_port: int = 0  # grpc.health.v1 for probes; 0: a free port, -1: none
     engine: EngineConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
         check_metrics_port(self.metrics_port)
+        check_health_port(self.health_port)
         check_range("--torch-threads", self.torch_threads, min_value=0, max_value=1024)
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model must be a model folder with config.json, got {self.model!r}")
@@ -178,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU: keep freed activation memory in the process for reuse (glibc)",
     )
     add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
+    add_health_flags(parser, default_port=0)
     return parser
 
 
@@ -232,6 +237,12 @@ class ExecutorService:
     def drain(self) -> None:
         """Finish running work and take no more; safe from a signal handler."""
         self._drain_requested.set()
+
+    def draining_check(self) -> str | None:
+        """The health condition of a drain: None until one was asked for."""
+        if self._drain_requested.is_set():
+            return "draining: finishing running requests, taking no more"
+        return None
 
     def run(self) -> None:
         """Serves until drained: the step loop on the calling thread."""
@@ -482,11 +493,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    engine = Engine(config.engine)
-    service = ExecutorService(config, engine, client, metrics)
+    # NOT_SERVING while the model loads (a liveness probe answers meanwhile).
+    health = start_health("executor", config, metrics.registry, {"model": "loading the model"})
+    if health is None:
+        return 2
+    service = ExecutorService(config, Engine(config.engine), client, metrics)
+    health.remove_check("model")
+    health.add_check("draining", service.draining_check)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: service.drain())
-    service.run()
+        signal.signal(signum, lambda *_: (service.drain(), health.recheck()))
+    try:
+        service.run()
+    finally:
+        health.stop()
     return 0
 
 
