@@ -11,9 +11,10 @@ The scheduler and executors serve both on `--health-host/--health-port` with `He
 (a small gRPC server of its own); the gateway serves them on its public port, and also on
 `--health-port` when one is given.
 
-    python -m common.health [--service NAME] [HOST:PORT]
+    python -m common.health [--service NAME] [--until STATUS] [HOST:PORT]
 
-exits 0 when the address answers SERVING, 1 otherwise: the containers' health check.
+exits 0 when the address answers SERVING, 1 otherwise: the containers' health check. With
+--until it waits for that status instead (an executor's preStop hook waits for its drain).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Protocol
@@ -263,15 +265,31 @@ def default_probe_address() -> str:
     return f"127.0.0.1:{port}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m common.health [--service NAME] [HOST:PORT]`: 0 when SERVING, else 1."""
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of `python -m common.health`."""
     parser = argparse.ArgumentParser(prog="python -m common.health", description=__doc__)
     parser.add_argument("address", nargs="?", default=default_probe_address())
     parser.add_argument("--service", default="", help=f"'' (default) or {LIVENESS_SERVICE}")
-    args = parser.parse_args(argv)
-    status = probe(args.address, args.service)
+    parser.add_argument("--until", default="", help="wait for this status (NOT_SERVING, ...)")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="how long --until waits")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m common.health [--service NAME] [--until STATUS] [HOST:PORT]`.
+
+    Returns: 0 when the status is SERVING (or STATUS, within --timeout-s), else 1.
+    """
+    args = build_parser().parse_args(argv)
+    wanted = args.until or "SERVING"
+    deadline = time.monotonic() + (args.timeout_s if args.until else 0.0)
+    while True:
+        status = probe(args.address, args.service)
+        if status == wanted or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     print(f"{args.address} {args.service or '(all)'}: {status}")
-    return 0 if status == "SERVING" else 1
+    return 0 if status == wanted else 1
 
 
 if __name__ == "__main__":
