@@ -55,6 +55,24 @@ def test_every_prometheus_config_passes_promtool_with_the_rules(config: str) -> 
     assert any((DEPLOY / config).parent.joinpath(f).resolve() == RULES for f in rule_files)
 
 
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_alert_links_to_what_to_do_in_the_operations_guide() -> None:
+    guide = REPO / "docs" / "operations.md"
+    anchors = {
+        github_anchor(line.lstrip("#"))
+        for line in guide.read_text().splitlines()
+        if line.startswith("#")
+    }
+    for rule in rules():
+        if "alert" in rule:
+            path, _, anchor = rule["annotations"]["runbook"].partition("#")
+            assert REPO / path == guide and anchor in anchors, (rule["alert"], anchor)
+
+
 def test_the_rules_use_only_metrics_the_processes_define() -> None:
     defined = defined_metric_names()
     for rule in rules():
