@@ -48,6 +48,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # A check returns None while its condition holds, else why the process cannot serve.
 Check = Callable[[], str | None]
+# The condition every process has; kvgate_redis_up follows it.
+REDIS_CONDITION = "redis"
 
 
 def add_health_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -72,7 +74,8 @@ def check_health_port(port: int) -> None:
 
 
 class HealthConditions:
-    """The reasons a process cannot serve now, by condition name; logs each change."""
+    """The reasons a process cannot serve now, by condition name; logs each change between
+    SERVING and NOT_SERVING."""
 
     def __init__(self, process: str, registry: CollectorRegistry | None = None) -> None:
         self._process = process
@@ -95,7 +98,7 @@ class HealthConditions:
             else:
                 self._failing[condition] = failing
             serving = not self._failing
-        if condition == "redis" and self._redis_up is not None:
+        if condition == REDIS_CONDITION and self._redis_up is not None:
             self._redis_up.set(0 if failing else 1)
         if serving != was_serving:
             if serving:
@@ -235,7 +238,7 @@ def start_health(
     Returns:
         The running server, or None after printing why it cannot listen (exit with 2).
     """
-    checks: dict[str, Check] = {"redis": redis_check(connect_sync(config.redis_url))}
+    checks: dict[str, Check] = {REDIS_CONDITION: redis_check(connect_sync(config.redis_url))}
     for name, reason in (failing_at_start or {}).items():
         checks[name] = functools.partial(str, reason)
     health = HealthServer(process, checks, registry)

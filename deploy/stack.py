@@ -133,6 +133,8 @@ class Stack:
         self.start_gateway("gateway", self.config.port)
         for index in range(num_executors):
             self.wait_executor(f"executor-{index}")
+        # Executors slower to load than the gateway's grace leave it NOT_SERVING for a moment.
+        wait_until(lambda: gateway_serving(self.address), 10.0, "gateway", self.procs["gateway"])
 
     def log_path(self, name: str) -> Path:
         """Where the child process `name` logs."""

@@ -20,6 +20,7 @@ from common.health import (
     CHECK_INTERVAL_S,
     LIVENESS_SERVICE,
     NOT_SERVING,
+    REDIS_CONDITION,
     SERVING,
     HealthConditions,
 )
@@ -62,9 +63,9 @@ class GatewayHealth:
         try:
             alive = bool(await self._queue.live_executor_ids())
         except redis.RedisError as error:
-            self.conditions.update("redis", f"redis unreachable: {error}")
+            self.conditions.update(REDIS_CONDITION, f"redis unreachable: {error}")
         else:
-            self.conditions.update("redis", None)
+            self.conditions.update(REDIS_CONDITION, None)
             self.conditions.update("executors", self._executor_condition(alive))
         status = SERVING if self.conditions.serving else NOT_SERVING
         for service in self._services:
