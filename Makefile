@@ -52,6 +52,7 @@ lint: setup
 	$(BIN)/buf lint protos
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint deploy/docker/Dockerfile
 
 # A small load on `make run`'s stack (start it first, in another terminal).
 bench: setup proto

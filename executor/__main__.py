@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from common.health import start_health
 from common.keys import RedisKeys
 from common.logs import add_log_context
 from common.redis_conn import connect_sync
@@ -43,11 +44,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    engine = Engine(config.engine)
-    service = ExecutorService(config, engine, client, metrics)
+    # NOT_SERVING while the model loads (a liveness probe answers meanwhile).
+    health = start_health("executor", config, metrics.registry, {"model": "loading the model"})
+    if health is None:
+        return 2
+    service = ExecutorService(config, Engine(config.engine), client, metrics)
+    health.remove_check("model")
+    health.add_check("draining", service.draining_check)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: service.drain())
-    service.run()
+        signal.signal(signum, lambda *_: (service.drain(), health.recheck()))
+    try:
+        service.run()
+    finally:
+        health.stop()
     return 0
 
 

@@ -23,6 +23,7 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.health import add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.model_files import MODEL_HELP, check_model_path
 
@@ -140,10 +141,13 @@ class ExecutorConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
     torch_threads: int = 0  # CPU threads for the model; 0: torch's default (all cores)
+    health_host: str = "127.0.0.1"
+    health_port: int = 0  # grpc.health.v1 for probes; 0: a free port, -1: none
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
         check_metrics_port(self.metrics_port)
+        check_health_port(self.health_port)
         check_range("--torch-threads", self.torch_threads, min_value=0, max_value=1024)
         check_model_path("--model", self.engine.model, "config.json")
         if any(c.isspace() or c == ":" for c in self.executor_id):
@@ -158,28 +162,42 @@ class ExecutorConfig:
         Raises:
             ValueError: naming the flag with a bad value.
         """
-        parser = argparse.ArgumentParser(
-            prog="python -m executor",
-            description="Run one executor: the engine's step loop on assignments from its Redis "
-            "inbox, tokens streamed to the gateways. SIGTERM drains it.",
-        )
-        add_common_flags(parser)
-        add_engine_flags(parser)
-        add = parser.add_argument
-        add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
-        threads_help = "CPU threads for the model (0: all cores)"
-        add(
-            "--torch-threads",
-            type=int,
-            default=env_int("KVGATE_TORCH_THREADS", 0),
-            help=threads_help,
-        )
-        add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
-        args = vars(parser.parse_args(argv))
+        return cls.from_flags(vars(build_parser().parse_args(argv)))
+
+    @classmethod
+    def from_flags(cls, values: dict[str, object]) -> ExecutorConfig:
+        """The config of parsed flags' values (`build_parser`'s, by field name).
+
+        Raises:
+            ValueError: naming the flag with a bad value.
+        """
+        values = dict(values)
         engine = engine_config_from_flags(
-            {f.name: args.pop(f.name) for f in fields(EngineConfig) if f.name in args}
+            {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
         )
-        return cls(engine=engine, **args)
+        return cls(engine=engine, **values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of `python -m executor`, with KVGATE_* environment variables as defaults."""
+    parser = argparse.ArgumentParser(
+        prog="python -m executor",
+        description="Run one executor: the engine's step loop on assignments from its Redis "
+        "inbox, tokens streamed to the gateways. SIGTERM drains it.",
+    )
+    add_common_flags(parser)
+    add_engine_flags(parser)
+    add = parser.add_argument
+    add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
+    add(
+        "--torch-threads",
+        type=int,
+        default=env_int("KVGATE_TORCH_THREADS", 0),
+        help="CPU threads for the model (0: all cores)",
+    )
+    add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
+    add_health_flags(parser, default_port=0)
+    return parser
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

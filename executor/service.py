@@ -94,6 +94,12 @@ class ExecutorService:
         """Finish running work and take no more; safe from a signal handler."""
         self._drain_requested.set()
 
+    def draining_check(self) -> str | None:
+        """The health condition of a drain: None until one was asked for."""
+        if self._drain_requested.is_set():
+            return "draining: finishing running requests, taking no more"
+        return None
+
     def run(self) -> None:
         """Serves until drained: the step loop on the calling thread."""
         self._post_status()

@@ -15,6 +15,7 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.health import HEALTH_DISABLED, add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.model_files import MODEL_HELP, check_model_path
 
@@ -42,6 +43,8 @@ class GatewayConfig:
     grace_s: float = 5.0  # running calls get this long to finish on SIGTERM
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
+    health_host: str = "127.0.0.1"
+    health_port: int = HEALTH_DISABLED  # grpc.health.v1 also here; -1: on the public port only
     log_level: str = "info"
     log_format: str = "json"
 
@@ -58,6 +61,7 @@ class GatewayConfig:
         check_range("--max-stop-len", self.max_stop_len, min_value=1)
         check_range("--grace-s", self.grace_s, min_value=0)
         check_metrics_port(self.metrics_port)
+        check_health_port(self.health_port)
         check_common_fields(self.redis_url, self.log_level, self.log_format)
 
     @property
@@ -85,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-stop-len", type=int, default=256)
     add("--grace-s", type=float, default=env_float("KVGATE_GRACE_S", 5.0))
     add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")
+    add_health_flags(parser, default_port=HEALTH_DISABLED)
     add_common_flags(parser)
     return parser
 

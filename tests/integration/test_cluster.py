@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.api import KvgateClient
+from common.health import LIVENESS_SERVICE
 from common.keys import PAYLOAD_FIELD
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 from tests.helpers import wait_for
@@ -138,6 +139,10 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
         wait_for(busy, "executor-1 running requests", timeout_s=30.0)
         stack.procs["executor-1"].send_signal(signal.SIGTERM)
         wait_for(draining, "executor-1 to report draining", timeout_s=10.0)
+        # Its probes see the drain too: out of rotation, but alive.
+        wait_for(lambda: stack.health("executor-1") == "NOT_SERVING", "NOT_SERVING", timeout_s=2.0)
+        assert stack.health("executor-1", LIVENESS_SERVICE) == "SERVING"
+        assert stack.procs["executor-1"].poll() is None, "executor-1 exited before its drain"
         inject_assignment(stack, "executor-1", probe_id)
         wait_for(
             lambda: bool(log_lines(stack, "executor-1", "handed back", probe_id)),
