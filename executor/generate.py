@@ -5,7 +5,7 @@
 
 Prints each completion's text, one block per prompt in the order given; a progress bar of
 generated tokens goes to stderr. Prompts are tokenized as the gateway tokenizes them
-(gateway/model_text.py), without a chat template.
+(common/model_text.py), without a chat template.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import sys
 
 from tqdm import tqdm
 
+from common.model_text import ModelText
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-from gateway.model_text import ModelText
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
 from common.logs import request_fields
+from common.model_text import ModelText
 from common.sampling_pb import sampling_params_to_pb
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import DeadlineExceeded, Unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
 from gateway.stops import StopStringMatcher
 from gateway.token_sink import (

@@ -14,13 +14,13 @@ from grpc_reflection.v1alpha import reflection
 
 from common.health import HEALTH_DISABLED
 from common.keys import RedisKeys
+from common.model_text import ModelText
 from common.redis_conn import connect
 from gateway.config import GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
-from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer
 from gateway.sessions import SessionStore

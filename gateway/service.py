@@ -9,12 +9,12 @@ from grpc import aio
 
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
+from common.templates import ROLES, ChatTemplateError, Message
 from gateway.auth import tenant_of
 from gateway.errors import InvalidArgument, NotFound
 from gateway.generation import Chunk, Generation, GenerationDeps
 from gateway.request_queue import RequestQueue
 from gateway.sessions import Session, SessionStore
-from gateway.templates import ROLES, ChatTemplateError, Message
 from gateway.token_sink import ClientCancelled
 from gateway.validation import (
     GenerationSpec,

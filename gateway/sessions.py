@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from common.keys import RedisKeys
+from common.templates import Message
 from gateway.errors import Aborted, NotFound, PermissionDenied
-from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 
 MAX_TURN_WRITES = 16  # check-and-set attempts of record_turn

@@ -11,10 +11,10 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from common.model_text import ModelLimits
 from common.sampling_params import SamplingParamError, SamplingParams
 from common.sampling_pb import sampling_params_from_pb
 from gateway.errors import InvalidArgument, shown
-from gateway.model_text import ModelLimits
 from protos.kvgate.v1 import inference_pb2
 
 MAX_ID_LEN = 128

@@ -21,13 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import cli
 from common.keys import RedisKeys
+from common.model_text import ModelText
 from common.redis_conn import connect
+from common.templates import Message
 from gateway import errors
 from gateway.config import GatewayConfig
-from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
 from gateway.sessions import MAX_TURN_WRITES, Session, SessionStore
-from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import internal_pb2
 from tests.helpers import STORIES_260K, wait_for

@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM, TokenizersBackend
 
 from client.api import KvgateClient
 from common.model_files import default_gguf_path
+from common.model_text import ModelText
 from common.sampling_params import SamplingParams
+from common.templates import Message
 from deploy.stack import Stack, StackConfig, free_port
 from executor.config import EngineConfig
 from executor.engine import Engine
-from gateway.model_text import ModelText
-from gateway.templates import Message
 from tests.helpers import assert_greedy_matches, hf_greedy, run_to_completion
 
 QUESTIONS = [

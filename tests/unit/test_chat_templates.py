@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.model_text import ModelText
-from gateway.templates import ChatTemplateError, Message
+from common.model_text import ModelText
+from common.templates import ChatTemplateError, Message
 from tests.helpers import STORIES_260K
 from tests.tiny_gguf import BOS_ID, CHATML, write_tiny_llama
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
+from common.model_text import ModelText
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.model_text import ModelText
 from gateway.stops import StopStringMatcher
 from tests.helpers import STORIES_260K
 

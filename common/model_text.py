@@ -21,7 +21,7 @@ from transformers import TokenizersBackend
 
 from common.gguf_metadata import GgufFile
 from common.model_files import gguf_file, model_id
-from gateway.templates import ChatTemplate, Message
+from common.templates import ChatTemplate, Message
 
 # llama.cpp's special-token keys -> transformers' names for them.
 _GGUF_SPECIAL_TOKENS = {
