@@ -149,35 +149,3 @@ def test_every_process_logs_json_lines_unless_told_text(monkeypatch: pytest.Monk
     assert LauncherConfig.from_args(["--log-format", "json"]).log_format == "json"
     with pytest.raises(ValueError, match="--log-format"):
         LauncherConfig.from_args(["--log-format", "xml"])
-
-
-def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path):
-    """common.startup registers the dump; the scheduler (waiting for a Redis that is not there)
-    stands for every process started through it."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.helpers import REPO
-
-    argv = [sys.executable, "-m", "scheduler", "--redis-url", f"unix://{tmp_path}/none.sock",
-            "--metrics-port", "-1"]  # fmt: skip
-    log_path = tmp_path / "scheduler.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60.0
-        while "redis unreachable" not in log_path.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        process.send_signal(signal.SIGUSR1)
-        time.sleep(1.0)
-        assert process.poll() is None, "SIGUSR1 must not stop the process"
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0, log_path.read_text()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    output = log_path.read_text()
-    assert "Current thread" in output and "scheduler/service.py" in output, output[-2000:]

@@ -1,0 +1,32 @@
+"""common.startup in a real process: what every kvgate process gets when it starts."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from tests.helpers import REPO, wait_for
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path):
+    """The scheduler (waiting for a Redis that is not there) stands for every process started
+    through common.startup."""
+    argv = [sys.executable, "-m", "scheduler", "--redis-url", f"unix://{tmp_path}/none.sock",
+            "--metrics-port", "-1"]  # fmt: skip
+    log_path = tmp_path / "scheduler.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "redis unreachable" in log_path.read_text(), "the scheduler to start", 60)
+        process.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "Current thread" in log_path.read_text(), "the stack dump", 30)
+        assert process.poll() is None, "SIGUSR1 must not stop the process"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = log_path.read_text()
+    assert "scheduler/service.py" in output, output[-2000:]
