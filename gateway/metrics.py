@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -10,6 +12,8 @@ import grpc
 from grpc import aio
 
 from common.metrics import ProcessMetrics
+
+log = logging.getLogger(__name__)
 
 
 class GatewayMetrics(ProcessMetrics):
@@ -29,7 +33,8 @@ def _code_of(context: aio.ServicerContext, ended: str) -> str:
     """The status code a call ended with, as a label value.
 
     Args:
-        ended: "completed", "cancelled" (its task was cancelled) or "raised".
+        ended: "completed", "cancelled" (its task was cancelled, or grpc closed its response
+            stream early) or "raised".
     """
     code = context.code()
     if code is not None:
@@ -57,13 +62,22 @@ class MetricsInterceptor(aio.ServerInterceptor):
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
 
-    def _count(self, full_method: str, context: aio.ServicerContext, ended: str) -> None:
+    def _count(
+        self,
+        full_method: str,
+        context: aio.ServicerContext,
+        ended: str,
+        error: BaseException | None,
+    ) -> None:
         service, method = _split_method(full_method)
-        self.metrics.requests.labels(service, method, _code_of(context, ended)).inc()
+        code = _code_of(context, ended)
+        if code == grpc.StatusCode.UNKNOWN.name:
+            log.warning("%s ended without a status code: UNKNOWN", full_method, exc_info=error)
+        self.metrics.requests.labels(service, method, code).inc()
 
     def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str):
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
-            ended = "raised"
+            ended, error = "raised", None
             try:
                 response = await behavior(request_or_iterator, context)
                 ended = "completed"
@@ -71,8 +85,11 @@ class MetricsInterceptor(aio.ServerInterceptor):
             except asyncio.CancelledError:
                 ended = "cancelled"
                 raise
+            except BaseException as exc:
+                error = exc
+                raise
             finally:
-                self._count(full_method, context, ended)
+                self._count(full_method, context, ended, error)
 
         return wrapper
 
@@ -80,18 +97,25 @@ class MetricsInterceptor(aio.ServerInterceptor):
         active = self.metrics.active_streams.labels(_split_method(full_method)[1])
 
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
-            ended = "raised"
+            ended, error = "raised", None
             active.inc()
             try:
-                async for response in behavior(request_or_iterator, context):
-                    yield response
+                # aclosing: the handler's own cleanup runs now, not when it is collected.
+                async with contextlib.aclosing(behavior(request_or_iterator, context)) as stream:
+                    async for response in stream:
+                        yield response
                 ended = "completed"
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                # A client that cancels mid-stream most often shows as GeneratorExit: grpc
+                # closes the response stream at a `yield`, before context.cancelled() is True.
                 ended = "cancelled"
+                raise
+            except BaseException as exc:
+                error = exc
                 raise
             finally:
                 active.dec()
-                self._count(full_method, context, ended)
+                self._count(full_method, context, ended, error)
 
         return wrapper
 
