@@ -11,9 +11,12 @@ import pytest
 import redis
 
 from client.api import Completion, KvgateClient, sampling_params
+from common.keys import RedisKeys
+from common.model_text import ModelText
 from deploy.stack import Stack, StackConfig, free_port
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 from tests.helpers import STORIES_260K, redis_server
+from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, make_gateway
 
 MODEL = STORIES_260K
 # A small, fixed KV cache: fast to start, and free blocks are easy to compare.
@@ -108,3 +111,25 @@ def open_stream(client: KvgateClient, prompt: str, **params) -> grpc.Future:
     params.setdefault("temperature", 0.0)
     request = inference_pb2.GenerateRequest(prompt=prompt, params=sampling_params(**params))
     return client.stub.Generate(request, timeout=120.0)
+
+
+# The gateway alone, with the executor's side of the wire played by the test.
+@pytest.fixture(scope="module")
+def model_text() -> ModelText:
+    return ModelText(STORIES_260K)
+
+
+@pytest.fixture
+def gateway(redis_url: str, redis_client: redis.Redis):
+    running = make_gateway(redis_url)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def executor(redis_client: redis.Redis, gateway: GatewayThread):
+    peer = ExecutorPeer(redis_client, RedisKeys())
+    peer.register()
+    peer.connect(gateway.gateway.reply_to)
+    yield peer
+    peer.link.close()

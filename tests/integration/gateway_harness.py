@@ -8,14 +8,21 @@ import queue
 import threading
 
 import grpc
+import pytest
 import redis
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
+from common.model_text import ModelText
 from executor.gateway_link import GatewayEvent, GatewayLink
 from gateway.config import GatewayConfig
 from gateway.server import RunningGateway, start_gateway
+from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import inference_pb2_grpc, internal_pb2
-from tests.helpers import WAIT_S, wait_for
+from tests.helpers import STORIES_260K, WAIT_S, wait_for
+
+PROMPT = "Once upon a time"
+STORY = ", there was a little girl named Lily. She loved to play."
+CALL_TIMEOUT_S = 20
 
 
 class GatewayThread:
@@ -83,3 +90,34 @@ class ExecutorPeer:
             event = self.events.get()
             ids.update(getattr(event, "request_ids", []))
         return ids
+
+
+def make_gateway(redis_url: str, **overrides) -> GatewayThread:
+    fields = {
+        "model": str(STORIES_260K),
+        "redis_url": redis_url,
+        "port": 0,
+        "queue_timeout_s": 20.0,
+    }
+    return GatewayThread(GatewayConfig(**(fields | overrides)))
+
+
+def story_ids(model_text: ModelText) -> list[int]:
+    prompt = model_text.encode(PROMPT)
+    return model_text.encode(PROMPT + STORY)[len(prompt) :]
+
+
+def generate(gateway: GatewayThread, **fields) -> grpc.Future:
+    request = pb.GenerateRequest(prompt=PROMPT, **fields)
+    return gateway.stub.Generate(request, timeout=CALL_TIMEOUT_S)
+
+
+def collect(call) -> tuple[str, list[pb.GenerateResponse]]:
+    chunks = list(call)
+    return "".join(c.text for c in chunks), chunks
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as raised:
+        list(call)
+    return raised.value.code(), raised.value.details()

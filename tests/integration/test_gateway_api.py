@@ -1,17 +1,10 @@
 """The gateway through its gRPC API, against a real redis-server and the executor's side
-of the wire protocol (requests stream + TokenSink stream) driven by the test."""
+of the wire protocol (requests stream + TokenSink stream) driven by the test: errors and
+statuses, and a request's tokens streamed back."""
 
 from __future__ import annotations
 
 import asyncio
-import io
-import json
-import queue
-import signal
-import subprocess
-import sys
-import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -19,75 +12,25 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import cli
 from common.keys import RedisKeys
 from common.model_text import ModelText
 from common.redis_conn import connect
-from common.templates import Message
 from gateway import errors
-from gateway.config import GatewayConfig
 from gateway.request_queue import RequestQueue
-from gateway.sessions import MAX_TURN_WRITES, Session, SessionStore
 from protos.kvgate.v1 import inference_pb2 as pb
-from protos.kvgate.v1 import internal_pb2
-from tests.helpers import STORIES_260K, wait_for
-from tests.integration.gateway_harness import ExecutorPeer, GatewayThread
-
-PROMPT = "Once upon a time"
-STORY = ", there was a little girl named Lily. She loved to play."
-CALL_TIMEOUT_S = 20
-
-
-@pytest.fixture(scope="module")
-def model_text() -> ModelText:
-    return ModelText(STORIES_260K)
-
-
-def make_gateway(redis_url: str, **overrides) -> GatewayThread:
-    fields = {
-        "model": str(STORIES_260K),
-        "redis_url": redis_url,
-        "port": 0,
-        "queue_timeout_s": 20.0,
-    }
-    return GatewayThread(GatewayConfig(**(fields | overrides)))
-
-
-@pytest.fixture
-def gateway(redis_url: str, redis_client: redis.Redis):
-    running = make_gateway(redis_url)
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def executor(redis_client: redis.Redis, gateway: GatewayThread):
-    peer = ExecutorPeer(redis_client, RedisKeys())
-    peer.register()
-    peer.connect(gateway.gateway.reply_to)
-    yield peer
-    peer.link.close()
-
-
-def story_ids(model_text: ModelText) -> list[int]:
-    prompt = model_text.encode(PROMPT)
-    return model_text.encode(PROMPT + STORY)[len(prompt) :]
-
-
-def generate(gateway: GatewayThread, **fields) -> grpc.Future:
-    request = pb.GenerateRequest(prompt=PROMPT, **fields)
-    return gateway.stub.Generate(request, timeout=CALL_TIMEOUT_S)
-
-
-def collect(call) -> tuple[str, list[pb.GenerateResponse]]:
-    chunks = list(call)
-    return "".join(c.text for c in chunks), chunks
-
-
-def status_of(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as raised:
-        list(call)
-    return raised.value.code(), raised.value.details()
+from tests.helpers import wait_for
+from tests.integration.gateway_harness import (
+    CALL_TIMEOUT_S,
+    PROMPT,
+    STORY,
+    ExecutorPeer,
+    GatewayThread,
+    collect,
+    generate,
+    make_gateway,
+    status_of,
+    story_ids,
+)
 
 
 def test_health_is_serving(gateway: GatewayThread):
@@ -292,6 +235,43 @@ def test_tokens_sent_twice_are_streamed_once(
     assert text == model_text.tokenizer.decode(model_text.encode(PROMPT) + tokens)[len(PROMPT) :]
 
 
+def logprobs_of(tokens: list[int], vocab_size: int) -> list[pb.TokenLogprob]:
+    """A distinct TokenLogprob per position, with two alternatives each."""
+    return [
+        pb.TokenLogprob(
+            token_id=token,
+            logprob=-(i + 1) / 8,
+            top=[
+                pb.TopLogprob(token_id=token, logprob=-(i + 1) / 8),
+                pb.TopLogprob(token_id=(token + 1) % vocab_size, logprob=-(i + 2)),
+            ],
+        )
+        for i, token in enumerate(tokens)
+    ]
+
+
+def test_logprobs_stream_once_each_in_order_when_the_executor_resends(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    call = generate(gateway, params=pb.SamplingParams(max_tokens=20, logprobs=2))
+    queued = executor.take_request()
+    assert queued.params.logprobs == 2, "the request's logprobs must reach the executor"
+    tokens = story_ids(model_text)[:7]
+    logprobs = logprobs_of(tokens, model_text.limits.vocab_size)
+    rid = queued.request_id
+    executor.send(rid, 0, tokens[:3], logprobs=logprobs[:3])
+    executor.send(rid, 1, tokens[1:5], logprobs=logprobs[1:5])  # re-sends 1 and 2
+    executor.send(rid, 3, tokens[3:6], logprobs=logprobs[3:6])  # re-sends 3 and 4
+    executor.send(
+        rid, 6, tokens[6:], logprobs=logprobs[6:],
+        finished=True, finish_reason=pb.FINISH_REASON_STOP,
+    )  # fmt: skip
+    _, chunks = collect(call)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks), chunks
+    assert [t for c in chunks for t in c.token_ids] == tokens
+    assert [lp for c in chunks for lp in c.logprobs] == logprobs
+
+
 def test_a_broken_executor_stream_requeues_with_the_streamed_tokens(
     gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
 ):
@@ -319,309 +299,6 @@ def test_client_cancel_aborts_the_executors_work(
     next(call)
     call.cancel()
     wait_for(lambda: "cancel-me" in executor.aborted_ids(), "an abort after cancel")
-
-
-def test_chat_opens_a_session_and_routes_later_turns_to_its_executor(
-    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText, redis_client
-):
-    turns = ChatTurns(["hi", "tell me more"])
-    responses = gateway.stub.Chat(turns.requests(), timeout=CALL_TIMEOUT_S)
-    first = executor.take_request()
-    reply = story_ids(model_text)[:5]
-    executor.send(first.request_id, 0, reply, finished=True, finish_reason=pb.FINISH_REASON_STOP)
-    first_chunks = read_turn(responses)
-    session_id = first_chunks[0].session_id
-    assert session_id and first.session_id == session_id
-    turns.next()
-    second = executor.take_request()
-    assert second.session_executor_id == "e1", "the session's next turn must prefer its executor"
-    assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
-    executor.send(second.request_id, 0, reply, finished=True, finish_reason=pb.FINISH_REASON_STOP)
-    second_chunks = read_turn(responses)
-    assert second_chunks[-1].turn_index == 1
-    turns.close()
-    state = internal_pb2.SessionState.FromString(redis_client.get(f"kvgate:session:{session_id}"))
-    assert [m.role for m in state.messages] == ["user", "assistant", "user", "assistant"]
-    assert state.executor_id == "e1" and state.tenant == "default"
-
-
-def test_chat_cancel_ends_the_turn_with_abort_and_keeps_the_stream(
-    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
-):
-    turns = ChatTurns(["hi", "again"])
-    responses = gateway.stub.Chat(turns.requests(), timeout=CALL_TIMEOUT_S)
-    first = executor.take_request()
-    executor.send(first.request_id, 0, story_ids(model_text)[:2])
-    next(responses)
-    turns.outgoing.put(pb.ChatRequest(cancel=pb.CancelTurn()))
-    assert read_turn(responses)[-1].chunk.finish_reason == pb.FINISH_REASON_ABORT
-    wait_for(lambda: first.request_id in executor.aborted_ids(), "an abort")
-    turns.next()
-    second = executor.take_request()
-    executor.send(second.request_id, 0, [2], finished=True, finish_reason=pb.FINISH_REASON_STOP)
-    assert read_turn(responses)[-1].turn_index == 1
-    turns.close()
-
-
-def test_a_bad_first_chat_turn_leaves_no_session_behind(
-    gateway: GatewayThread, redis_client: redis.Redis
-):
-    turn = pb.ChatTurn(content="hi", params=pb.SamplingParams(temperature=-1.0))
-    responses = gateway.stub.Chat(iter([pb.ChatRequest(turn=turn)]), timeout=CALL_TIMEOUT_S)
-    code, details = status_of(responses)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{code}: {details}"
-    assert "params.temperature" in details, f"expected the message to name the field: {details!r}"
-    orphans = redis_client.keys("kvgate:session:*")
-    assert orphans == [], f"a rejected first turn left sessions in redis: {orphans}"
-
-
-def test_another_tenants_session_is_permission_denied(
-    gateway: GatewayThread, executor: ExecutorPeer, redis_client
-):
-    foreign = internal_pb2.SessionState(session_id="theirs", tenant="acme")
-    redis_client.set("kvgate:session:theirs", foreign.SerializeToString())
-    code, details = status_of(generate(gateway, session_id="theirs"))
-    assert code == grpc.StatusCode.PERMISSION_DENIED, f"{code}: {details}"
-    with pytest.raises(grpc.RpcError) as raised:
-        gateway.stub.EndSession(pb.EndSessionRequest(session_id="theirs"))
-    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
-
-
-def test_end_session_releases_it_on_its_executor(gateway: GatewayThread, redis_client):
-    state = internal_pb2.SessionState(session_id="mine", tenant="default", executor_id="e7")
-    redis_client.set("kvgate:session:mine", state.SerializeToString())
-    ended = gateway.stub.EndSession(pb.EndSessionRequest(session_id="mine"))
-    assert ended.ended and not redis_client.exists("kvgate:session:mine")
-    (_, fields), *_ = redis_client.xrange("kvgate:exec:e7:inbox")
-    message = internal_pb2.InboxMessage.FromString(fields[b"pb"])
-    assert message.release_session.session_id == "mine"
-    again = gateway.stub.EndSession(pb.EndSessionRequest(session_id="mine"))
-    assert not again.ended
-
-
-class ChatTurns:
-    """Feeds a Chat stream one turn at a time."""
-
-    def __init__(self, contents: list[str]) -> None:
-        self.contents = list(contents)
-        self.outgoing: queue.Queue = queue.Queue()
-        self.next()
-
-    def next(self) -> None:
-        turn = pb.ChatTurn(content=self.contents.pop(0), params=pb.SamplingParams(max_tokens=8))
-        self.outgoing.put(pb.ChatRequest(turn=turn))
-
-    def close(self) -> None:
-        self.outgoing.put(None)
-
-    def requests(self):
-        return iter(self.outgoing.get, None)
-
-
-def read_turn(responses) -> list[pb.ChatResponse]:
-    chunks = []
-    for response in responses:
-        chunks.append(response)
-        if response.chunk.finish_reason:
-            return chunks
-    raise AssertionError(f"the turn ended without a last chunk: {chunks}")
-
-
-def test_sigterm_stops_the_gateway_process_with_an_executor_connected(
-    redis_url: str, redis_client: redis.Redis
-):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--model", str(STORIES_260K), "--redis-url", redis_url,
-         "--port", "0", "--log-format", "json"],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    serving = read_log_until(process, "gateway serving on")
-    peer = ExecutorPeer(redis_client, RedisKeys())
-    peer.connect(serving.split("token sink ")[1].split(",")[0])
-    read_log_until(process, "connected its token stream")
-    process.send_signal(signal.SIGTERM)
-    remaining_log = process.stderr.read()
-    assert process.wait(timeout=30) == 0, remaining_log
-    assert "gateway stopped" in remaining_log, remaining_log
-    peer.link.close()
-
-
-def read_log_until(process: subprocess.Popen, text: str) -> str:
-    """The message of the first JSON log line holding `text`."""
-    for line in process.stderr:
-        if text in line:
-            return json.loads(line)["msg"]
-    raise AssertionError(f"the process exited before logging {text!r}")
-
-
-def answer_in_background(executor: ExecutorPeer, token_ids: list[int], turns: int = 1):
-    """Answer the next `turns` queued requests with `token_ids`, from a thread."""
-
-    def answer() -> None:
-        for _ in range(turns):
-            queued = executor.take_request()
-            executor.send(
-                queued.request_id, 0, token_ids, finished=True,
-                finish_reason=pb.FINISH_REASON_STOP,
-            )  # fmt: skip
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    return thread
-
-
-def test_kvgate_generate_prints_the_completion(
-    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText, capsys
-):
-    answering = answer_in_background(executor, story_ids(model_text))
-    exit_code = cli.main(
-        ["generate", PROMPT, "--max-tokens", "20", "--temperature", "0",
-         "--target", gateway.gateway.address],
-    )  # fmt: skip
-    answering.join()
-    assert exit_code == 0
-    assert capsys.readouterr().out == STORY + "\n"
-
-
-@pytest.mark.parametrize(("flag", "value"), [("--max-tokens", "-1"), ("--seed", "-3")])
-def test_kvgate_generate_names_an_out_of_range_flag_without_a_traceback(
-    flag: str, value: str, capsys
-):
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["generate", PROMPT, flag, value, "--target", "127.0.0.1:1"])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2, f"expected exit status 2, got {exited.value.code}: {err}"
-    assert flag in err and value in err, f"the error must name {flag} and {value}: {err!r}"
-    assert "Traceback" not in err, err
-
-
-def test_kvgate_chat_streams_replies_and_ends_its_session(
-    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText, capsys, monkeypatch
-):
-    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
-    answering = answer_in_background(executor, story_ids(model_text), turns=2)
-    exit_code = cli.main(["chat", "--target", gateway.gateway.address])
-    answering.join()
-    assert exit_code == 0
-    assert capsys.readouterr().out.count(STORY) == 2
-    assert executor.client.keys("kvgate:session:*") == [], "the REPL must end its session"
-
-
-def test_a_gateway_on_a_taken_port_exits_naming_the_flag(redis_url: str):
-    """gRPC servers share a port by default (SO_REUSEPORT): a second gateway on a taken
-    port used to start and take half of the first one's connections."""
-    holder = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-    port = holder.add_insecure_port("127.0.0.1:0")
-    holder.start()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "gateway", "--model", str(STORIES_260K),
-             "--redis-url", redis_url, "--port", str(port), "--metrics-port", "-1"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-    finally:
-        holder.stop(grace=None)
-    assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-2000:]}"
-    assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-
-
-def test_turns_recorded_by_two_streams_on_one_session_are_all_kept(redis_url: str, redis_client):
-    """Two Chat streams hold copies of one session; each records a turn. The second must not
-    overwrite the first's turn (each used to save its whole copy)."""
-    store_a = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
-    store_b = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
-
-    async def two_streams() -> tuple[Session, Session, Session]:
-        opened = await store_a.create("default")
-        copy_a = await store_a.load(opened.session_id, "default")
-        copy_b = await store_b.load(opened.session_id, "default")
-        apple = [Message("user", "apple"), Message("assistant", "red")]
-        banana = [Message("user", "banana"), Message("assistant", "yellow")]
-        await store_a.record_turn(copy_a, apple, "e1")
-        await store_b.record_turn(copy_b, banana, "")
-        return copy_a, copy_b, await store_a.load(opened.session_id, "default")
-
-    copy_a, copy_b, stored = asyncio.run(two_streams())
-    assert [m.content for m in stored.messages] == ["apple", "red", "banana", "yellow"]
-    assert (stored.num_turns, stored.executor_id) == (2, "e1"), stored
-    assert copy_b.messages == stored.messages, "the recording copy is brought up to date"
-    assert [m.content for m in copy_a.messages] == ["apple", "red"]
-
-
-def test_a_turn_whose_write_races_another_is_retried_on_the_new_state(
-    redis_url: str, redis_client, monkeypatch
-):
-    """Another stream writes the session between this turn's read and its write: the write
-    is tried again on top of the other one's, and nothing is doubled."""
-    store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
-    session = Session("s-race", "default", [Message("user", "hi"), Message("assistant", "yo")])
-    key = RedisKeys().session("s-race")
-    other = Session("s-race", "default", [Message("user", "other")], "e9", num_turns=4)
-    redis_client.set(key, session.to_pb().SerializeToString())
-    original_to_pb = Session.to_pb
-    writes = []
-
-    def to_pb_racing(self):
-        if not writes:  # the first attempt: the other stream writes just before our EXEC
-            writes.append(other)
-            redis_client.set(key, original_to_pb(other).SerializeToString())
-        return original_to_pb(self)
-
-    monkeypatch.setattr(Session, "to_pb", to_pb_racing)
-    turn = [Message("user", "again"), Message("assistant", "sure")]
-    asyncio.run(store.record_turn(session, turn, ""))
-    stored = Session.from_pb(internal_pb2.SessionState.FromString(redis_client.get(key)))
-    assert [m.content for m in stored.messages] == ["other", "again", "sure"], stored
-    assert (stored.num_turns, stored.executor_id) == (5, "e9"), stored
-    assert session.messages == stored.messages and session.num_turns == 5
-
-
-def test_a_turn_whose_session_is_ended_under_it_does_not_bring_it_back(
-    redis_url: str, redis_client, monkeypatch
-):
-    store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
-    key = RedisKeys().session("s-gone")
-    stored_before = Session("s-gone", "default", [Message("user", "hi")], "e1", num_turns=1)
-    redis_client.set(key, stored_before.to_pb().SerializeToString())
-    session = Session("s-gone", "default", [Message("user", "hi")], "e1", num_turns=1)
-    original_to_pb = Session.to_pb
-    deleted = []
-
-    def to_pb_racing(self):
-        if not deleted:  # EndSession on another stream, just before our EXEC
-            deleted.append(redis_client.delete(key))
-        return original_to_pb(self)
-
-    monkeypatch.setattr(Session, "to_pb", to_pb_racing)
-    asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
-    assert deleted == [1], "the session was deleted between the read and the write"
-    assert redis_client.get(key) is None, "an ended session must stay ended"
-    assert [m.content for m in session.messages] == ["hi"], session
-
-
-def test_a_turn_that_keeps_losing_the_race_gives_up_with_aborted(
-    redis_url: str, redis_client, monkeypatch
-):
-    """Another stream writes the session before every one of this turn's writes: after
-    MAX_TURN_WRITES tries the turn gives up with ABORTED instead of trying forever."""
-    store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
-    key = RedisKeys().session("s-busy")
-    session = Session("s-busy", "default", [Message("user", "hi")])
-    redis_client.set(key, session.to_pb().SerializeToString())
-    original_to_pb = Session.to_pb
-    tries = []
-
-    def to_pb_always_racing(self):
-        tries.append(1)
-        redis_client.set(key, original_to_pb(session).SerializeToString())
-        return original_to_pb(self)
-
-    monkeypatch.setattr(Session, "to_pb", to_pb_always_racing)
-    with pytest.raises(errors.Aborted, match="kept changing"):
-        asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
-    assert len(tries) == MAX_TURN_WRITES, f"{len(tries)} writes tried"
-    assert [m.content for m in session.messages] == ["hi"], session
 
 
 def test_waiting_requests_share_one_liveness_read(redis_url: str, monkeypatch):
