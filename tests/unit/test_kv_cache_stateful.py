@@ -5,7 +5,8 @@ The test keeps a shadow copy of the KV pool: when a request "computes" a positio
 the K/V there depends on. Every request's computed positions, every session's tokens and
 every published block are then checked against the shadow: a request must never read K/V
 written for other tokens or for another salt, whatever mix of prefix hits, session turns,
-preemptions, expiries and evictions led there.
+preemptions, expiries and evictions led there. The shadow and its checks are in
+kv_cache_shadow.py.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from hypothesis.stateful import (
 )
 
 from common.sampling_params import SamplingParams
-from executor.kv_cache import KVCacheManager, Session
+from executor.kv_cache import KVCacheManager
 from executor.request import Request
+from tests.unit.kv_cache_shadow import Content, FakeClock, ShadowChecks
 
 VOCAB = st.integers(0, 3)  # tiny, so prefixes repeat and the cache hits often
 # Prompts often start with a shared "system prompt", as in real traffic: blocks get shared.
@@ -44,16 +46,6 @@ MAX_REQUEST_TOKENS = 16  # a request finishes (LENGTH) once it holds this many t
 EOS = 3  # sampling it finishes the request (STOP), so turns end and sessions get pinned
 SESSION_TTL_S = 10.0
 
-Content = tuple[str | None, tuple[int, ...]]  # (cache salt, tokens up to the slot's position)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
 
 def draw_request(data: st.DataObject, requests: list[Request]) -> Request:
     """One of `requests`, drawn by id so that a failing example prints short."""
@@ -61,11 +53,7 @@ def draw_request(data: st.DataObject, requests: list[Request]) -> Request:
     return by_id[data.draw(st.sampled_from(sorted(by_id)), label="request")]
 
 
-def content_at(salt: str | None, token_ids: list[int], position: int) -> Content:
-    return (salt, tuple(token_ids[: position + 1]))
-
-
-class KVCacheMachine(RuleBasedStateMachine):
+class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([2, 4]),
         num_blocks=st.integers(8, 32),
@@ -97,21 +85,6 @@ class KVCacheMachine(RuleBasedStateMachine):
     def new_request(self, prompt: list[int], session_id: str | None, salt: str | None) -> Request:
         n = next(self.ids)
         return Request(f"r{n}", prompt, SamplingParams(), n, session_id=session_id, cache_salt=salt)
-
-    def assert_holds_own_kv(self, req: Request, num_tokens: int, what: str) -> None:
-        for p in range(num_tokens):
-            block_id = req.block_table[p // self.bs]
-            got = self.shadow[block_id][p % self.bs]
-            want = content_at(req.cache_salt, req.all_token_ids, p)
-            assert got == want, (
-                f"{what}: {req.request_id} position {p} (block {block_id}) should hold K/V of "
-                f"{want}, but the slot holds K/V of {got}"
-            )
-
-    def write_kv(self, req: Request, start: int, stop: int) -> None:
-        for p in range(start, stop):
-            block_id = req.block_table[p // self.bs]
-            self.shadow[block_id][p % self.bs] = content_at(req.cache_salt, req.all_token_ids, p)
 
     def submit(self, req: Request, chunk: int) -> None:
         self.waiting.append(req)
@@ -165,12 +138,6 @@ class KVCacheMachine(RuleBasedStateMachine):
             if token_id == EOS or req.num_tokens >= MAX_REQUEST_TOKENS:
                 self.finish(req, abort=False)
 
-    def record_hashes(self, req: Request) -> None:
-        for i, block_hash in enumerate(req.block_hashes):
-            want = (req.cache_salt, tuple(req.all_token_ids[: (i + 1) * self.bs]))
-            seen = self.hash_contents.setdefault(block_hash, want)
-            assert seen == want, f"one block hash names both {seen} and {want}"
-
     def finish(self, req: Request, abort: bool) -> None:
         if req in self.running:
             self.running.remove(req)
@@ -187,19 +154,6 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.pinned[req.session_id] = (req.cache_salt, tokens, self.clock.now_s)
         else:
             self.kv.free(req)
-
-    def account_for_evicted_sessions(self) -> None:
-        """Sessions may vanish only by eviction under pressure, and each one is counted."""
-        vanished = [sid for sid in self.pinned if sid not in self.kv.sessions]
-        evicted = self.kv.num_evicted_sessions - self.num_evicted_sessions
-        assert len(vanished) == evicted, (
-            f"sessions {vanished} vanished but {evicted} evictions were counted"
-        )
-        lru_first = list(self.pinned)[: len(vanished)]
-        assert vanished == lru_first, f"evicted {vanished}, but the least recent were {lru_first}"
-        for session_id in vanished:
-            del self.pinned[session_id]
-        self.num_evicted_sessions = self.kv.num_evicted_sessions
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -428,92 +382,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.check_requests_hold_their_own_kv()
         self.check_sessions_hold_their_turns_kv()
         self.check_published_blocks_hold_what_their_hash_names()
-
-    def holders(self) -> list[tuple[str, str | None, list[int]]]:
-        held = [(r.request_id, r.cache_salt, r.block_table) for r in self.running + self.waiting]
-        held += [(f"session {s.session_id}", s.cache_salt, s.block_ids) for s in self.sessions()]
-        return held
-
-    def sessions(self) -> list[Session]:
-        return list(self.kv.sessions.values())
-
-    def check_ref_counts_match_references(self) -> None:
-        refs = [0] * self.kv.num_blocks
-        for _, _, block_ids in self.holders():
-            for block_id in block_ids:
-                refs[block_id] += 1
-        got = [b.ref_count for b in self.kv.blocks]
-        assert got == refs, f"ref counts should be {refs}, are {got}"
-
-    def check_free_lists_hold_each_free_block_once(self) -> None:
-        plain = list(self.kv._free_plain)
-        cached = list(self.kv._free_cached)
-        free = plain + cached
-        want = [b.block_id for b in self.kv.blocks if b.ref_count == 0]
-        assert sorted(free) == want, f"free lists should hold {want}, hold {sorted(free)}"
-        for block_id in plain:
-            assert self.kv.blocks[block_id].block_hash is None, (
-                f"block {block_id} is published but on the plain free list (reused unhashed)"
-            )
-        for block_id in cached:
-            assert self.kv.blocks[block_id].block_hash is not None, (
-                f"block {block_id} is on the cached free list but not published"
-            )
-
-    def check_blocks_are_never_shared_across_salts(self) -> None:
-        salt_of: dict[int, tuple[str, str | None]] = {}
-        for holder, salt, block_ids in self.holders():
-            for block_id in block_ids:
-                other = salt_of.setdefault(block_id, (holder, salt))
-                assert other[1] == salt, (
-                    f"block {block_id} is held by {holder} (salt {salt!r}) and by {other[0]} "
-                    f"(salt {other[1]!r})"
-                )
-
-    def check_requests_hold_their_own_kv(self) -> None:
-        for req in self.running:
-            self.assert_holds_own_kv(req, req.num_computed_tokens, "running request")
-        for req in self.waiting:
-            assert not req.block_table and req.num_computed_tokens == 0, (
-                f"waiting {req.request_id} should hold nothing, holds {req.block_table}"
-            )
-
-    def check_sessions_hold_their_turns_kv(self) -> None:
-        self.account_for_evicted_sessions()
-        last_used = [s.last_used_s for s in self.sessions()]
-        assert last_used == sorted(last_used), f"sessions out of LRU order: {last_used}"
-        for s in self.sessions():
-            assert s.session_id in self.pinned, f"session {s.session_id} appeared from nowhere"
-            salt, tokens, pinned_at = self.pinned[s.session_id]
-            assert (s.cache_salt, s.token_ids, s.last_used_s) == (salt, tokens, pinned_at)
-            assert len(s.block_ids) * self.bs >= len(tokens)
-            for p in range(len(tokens)):
-                got = self.shadow[s.block_ids[p // self.bs]][p % self.bs]
-                want = content_at(salt, tokens, p)
-                assert got == want, (
-                    f"session {s.session_id} position {p} should hold K/V of {want}, holds {got}"
-                )
-
-    def check_published_blocks_hold_what_their_hash_names(self) -> None:
-        for req in self.running + self.waiting:
-            self.record_hashes(req)
-        for block_hash, block_id in self.kv._hash_to_block.items():
-            block = self.kv.blocks[block_id]
-            assert block.block_hash == block_hash, f"block {block_id} has lost its hash"
-            assert block_hash in self.hash_contents, f"block {block_id} published a stray hash"
-            salt, prefix = self.hash_contents[block_hash]
-            start = len(prefix) - self.bs
-            assert block.token_ids == prefix[start:], (
-                f"block {block_id} confirms hits with {block.token_ids}, hash names {prefix}"
-            )
-            for slot in range(self.bs):
-                got = self.shadow[block_id][slot]
-                want = (salt, prefix[: start + slot + 1])
-                assert got == want, (
-                    f"published block {block_id} slot {slot} should hold K/V of {want}, holds {got}"
-                )
-        published = {b.block_id for b in self.kv.blocks if b.block_hash is not None}
-        assert published == set(self.kv._hash_to_block.values())
 
     def teardown(self) -> None:
         if not hasattr(self, "kv"):

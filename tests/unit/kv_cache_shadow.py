@@ -1,0 +1,160 @@
+"""The shadow copy of the KV pool that test_kv_cache_stateful.py's state machine keeps, and
+the checks it makes of KVCacheManager against it.
+
+A slot of the shadow holds (cache salt, tokens up to and including its position): what the
+K/V written there depends on. `ShadowChecks` is mixed into the state machine, which owns the
+state it reads: `kv`, `bs`, `shadow`, `running`, `waiting`, `pinned`, `hash_contents` and
+`num_evicted_sessions`.
+"""
+
+from __future__ import annotations
+
+from executor.kv_cache import KVCacheManager, Session
+from executor.request import Request
+
+Content = tuple[str | None, tuple[int, ...]]  # (cache salt, tokens up to the slot's position)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def content_at(salt: str | None, token_ids: list[int], position: int) -> Content:
+    return (salt, tuple(token_ids[: position + 1]))
+
+
+class ShadowChecks:
+    """What the KV cache must hold, checked against the shadow pool."""
+
+    kv: KVCacheManager
+    bs: int
+    shadow: list[list[Content | None]]
+    running: list[Request]
+    waiting: list[Request]
+    pinned: dict[str, tuple[str | None, list[int], float]]
+    hash_contents: dict[int, Content]
+    num_evicted_sessions: int
+
+    def assert_holds_own_kv(self, req: Request, num_tokens: int, what: str) -> None:
+        for p in range(num_tokens):
+            block_id = req.block_table[p // self.bs]
+            got = self.shadow[block_id][p % self.bs]
+            want = content_at(req.cache_salt, req.all_token_ids, p)
+            assert got == want, (
+                f"{what}: {req.request_id} position {p} (block {block_id}) should hold K/V of "
+                f"{want}, but the slot holds K/V of {got}"
+            )
+
+    def write_kv(self, req: Request, start: int, stop: int) -> None:
+        for p in range(start, stop):
+            block_id = req.block_table[p // self.bs]
+            self.shadow[block_id][p % self.bs] = content_at(req.cache_salt, req.all_token_ids, p)
+
+    def record_hashes(self, req: Request) -> None:
+        for i, block_hash in enumerate(req.block_hashes):
+            want = (req.cache_salt, tuple(req.all_token_ids[: (i + 1) * self.bs]))
+            seen = self.hash_contents.setdefault(block_hash, want)
+            assert seen == want, f"one block hash names both {seen} and {want}"
+
+    def account_for_evicted_sessions(self) -> None:
+        """Sessions may vanish only by eviction under pressure, and each one is counted."""
+        vanished = [sid for sid in self.pinned if sid not in self.kv.sessions]
+        evicted = self.kv.num_evicted_sessions - self.num_evicted_sessions
+        assert len(vanished) == evicted, (
+            f"sessions {vanished} vanished but {evicted} evictions were counted"
+        )
+        lru_first = list(self.pinned)[: len(vanished)]
+        assert vanished == lru_first, f"evicted {vanished}, but the least recent were {lru_first}"
+        for session_id in vanished:
+            del self.pinned[session_id]
+        self.num_evicted_sessions = self.kv.num_evicted_sessions
+
+    def holders(self) -> list[tuple[str, str | None, list[int]]]:
+        held = [(r.request_id, r.cache_salt, r.block_table) for r in self.running + self.waiting]
+        held += [(f"session {s.session_id}", s.cache_salt, s.block_ids) for s in self.sessions()]
+        return held
+
+    def sessions(self) -> list[Session]:
+        return list(self.kv.sessions.values())
+
+    def check_ref_counts_match_references(self) -> None:
+        refs = [0] * self.kv.num_blocks
+        for _, _, block_ids in self.holders():
+            for block_id in block_ids:
+                refs[block_id] += 1
+        got = [b.ref_count for b in self.kv.blocks]
+        assert got == refs, f"ref counts should be {refs}, are {got}"
+
+    def check_free_lists_hold_each_free_block_once(self) -> None:
+        plain = list(self.kv._free_plain)
+        cached = list(self.kv._free_cached)
+        free = plain + cached
+        want = [b.block_id for b in self.kv.blocks if b.ref_count == 0]
+        assert sorted(free) == want, f"free lists should hold {want}, hold {sorted(free)}"
+        for block_id in plain:
+            assert self.kv.blocks[block_id].block_hash is None, (
+                f"block {block_id} is published but on the plain free list (reused unhashed)"
+            )
+        for block_id in cached:
+            assert self.kv.blocks[block_id].block_hash is not None, (
+                f"block {block_id} is on the cached free list but not published"
+            )
+
+    def check_blocks_are_never_shared_across_salts(self) -> None:
+        salt_of: dict[int, tuple[str, str | None]] = {}
+        for holder, salt, block_ids in self.holders():
+            for block_id in block_ids:
+                other = salt_of.setdefault(block_id, (holder, salt))
+                assert other[1] == salt, (
+                    f"block {block_id} is held by {holder} (salt {salt!r}) and by {other[0]} "
+                    f"(salt {other[1]!r})"
+                )
+
+    def check_requests_hold_their_own_kv(self) -> None:
+        for req in self.running:
+            self.assert_holds_own_kv(req, req.num_computed_tokens, "running request")
+        for req in self.waiting:
+            assert not req.block_table and req.num_computed_tokens == 0, (
+                f"waiting {req.request_id} should hold nothing, holds {req.block_table}"
+            )
+
+    def check_sessions_hold_their_turns_kv(self) -> None:
+        self.account_for_evicted_sessions()
+        last_used = [s.last_used_s for s in self.sessions()]
+        assert last_used == sorted(last_used), f"sessions out of LRU order: {last_used}"
+        for s in self.sessions():
+            assert s.session_id in self.pinned, f"session {s.session_id} appeared from nowhere"
+            salt, tokens, pinned_at = self.pinned[s.session_id]
+            assert (s.cache_salt, s.token_ids, s.last_used_s) == (salt, tokens, pinned_at)
+            assert len(s.block_ids) * self.bs >= len(tokens)
+            for p in range(len(tokens)):
+                got = self.shadow[s.block_ids[p // self.bs]][p % self.bs]
+                want = content_at(salt, tokens, p)
+                assert got == want, (
+                    f"session {s.session_id} position {p} should hold K/V of {want}, holds {got}"
+                )
+
+    def check_published_blocks_hold_what_their_hash_names(self) -> None:
+        for req in self.running + self.waiting:
+            self.record_hashes(req)
+        for block_hash, block_id in self.kv._hash_to_block.items():
+            block = self.kv.blocks[block_id]
+            assert block.block_hash == block_hash, f"block {block_id} has lost its hash"
+            assert block_hash in self.hash_contents, f"block {block_id} published a stray hash"
+            salt, prefix = self.hash_contents[block_hash]
+            start = len(prefix) - self.bs
+            assert block.token_ids == prefix[start:], (
+                f"block {block_id} confirms hits with {block.token_ids}, hash names {prefix}"
+            )
+            for slot in range(self.bs):
+                got = self.shadow[block_id][slot]
+                want = (salt, prefix[: start + slot + 1])
+                assert got == want, (
+                    f"published block {block_id} slot {slot} should hold K/V of {want}, holds {got}"
+                )
+        published = {b.block_id for b in self.kv.blocks if b.block_hash is not None}
+        assert published == set(self.kv._hash_to_block.values())
