@@ -127,8 +127,18 @@ def test_gateway_metrics_count_calls_tokens_and_latencies(stack: Stack) -> None:
     before = parse(scrape(stack, "gateway"))
     num_tokens = run_requests(stack)
     send_invalid_request(stack)
-    after = parse(scrape(stack, "gateway"))
     calls = "kvgate_gateway_requests_total"
+
+    def scraped_once_all_are_counted() -> Samples | None:
+        # A call is counted after its status went out: the client may see it end first.
+        after = parse(scrape(stack, "gateway"))
+        counted = sum(
+            increase(before, after, calls, service=INFERENCE, method="Generate", code=code)
+            for code in ("OK", "INVALID_ARGUMENT", "UNKNOWN", "CANCELLED")
+        )
+        return after if counted >= NUM_REQUESTS + 1 else None
+
+    after = wait_for(scraped_once_all_are_counted, "every Generate call counted")
     ok = increase(before, after, calls, service=INFERENCE, method="Generate", code="OK")
     assert ok == NUM_REQUESTS, f"expected {NUM_REQUESTS} OK Generate calls counted, got {ok}"
     invalid = increase(
