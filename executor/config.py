@@ -172,9 +172,7 @@ class ExecutorConfig:
             ValueError: naming the flag with a bad value.
         """
         values = dict(values)
-        engine = engine_config_from_flags(
-            {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
-        )
+        engine = pop_engine_config(values)
         return cls(engine=engine, **values)
 
 
@@ -236,6 +234,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
     add(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default=env_str("KVGATE_DTYPE", "auto"),
+        help="weights and KV cache: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+        "float16 or bfloat16",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("KVGATE_ENABLE_PREFIX_CACHING", True),
+        help="reuse the K/V of cached prompt prefixes across requests",
+    )
+    add(
         "--retain-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
@@ -243,17 +254,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config_from_flags(values: dict[str, object]) -> EngineConfig:
-    """The EngineConfig of the engine flags' values (0 for --max-model-len and
-    --num-gpu-blocks: unset).
+def pop_engine_config(values: dict[str, object]) -> EngineConfig:
+    """Take the engine flags' values (`add_engine_flags`'s, by field name) out of `values`.
+
+    Returns:
+        Their EngineConfig (0 for --max-model-len and --num-gpu-blocks, `auto` for --dtype:
+        unset); the other flags' values stay in `values`.
 
     Raises:
         ValueError: naming the flag of the field out of range.
     """
+    engine = {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
     for name in ("max_model_len", "num_gpu_blocks"):
-        values[name] = values[name] or None
+        engine[name] = engine[name] or None
+    if engine.get("dtype") == "auto":
+        engine["dtype"] = None
     try:
-        return EngineConfig(**values)
+        return EngineConfig(**engine)
     except EngineConfigError as error:
         flag = "--" + error.field.replace("_", "-")
         raise ValueError(f"{flag} must be {error.allowed}, got {error.value!r}") from None
