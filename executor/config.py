@@ -27,6 +27,10 @@ from common.health import add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.model_files import MODEL_HELP, check_model_path
 
+# Orders of the waiting queue within a priority level: first come, first served, or longest
+# prefix match first (the most prompt tokens already in the prefix or session cache).
+POLICIES = ("fcfs", "lpm")
+
 
 class EngineConfigError(ValueError):
     """An EngineConfig field out of range."""
@@ -56,6 +60,8 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
+    policy: str = "fcfs"  # order of the waiting queue within a priority: fcfs or lpm
+    lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones
 
     def __post_init__(self) -> None:
         _require(
@@ -97,6 +103,8 @@ class EngineConfig:
             "one of float32, float16, bfloat16",
             self.dtype,
         )
+        _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
+        _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
         _require(
             self.device == "cpu" or self.device.startswith("cuda"),
             "device",
@@ -245,6 +253,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=env_bool("KVGATE_ENABLE_PREFIX_CACHING", True),
         help="reuse the K/V of cached prompt prefixes across requests",
+    )
+    add(
+        "--policy",
+        choices=POLICIES,
+        default=env_str("KVGATE_EXECUTOR_POLICY", "fcfs"),
+        help="order of waiting requests within a priority: fcfs, or lpm (longest cached "
+        "prefix first, with aging)",
+    )
+    add(
+        "--lpm-aging-steps",
+        type=int,
+        default=env_int("KVGATE_LPM_AGING_STEPS", 64),
+        help="lpm: a request waiting this many steps goes before every younger one",
     )
     add(
         "--retain-freed-memory",

@@ -1,7 +1,8 @@
 """Step scheduler: which requests run in the next forward pass, and how many tokens each.
 
 Running requests go first (each gets what it still needs, within the token budget), then
-waiting ones in (priority, arrival) order while sequences, budget and blocks allow. A long
+waiting ones in policy order while sequences, budget and blocks allow: by priority, then
+arrival (fcfs) or the longest cached prefix first (lpm, with aging). A long
 prompt is cut into chunks by the budget, so decodes keep flowing beside it. When blocks run
 out, the lowest-priority, newest running request is preempted and later recomputed.
 """
@@ -49,9 +50,11 @@ class StepScheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.num_batched_tokens = 0  # cumulative tokens of all steps
+        self.num_steps = 0  # schedule() calls: the clock of lpm's aging
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        req.waiting_since_step = self.num_steps
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
     def schedule(self) -> SchedulerOutput:
@@ -60,10 +63,13 @@ class StepScheduler:
         Returns:
             The step's decision; empty when nothing can run.
         """
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
+            if self.config.policy == "lpm" and len(self.waiting) > 1:
+                self.waiting.sort(key=self._lpm_key)
             self._schedule_waiting(out, budget)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
@@ -105,6 +111,14 @@ class StepScheduler:
         self.kv_cache.free(req)
         self.num_preemptions += 1
         self.add(req)
+
+    def _lpm_key(self, req: Request) -> tuple[int, bool, int, int]:
+        """Longest prefix match first (SGLang's lpm: the most prompt tokens already cached),
+        within a priority level. A request that has waited `lpm_aging_steps` steps goes
+        before every younger one, oldest first, so a prompt nobody shares still runs."""
+        if self.num_steps - req.waiting_since_step >= self.config.lpm_aging_steps:
+            return (req.priority, False, 0, req.arrival_seq)
+        return (req.priority, True, -self.kv_cache.num_cached_prefix_tokens(req), req.arrival_seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -25,13 +25,13 @@ FLAGS = [
     "--max-num-seqs", "3", "--max-num-batched-tokens", "96", "--max-model-len", "200",
     "--kv-cache-gib", "0.05", "--num-gpu-blocks", "40", "--gpu-memory-utilization", "0.5",
     "--session-ttl-s", "30", "--dtype", "bfloat16", "--no-enable-prefix-caching",
-    "--no-retain-freed-memory",
+    "--no-retain-freed-memory", "--policy", "lpm", "--lpm-aging-steps", "9",
 ]  # fmt: skip
 EXPECTED = EngineConfig(
     model=str(STORIES_260K), device="cpu", block_size=8, max_num_seqs=3,
     max_num_batched_tokens=96, max_model_len=200, kv_cache_gib=0.05, num_gpu_blocks=40,
     gpu_memory_utilization=0.5, session_ttl_s=30.0, dtype="bfloat16",
-    enable_prefix_caching=False, retain_freed_memory=False,
+    enable_prefix_caching=False, retain_freed_memory=False, policy="lpm", lpm_aging_steps=9,
 )  # fmt: skip
 
 
