@@ -26,12 +26,12 @@ class RequestResult:
     """One request as the client saw it; times in seconds."""
 
     prompt_tokens: int = 0  # as the gateway counted them (Usage.prompt_tokens)
-    cached_prompt_tokens: int = 0  # of them, served from the executor's prefix or session cache
     output_tokens: int = 0  # token ids received
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""  # empty: the request finished
+    cached_prompt_tokens: int = 0  # prompt tokens served from the executor's prefix/session cache
 
     @property
     def ok(self) -> bool:
