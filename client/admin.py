@@ -161,7 +161,7 @@ def _limit_fields(limits: TenantLimits) -> dict[str, object]:
 def _describe(limits: TenantLimits) -> str:
     if limits.unlimited:
         return "no limits"
-    return ", ".join(f"{k} {v}" for k, v in _limit_fields(limits).items() if v not in (0, None))
+    return ", ".join(f"{k} {v}" for k, v in limits.set_limits().items())
 
 
 def usage_report(

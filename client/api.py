@@ -59,6 +59,18 @@ def _read(flag: str, path: str) -> bytes | None:
         raise ValueError(f"{flag}: cannot read {path} ({error.strerror})") from None
 
 
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a client presents: an API key (empty: none) and TLS files (None: plaintext)."""
+
+    api_key: str = ""
+    tls: TLSFiles | None = None
+
+    def client(self, target: str, timeout_s: float | None = None) -> KvgateClient:
+        """A KvgateClient of `target` presenting these."""
+        return KvgateClient(target, timeout_s, api_key=self.api_key, tls=self.tls)
+
+
 @dataclass(slots=True)
 class Completion:
     """A whole completion, gathered from its chunks."""

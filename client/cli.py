@@ -18,7 +18,14 @@ from collections.abc import Callable
 
 import grpc
 
-from client.api import ChatSession, KvgateClient, TLSFiles, default_target, sampling_params
+from client.api import (
+    ChatSession,
+    Credentials,
+    KvgateClient,
+    TLSFiles,
+    default_target,
+    sampling_params,
+)
 
 
 def _unsigned(bits: int) -> Callable[[str], int]:
@@ -51,8 +58,13 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     """--target, the API key and the TLS files: how to reach a gateway."""
+    parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
+    add_credential_flags(parser)
+
+
+def add_credential_flags(parser: argparse.ArgumentParser) -> None:
+    """--api-key and the TLS files."""
     add = parser.add_argument
-    add("--target", default=default_target(), help="gateway HOST:PORT")
     add(
         "--api-key",
         default=os.environ.get("KVGATE_API_KEY", ""),
@@ -64,11 +76,16 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     add("--tls-key", default="", help="the key of --tls-cert")
 
 
-def client_from_args(args: argparse.Namespace, timeout_s: float | None = None) -> KvgateClient:
-    """The client the connection flags ask for. Raises: ValueError naming a flag."""
+def credentials_from_args(args: argparse.Namespace) -> Credentials:
+    """The credentials the flags of add_credential_flags ask for."""
     use_tls = args.tls or args.tls_ca or args.tls_cert
     tls = TLSFiles(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
-    return KvgateClient(args.target, timeout_s, api_key=args.api_key, tls=tls)
+    return Credentials(args.api_key, tls)
+
+
+def client_from_args(args: argparse.Namespace, timeout_s: float | None = None) -> KvgateClient:
+    """The client the connection flags ask for. Raises: ValueError naming a flag."""
+    return credentials_from_args(args).client(args.target, timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

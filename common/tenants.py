@@ -107,10 +107,15 @@ class TenantLimits:
     def unlimited(self) -> bool:
         return not self.rated and self.max_streams == 0 and self.max_priority is None
 
+    def set_limits(self) -> dict[str, float | int]:
+        """Returns: the limits that are set, by field name."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unset = {name: 0 for name in values} | {"max_priority": None}
+        return {name: value for name, value in values.items() if value != unset[name]}
+
     def to_redis(self) -> dict[str, str]:
         """Returns: the fields of the limits hash (no field for an unset limit)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {name: str(value) for name, value in values.items() if value not in (0, None)}
+        return {name: str(value) for name, value in self.set_limits().items()}
 
     @classmethod
     def from_redis(cls, stored: dict[bytes, bytes]) -> TenantLimits:

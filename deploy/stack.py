@@ -81,6 +81,11 @@ def co_located_torch_threads() -> int:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
+# What kvgate's processes and `kvgate admin` need of Redis (docs/security.md): every command
+# but the dangerous ones (KEYS, FLUSHALL, CONFIG, DEBUG, ...), on kvgate's keys only.
+KVGATE_ACL_RULES = "~kvgate:* +@all -@dangerous"
+
+
 @dataclass(frozen=True, slots=True)
 class RedisSecurity:
     """A redis-server that serves TLS only (clients need not present a certificate) and
@@ -95,8 +100,7 @@ class RedisSecurity:
 
     def server_args(self, port: int) -> list[str]:
         Path(self.acl_file).write_text(
-            f"user default off\nuser {self.user} on >{self.password} ~kvgate:* &* +@all "
-            "-@dangerous +info\n"
+            f"user default off\nuser {self.user} on >{self.password} {KVGATE_ACL_RULES}\n"
         )
         return [
             "--port", "0", "--tls-port", str(port), "--tls-cert-file", self.cert,
