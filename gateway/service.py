@@ -140,20 +140,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        if request.session_id:
-            check_id("session_id", request.session_id)
         tenant = tenant_of(context)
         limits = await self.quotas.limits(tenant)
-        spec = self._spec(
-            self._prompt_of(request),
-            request.params,
-            request.priority,
-            request.session_id,
-            request.request_id,
-            limits,
-        )
+        # Quotas first: a refused request costs no tokenization.
         slot = await self._admit(tenant, limits, take_request=True, open_stream=True)
         try:
+            if request.session_id:
+                check_id("session_id", request.session_id)
+            spec = self._spec(
+                self._prompt_of(request),
+                request.params,
+                request.priority,
+                request.session_id,
+                request.request_id,
+                limits,
+            )
             session = (
                 await self.sessions.open_or_load(spec.session_id, tenant)
                 if spec.session_id
@@ -220,10 +221,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         system = [Message("system", turn.system_prompt)] if turn.system_prompt else []
         history = conversation.session.messages if conversation.session else system
         user = Message("user", turn.content)
-        prompt = self._chat_prompt([*history, user])
         limits = await self.quotas.limits(conversation.tenant)
-        spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
         await self._admit(conversation.tenant, limits, take_request=True, open_stream=False)
+        prompt = self._chat_prompt([*history, user])
+        spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
         if conversation.session is None:
             conversation.session = await self._new_session(conversation.tenant, system)
         session = conversation.session
