@@ -17,7 +17,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import LOG_FORMATS, check_choice, check_range, env_int, env_str
+from common.config import (
+    LOG_FORMATS,
+    check_choice,
+    check_range,
+    env_int,
+    env_str,
+    redacted_url,
+)
 from deploy.models import choose_model
 from deploy.stack import DEFAULT_LOG_DIR, Stack, StackConfig
 from deploy.supervise import Supervisor
@@ -98,7 +105,7 @@ def _auth_line(auth: str, redis_url: str) -> str:
         )
     return (
         "  auth: API keys; make one with\n"
-        f"  .venv/bin/kvgate admin --redis-url {redis_url} keys create --tenant NAME"
+        f"  .venv/bin/kvgate admin --redis-url {redacted_url(redis_url)} keys create --tenant NAME"
     )
 
 
