@@ -12,7 +12,9 @@ Definitions (the ones serving benchmarks use):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -139,3 +141,11 @@ def parse_slos(specs: list[str]) -> dict[str, float]:
         if not slos[name] > 0:
             raise ValueError(f"--slo {name} must be > 0 ms, got {spec!r}")
     return slos
+
+
+def print_and_save(results: dict, out: Path) -> None:
+    """Print a benchmark's results as JSON and write them to `out` (its folder made)."""
+    text = json.dumps(results, indent=2)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
