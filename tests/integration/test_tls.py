@@ -95,9 +95,28 @@ def test_the_public_port_serves_tls_and_mutual_tls_names_the_tenant(
         peer.send(queued.request_id, 0, [2], finished=True, finish_reason=pb.FINISH_REASON_STOP)
         assert list(call)[-1].finish_reason == pb.FINISH_REASON_STOP
         assert queued.tenant == "acme", f"the certificate's CN was not the tenant: {queued}"
+        # The CLI presents a client certificate from --tls-cert/--tls-key.
+        tenants = answer_in_background(peer)
+        flags = ["--target", address, "--tls-ca", ca.ca, "--tls-cert", acme.cert]
+        assert cli.main(["generate", "Hi", "--max-tokens", "1", *flags, "--tls-key", acme.key]) == 0
+        assert tenants.get(timeout=5) == "acme"
     finally:
         peer.link.close()
         gateway.stop()
+
+
+def answer_in_background(peer: ExecutorPeer) -> queue.Queue[str]:
+    """Answers the next queued request with one token from a thread of its own; the
+    returned queue gets its tenant."""
+    tenants: queue.Queue[str] = queue.Queue()
+
+    def answer_one() -> None:
+        queued = peer.take_request()
+        peer.send(queued.request_id, 0, [2], finished=True, finish_reason=1)
+        tenants.put(queued.tenant)
+
+    threading.Thread(target=answer_one, daemon=True).start()
+    return tenants
 
 
 def test_the_cli_talks_tls_with_an_api_key(
@@ -112,14 +131,7 @@ def test_the_cli_talks_tls_with_an_api_key(
     try:
         api_key = admin.create_key(redis_client, KEYS, "acme", lambda _: None)
         flags = ["--target", gateway.gateway.address, "--tls-ca", ca.ca, "--api-key", api_key]
-        replies: queue.Queue[int] = queue.Queue()
-
-        def answer_one() -> None:
-            queued = peer.take_request()
-            peer.send(queued.request_id, 0, [2], finished=True, finish_reason=1)
-            replies.put(queued.tenant)
-
-        threading.Thread(target=answer_one, daemon=True).start()
+        replies = answer_in_background(peer)
         assert cli.main(["generate", "Hi", "--max-tokens", "1", *flags]) == 0
         assert replies.get(timeout=5) == "acme"
         assert cli.main(["generate", "Hi", "--target", gateway.gateway.address, "--api-key",
