@@ -76,6 +76,16 @@ class GatewayConfig:
         check_metrics_port(self.metrics_port)
         check_health_port(self.health_port)
         check_common_fields(self.redis_url, self.log_level, self.log_format)
+        if self.reply_host in WILDCARD_HOSTS:
+            raise ValueError(
+                f"--advertise-host is needed when --internal-host is {self.internal_host!r}: "
+                "executors dial the advertised host, and a wildcard address is not one they "
+                "can reach (give this gateway's own address, e.g. its pod IP)"
+            )
+        self._check_security()
+
+    def _check_security(self) -> None:
+        """The auth, TLS and tenant-label flags."""
         check_choice("--auth", self.auth, AUTH_MODES)
         if self.auth == "cert" and not self.tls_client_ca:
             raise ValueError("--auth cert needs --tls-client-ca (the CA of client certificates)")
@@ -98,6 +108,10 @@ class GatewayConfig:
     def reply_host(self) -> str:
         """The host executors dial for this gateway's TokenSink."""
         return self.advertise_host or self.internal_host
+
+
+# Addresses a server may listen on but a client cannot dial.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
 
 def build_parser() -> argparse.ArgumentParser:
