@@ -89,7 +89,10 @@ class MetricsInterceptor(WrappingInterceptor):
                 async for response in behavior(request_or_iterator, context):
                     yield response
                 ended = "completed"
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                # gRPC stops reading a response stream whose client has gone either by
+                # cancelling the call's task or by closing this generator at its yield
+                # (GeneratorExit), the latter at times before context.cancelled() says so.
                 ended = "cancelled"
                 raise
             finally:
