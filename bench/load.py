@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from bench.stats import RequestResult
 from bench.workloads import ChatJob, GenerateJob, Job, num_requests
-from client.api import KvgateClient, sampling_params
+from client.api import Credentials, KvgateClient, sampling_params
 from protos.kvgate.v1 import inference_pb2
 
 # Finish reasons of a request that did not run to max_tokens.
@@ -86,6 +86,7 @@ def time_stream(chunks: Iterator[inference_pb2.GenerateResponse], sent_s: float)
         if chunk.finish_reason:
             result.e2e_s = now_s - sent_s
             result.prompt_tokens = chunk.usage.prompt_tokens
+            result.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
             if chunk.finish_reason in FAILED:
                 name = inference_pb2.FinishReason.Name(chunk.finish_reason)
                 result.error = chunk.error_message or name
@@ -140,6 +141,7 @@ def run_jobs(
     gaps_s: list[float],
     max_concurrency: int | None = None,
     progress: bool = True,
+    credentials: Credentials = Credentials(),  # noqa: B008 (frozen)
 ) -> tuple[list[RequestResult], float]:
     """Sends the jobs at their arrival times and waits for all of them.
 
@@ -149,6 +151,7 @@ def run_jobs(
         gaps_s: the gap before each job (arrival_gaps_s).
         max_concurrency: most jobs in flight at once; None: no limit.
         progress: show a progress bar of finished requests on stderr.
+        credentials: the API key and TLS files the client presents.
 
     Returns:
         Every request's result, and the seconds from the first send to the last finish.
@@ -156,7 +159,7 @@ def run_jobs(
     total = sum(num_requests(job) for job in jobs)
     bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr, disable=not progress)
     lock = threading.Lock()
-    with KvgateClient(target, timeout_s=CALL_TIMEOUT_S) as client:
+    with credentials.client(target, timeout_s=CALL_TIMEOUT_S) as client:
 
         def run_one(job: Job) -> list[RequestResult]:
             runner = run_chat if isinstance(job, ChatJob) else run_generate

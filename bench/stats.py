@@ -12,7 +12,9 @@ Definitions (the ones serving benchmarks use):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -31,6 +33,7 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""  # empty: the request finished
+    cached_prompt_tokens: int = 0  # prompt tokens served from the executor's prefix/session cache
 
     @property
     def ok(self) -> bool:
@@ -93,16 +96,21 @@ def run_metrics(
             every finished request.
 
     Returns:
-        ttft_ms, tpot_ms, itl_ms, e2e_ms summaries, counts and throughputs per second.
+        ttft_ms, tpot_ms, itl_ms, e2e_ms summaries, counts, throughputs per second, and the
+        prefix cache hit rate (cached prompt tokens / prompt tokens of finished requests).
     """
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    cached_tokens = sum(r.cached_prompt_tokens for r in done)
     good = sum(meets_slos(r, slos_ms) for r in done)
     return {
         "completed": len(done),
         "failed": len(results) - len(done),
         "duration_s": duration_s,
-        "total_prompt_tokens": sum(r.prompt_tokens for r in done),
+        "total_prompt_tokens": prompt_tokens,
+        "total_cached_prompt_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration_s,
         "output_token_throughput": output_tokens / duration_s,
@@ -139,3 +147,23 @@ def parse_slos(specs: list[str]) -> dict[str, float]:
         if not slos[name] > 0:
             raise ValueError(f"--slo {name} must be > 0 ms, got {spec!r}")
     return slos
+
+
+def paired_median_ms(
+    a_ms: list[float], b_ms: list[float], resamples: int = 2000
+) -> dict[str, float]:
+    """The median of the paired differences a - b, with its 95% bootstrap interval (the
+    pairs resampled `resamples` times, seeded): how finely one run resolves the difference."""
+    diffs = np.asarray(a_ms) - np.asarray(b_ms)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(diffs, size=(resamples, len(diffs))), axis=1)
+    low, high = np.quantile(medians, [0.025, 0.975])
+    return {"median": float(np.median(diffs)), "ci95_low": float(low), "ci95_high": float(high)}
+
+
+def print_and_save(results: dict, out: Path) -> None:
+    """Print a benchmark's results as JSON and write them to `out` (its folder made)."""
+    text = json.dumps(results, indent=2)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")

@@ -12,6 +12,7 @@ import grpc
 from grpc import aio
 
 from common.metrics import ProcessMetrics
+from gateway.errors import WrappingInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _code_of(context: aio.ServicerContext, ended: str) -> str:
     return grpc.StatusCode.UNKNOWN.name
 
 
-class MetricsInterceptor(aio.ServerInterceptor):
+class MetricsInterceptor(WrappingInterceptor):
     """Counts every call by service, method and status code; tracks open response streams.
 
     Placed before ErrorInterceptor, it sees the status that interceptor aborted with.
@@ -75,7 +76,7 @@ class MetricsInterceptor(aio.ServerInterceptor):
             log.warning("%s ended without a status code: UNKNOWN", full_method, exc_info=error)
         self.metrics.requests.labels(service, method, code).inc()
 
-    def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str):
+    def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str) -> Callable:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
             ended, error = "raised", None
             try:
@@ -93,7 +94,9 @@ class MetricsInterceptor(aio.ServerInterceptor):
 
         return wrapper
 
-    def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], full_method: str):
+    def wrap_stream(
+        self, behavior: Callable[..., AsyncIterator[Any]], full_method: str
+    ) -> Callable:
         active = self.metrics.active_streams.labels(_split_method(full_method)[1])
 
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
@@ -106,8 +109,9 @@ class MetricsInterceptor(aio.ServerInterceptor):
                         yield response
                 ended = "completed"
             except (asyncio.CancelledError, GeneratorExit):
-                # A client that cancels mid-stream most often shows as GeneratorExit: grpc
-                # closes the response stream at a `yield`, before context.cancelled() is True.
+                # gRPC stops reading a response stream whose client has gone either by
+                # cancelling the call's task or by closing this generator at its yield
+                # (GeneratorExit), the latter at times before context.cancelled() says so.
                 ended = "cancelled"
                 raise
             except BaseException as exc:
@@ -118,20 +122,3 @@ class MetricsInterceptor(aio.ServerInterceptor):
                 self._count(full_method, context, ended, error)
 
         return wrapper
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if handler.unary_unary:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary, method))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
-        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method))
