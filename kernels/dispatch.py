@@ -1,8 +1,9 @@
 """Choose the kernel backend for a device: Triton on CUDA, the C kernels on the CPU.
 
 `cpu` is the PyTorch reference with paged attention, rotary embedding, the KV-cache store, the
-greedy argmax, RMSNorm and linear layers replaced by kernels/cpu.py (float32 only); where that
-cannot be built or the dtype is not float32, the reference runs and the log says why.
+greedy argmax, RMSNorm, SiLU-and-multiply and linear layers replaced by the C kernels
+(kernels/cpu*.py; float32 and bfloat16); where those cannot be built or the dtype is another,
+the reference runs and the log says why.
 """
 
 import dataclasses
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kernels.attention_step import AttentionStep
 
 logger = logging.getLogger("kvgate.kernels")
 
@@ -33,6 +36,12 @@ class KernelBackend:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    linear_quantized: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # Once per step: check the step's indices and build what `attention` reads in each layer.
+    prepare_attention: Callable[..., AttentionStep]
+    # One layer: rotary embedding, KV-cache store and paged attention of a fused q/k/v.
+    attention: Callable[..., torch.Tensor]
 
 
 def _triton_importable() -> bool:
@@ -86,14 +95,17 @@ def _choose_backend(device: torch.device, requested: str | None, dtype: torch.dt
     return "triton"
 
 
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _why_cpu_cannot_run(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu":
         return f"device is {device}, not the CPU"
-    if dtype != torch.float32:
-        return f"dtype is {dtype}; the CPU kernels are float32 only"
-    from kernels import cpu
+    if dtype not in CPU_DTYPES:
+        return f"dtype is {dtype}; the CPU kernels run float32 and bfloat16"
+    from kernels import cpu_build
 
-    return cpu.why_unavailable()
+    return cpu_build.why_unavailable()
 
 
 def _choose_cpu(device: torch.device, requested: str | None, dtype: torch.dtype) -> str:
@@ -121,30 +133,38 @@ def _reference_backend() -> KernelBackend:
         rotary_embedding=reference.rotary_embedding,
         argmax=reference.argmax,
         linear=reference.linear,
+        linear_quantized=reference.linear_quantized,
+        silu_and_mul=reference.silu_and_mul,
+        prepare_attention=reference.prepare_attention,
+        attention=reference.attention,
     )
 
 
 def _cpu_backend() -> KernelBackend:
     """The reference kernels, with the ones kernels/cpu.py has in C replaced."""
-    from kernels import cpu
+    from kernels import cpu, cpu_attention, cpu_linear
 
     return dataclasses.replace(
         _reference_backend(),
         name="cpu",
         store_kvcache=cpu.store_kvcache,
-        paged_decode_attention=cpu.paged_decode_attention,
-        paged_prefill_attention=cpu.paged_prefill_attention,
+        paged_decode_attention=cpu_attention.paged_decode_attention,
+        paged_prefill_attention=cpu_attention.paged_prefill_attention,
         rotary_embedding=cpu.rotary_embedding,
         argmax=cpu.argmax,
         rms_norm=cpu.rms_norm,
-        linear=cpu.linear,
+        linear=cpu_linear.linear,
+        linear_quantized=cpu_linear.linear_quantized,
+        silu_and_mul=cpu.silu_and_mul,
+        prepare_attention=cpu_attention.prepare_attention,
+        attention=cpu_attention.attention,
     )
 
 
 def _triton_backend() -> KernelBackend:
     # Imported here: triton is optional, and TRITON_INTERPRET is read when kernels are defined.
-    # Argmax and linear stay the reference's (torch on the GPU).
-    from kernels import triton_attention, triton_cache, triton_norm
+    # Argmax, dense linear and SiLU-and-multiply stay the reference's (torch on the GPU).
+    from kernels import reference, triton_attention, triton_cache, triton_norm, triton_quant
 
     return dataclasses.replace(
         _reference_backend(),
@@ -154,6 +174,13 @@ def _triton_backend() -> KernelBackend:
         paged_prefill_attention=triton_attention.paged_prefill_attention,
         rms_norm=triton_norm.rms_norm,
         rotary_embedding=triton_norm.rotary_embedding,
+        linear_quantized=triton_quant.linear_quantized,
+        attention=reference.attention_with(
+            triton_norm.rotary_embedding,
+            triton_cache.store_kvcache,
+            triton_attention.paged_decode_attention,
+            triton_attention.paged_prefill_attention,
+        ),
     )
 
 
@@ -173,8 +200,8 @@ def get_kernels(
     Args:
         device: where the model and KV cache live.
         backend: "triton", "cpu" or "reference"; None reads KVGATE_KERNELS, and when that is
-            unset too, picks Triton on CUDA, the CPU kernels on the CPU (float32) and the
-            reference kernels where those cannot run.
+            unset too, picks Triton on CUDA, the CPU kernels on the CPU (float32, bfloat16)
+            and the reference kernels where those cannot run.
         dtype: the model's and KV cache's dtype.
 
     Returns:

@@ -1,0 +1,363 @@
+/*
+ * Linear layers at small batch on the CPU: y = x @ w^T for a few rows of x, with w in
+ * bfloat16, int8 or int4 (weight-only quantized), reading every weight once per call.
+ *
+ * At decode batch sizes a linear layer is a matrix-vector product whose time is the time to
+ * read the weights; these kernels keep the weights in their narrow format all the way into the
+ * registers and multiply there, in float32 (bfloat16: AVX512-BF16 dot products, exact products
+ * summed in float32). Four weight rows and up to four rows of x are done together, so each
+ * weight is loaded and converted once per four rows of x. For larger batches the caller
+ * dequantizes the weights (kvgate_dequantize_*) and runs a dense matmul instead.
+ *
+ * Formats (kernels/quant.py):
+ *   int8  q [n, k] int8, scales [n, k / group_size] float32: w = q * scale (per-channel:
+ *         group_size = k).
+ *   int4  q [n, k / 2] uint8; within each block of 32 weights of a row, byte j holds weight j in
+ *         its low nibble and weight j + 16 in its high nibble (GGUF's Q4_0/Q4_1 layout);
+ *         scales and zeros [n, k / group_size] float16: w = q * scale + zero, q in 0..15.
+ *         group_size is a multiple of 32 and divides k.
+ * x [m, k] has any strides and the activation dtype; it is copied into a dense float32 (or
+ * bfloat16) scratch first. out is column-major: out[r * m + i] is row i's output r, of
+ * out_dtype (the activation dtype, or float32 for logits); bias (activation dtype) or NULL.
+ * The caller (kernels/cpu_linear.py) checks shapes, dtypes and strides.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVGATE_AVX512 1
+#endif
+
+#define ROW_BLOCK 4 /* weight rows per work item */
+#define X_BLOCK 4   /* rows of x per pass over a work item's weights */
+
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        uint32_t e = 113u;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            --e;
+        }
+        bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Copy x (m rows, k columns, element (i, j) at x[i * row_stride + j * col_stride] of x_dtype)
+ * into dense row-major float32 (or bfloat16 when to_bf16) rows of `ld` elements, zero-padded. */
+static void pack_x(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride, int64_t m,
+                   int64_t k, int64_t ld, int to_bf16, void *packed) {
+    for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < ld; ++j) {
+            const float v = j < k ? load_elem(x, x_dtype, i * row_stride + j * col_stride) : 0.0f;
+            if (to_bf16)
+                ((uint16_t *)packed)[i * ld + j] = f32_to_bf16(v);
+            else
+                ((float *)packed)[i * ld + j] = v;
+        }
+    }
+}
+
+/* What every kernel below needs besides its weights. */
+typedef struct {
+    const void *x; /* packed: [m, ld] float32 or bfloat16 */
+    int64_t m, k, ld, n;
+    const void *bias;
+    int bias_dtype;
+    void *out;
+    int out_dtype;
+} linear_io;
+
+static void write_out(const linear_io *io, int64_t row, int64_t i, float value) {
+    if (io->bias != NULL) value += load_elem(io->bias, io->bias_dtype, row);
+    store_elem(io->out, io->out_dtype, row * io->m + i, value);
+}
+
+/* ---- portable versions: one weight row against every row of x ---- */
+
+static void row_generic(const linear_io *io, int64_t row, const float *w_row, float *xf) {
+    for (int64_t i = 0; i < io->m; ++i) {
+        const float *xi = xf + i * io->ld;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < io->k; ++j) sum += w_row[j] * xi[j];
+        write_out(io, row, i, sum);
+    }
+}
+
+#ifdef KVGATE_AVX512
+/* ---- AVX-512: ROW_BLOCK rows x up to X_BLOCK rows of x, 16 weights at a time ---- */
+
+static inline __mmask16 tail_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __m512 int8_weights(const int8_t *p, __mmask16 mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+}
+
+/* int8 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1. */
+static inline void int8_block(const linear_io *io, const int8_t *q, const float *scales,
+                              int64_t group_size, int64_t row0, int R, int64_t i0, int M) {
+    const int64_t k = io->k, groups = k / group_size;
+    const int per_channel = group_size == k;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+        const __mmask16 mask = tail_mask16(k - j);
+        __m512 w[ROW_BLOCK];
+        for (int r = 0; r < R; ++r) {
+            w[r] = int8_weights(q + (row0 + r) * k + j, mask);
+            if (!per_channel)
+                w[r] = _mm512_mul_ps(w[r], _mm512_set1_ps(scales[(row0 + r) * groups + j / group_size]));
+        }
+        for (int i = 0; i < M; ++i) {
+            const __m512 xv = _mm512_loadu_ps(x + i * io->ld + j);
+            for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w[r], xv, acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i) {
+            const float scale = per_channel ? scales[row0 + r] : 1.0f;
+            write_out(io, row0 + r, i0 + i, scale * _mm512_reduce_add_ps(acc[r][i]));
+        }
+}
+
+/* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
+static inline void int4_block(const linear_io *io, const uint8_t *q, const uint16_t *scales,
+                              const uint16_t *zeros, int64_t group_size, int64_t row0, int R,
+                              int64_t i0, int M) {
+    const int64_t k = io->k, groups = k / group_size, row_bytes = k / 2;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    const __m512i low_nibble = _mm512_set1_epi32(15);
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 32) {
+        __m512 lo[ROW_BLOCK], hi[ROW_BLOCK];
+        for (int r = 0; r < R; ++r) {
+            const int64_t g = (row0 + r) * groups + j / group_size;
+            const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[g]));
+            const __m512 zero = _mm512_set1_ps(_cvtsh_ss(zeros[g]));
+            const __m512i bytes = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(q + (row0 + r) * row_bytes + j / 2)));
+            lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), scale, zero);
+            hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, zero);
+        }
+        for (int i = 0; i < M; ++i) {
+            const __m512 x_lo = _mm512_loadu_ps(x + i * io->ld + j);
+            const __m512 x_hi = _mm512_loadu_ps(x + i * io->ld + j + 16);
+            for (int r = 0; r < R; ++r)
+                acc[r][i] = _mm512_fmadd_ps(hi[r], x_hi, _mm512_fmadd_ps(lo[r], x_lo, acc[r][i]));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i) write_out(io, row0 + r, i0 + i, _mm512_reduce_add_ps(acc[r][i]));
+}
+
+#ifdef __AVX512BF16__
+/* bfloat16 rows against bfloat16 x rows: pairs of exact products summed in float32. */
+static inline void bf16_block(const linear_io *io, const uint16_t *w, int64_t row0, int R,
+                              int64_t i0, int M) {
+    const int64_t k = io->k;
+    const uint16_t *x = (const uint16_t *)io->x + i0 * io->ld;
+    __m512 acc[ROW_BLOCK][X_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 32) {
+        const int64_t left = k - j;
+        const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+        __m512bh wv[ROW_BLOCK];
+        for (int r = 0; r < R; ++r)
+            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (row0 + r) * k + j);
+        for (int i = 0; i < M; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * io->ld + j);
+            for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < M; ++i) write_out(io, row0 + r, i0 + i, _mm512_reduce_add_ps(acc[r][i]));
+}
+#define KVGATE_BF16_DOT 1
+#endif
+#endif
+
+/* Rows of a work item and the rows of x in blocks of X_BLOCK; `kind` picks the weights. */
+enum { KIND_BF16, KIND_INT8, KIND_INT4 };
+
+typedef struct {
+    int kind;
+    const void *q;
+    const void *scales, *zeros;
+    int64_t group_size;
+} weights;
+
+/* Row `row` of the weights as float32 into w_row (the portable path). */
+static void dequantize_row(const weights *wt, int64_t row, int64_t k, float *w_row) {
+    const int64_t groups = wt->kind == KIND_BF16 ? 1 : k / wt->group_size;
+    for (int64_t j = 0; j < k; ++j) {
+        if (wt->kind == KIND_BF16) {
+            w_row[j] = bf16_to_f32(((const uint16_t *)wt->q)[row * k + j]);
+        } else if (wt->kind == KIND_INT8) {
+            const float scale = ((const float *)wt->scales)[row * groups + j / wt->group_size];
+            w_row[j] = (float)((const int8_t *)wt->q)[row * k + j] * scale;
+        } else {
+            const int64_t g = row * groups + j / wt->group_size, in_block = j % 32;
+            const uint8_t byte = ((const uint8_t *)wt->q)[row * (k / 2) + (j - in_block) / 2 + in_block % 16];
+            const int value = in_block < 16 ? byte & 15 : byte >> 4;
+            w_row[j] = (float)value * f16_to_f32(((const uint16_t *)wt->scales)[g]) +
+                       f16_to_f32(((const uint16_t *)wt->zeros)[g]);
+        }
+    }
+}
+
+/* Whether this build has a vector kernel for the weights' kind. */
+static int has_vector_kernel(int kind) {
+#ifdef KVGATE_BF16_DOT
+    (void)kind;
+    return 1;
+#elif defined(KVGATE_AVX512)
+    return kind != KIND_BF16;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
+#ifdef KVGATE_AVX512
+static void vector_rows(const linear_io *io, const weights *wt, int64_t row0, int R) {
+    for (int64_t i0 = 0; i0 < io->m; i0 += X_BLOCK) {
+        const int M = io->m - i0 < X_BLOCK ? (int)(io->m - i0) : X_BLOCK;
+        if (wt->kind == KIND_INT8)
+            int8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);
+        else if (wt->kind == KIND_INT4)
+            int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M);
+#ifdef KVGATE_BF16_DOT
+        else
+            bf16_block(io, wt->q, row0, R, i0, M);
+#endif
+    }
+}
+#endif
+
+static void run_rows(const linear_io *io, const weights *wt, int64_t row0, int R, float *w_row) {
+#ifdef KVGATE_AVX512
+    if (has_vector_kernel(wt->kind)) {
+        vector_rows(io, wt, row0, R);
+        return;
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+        dequantize_row(wt, row0 + r, io->k, w_row);
+        row_generic(io, row0 + r, w_row, (float *)io->x);
+    }
+}
+
+/* Whether the bfloat16 kernel multiplies bfloat16 x directly (else x is packed as float32). */
+static int packs_bf16(int kind) { return kind == KIND_BF16 && has_vector_kernel(kind); }
+
+static int run_linear(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride,
+                      int64_t m, int64_t k, const weights *wt, int64_t n, const void *bias,
+                      void *out, int out_dtype, int num_threads) {
+    const int64_t ld = (k + 31) / 32 * 32;
+    const int to_bf16 = packs_bf16(wt->kind);
+    void *packed = malloc((size_t)(m * ld) * (to_bf16 ? 2 : 4) + 1);
+    if (packed == NULL) return 1;
+    pack_x(x, x_dtype, row_stride, col_stride, m, k, ld, to_bf16, packed);
+    const linear_io io = {packed, m, k, ld, n, bias, x_dtype, out, out_dtype};
+    const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *w_row = malloc(sizeof(float) * (size_t)k);
+        if (w_row == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            if (w_row == NULL) continue;
+            const int64_t row0 = b * ROW_BLOCK;
+            const int R = n - row0 < ROW_BLOCK ? (int)(n - row0) : ROW_BLOCK;
+            if (R == ROW_BLOCK)
+                run_rows(&io, wt, row0, ROW_BLOCK, w_row);
+            else
+                for (int r = 0; r < R; ++r) run_rows(&io, wt, row0 + r, 1, w_row);
+        }
+        free(w_row);
+    }
+    free(packed);
+    return failed;
+}
+
+/* Each returns 0 on success, 1 when a scratch buffer could not be allocated. */
+int kvgate_linear_bf16(const void *x, int64_t row_stride, int64_t col_stride, int64_t m,
+                       int64_t k, const uint16_t *w, int64_t n, const void *bias, void *out,
+                       int out_dtype, int num_threads) {
+    const weights wt = {KIND_BF16, w, NULL, NULL, k};
+    return run_linear(x, KVGATE_BF16, row_stride, col_stride, m, k, &wt, n, bias, out, out_dtype,
+                      num_threads);
+}
+
+int kvgate_linear_int8(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride,
+                       int64_t m, int64_t k, const int8_t *q, const float *scales,
+                       int64_t group_size, int64_t n, const void *bias, void *out, int out_dtype,
+                       int num_threads) {
+    const weights wt = {KIND_INT8, q, scales, NULL, group_size};
+    return run_linear(x, x_dtype, row_stride, col_stride, m, k, &wt, n, bias, out, out_dtype,
+                      num_threads);
+}
+
+int kvgate_linear_int4(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride,
+                       int64_t m, int64_t k, const uint8_t *q, const uint16_t *scales,
+                       const uint16_t *zeros, int64_t group_size, int64_t n, const void *bias,
+                       void *out, int out_dtype, int num_threads) {
+    const weights wt = {KIND_INT4, q, scales, zeros, group_size};
+    return run_linear(x, x_dtype, row_stride, col_stride, m, k, &wt, n, bias, out, out_dtype,
+                      num_threads);
+}
+
+/* Rows row0 .. row0 + count - 1 of quantized weights as dense [count, k] of out_dtype. */
+static int dequantize(const weights *wt, int64_t row0, int64_t count, int64_t k, void *out,
+                      int out_dtype, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *w_row = malloc(sizeof(float) * (size_t)k);
+        if (w_row == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < count; ++r) {
+            if (w_row == NULL) continue;
+            dequantize_row(wt, row0 + r, k, w_row);
+            store_row((char *)out + r * k * dtype_size(out_dtype), out_dtype, w_row, k);
+        }
+        free(w_row);
+    }
+    return failed;
+}
+
+int kvgate_dequantize_int8(const int8_t *q, const float *scales, int64_t group_size,
+                           int64_t row0, int64_t count, int64_t k, void *out, int out_dtype,
+                           int num_threads) {
+    const weights wt = {KIND_INT8, q, scales, NULL, group_size};
+    return dequantize(&wt, row0, count, k, out, out_dtype, num_threads);
+}
+
+int kvgate_dequantize_int4(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                           int64_t group_size, int64_t row0, int64_t count, int64_t k, void *out,
+                           int out_dtype, int num_threads) {
+    const weights wt = {KIND_INT4, q, scales, zeros, group_size};
+    return dequantize(&wt, row0, count, k, out, out_dtype, num_threads);
+}
