@@ -21,6 +21,7 @@ class EngineConfig:
     session_ttl_s: float = 600.0
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     seed: int = 0
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
@@ -63,6 +64,18 @@ class EngineConfig:
             self.dtype in (None, "float32", "float16", "bfloat16"),
             "dtype",
             "one of float32, float16, bfloat16",
+            self.dtype,
+        )
+        _require(
+            self.quantization in ("none", "int8", "int4"),
+            "quantization",
+            "one of none, int8, int4",
+            self.quantization,
+        )
+        _require(
+            not (self.device == "cpu" and self.dtype == "float16"),
+            "dtype",
+            "float32 or bfloat16 on the CPU",
             self.dtype,
         )
         _require(
