@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from executor.models.config import ModelConfig, load_model_config
 from executor.models.llama import LlamaForCausalLM
+from executor.models.quantize import apply_quantized, quantize_state
 
 _FUSED = {  # our fused parameter -> checkpoint parameters concatenated along dim 0
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -69,9 +70,11 @@ def to_kvgate_state_dict(config: ModelConfig, tensors: dict[str, torch.Tensor]) 
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model of a Hugging Face checkpoint folder on `device` in `dtype`.
+    """Build the model of a Hugging Face checkpoint folder on `device` in `dtype`, its linear
+    layers weight-only quantized when `quantization` is "int8" or "int4" (from the checkpoint's
+    own weights, before they are cast to `dtype`).
 
     Raises:
         FileNotFoundError: config.json or the weights are missing.
@@ -80,13 +83,24 @@ def load_model(
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     state = to_kvgate_state_dict(config, read_checkpoint(model_dir))
+    quantized = quantize_state(state, config.num_hidden_layers, quantization)
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    _load_dense(model, state, {f"{name}.weight" for name in quantized}, model_dir)
+    if config.tie_word_embeddings and not quantized:
+        model.lm_head.weight = model.embed_tokens.weight
+    apply_quantized(model, quantized, device, config.tie_word_embeddings)
+    return model.eval().requires_grad_(False), config
+
+
+def _load_dense(model: LlamaForCausalLM, state: dict, quantized: set[str], model_dir: Path) -> None:
+    """Load every dense tensor; the quantized layers' weights are the only ones left out."""
     try:
-        model.load_state_dict(state, strict=True, assign=True)
+        result = model.load_state_dict(state, strict=not quantized, assign=True)
     except RuntimeError as e:
         raise ValueError(f"weights in {model_dir} do not match its config.json: {e}") from e
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model.eval().requires_grad_(False), config
+    missing, unexpected = sorted(set(result.missing_keys) - quantized), result.unexpected_keys
+    if missing or unexpected:
+        raise ValueError(f"weights in {model_dir} do not match its config.json: missing "
+                         f"{missing}, unexpected {sorted(unexpected)}")  # fmt: skip
