@@ -83,11 +83,18 @@ def load_model(
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     state = to_kvgate_state_dict(config, read_checkpoint(model_dir))
+    tied_table = state.get("embed_tokens.weight")
     quantized = quantize_state(state, config.num_hidden_layers, quantization)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    # Copied when quantized: a tensor still mapped from the checkpoint file would keep the
+    # whole file's pages resident (safetensors maps it), float weights included.
+    copy = bool(quantized)
+    state = {name: t.to(device=device, dtype=dtype, copy=copy) for name, t in state.items()}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    _load_dense(model, state, {f"{name}.weight" for name in quantized}, model_dir)
+    taken = {f"{name}.weight" for name in quantized}
+    if tied_table is not None and "embed_tokens.weight" not in state:
+        taken.add("embed_tokens.weight")
+    _load_dense(model, state, taken, model_dir)
     if config.tie_word_embeddings and not quantized:
         model.lm_head.weight = model.embed_tokens.weight
     apply_quantized(model, quantized, device, config.tie_word_embeddings)

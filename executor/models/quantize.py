@@ -47,7 +47,7 @@ def quantize_state(
 
     Args:
         state: kvgate module names -> dense tensors (any float dtype); the quantized layers'
-            `.weight` entries are removed from it (a tied embedding keeps its entry).
+            `.weight` entries are removed from it, and a tied embedding's with its head's.
         num_layers: the model's decoder layers.
         quantization: "none", "int8" or "int4".
         prequantized: module name -> weight already in kvgate's format (from the checkpoint).
@@ -63,6 +63,8 @@ def quantize_state(
         return quantized
     for name in quantized_names(num_layers):
         dense = state.pop(f"{name}.weight", None)
+        if name == "lm_head" and dense is not None and dense is state.get("embed_tokens.weight"):
+            del state["embed_tokens.weight"]  # tied: the embedding reads the quantized head
         if name in quantized or dense is None:
             continue
         quantized[name] = _quantize(name, dense, quantization)
