@@ -25,6 +25,7 @@ class EngineConfig:
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     seed: int = 0
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         _require(
