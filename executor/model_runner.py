@@ -7,6 +7,7 @@ import logging
 import torch
 
 from executor.config import EngineConfig
+from executor.cuda_graphs import DecodeGraphs
 from executor.host_memory import release_freed_memory, retain_freed_memory
 from executor.models.config import ModelConfig
 from executor.models.llama import ForwardContext
@@ -47,6 +48,10 @@ class ModelRunner:
         self.cos_sin_cache = build_cos_sin_cache(
             mc.head_dim, self.max_model_len, mc.rope_theta, mc.rope_scaling, self.device
         )
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self, config.max_num_seqs, capture=True)
+            logger.info("CUDA graphs captured for decode batches of %s", self.decode_graphs.sizes)
 
     @property
     def block_bytes(self) -> int:
@@ -109,6 +114,11 @@ class ModelRunner:
             [num_sampling, vocab] float32 logits, one row per scheduled request that samples,
             in batch order (every_row: [num_batched_tokens, vocab]).
         """
+        graphs = self.decode_graphs
+        if not every_row and graphs is not None and graphs.fits(out.scheduled):
+            logits = graphs.run(out.scheduled)
+            rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+            return logits if len(rows) == len(out.scheduled) else logits[rows]
         input_ids, step, sample_rows = self._prepare(out.scheduled)
         if every_row:
             sample_rows = None

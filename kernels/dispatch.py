@@ -163,8 +163,9 @@ def _cpu_backend() -> KernelBackend:
 
 def _triton_backend() -> KernelBackend:
     # Imported here: triton is optional, and TRITON_INTERPRET is read when kernels are defined.
-    # Argmax, dense linear and SiLU-and-multiply stay the reference's (torch on the GPU).
-    from kernels import reference, triton_attention, triton_cache, triton_norm, triton_quant
+    # Argmax and SiLU-and-multiply stay the reference's (torch on the GPU); dense linear layers
+    # are torch's too (kernels/cuda.py).
+    from kernels import cuda, reference, triton_attention, triton_cache, triton_norm, triton_quant
 
     return dataclasses.replace(
         _reference_backend(),
@@ -174,6 +175,7 @@ def _triton_backend() -> KernelBackend:
         paged_prefill_attention=triton_attention.paged_prefill_attention,
         rms_norm=triton_norm.rms_norm,
         rotary_embedding=triton_norm.rotary_embedding,
+        linear=cuda.linear,
         linear_quantized=triton_quant.linear_quantized,
         attention=reference.attention_with(
             triton_norm.rotary_embedding,

@@ -226,7 +226,7 @@ def linear_quantized(
     weight and rounded once to the result's dtype.
 
     Args:
-        x: [N, in_features] float32 or bfloat16.
+        x: [N, in_features] floats.
         weight: the int8 or int4 weight (kernels.quant).
         bias: [out_features] in x.dtype, or None.
         out_dtype: the result's dtype; None: x.dtype.

@@ -167,7 +167,7 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def check_quantized_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> None:
     """Check the arguments of linear_quantized: x [N, in], a QuantizedWeight, bias [out]."""
     expect_ndim("x", x, 2, "[num_tokens, in_features]")
-    expect_dtype("x", x, (torch.float32, torch.bfloat16))
+    expect_dtype("x", x, FLOAT_DTYPES)
     if x.shape[1] != weight.in_features:
         raise ValueError(
             f"x.shape[1] must equal the weight's in_features ({weight.in_features}), got shape "
