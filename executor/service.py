@@ -96,6 +96,9 @@ class ExecutorServiceConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
     torch_threads: int = 0  # CPU threads for the model; 0: torch's default (all cores)
+    dtype: str = ""  # empty: float32 on the CPU, bfloat16 on CUDA
+    quantization: str = "none"  # weight-only: none, int8, int4
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     retain_freed_memory: bool = True  # CPU: keep freed activations in the process for reuse
     engine: EngineConfig = field(init=False, repr=False)
 
@@ -125,6 +128,9 @@ class ExecutorServiceConfig:
                 session_ttl_s=self.session_ttl_s,
                 device=self.device,
                 retain_freed_memory=self.retain_freed_memory,
+                dtype=self.dtype or None,
+                quantization=self.quantization,
+                enforce_eager=self.enforce_eager,
             )
         except ValueError as error:
             name, _, rest = str(error).partition(" ")
@@ -172,6 +178,9 @@ class ExecutorServiceConfig:
             default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
             help="CPU: keep freed activation memory in the process for reuse (glibc)",
         )
+        add("--dtype", default=env_str("KVGATE_DTYPE", ""), help="default: float32 CPU, bf16 CUDA")
+        add("--quantization", default=env_str("KVGATE_QUANTIZATION", "none"), help="int8, int4")
+        add("--enforce-eager", action="store_true", default=env_bool("KVGATE_ENFORCE_EAGER", False))
         add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
         return cls(**vars(parser.parse_args(argv)))
 
