@@ -109,89 +109,143 @@ static inline __m512 int8_weights(const int8_t *p, __mmask16 mask) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
 }
 
-/* int8 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1. */
-static inline void int8_block(const linear_io *io, const int8_t *q, const float *scales,
-                              int64_t group_size, int64_t row0, int R, int64_t i0, int M) {
+/*
+ * The kernels below keep ROW_BLOCK x X_BLOCK accumulators in named registers: a##r##i is
+ * weight row r against x row i. R (rows) and M (x rows) are constants at every call
+ * (vector_rows_of), so the unused ones and the branches on R and M compile away.
+ */
+#define DECLARE_ACCUMULATORS(r) \
+    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0
+
+/* a##r##i += w * x##i for the M rows of x. */
+#define ACCUMULATE(r, w, x)                                             \
+    do {                                                                \
+        a##r##0 = _mm512_fmadd_ps(w, x##0, a##r##0);                    \
+        if (M > 1) a##r##1 = _mm512_fmadd_ps(w, x##1, a##r##1);         \
+        if (M > 2) a##r##2 = _mm512_fmadd_ps(w, x##2, a##r##2);         \
+        if (M > 3) a##r##3 = _mm512_fmadd_ps(w, x##3, a##r##3);         \
+    } while (0)
+
+/* Loads of x rows 0..M-1 at column j into x##name##i. */
+#define LOAD_X(name, load, j)                                             \
+    const __m512 x##name##0 = load(x + (j));                              \
+    const __m512 x##name##1 = M > 1 ? load(x + io->ld + (j)) : x##name##0; \
+    const __m512 x##name##2 = M > 2 ? load(x + 2 * io->ld + (j)) : x##name##0; \
+    const __m512 x##name##3 = M > 3 ? load(x + 3 * io->ld + (j)) : x##name##0
+
+#define WRITE_ROW(r, scale)                                                                  \
+    do {                                                                                     \
+        write_out(io, row0 + (r), i0, (scale) * _mm512_reduce_add_ps(a##r##0));              \
+        if (M > 1) write_out(io, row0 + (r), i0 + 1, (scale) * _mm512_reduce_add_ps(a##r##1)); \
+        if (M > 2) write_out(io, row0 + (r), i0 + 2, (scale) * _mm512_reduce_add_ps(a##r##2)); \
+        if (M > 3) write_out(io, row0 + (r), i0 + 3, (scale) * _mm512_reduce_add_ps(a##r##3)); \
+    } while (0)
+
+#define FOR_ROWS(STEP) \
+    do {               \
+        STEP(0);       \
+        if (R > 1) {   \
+            STEP(1);   \
+            STEP(2);   \
+            STEP(3);   \
+        }              \
+    } while (0)
+
+/* int8 rows row0 .. row0 + R - 1 (R is 1 or ROW_BLOCK) against x rows i0 .. i0 + M - 1. */
+static inline __attribute__((always_inline)) void int8_block(
+    const linear_io *io, const int8_t *q, const float *scales, int64_t group_size, int64_t row0,
+    const int R, int64_t i0, const int M) {
     const int64_t k = io->k, groups = k / group_size;
     const int per_channel = group_size == k;
     const float *x = (const float *)io->x + i0 * io->ld;
-    __m512 acc[ROW_BLOCK][X_BLOCK];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+    DECLARE_ACCUMULATORS(0); DECLARE_ACCUMULATORS(1);
+    DECLARE_ACCUMULATORS(2); DECLARE_ACCUMULATORS(3);
     for (int64_t j = 0; j < k; j += 16) {
         const __mmask16 mask = tail_mask16(k - j);
-        __m512 w[ROW_BLOCK];
-        for (int r = 0; r < R; ++r) {
-            w[r] = int8_weights(q + (row0 + r) * k + j, mask);
-            if (!per_channel)
-                w[r] = _mm512_mul_ps(w[r], _mm512_set1_ps(scales[(row0 + r) * groups + j / group_size]));
-        }
-        for (int i = 0; i < M; ++i) {
-            const __m512 xv = _mm512_loadu_ps(x + i * io->ld + j);
-            for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w[r], xv, acc[r][i]);
-        }
+        LOAD_X(v, _mm512_loadu_ps, j);
+#define INT8_ROW(r)                                                                     \
+        do {                                                                            \
+            __m512 w = int8_weights(q + (row0 + (r)) * k + j, mask);                    \
+            if (!per_channel)                                                           \
+                w = _mm512_mul_ps(w, _mm512_set1_ps(scales[(row0 + (r)) * groups + j / group_size])); \
+            ACCUMULATE(r, w, xv);                                                       \
+        } while (0)
+        FOR_ROWS(INT8_ROW);
+#undef INT8_ROW
     }
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < M; ++i) {
-            const float scale = per_channel ? scales[row0 + r] : 1.0f;
-            write_out(io, row0 + r, i0 + i, scale * _mm512_reduce_add_ps(acc[r][i]));
-        }
+#define INT8_OUT(r) WRITE_ROW(r, per_channel ? scales[row0 + (r)] : 1.0f)
+    FOR_ROWS(INT8_OUT);
+#undef INT8_OUT
 }
 
 /* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
-static inline void int4_block(const linear_io *io, const uint8_t *q, const uint16_t *scales,
-                              const uint16_t *zeros, int64_t group_size, int64_t row0, int R,
-                              int64_t i0, int M) {
+static inline __attribute__((always_inline)) void int4_block(
+    const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+    int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
     const int64_t k = io->k, groups = k / group_size, row_bytes = k / 2;
     const float *x = (const float *)io->x + i0 * io->ld;
     const __m512i low_nibble = _mm512_set1_epi32(15);
-    __m512 acc[ROW_BLOCK][X_BLOCK];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+    DECLARE_ACCUMULATORS(0); DECLARE_ACCUMULATORS(1);
+    DECLARE_ACCUMULATORS(2); DECLARE_ACCUMULATORS(3);
     for (int64_t j = 0; j < k; j += 32) {
-        __m512 lo[ROW_BLOCK], hi[ROW_BLOCK];
-        for (int r = 0; r < R; ++r) {
-            const int64_t g = (row0 + r) * groups + j / group_size;
-            const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[g]));
-            const __m512 zero = _mm512_set1_ps(_cvtsh_ss(zeros[g]));
-            const __m512i bytes = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(q + (row0 + r) * row_bytes + j / 2)));
-            lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), scale, zero);
-            hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, zero);
-        }
-        for (int i = 0; i < M; ++i) {
-            const __m512 x_lo = _mm512_loadu_ps(x + i * io->ld + j);
-            const __m512 x_hi = _mm512_loadu_ps(x + i * io->ld + j + 16);
-            for (int r = 0; r < R; ++r)
-                acc[r][i] = _mm512_fmadd_ps(hi[r], x_hi, _mm512_fmadd_ps(lo[r], x_lo, acc[r][i]));
-        }
+        LOAD_X(lo, _mm512_loadu_ps, j);
+        LOAD_X(hi, _mm512_loadu_ps, j + 16);
+#define INT4_ROW(r)                                                                          \
+        do {                                                                                 \
+            const int64_t g = (row0 + (r)) * groups + j / group_size;                        \
+            const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[g]));                       \
+            const __m512 zero = _mm512_set1_ps(_cvtsh_ss(zeros[g]));                         \
+            const __m512i bytes = _mm512_cvtepu8_epi32(                                      \
+                _mm_loadu_si128((const __m128i *)(q + (row0 + (r)) * row_bytes + j / 2)));   \
+            const __m512 w_lo = _mm512_fmadd_ps(                                             \
+                _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), scale, zero);       \
+            const __m512 w_hi = _mm512_fmadd_ps(                                             \
+                _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, zero);               \
+            ACCUMULATE(r, w_lo, xlo);                                                        \
+            ACCUMULATE(r, w_hi, xhi);                                                        \
+        } while (0)
+        FOR_ROWS(INT4_ROW);
+#undef INT4_ROW
     }
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < M; ++i) write_out(io, row0 + r, i0 + i, _mm512_reduce_add_ps(acc[r][i]));
+#define INT4_OUT(r) WRITE_ROW(r, 1.0f)
+    FOR_ROWS(INT4_OUT);
+#undef INT4_OUT
 }
 
 #ifdef __AVX512BF16__
+static inline __m512 bf16_pairs(const uint16_t *p) { return (__m512)_mm512_loadu_si512(p); }
+
+/* a##r##i += w . x##i over pairs of bfloat16 (exact products, float32 sums). */
+#define DOT_BF16(r, w, x)                                                                     \
+    do {                                                                                      \
+        a##r##0 = _mm512_dpbf16_ps(a##r##0, (__m512bh)(w), (__m512bh)x##0);                   \
+        if (M > 1) a##r##1 = _mm512_dpbf16_ps(a##r##1, (__m512bh)(w), (__m512bh)x##1);        \
+        if (M > 2) a##r##2 = _mm512_dpbf16_ps(a##r##2, (__m512bh)(w), (__m512bh)x##2);        \
+        if (M > 3) a##r##3 = _mm512_dpbf16_ps(a##r##3, (__m512bh)(w), (__m512bh)x##3);        \
+    } while (0)
+
 /* bfloat16 rows against bfloat16 x rows: pairs of exact products summed in float32. */
-static inline void bf16_block(const linear_io *io, const uint16_t *w, int64_t row0, int R,
-                              int64_t i0, int M) {
+static inline __attribute__((always_inline)) void bf16_block(
+    const linear_io *io, const uint16_t *w, int64_t row0, const int R, int64_t i0, const int M) {
     const int64_t k = io->k;
     const uint16_t *x = (const uint16_t *)io->x + i0 * io->ld;
-    __m512 acc[ROW_BLOCK][X_BLOCK];
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+    DECLARE_ACCUMULATORS(0); DECLARE_ACCUMULATORS(1);
+    DECLARE_ACCUMULATORS(2); DECLARE_ACCUMULATORS(3);
     for (int64_t j = 0; j < k; j += 32) {
         const int64_t left = k - j;
         const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
-        __m512bh wv[ROW_BLOCK];
-        for (int r = 0; r < R; ++r)
-            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (row0 + r) * k + j);
-        for (int i = 0; i < M; ++i) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * io->ld + j);
-            for (int r = 0; r < R; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv[r], xv);
-        }
+        LOAD_X(v, bf16_pairs, j);
+#define BF16_ROW(r)                                                                         \
+        do {                                                                                \
+            const __m512i wr = _mm512_maskz_loadu_epi16(mask, w + (row0 + (r)) * k + j);    \
+            DOT_BF16(r, wr, xv);                                                            \
+        } while (0)
+        FOR_ROWS(BF16_ROW);
+#undef BF16_ROW
     }
-    for (int r = 0; r < R; ++r)
-        for (int i = 0; i < M; ++i) write_out(io, row0 + r, i0 + i, _mm512_reduce_add_ps(acc[r][i]));
+#define BF16_OUT(r) WRITE_ROW(r, 1.0f)
+    FOR_ROWS(BF16_OUT);
+#undef BF16_OUT
 }
 #define KVGATE_BF16_DOT 1
 #endif
@@ -240,17 +294,45 @@ static int has_vector_kernel(int kind) {
 }
 
 #ifdef KVGATE_AVX512
+/* One (R, M) instance of the kernel of `wt`'s kind, with R and M constants. */
+#define KVGATE_BLOCK(R, M)                                                                  \
+    do {                                                                                    \
+        if (wt->kind == KIND_INT8)                                                          \
+            int8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);              \
+        else if (wt->kind == KIND_INT4)                                                     \
+            int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M);   \
+        else                                                                                \
+            BF16_BLOCK(R, M);                                                               \
+    } while (0)
+#ifdef KVGATE_BF16_DOT
+#define BF16_BLOCK(R, M) bf16_block(io, wt->q, row0, R, i0, M)
+#else
+#define BF16_BLOCK(R, M) (void)0
+#endif
+
+static void vector_rows_of(const linear_io *io, const weights *wt, int64_t row0, int64_t i0,
+                           int R, int M) {
+    if (R == ROW_BLOCK) {
+        switch (M) {
+            case 1: KVGATE_BLOCK(ROW_BLOCK, 1); break;
+            case 2: KVGATE_BLOCK(ROW_BLOCK, 2); break;
+            case 3: KVGATE_BLOCK(ROW_BLOCK, 3); break;
+            default: KVGATE_BLOCK(ROW_BLOCK, 4); break;
+        }
+        return;
+    }
+    switch (M) {
+        case 1: KVGATE_BLOCK(1, 1); break;
+        case 2: KVGATE_BLOCK(1, 2); break;
+        case 3: KVGATE_BLOCK(1, 3); break;
+        default: KVGATE_BLOCK(1, 4); break;
+    }
+}
+
 static void vector_rows(const linear_io *io, const weights *wt, int64_t row0, int R) {
     for (int64_t i0 = 0; i0 < io->m; i0 += X_BLOCK) {
         const int M = io->m - i0 < X_BLOCK ? (int)(io->m - i0) : X_BLOCK;
-        if (wt->kind == KIND_INT8)
-            int8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);
-        else if (wt->kind == KIND_INT4)
-            int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M);
-#ifdef KVGATE_BF16_DOT
-        else
-            bf16_block(io, wt->q, row0, R, i0, M);
-#endif
+        vector_rows_of(io, wt, row0, i0, R, M);
     }
 }
 #endif
