@@ -103,8 +103,8 @@ class DecodeGraphs:
             mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.head_dim**-0.5,
         )  # fmt: skip
         step = runner.kernels.prepare_attention(step, runner.kv_caches[0][0])
-        context = ForwardContext(step, runner.kernels)
-        hidden = runner.model(self.input_ids[:size], runner.kv_caches, context)
+        context = ForwardContext(step, runner.decoder, runner.kernels)
+        hidden = runner.model(self.input_ids[:size], context)
         return runner.model.compute_logits(hidden, runner.kernels)
 
     @torch.inference_mode()

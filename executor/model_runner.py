@@ -48,6 +48,7 @@ class ModelRunner:
         self.cos_sin_cache = build_cos_sin_cache(
             mc.head_dim, self.max_model_len, mc.rope_theta, mc.rope_scaling, self.device
         )
+        self.decoder = self.kernels.prepare_decoder(self.model.decoder_weights(self.kv_caches))
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(self, config.max_num_seqs, capture=True)
@@ -123,7 +124,7 @@ class ModelRunner:
         if every_row:
             sample_rows = None
         step = self.kernels.prepare_attention(step, self.kv_caches[0][0])
-        hidden = self.model(input_ids, self.kv_caches, ForwardContext(step, self.kernels))
+        hidden = self.model(input_ids, ForwardContext(step, self.decoder, self.kernels))
         if sample_rows is not None:
             hidden = hidden[sample_rows]
         return self.model.compute_logits(hidden, self.kernels)

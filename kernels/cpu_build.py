@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("cpu_attention.c", "cpu_kernels.c", "cpu_linear.c"))
+SOURCES = tuple(
+    CSRC / name for name in ("cpu_attention.c", "cpu_kernels.c", "cpu_linear.c", "cpu_decoder.c")
+)
 HEADERS = (CSRC / "cpu_common.h",)
 BUILD_DIR_ENV = "KVGATE_BUILD_DIR"
 # -ffast-math lets the compiler reorder float sums and call vectorized expf. It is given when
@@ -61,6 +63,55 @@ class AttentionStepStruct(ctypes.Structure):
     ]
 
 
+class LinearWeightsStruct(ctypes.Structure):
+    """cpu_common.h's kvgate_linear_weights: one linear layer's weight and bias."""
+
+    _fields_ = [
+        ("kind", _int),
+        ("q", _ptr),
+        ("scales", _ptr),
+        ("zeros", _ptr),
+        ("bias", _ptr),
+        ("group_size", _i64),
+        ("out_features", _i64),
+        ("in_features", _i64),
+    ]
+
+
+# Weight formats (cpu_common.h's KVGATE_W_*).
+WEIGHT_KINDS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
+
+
+class LayerStruct(ctypes.Structure):
+    """cpu_decoder.c's kvgate_layer."""
+
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", LinearWeightsStruct),
+        ("o", LinearWeightsStruct),
+        ("gate_up", LinearWeightsStruct),
+        ("down", LinearWeightsStruct),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+    ]
+
+
+class DecoderStruct(ctypes.Structure):
+    """cpu_decoder.c's kvgate_decoder."""
+
+    _fields_ = [
+        ("layers", ctypes.POINTER(LayerStruct)),
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("intermediate", _i64),
+        ("eps", _float),
+        ("act_dtype", _int),
+        ("cache_dtype", _int),
+    ]
+
+
+_linear_p = ctypes.POINTER(LinearWeightsStruct)
 # Argument and result types of every exported function.
 _SIGNATURES = {
     "kvgate_first_invalid_sequence": ([_ptr, _ptr, _i64, _i64, _i64, _i64], _i64),
@@ -86,18 +137,12 @@ _SIGNATURES = {
         [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int, _int, _float, _int], None,
     ),
     "kvgate_silu_and_mul": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _int, _int], None),
-    "kvgate_linear_bf16": (
-        [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int, _int], _int,
+    "kvgate_linear": ([_linear_p, _ptr, _int, _i64, _i64, _i64, _ptr, _int, _int], _int),
+    "kvgate_dequantize": ([_linear_p, _i64, _i64, _ptr, _int, _int], _int),
+    "kvgate_decode_layers": (
+        [ctypes.POINTER(DecoderStruct), ctypes.POINTER(AttentionStepStruct), _ptr, _ptr, _ptr,
+         _i64, _int], _int,
     ),
-    "kvgate_linear_int8": (
-        [_ptr, _int, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _int, _int], _int,
-    ),
-    "kvgate_linear_int4": (
-        [_ptr, _int, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _int,
-         _int], _int,
-    ),
-    "kvgate_dequantize_int8": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _int, _int], _int),
-    "kvgate_dequantize_int4": ([_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _int, _int], _int),
 }  # fmt: skip
 
 

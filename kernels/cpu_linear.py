@@ -4,22 +4,24 @@ Results are column-major: the [N, out_features] transposed view of a contiguous
 [out_features, N], which the next layer's kernels read in place (elementwise ops keep the
 layout; RMSNorm, SiLU-and-multiply and attention read and write it).
 
-- Dense float32 runs as weight @ x^T in MKL: at decode batch sizes that is 20-40% faster than
-  x @ weight^T on this kind of CPU.
-- At small batches (at most SMALL_BATCH_ROWS rows) bfloat16, int8 and int4 weights go through
-  the C kernels of kernels/csrc/cpu_linear.c, which read each weight once in its narrow format
-  (torch's bfloat16 matrix-vector product and its packed int8/int4 kernels read these weights
-  at half the speed or less on this machine: bench/bench_linear.py measures them side by side).
-- At larger batches quantized weights are dequantized, a slice of rows at a time, into the
-  activation dtype and multiplied by torch (oneDNN uses AMX for bfloat16 where the CPU has it).
+- At small batches (at most SMALL_BATCH_ROWS rows) every format goes through the C kernels of
+  kernels/csrc/cpu_linear.c, which read each weight once in its own format (torch's bfloat16
+  matrix-vector product and its packed int8/int4 kernels read these weights at half the speed
+  or less on this machine: bench/bench_linear.py measures them side by side).
+- At larger batches dense weights are multiplied by torch as weight @ x^T (MKL, 20-40% faster
+  than x @ weight^T on this kind of CPU; oneDNN with AMX for bfloat16 where the CPU has it),
+  and quantized ones are first dequantized into the activation dtype, a slice of rows at a
+  time.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kernels.cpu import check_cpu
-from kernels.cpu_build import DTYPE_CODES, library
+from kernels.cpu_build import DTYPE_CODES, WEIGHT_KINDS, LinearWeightsStruct, library
 from kernels.quant import QuantizedWeight
 from kernels.validation import check_linear, check_quantized_linear
 
@@ -27,6 +29,22 @@ from kernels.validation import check_linear, check_quantized_linear
 SMALL_BATCH_ROWS = 8
 # Elements of weight dequantized at a time for a dense matmul (a slice that stays in cache).
 DEQUANTIZE_CHUNK_ELEMENTS = 1 << 20
+
+
+def weights_struct(
+    weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+) -> LinearWeightsStruct:
+    """The C description of a linear layer's weight (dense float32/bfloat16, or quantized)."""
+    if isinstance(weight, QuantizedWeight):
+        kind = WEIGHT_KINDS["int8" if weight.bits == 8 else "int4"]
+        zeros = None if weight.zeros is None else weight.zeros.data_ptr()
+        return LinearWeightsStruct(
+            kind, weight.qweight.data_ptr(), weight.scales.data_ptr(), zeros, _pointer(bias),
+            weight.group_size, weight.out_features, weight.in_features,
+        )  # fmt: skip
+    kind = WEIGHT_KINDS[str(weight.dtype).removeprefix("torch.")]
+    return LinearWeightsStruct(kind, weight.data_ptr(), None, None, _pointer(bias), 0,
+                               weight.shape[0], weight.shape[1])  # fmt: skip
 
 
 def linear(
@@ -38,15 +56,9 @@ def linear(
     """The CPU twin of kernels.reference.linear, column-major (see the module)."""
     check_linear(x, weight, bias)
     out_dtype = out_dtype or x.dtype
-    if x.dtype == torch.bfloat16 and 0 < x.shape[0] <= SMALL_BATCH_ROWS:
-        check_cpu({"x": x, "weight": weight}, floats=("x", "weight"), inner_dims={"x": 0})
-        out = torch.empty(weight.shape[0], x.shape[0], dtype=out_dtype)
-        failed = library().kvgate_linear_bf16(
-            x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], weight.data_ptr(),
-            weight.shape[0], _pointer(bias), out.data_ptr(), DTYPE_CODES[out_dtype],
-            torch.get_num_threads(),
-        )  # fmt: skip
-        return _result(failed, out)
+    if 0 < x.shape[0] <= SMALL_BATCH_ROWS:
+        _check_small_batch(x, weight, bias)
+        return _small_batch(x, weights_struct(weight, bias), weight.shape[0], out_dtype)
     if bias is None:
         out = torch.mm(weight, x.t())
     else:
@@ -70,24 +82,27 @@ def linear_quantized(
     out_dtype = out_dtype or x.dtype
     if x.shape[0] > SMALL_BATCH_ROWS:
         return _dequantized_matmul(x, weight, bias).t().to(out_dtype)
-    out = torch.empty(weight.out_features, x.shape[0], dtype=out_dtype)
     if x.shape[0] == 0:
-        return out.t()
-    lib, threads = library(), torch.get_num_threads()
-    x_args = (x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), x.stride(1), x.shape[0],
-              x.shape[1])  # fmt: skip
-    out_args = (_pointer(bias), out.data_ptr(), DTYPE_CODES[out_dtype], threads)
-    q, scales = weight.qweight.data_ptr(), weight.scales.data_ptr()
-    if weight.bits == 8:
-        failed = lib.kvgate_linear_int8(
-            *x_args, q, scales, weight.group_size, weight.out_features, *out_args
-        )
-    else:
-        failed = lib.kvgate_linear_int4(
-            *x_args, q, scales, weight.zeros.data_ptr(), weight.group_size, weight.out_features,
-            *out_args,
-        )  # fmt: skip
-    return _result(failed, out)
+        return torch.empty(weight.out_features, 0, dtype=out_dtype).t()
+    return _small_batch(x, weights_struct(weight, bias), weight.out_features, out_dtype)
+
+
+def _check_small_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    tensors = {"x": x, "weight": weight} | ({} if bias is None else {"bias": bias})
+    check_cpu(tensors, floats=tuple(tensors), inner_dims={"x": 0})
+
+
+def _small_batch(
+    x: torch.Tensor, weights: LinearWeightsStruct, out_features: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    out = torch.empty(out_features, x.shape[0], dtype=out_dtype)
+    failed = library().kvgate_linear(
+        ctypes.byref(weights), x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), x.stride(1),
+        x.shape[0], out.data_ptr(), DTYPE_CODES[out_dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("linear could not allocate its scratch buffer")
+    return out.t()
 
 
 def dequantize(
@@ -96,21 +111,14 @@ def dequantize(
     """Rows of a quantized weight as a dense contiguous tensor of `dtype` (float32 or bfloat16),
     computed by the C kernels (the twin of QuantizedWeight.dequantize)."""
     start, stop, _ = rows.indices(weight.out_features)
-    count, k = max(stop - start, 0), weight.in_features
-    out = torch.empty(count, k, dtype=dtype)
+    count = max(stop - start, 0)
+    out = torch.empty(count, weight.in_features, dtype=dtype)
     if count == 0:
         return out
-    lib, threads, code = library(), torch.get_num_threads(), DTYPE_CODES[dtype]
-    q, scales = weight.qweight.data_ptr(), weight.scales.data_ptr()
-    if weight.bits == 8:
-        failed = lib.kvgate_dequantize_int8(
-            q, scales, weight.group_size, start, count, k, out.data_ptr(), code, threads
-        )
-    else:
-        failed = lib.kvgate_dequantize_int4(
-            q, scales, weight.zeros.data_ptr(), weight.group_size, start, count, k,
-            out.data_ptr(), code, threads,
-        )  # fmt: skip
+    failed = library().kvgate_dequantize(
+        ctypes.byref(weights_struct(weight, None)), start, count, out.data_ptr(),
+        DTYPE_CODES[dtype], torch.get_num_threads(),
+    )  # fmt: skip
     if failed:
         raise MemoryError("dequantize could not allocate its scratch buffer")
     return out
@@ -133,9 +141,3 @@ def _dequantized_matmul(
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
-
-
-def _result(failed: int, out: torch.Tensor) -> torch.Tensor:
-    if failed:
-        raise MemoryError("linear could not allocate its scratch buffer")
-    return out.t()

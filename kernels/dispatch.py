@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_step import AttentionStep
+from kernels.decoder import DecoderWeights
 
 logger = logging.getLogger("kvgate.kernels")
 
@@ -42,6 +43,10 @@ class KernelBackend:
     prepare_attention: Callable[..., AttentionStep]
     # One layer: rotary embedding, KV-cache store and paged attention of a fused q/k/v.
     attention: Callable[..., torch.Tensor]
+    # Once per model and cache: describe the decoder stack to the kernels.
+    prepare_decoder: Callable[[DecoderWeights], DecoderWeights]
+    # Every decoder layer of a step (kernels.decoder).
+    decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _triton_importable() -> bool:
@@ -137,12 +142,14 @@ def _reference_backend() -> KernelBackend:
         silu_and_mul=reference.silu_and_mul,
         prepare_attention=reference.prepare_attention,
         attention=reference.attention,
+        prepare_decoder=reference.prepare_decoder,
+        decoder_layers=reference.decoder_layers,
     )
 
 
 def _cpu_backend() -> KernelBackend:
     """The reference kernels, with the ones kernels/cpu.py has in C replaced."""
-    from kernels import cpu, cpu_attention, cpu_linear
+    from kernels import cpu, cpu_attention, cpu_decoder, cpu_linear
 
     return dataclasses.replace(
         _reference_backend(),
@@ -158,6 +165,8 @@ def _cpu_backend() -> KernelBackend:
         silu_and_mul=cpu.silu_and_mul,
         prepare_attention=cpu_attention.prepare_attention,
         attention=cpu_attention.attention,
+        prepare_decoder=cpu_decoder.prepare_decoder,
+        decoder_layers=cpu_decoder.decoder_layers,
     )
 
 
@@ -166,7 +175,14 @@ def _triton_backend() -> KernelBackend:
     # Argmax and SiLU-and-multiply stay the reference's (torch on the GPU); dense linear layers
     # are torch's too (kernels/cuda.py).
     from kernels import cuda, reference, triton_attention, triton_cache, triton_norm, triton_quant
+    from kernels.decoder import decoder_layers_with
 
+    attention = reference.attention_with(
+        triton_norm.rotary_embedding,
+        triton_cache.store_kvcache,
+        triton_attention.paged_decode_attention,
+        triton_attention.paged_prefill_attention,
+    )
     return dataclasses.replace(
         _reference_backend(),
         name="triton",
@@ -177,11 +193,13 @@ def _triton_backend() -> KernelBackend:
         rotary_embedding=triton_norm.rotary_embedding,
         linear=cuda.linear,
         linear_quantized=triton_quant.linear_quantized,
-        attention=reference.attention_with(
-            triton_norm.rotary_embedding,
-            triton_cache.store_kvcache,
-            triton_attention.paged_decode_attention,
-            triton_attention.paged_prefill_attention,
+        attention=attention,
+        decoder_layers=decoder_layers_with(
+            cuda.linear,
+            triton_quant.linear_quantized,
+            triton_norm.rms_norm,
+            attention,
+            reference.silu_and_mul,
         ),
     )
 

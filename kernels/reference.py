@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_step import AttentionStep
+from kernels.decoder import DecoderKernel, DecoderWeights, decoder_layers_with
 from kernels.quant import QuantizedWeight
 from kernels.validation import (
     check_argmax,
@@ -388,4 +389,24 @@ Args:
 
 Returns:
     [N, num_heads * head_dim] attention output in qkv.dtype, contiguous.
+"""
+
+
+def prepare_decoder(weights: DecoderWeights) -> DecoderWeights:
+    """The stack as every step reads it; the reference kernels check their inputs per call."""
+    return weights
+
+
+decoder_layers: DecoderKernel = decoder_layers_with(
+    linear, linear_quantized, rms_norm, attention, silu_and_mul
+)
+decoder_layers.__doc__ = """Every decoder layer of a step, one reference kernel call at a time.
+
+Args:
+    weights: the layers' weights and caches (kernels.decoder.DecoderWeights).
+    hidden: [N, hidden_size] the step's token embeddings.
+    step: the step's positions, slots and tables.
+
+Returns:
+    (hidden, residual): the last layer's output and the running residual sum, [N, hidden_size].
 """

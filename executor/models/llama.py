@@ -1,11 +1,13 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
 
 q/k/v and gate/up projections are fused into one matmul each; the loader concatenates the
-checkpoint's separate weights. Linear layers, norms and attention run through `kernels`, whose
-linear may return another memory layout (column-major on the CPU); the batch is packed as
-one-token sequences first (the decode kernel), then multi-token chunks (the prefill kernel).
-A linear layer's weight is dense or weight-only quantized (int8/int4, kernels/quant.py); a
-quantized tied embedding reads its rows from the output layer's quantized weight.
+checkpoint's separate weights. The modules hold the weights; the decoder layers run as one
+kernel of `kernels` (kernels/decoder.py: on the CPU one C call for a small-batch step), over
+the stack's weights and caches described once (`decoder_weights`). Kernels may return another
+memory layout (column-major on the CPU); the batch is packed as one-token sequences first (the
+decode kernel), then multi-token chunks (the prefill kernel). A linear layer's weight is dense
+or weight-only quantized (int8/int4, kernels/quant.py); a quantized tied embedding reads its
+rows from the output layer's quantized weight.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from executor.models.config import ModelConfig
 from kernels import AttentionStep, KernelBackend
+from kernels.decoder import DecoderLayerWeights, DecoderWeights
 from kernels.quant import QuantizedWeight
 
 
@@ -26,6 +29,7 @@ class ForwardContext:
     """Per-step inputs shared by every layer."""
 
     attention: AttentionStep  # positions, slots and tables, prepared by the kernels
+    decoder: DecoderWeights  # the layers' weights and caches, prepared by the kernels
     kernels: KernelBackend
 
 
@@ -97,14 +101,6 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(
-        self, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-    ) -> torch.Tensor:
-        kernels = ctx.kernels
-        qkv = self.qkv_proj(hidden, kernels)
-        out = kernels.attention(qkv, kv_cache[0], kv_cache[1], ctx.attention)
-        return self.o_proj(out, kernels)
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -112,10 +108,6 @@ class MLP(nn.Module):
         hidden, intermediate, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor, kernels: KernelBackend) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, kernels)
-        return self.down_proj(kernels.silu_and_mul(gate_up), kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -126,17 +118,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, ctx.kernels, residual)
-        hidden = self.self_attn(hidden, kv_cache, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, ctx.kernels, residual)
-        return self.mlp(hidden, ctx.kernels), residual
+    def weights(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> DecoderLayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        return DecoderLayerWeights(
+            input_norm=self.input_layernorm.weight,
+            qkv=_weight(attn.qkv_proj),
+            o=_weight(attn.o_proj),
+            post_norm=self.post_attention_layernorm.weight,
+            gate_up=_weight(mlp.gate_up_proj),
+            down=_weight(mlp.down_proj),
+            k_cache=kv_cache[0],
+            v_cache=kv_cache[1],
+            qkv_bias=attn.qkv_proj.bias,
+            o_bias=attn.o_proj.bias,
+            gate_up_bias=mlp.gate_up_proj.bias,
+            down_bias=mlp.down_proj.bias,
+        )
+
+
+def _weight(layer: Linear) -> torch.Tensor | QuantizedWeight:
+    return layer.quantized if layer.quantized is not None else layer.weight
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,17 +153,15 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        ctx: ForwardContext,
-    ) -> torch.Tensor:
+    def decoder_weights(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecoderWeights:
+        """Every layer's weights with its KV cache, for the kernels' prepare_decoder."""
+        layers = [layer.weights(kv) for layer, kv in zip(self.layers, kv_caches, strict=True)]
+        return DecoderWeights(layers, self.config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [N, hidden] of the new tokens after the final norm."""
         hidden = self.embed_tokens(input_ids, self.norm.weight.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, kv_cache, ctx)
+        hidden, residual = ctx.kernels.decoder_layers(ctx.decoder, hidden, ctx.attention)
         hidden, _ = self.norm(hidden, ctx.kernels, residual)
         return hidden
 

@@ -78,6 +78,31 @@ static inline int64_t dtype_size(int dtype) { return dtype == KVGATE_BF16 ? 2 : 
 void kvgate_rotate_heads(const void *x, int dtype, int64_t stride, int64_t num_heads,
                          int64_t head_dim, const float *cos_sin, float *out);
 
+/* A linear layer's weight, [out_features, in_features], in one of these formats
+ * (kernels/quant.py for the quantized ones), and its bias (activation dtype) or NULL. */
+enum { KVGATE_W_F32 = 0, KVGATE_W_BF16 = 1, KVGATE_W_INT8 = 2, KVGATE_W_INT4 = 3 };
+typedef struct {
+    int kind;
+    const void *q;               /* the weights, or the quantized values */
+    const void *scales, *zeros;  /* int8: float32 scales; int4: float16 scales and zeros */
+    const void *bias;
+    int64_t group_size, out_features, in_features;
+} kvgate_linear_weights;
+
+/* y = x @ w^T + bias for m rows of x (element (i, j) at x[i * row_stride + j * col_stride],
+ * of x_dtype) into out, column-major: out[r * m + i]. Returns 0, or 1 when out of memory.
+ * Defined in cpu_linear.c. */
+int kvgate_linear(const kvgate_linear_weights *w, const void *x, int x_dtype, int64_t row_stride,
+                  int64_t col_stride, int64_t m, void *out, int out_dtype, int num_threads);
+
+/* Defined in cpu_kernels.c (see there). */
+void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t res_ld,
+                     const void *weight, void *out, void *out_residual, int64_t rows,
+                     int64_t hidden, int column_major, int dtype, float eps, int num_threads);
+void kvgate_silu_and_mul(const void *x, int64_t x_stride, int64_t up_offset, void *out,
+                         int64_t out_stride, int64_t outer, int64_t inner, int dtype,
+                         int num_threads);
+
 /* One step's attention inputs, shared by every layer (kernels/cpu.py builds it once per step
  * and has checked every index in it). The step's tokens are packed: num_decode one-token
  * sequences first, then the prefill sequences' tokens. */
@@ -92,5 +117,10 @@ typedef struct {
     float scale;
     int num_threads;
 } kvgate_attention_step;
+
+/* Defined in cpu_attention.c (see there). */
+int kvgate_attention_layer(const kvgate_attention_step *st, const void *qkv, int act_dtype,
+                           int64_t token_stride, int64_t feature_stride, void *k_cache,
+                           void *v_cache, int cache_dtype, void *out, float *q_rotated);
 
 #endif

@@ -1,15 +1,15 @@
 /*
- * Linear layers at small batch on the CPU: y = x @ w^T for a few rows of x, with w in
+ * Linear layers at small batch on the CPU: y = x @ w^T for a few rows of x, with w in float32,
  * bfloat16, int8 or int4 (weight-only quantized), reading every weight once per call.
  *
  * At decode batch sizes a linear layer is a matrix-vector product whose time is the time to
- * read the weights; these kernels keep the weights in their narrow format all the way into the
+ * read the weights; these kernels keep the weights in their own format all the way into the
  * registers and multiply there, in float32 (bfloat16: AVX512-BF16 dot products, exact products
  * summed in float32). Four weight rows and up to four rows of x are done together, so each
  * weight is loaded and converted once per four rows of x. For larger batches the caller
- * dequantizes the weights (kvgate_dequantize_*) and runs a dense matmul instead.
+ * multiplies with torch instead, quantized weights dequantized first (kvgate_dequantize).
  *
- * Formats (kernels/quant.py):
+ * Quantized formats (kernels/quant.py):
  *   int8  q [n, k] int8, scales [n, k / group_size] float32: w = q * scale (per-channel:
  *         group_size = k).
  *   int4  q [n, k / 2] uint8; within each block of 32 weights of a row, byte j holds weight j in
@@ -18,7 +18,7 @@
  *         group_size is a multiple of 32 and divides k.
  * x [m, k] has any strides and the activation dtype; it is copied into a dense float32 (or
  * bfloat16) scratch first. out is column-major: out[r * m + i] is row i's output r, of
- * out_dtype (the activation dtype, or float32 for logits); bias (activation dtype) or NULL.
+ * out_dtype (the activation dtype, or float32 for logits); the bias has the activation dtype.
  * The caller (kernels/cpu_linear.py) checks shapes, dtypes and strides.
  */
 #include <stdint.h>
@@ -141,6 +141,15 @@ static inline __m512 int8_weights(const int8_t *p, __mmask16 mask) {
         if (M > 3) write_out(io, row0 + (r), i0 + 3, (scale) * _mm512_reduce_add_ps(a##r##3)); \
     } while (0)
 
+#define DECLARE_ALL_ACCUMULATORS \
+    DECLARE_ACCUMULATORS(0);     \
+    DECLARE_ACCUMULATORS(1);     \
+    DECLARE_ACCUMULATORS(2);     \
+    DECLARE_ACCUMULATORS(3)
+
+/* Writes every row's outputs, unscaled. */
+#define UNSCALED_OUT(r) WRITE_ROW(r, 1.0f)
+
 #define FOR_ROWS(STEP) \
     do {               \
         STEP(0);       \
@@ -158,8 +167,7 @@ static inline __attribute__((always_inline)) void int8_block(
     const int64_t k = io->k, groups = k / group_size;
     const int per_channel = group_size == k;
     const float *x = (const float *)io->x + i0 * io->ld;
-    DECLARE_ACCUMULATORS(0); DECLARE_ACCUMULATORS(1);
-    DECLARE_ACCUMULATORS(2); DECLARE_ACCUMULATORS(3);
+    DECLARE_ALL_ACCUMULATORS;
     for (int64_t j = 0; j < k; j += 16) {
         const __mmask16 mask = tail_mask16(k - j);
         LOAD_X(v, _mm512_loadu_ps, j);
@@ -178,6 +186,26 @@ static inline __attribute__((always_inline)) void int8_block(
 #undef INT8_OUT
 }
 
+/* float32 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1. */
+static inline __attribute__((always_inline)) void f32_block(
+    const linear_io *io, const float *w, int64_t row0, const int R, int64_t i0, const int M) {
+    const int64_t k = io->k;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t j = 0; j < k; j += 16) {
+        const __mmask16 mask = tail_mask16(k - j);
+        LOAD_X(v, _mm512_loadu_ps, j);
+#define F32_ROW(r)                                                                  \
+        do {                                                                        \
+            const __m512 wr = _mm512_maskz_loadu_ps(mask, w + (row0 + (r)) * k + j); \
+            ACCUMULATE(r, wr, xv);                                                  \
+        } while (0)
+        FOR_ROWS(F32_ROW);
+#undef F32_ROW
+    }
+    FOR_ROWS(UNSCALED_OUT);
+}
+
 /* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
 static inline __attribute__((always_inline)) void int4_block(
     const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
@@ -185,8 +213,7 @@ static inline __attribute__((always_inline)) void int4_block(
     const int64_t k = io->k, groups = k / group_size, row_bytes = k / 2;
     const float *x = (const float *)io->x + i0 * io->ld;
     const __m512i low_nibble = _mm512_set1_epi32(15);
-    DECLARE_ACCUMULATORS(0); DECLARE_ACCUMULATORS(1);
-    DECLARE_ACCUMULATORS(2); DECLARE_ACCUMULATORS(3);
+    DECLARE_ALL_ACCUMULATORS;
     for (int64_t j = 0; j < k; j += 32) {
         LOAD_X(lo, _mm512_loadu_ps, j);
         LOAD_X(hi, _mm512_loadu_ps, j + 16);
@@ -207,9 +234,7 @@ static inline __attribute__((always_inline)) void int4_block(
         FOR_ROWS(INT4_ROW);
 #undef INT4_ROW
     }
-#define INT4_OUT(r) WRITE_ROW(r, 1.0f)
-    FOR_ROWS(INT4_OUT);
-#undef INT4_OUT
+    FOR_ROWS(UNSCALED_OUT);
 }
 
 #ifdef __AVX512BF16__
@@ -229,8 +254,7 @@ static inline __attribute__((always_inline)) void bf16_block(
     const linear_io *io, const uint16_t *w, int64_t row0, const int R, int64_t i0, const int M) {
     const int64_t k = io->k;
     const uint16_t *x = (const uint16_t *)io->x + i0 * io->ld;
-    DECLARE_ACCUMULATORS(0); DECLARE_ACCUMULATORS(1);
-    DECLARE_ACCUMULATORS(2); DECLARE_ACCUMULATORS(3);
+    DECLARE_ALL_ACCUMULATORS;
     for (int64_t j = 0; j < k; j += 32) {
         const int64_t left = k - j;
         const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
@@ -243,35 +267,28 @@ static inline __attribute__((always_inline)) void bf16_block(
         FOR_ROWS(BF16_ROW);
 #undef BF16_ROW
     }
-#define BF16_OUT(r) WRITE_ROW(r, 1.0f)
-    FOR_ROWS(BF16_OUT);
-#undef BF16_OUT
+    FOR_ROWS(UNSCALED_OUT);
 }
 #define KVGATE_BF16_DOT 1
 #endif
 #endif
 
-/* Rows of a work item and the rows of x in blocks of X_BLOCK; `kind` picks the weights. */
-enum { KIND_BF16, KIND_INT8, KIND_INT4 };
+typedef kvgate_linear_weights weights;
 
-typedef struct {
-    int kind;
-    const void *q;
-    const void *scales, *zeros;
-    int64_t group_size;
-} weights;
-
-/* Row `row` of the weights as float32 into w_row (the portable path). */
+/* Row `row` of the weights as float32 into w_row (the portable path and dequantization). */
 static void dequantize_row(const weights *wt, int64_t row, int64_t k, float *w_row) {
-    const int64_t groups = wt->kind == KIND_BF16 ? 1 : k / wt->group_size;
+    if (wt->kind == KVGATE_W_F32 || wt->kind == KVGATE_W_BF16) {
+        const int dtype = wt->kind == KVGATE_W_F32 ? KVGATE_F32 : KVGATE_BF16;
+        load_row((const char *)wt->q + row * k * dtype_size(dtype), dtype, k, w_row);
+        return;
+    }
+    const int64_t groups = k / wt->group_size;
     for (int64_t j = 0; j < k; ++j) {
-        if (wt->kind == KIND_BF16) {
-            w_row[j] = bf16_to_f32(((const uint16_t *)wt->q)[row * k + j]);
-        } else if (wt->kind == KIND_INT8) {
-            const float scale = ((const float *)wt->scales)[row * groups + j / wt->group_size];
-            w_row[j] = (float)((const int8_t *)wt->q)[row * k + j] * scale;
+        const int64_t g = row * groups + j / wt->group_size;
+        if (wt->kind == KVGATE_W_INT8) {
+            w_row[j] = (float)((const int8_t *)wt->q)[row * k + j] * ((const float *)wt->scales)[g];
         } else {
-            const int64_t g = row * groups + j / wt->group_size, in_block = j % 32;
+            const int64_t in_block = j % 32;
             const uint8_t byte = ((const uint8_t *)wt->q)[row * (k / 2) + (j - in_block) / 2 + in_block % 16];
             const int value = in_block < 16 ? byte & 15 : byte >> 4;
             w_row[j] = (float)value * f16_to_f32(((const uint16_t *)wt->scales)[g]) +
@@ -286,7 +303,7 @@ static int has_vector_kernel(int kind) {
     (void)kind;
     return 1;
 #elif defined(KVGATE_AVX512)
-    return kind != KIND_BF16;
+    return kind != KVGATE_W_BF16;
 #else
     (void)kind;
     return 0;
@@ -297,10 +314,12 @@ static int has_vector_kernel(int kind) {
 /* One (R, M) instance of the kernel of `wt`'s kind, with R and M constants. */
 #define KVGATE_BLOCK(R, M)                                                                  \
     do {                                                                                    \
-        if (wt->kind == KIND_INT8)                                                          \
+        if (wt->kind == KVGATE_W_INT8)                                                      \
             int8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);              \
-        else if (wt->kind == KIND_INT4)                                                     \
+        else if (wt->kind == KVGATE_W_INT4)                                                 \
             int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M);   \
+        else if (wt->kind == KVGATE_W_F32)                                                  \
+            f32_block(io, wt->q, row0, R, i0, M);                                           \
         else                                                                                \
             BF16_BLOCK(R, M);                                                               \
     } while (0)
@@ -351,17 +370,16 @@ static void run_rows(const linear_io *io, const weights *wt, int64_t row0, int R
 }
 
 /* Whether the bfloat16 kernel multiplies bfloat16 x directly (else x is packed as float32). */
-static int packs_bf16(int kind) { return kind == KIND_BF16 && has_vector_kernel(kind); }
+static int packs_bf16(int kind) { return kind == KVGATE_W_BF16 && has_vector_kernel(kind); }
 
-static int run_linear(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride,
-                      int64_t m, int64_t k, const weights *wt, int64_t n, const void *bias,
-                      void *out, int out_dtype, int num_threads) {
-    const int64_t ld = (k + 31) / 32 * 32;
+int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_stride,
+                  int64_t col_stride, int64_t m, void *out, int out_dtype, int num_threads) {
+    const int64_t k = wt->in_features, n = wt->out_features, ld = (k + 31) / 32 * 32;
     const int to_bf16 = packs_bf16(wt->kind);
     void *packed = malloc((size_t)(m * ld) * (to_bf16 ? 2 : 4) + 1);
     if (packed == NULL) return 1;
     pack_x(x, x_dtype, row_stride, col_stride, m, k, ld, to_bf16, packed);
-    const linear_io io = {packed, m, k, ld, n, bias, x_dtype, out, out_dtype};
+    const linear_io io = {packed, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
     const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -384,36 +402,11 @@ static int run_linear(const void *x, int x_dtype, int64_t row_stride, int64_t co
     return failed;
 }
 
-/* Each returns 0 on success, 1 when a scratch buffer could not be allocated. */
-int kvgate_linear_bf16(const void *x, int64_t row_stride, int64_t col_stride, int64_t m,
-                       int64_t k, const uint16_t *w, int64_t n, const void *bias, void *out,
-                       int out_dtype, int num_threads) {
-    const weights wt = {KIND_BF16, w, NULL, NULL, k};
-    return run_linear(x, KVGATE_BF16, row_stride, col_stride, m, k, &wt, n, bias, out, out_dtype,
-                      num_threads);
-}
-
-int kvgate_linear_int8(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride,
-                       int64_t m, int64_t k, const int8_t *q, const float *scales,
-                       int64_t group_size, int64_t n, const void *bias, void *out, int out_dtype,
-                       int num_threads) {
-    const weights wt = {KIND_INT8, q, scales, NULL, group_size};
-    return run_linear(x, x_dtype, row_stride, col_stride, m, k, &wt, n, bias, out, out_dtype,
-                      num_threads);
-}
-
-int kvgate_linear_int4(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride,
-                       int64_t m, int64_t k, const uint8_t *q, const uint16_t *scales,
-                       const uint16_t *zeros, int64_t group_size, int64_t n, const void *bias,
-                       void *out, int out_dtype, int num_threads) {
-    const weights wt = {KIND_INT4, q, scales, zeros, group_size};
-    return run_linear(x, x_dtype, row_stride, col_stride, m, k, &wt, n, bias, out, out_dtype,
-                      num_threads);
-}
-
-/* Rows row0 .. row0 + count - 1 of quantized weights as dense [count, k] of out_dtype. */
-static int dequantize(const weights *wt, int64_t row0, int64_t count, int64_t k, void *out,
-                      int out_dtype, int num_threads) {
+/* Rows row0 .. row0 + count - 1 of the weights as dense [count, in_features] of out_dtype.
+ * Returns 0, or 1 when out of memory. */
+int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out, int out_dtype,
+                      int num_threads) {
+    const int64_t k = wt->in_features;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -428,18 +421,4 @@ static int dequantize(const weights *wt, int64_t row0, int64_t count, int64_t k,
         free(w_row);
     }
     return failed;
-}
-
-int kvgate_dequantize_int8(const int8_t *q, const float *scales, int64_t group_size,
-                           int64_t row0, int64_t count, int64_t k, void *out, int out_dtype,
-                           int num_threads) {
-    const weights wt = {KIND_INT8, q, scales, NULL, group_size};
-    return dequantize(&wt, row0, count, k, out, out_dtype, num_threads);
-}
-
-int kvgate_dequantize_int4(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-                           int64_t group_size, int64_t row0, int64_t count, int64_t k, void *out,
-                           int out_dtype, int num_threads) {
-    const weights wt = {KIND_INT4, q, scales, zeros, group_size};
-    return dequantize(&wt, row0, count, k, out, out_dtype, num_threads);
 }

@@ -14,7 +14,7 @@ import torch
 from kernels import build_cos_sin_cache, cpu, cpu_attention
 from kernels import reference as ref
 from kernels.attention_step import AttentionStep
-from tests.kernels.paged_cases import make_paged_case, mixed_prefill_case
+from tests.kernels.paged_cases import cu_seqlens, make_paged_case, mixed_prefill_case
 from tests.kernels.test_triton import assert_close
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -117,13 +117,19 @@ def test_decode_and_prefill_read_a_cache_of_either_dtype(dtype, cache_dtype):
           ref.paged_decode_attention(*decode_args), "decode")  # fmt: skip
 
 
-def layer_case(seed: int, dtype: torch.dtype, cache_dtype: torch.dtype, layout: str):
-    """(step, qkv, k_cache, v_cache) of a step with two decodes and three prefill chunks (a
-    fresh prompt, a chunk after a cached prefix, a one-token chunk), 6 query and 2 KV heads."""
+def layer_case(
+    seed: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    layout: str,
+    query_lens: tuple[int, ...] = (1, 1, 6, 8, 1),
+):
+    """(step, qkv, k_cache, v_cache) of a step with two decodes and three prefill chunks (by
+    default a fresh prompt, a chunk after a cached prefix, a one-token chunk), 6 query and 2 KV
+    heads."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 4
     context_lens = [5, 17, 6, 13, 9]
-    query_lens = [1, 1, 6, 8, 1]
     case = make_paged_case(gen, context_lens, block_size, num_kv_heads, head_dim, cache_dtype)
     positions, slots = [], []
     for seq, (context, queries) in enumerate(zip(context_lens, query_lens, strict=True)):
@@ -136,7 +142,7 @@ def layer_case(seed: int, dtype: torch.dtype, cache_dtype: torch.dtype, layout: 
         torch.tensor(positions), torch.tensor(slots),
         build_cos_sin_cache(head_dim, 64, 10000.0, None), 2,
         case.block_tables[:2].contiguous(), case.context_lens[:2].contiguous(),
-        case.block_tables[2:].contiguous(), torch.tensor([0, 6, 14, 15], dtype=torch.int32),
+        case.block_tables[2:].contiguous(), cu_seqlens(list(query_lens[2:])),
         case.context_lens[2:].contiguous(), num_heads, num_kv_heads, head_dim, head_dim**-0.5,
     )  # fmt: skip
     qkv = torch.randn(len(positions), step.qkv_width, generator=gen).to(dtype)

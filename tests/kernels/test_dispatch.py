@@ -70,6 +70,7 @@ def test_cpu_defaults_to_the_cpu_kernels_even_with_the_interpreter(monkeypatch):
         assert backend.rms_norm.__module__ == backend.silu_and_mul.__module__ == "kernels.cpu"
         assert backend.linear.__module__ == backend.linear_quantized.__module__
         assert backend.linear.__module__ == "kernels.cpu_linear"
+        assert backend.decoder_layers.__module__ == "kernels.cpu_decoder"
 
 
 def test_cpu_with_another_dtype_runs_the_reference_and_says_why(monkeypatch, caplog):
