@@ -65,6 +65,7 @@ def profile_step(engine: Engine, steps: int) -> dict[str, float]:
     originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _, _ in patched]
     for obj, attr, name, fn in patched:
         setattr(obj, attr, timers.wrap(name, fn))
+    inside = _c_stack_timing(kernels, start=True)
     try:
         start = time.perf_counter()
         for _ in range(steps):
@@ -74,7 +75,24 @@ def profile_step(engine: Engine, steps: int) -> dict[str, float]:
         runner.kernels = kernels
         for obj, attr, original in originals:
             setattr(obj, attr, original)
+        inside = _c_stack_timing(kernels, start=False) if inside is not None else None
     per_step = {name: 1000 * s / steps for name, s in timers.seconds.items()}
+    if inside:
+        # The one-call decoder stack, split by the kernels it ran (timed in C).
+        stack = per_step.pop("kernel decoder_layers", 0.0)
+        for kind, seconds in inside.items():
+            per_step[f"kernel {kind} (in the stack)"] = 1000 * seconds / steps
+        per_step["stack, between its kernels"] = stack - 1000 * sum(inside.values()) / steps
     per_step["other"] = 1000 * total / steps - sum(per_step.values())
     per_step["step"] = 1000 * total / steps
     return per_step
+
+
+def _c_stack_timing(kernels, start: bool) -> dict[str, float] | None:
+    """Turn the CPU decoder stack's own timing on (start) or read it and turn it off; None
+    when the kernels are not the CPU ones."""
+    if kernels.name != "cpu":
+        return None
+    from kernels import cpu_decoder
+
+    return cpu_decoder.kernel_seconds(keep_timing=start)

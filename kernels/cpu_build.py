@@ -139,6 +139,7 @@ _SIGNATURES = {
     "kvgate_silu_and_mul": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvgate_linear": ([_linear_p, _ptr, _int, _i64, _i64, _i64, _ptr, _int, _int], _int),
     "kvgate_dequantize": ([_linear_p, _i64, _i64, _ptr, _int, _int], _int),
+    "kvgate_decoder_timing": ([_int, _ptr], None),
     "kvgate_decode_layers": (
         [ctypes.POINTER(DecoderStruct), ctypes.POINTER(AttentionStepStruct), _ptr, _ptr, _ptr,
          _i64, _int], _int,

@@ -114,3 +114,14 @@ def decoder_layers(
     if failed:
         raise MemoryError("the decoder layers could not allocate their buffers")
     return out.t(), residual.t()
+
+
+TIMED_KINDS = ("rms_norm", "linear", "attention", "silu_and_mul")
+
+
+def kernel_seconds(keep_timing: bool) -> dict[str, float]:
+    """Seconds the one-call stack spent in each kind of kernel since the last call, and timing
+    turned on or off for what follows (it costs two clock reads per kernel; for profiling)."""
+    seconds = (ctypes.c_double * len(TIMED_KINDS))()
+    library().kvgate_decoder_timing(int(keep_timing), seconds)
+    return dict(zip(TIMED_KINDS, seconds, strict=True))

@@ -24,6 +24,9 @@
 
 #include "cpu_common.h"
 
+/* Multiply-adds of attention below which one thread does the whole step's attention. */
+#define MIN_PARALLEL_WORK (1 << 18)
+
 static float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -307,8 +310,14 @@ int kvgate_attention_layer(const kvgate_attention_step *st, const void *qkv, int
                              d, st->block_size};
     paged_kv prefill = decode;
     prefill.block_table = st->prefill_tables;
+    /* A small step (one stream at a short context) costs less than waking the other threads. */
+    int64_t context_tokens = 0;
+    for (int64_t s = 0; s < st->num_decode; ++s) context_tokens += st->decode_lens[s];
+    for (int64_t s = 0; s < st->num_prefill_seqs; ++s)
+        context_tokens += st->prefill_lens[s] * (st->cu_seqlens[s + 1] - st->cu_seqlens[s]);
+    const int parallel = context_tokens * st->num_heads * d >= MIN_PARALLEL_WORK;
     int failed = 0;
-#pragma omp parallel num_threads(st->num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(st->num_threads) if (parallel) reduction(| : failed)
     {
         attention_scratch s = scratch_alloc(group, d, max_context);
         if (s.scores == NULL) failed = 1;

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cpu_common.h"
 
@@ -63,6 +64,34 @@ static void *alloc_buffers(const kvgate_decoder *d, const kvgate_attention_step 
     return block;
 }
 
+/* Seconds spent in each kind of kernel since the last read, when timing is on (profiling:
+ * bench/decode_profile.py). Kinds: 0 RMSNorm, 1 linear, 2 attention, 3 SiLU-and-multiply. */
+enum { TIMED_NORM, TIMED_LINEAR, TIMED_ATTENTION, TIMED_ACTIVATION, TIMED_KINDS };
+static int timing_on;
+static double timed_seconds[TIMED_KINDS];
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+#define TIMED(kind, call)                                     \
+    do {                                                      \
+        const double start_ = timing_on ? now_s() : 0.0;      \
+        call;                                                 \
+        if (timing_on) timed_seconds[kind] += now_s() - start_; \
+    } while (0)
+
+/* Turn timing on or off; returns the seconds per kind so far in out[TIMED_KINDS] and resets. */
+void kvgate_decoder_timing(int on, double *out) {
+    for (int i = 0; i < TIMED_KINDS; ++i) {
+        out[i] = timed_seconds[i];
+        timed_seconds[i] = 0.0;
+    }
+    timing_on = on;
+}
+
 /* One layer; hidden holds its input and receives its output, residual the running sum. */
 static int run_layer(const kvgate_decoder *d, const kvgate_layer *layer,
                      const kvgate_attention_step *st, const buffers *b, void *residual,
@@ -72,19 +101,24 @@ static int run_layer(const kvgate_decoder *d, const kvgate_layer *layer,
     int failed = 0;
     /* Layer 0 has no residual yet: the sum is its input itself. */
     if (first) memcpy(residual, b->hidden, (size_t)(d->hidden * m * dtype_size(dtype)));
-    kvgate_rms_norm(b->hidden, m, first ? NULL : residual, m, layer->input_norm, b->normed,
-                    first ? NULL : residual, m, d->hidden, 1, dtype, d->eps, threads);
-    failed |= kvgate_linear(&layer->qkv, b->normed, dtype, 1, m, m, b->qkv, dtype, threads);
-    failed |= kvgate_attention_layer(st, b->qkv, dtype, 1, m, layer->k_cache, layer->v_cache,
-                                     d->cache_dtype, b->attn, b->q_rotated);
-    failed |= kvgate_linear(&layer->o, b->attn, dtype, q_width, 1, m, b->hidden, dtype, threads);
-    kvgate_rms_norm(b->hidden, m, residual, m, layer->post_norm, b->normed, residual, m,
-                    d->hidden, 1, dtype, d->eps, threads);
-    failed |= kvgate_linear(&layer->gate_up, b->normed, dtype, 1, m, m, b->gate_up, dtype,
-                            threads);
-    kvgate_silu_and_mul(b->gate_up, m, d->intermediate * m, b->act, m, d->intermediate, m, dtype,
-                        threads);
-    failed |= kvgate_linear(&layer->down, b->act, dtype, 1, m, m, b->hidden, dtype, threads);
+    TIMED(TIMED_NORM, kvgate_rms_norm(b->hidden, m, first ? NULL : residual, m, layer->input_norm,
+                                      b->normed, first ? NULL : residual, m, d->hidden, 1, dtype,
+                                      d->eps, threads));
+    TIMED(TIMED_LINEAR, failed |= kvgate_linear(&layer->qkv, b->normed, dtype, 1, m, m, b->qkv,
+                                                dtype, threads));
+    TIMED(TIMED_ATTENTION,
+          failed |= kvgate_attention_layer(st, b->qkv, dtype, 1, m, layer->k_cache,
+                                           layer->v_cache, d->cache_dtype, b->attn, b->q_rotated));
+    TIMED(TIMED_LINEAR, failed |= kvgate_linear(&layer->o, b->attn, dtype, q_width, 1, m,
+                                                b->hidden, dtype, threads));
+    TIMED(TIMED_NORM, kvgate_rms_norm(b->hidden, m, residual, m, layer->post_norm, b->normed,
+                                      residual, m, d->hidden, 1, dtype, d->eps, threads));
+    TIMED(TIMED_LINEAR, failed |= kvgate_linear(&layer->gate_up, b->normed, dtype, 1, m, m,
+                                                b->gate_up, dtype, threads));
+    TIMED(TIMED_ACTIVATION, kvgate_silu_and_mul(b->gate_up, m, d->intermediate * m, b->act, m,
+                                                d->intermediate, m, dtype, threads));
+    TIMED(TIMED_LINEAR, failed |= kvgate_linear(&layer->down, b->act, dtype, 1, m, m, b->hidden,
+                                                dtype, threads));
     return failed;
 }
 
