@@ -11,7 +11,8 @@ One format per bit width, read by the C kernels, the Triton kernels and the refe
 
 A loader that reads already-quantized tensors builds the weight directly (`int4_weight`,
 `int8_weight`, or from GGUF blocks with `from_gguf_q8_0`, `from_gguf_q4_0`, `from_gguf_q4_1`:
-their nibble order is this one, so the bytes are copied, not unpacked and repacked).
+their nibble order is this one, so the bytes are copied, not unpacked and repacked), reorders
+rows with `permute_rows` and fuses projections with `concat_rows`.
 """
 
 from __future__ import annotations
@@ -168,6 +169,29 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     blocks = qweight.reshape(qweight.shape[0], -1, 1, INT4_BLOCK // 2)
     values = torch.cat([blocks & 15, blocks >> 4], dim=2)
     return values.reshape(qweight.shape[0], qweight.shape[1] * 2)
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one format stacked along their output rows (q, k and v into one fused
+    projection, as the loader fuses dense ones)."""
+    first = weights[0]
+    if any((w.bits, w.group_size, w.in_features) != (first.bits, first.group_size,
+           first.in_features) for w in weights):  # fmt: skip
+        raise ValueError("only weights of one format, group size and input width concatenate")
+    zeros = None if first.zeros is None else torch.cat([w.zeros for w in weights])
+    qweight, scales = (
+        torch.cat([w.qweight for w in weights]),
+        torch.cat([w.scales for w in weights]),
+    )
+    return QuantizedWeight(first.bits, qweight, scales, zeros, first.group_size)
+
+
+def permute_rows(weight: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    """The weight with its output rows reordered (row i of the result is row order[i]): a
+    row's packed values, scales and zeros move together (GGUF's Q/K head reordering)."""
+    zeros = None if weight.zeros is None else weight.zeros[order].contiguous()
+    return QuantizedWeight(weight.bits, weight.qweight[order].contiguous(),
+                           weight.scales[order].contiguous(), zeros, weight.group_size)  # fmt: skip
 
 
 def _gguf_blocks(data: torch.Tensor, out_features: int, block_bytes: int) -> torch.Tensor:

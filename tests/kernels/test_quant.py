@@ -88,6 +88,17 @@ def test_gguf_blocks_load_into_the_formats_exactly(kind):
     assert torch.equal(weight.dequantize(), expected)
 
 
+def test_rows_move_and_stack_with_their_scales():
+    gen = torch.Generator().manual_seed(5)
+    q, k = (quant.quantize_int4(torch.randn(n, 64, generator=gen)) for n in (8, 4))
+    fused = quant.concat_rows([q, k])
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    order = torch.randperm(12, generator=gen)
+    assert torch.equal(quant.permute_rows(fused, order).dequantize(), fused.dequantize()[order])
+    with pytest.raises(ValueError, match="only weights of one format"):
+        quant.concat_rows([q, quant.quantize_int8(torch.randn(4, 64))])
+
+
 def make_weights(out_features: int, in_features: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     dense = torch.randn(out_features, in_features, generator=gen)
