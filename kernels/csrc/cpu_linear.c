@@ -23,6 +23,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_common.h"
 
@@ -207,32 +208,53 @@ static inline __attribute__((always_inline)) void f32_block(
 }
 
 /* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
+/* n float16 values as float32 (n <= INT4_GROUP_CHUNK). */
+static inline void f16_row(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = tail_mask16(n - i);
+        _mm512_mask_storeu_ps(dst + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + i)));
+    }
+}
+
+/* Groups whose float16 scales and zeros are converted at a time (so a broadcast in the inner
+ * loop is one load, not a conversion). */
+#define INT4_GROUP_CHUNK 256
+
+/* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
 static inline __attribute__((always_inline)) void int4_block(
     const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
     int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
     const int64_t k = io->k, groups = k / group_size, row_bytes = k / 2;
     const float *x = (const float *)io->x + i0 * io->ld;
     const __m512i low_nibble = _mm512_set1_epi32(15);
+    float scale_f32[ROW_BLOCK][INT4_GROUP_CHUNK], zero_f32[ROW_BLOCK][INT4_GROUP_CHUNK];
     DECLARE_ALL_ACCUMULATORS;
-    for (int64_t j = 0; j < k; j += 32) {
-        LOAD_X(lo, _mm512_loadu_ps, j);
-        LOAD_X(hi, _mm512_loadu_ps, j + 16);
+    for (int64_t g0 = 0; g0 < groups; g0 += INT4_GROUP_CHUNK) {
+        const int64_t count = groups - g0 < INT4_GROUP_CHUNK ? groups - g0 : INT4_GROUP_CHUNK;
+        for (int r = 0; r < R; ++r) {
+            f16_row(scales + (row0 + r) * groups + g0, count, scale_f32[r]);
+            f16_row(zeros + (row0 + r) * groups + g0, count, zero_f32[r]);
+        }
+        for (int64_t j = g0 * group_size; j < (g0 + count) * group_size; j += 32) {
+            const int64_t g = j / group_size - g0;
+            LOAD_X(lo, _mm512_loadu_ps, j);
+            LOAD_X(hi, _mm512_loadu_ps, j + 16);
 #define INT4_ROW(r)                                                                          \
-        do {                                                                                 \
-            const int64_t g = (row0 + (r)) * groups + j / group_size;                        \
-            const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[g]));                       \
-            const __m512 zero = _mm512_set1_ps(_cvtsh_ss(zeros[g]));                         \
-            const __m512i bytes = _mm512_cvtepu8_epi32(                                      \
-                _mm_loadu_si128((const __m128i *)(q + (row0 + (r)) * row_bytes + j / 2)));   \
-            const __m512 w_lo = _mm512_fmadd_ps(                                             \
-                _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), scale, zero);       \
-            const __m512 w_hi = _mm512_fmadd_ps(                                             \
-                _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, zero);               \
-            ACCUMULATE(r, w_lo, xlo);                                                        \
-            ACCUMULATE(r, w_hi, xhi);                                                        \
-        } while (0)
-        FOR_ROWS(INT4_ROW);
+            do {                                                                             \
+                const __m512 scale = _mm512_set1_ps(scale_f32[r][g]);                        \
+                const __m512 zero = _mm512_set1_ps(zero_f32[r][g]);                          \
+                const __m512i bytes = _mm512_cvtepu8_epi32(                                  \
+                    _mm_loadu_si128((const __m128i *)(q + (row0 + (r)) * row_bytes + j / 2))); \
+                const __m512 w_lo = _mm512_fmadd_ps(                                         \
+                    _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), scale, zero);   \
+                const __m512 w_hi = _mm512_fmadd_ps(                                         \
+                    _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, zero);           \
+                ACCUMULATE(r, w_lo, xlo);                                                    \
+                ACCUMULATE(r, w_hi, xhi);                                                    \
+            } while (0)
+            FOR_ROWS(INT4_ROW);
 #undef INT4_ROW
+        }
     }
     FOR_ROWS(UNSCALED_OUT);
 }
@@ -296,6 +318,57 @@ static void dequantize_row(const weights *wt, int64_t row, int64_t k, float *w_r
         }
     }
 }
+
+#ifdef KVGATE_AVX512
+/* dequantize_row for int8 and int4, 16 weights at a time. */
+static void dequantize_row_vector(const weights *wt, int64_t row, int64_t k, float *w_row) {
+    const int64_t groups = k / wt->group_size;
+    if (wt->kind == KVGATE_W_INT8) {
+        const int8_t *q = (const int8_t *)wt->q + row * k;
+        const float *scales = (const float *)wt->scales + row * groups;
+        for (int64_t j = 0; j < k; j += 16) {
+            const __mmask16 mask = tail_mask16(k - j);
+            const __m512 scale = _mm512_set1_ps(scales[j / wt->group_size]);
+            _mm512_mask_storeu_ps(w_row + j, mask, _mm512_mul_ps(int8_weights(q + j, mask), scale));
+        }
+        return;
+    }
+    const uint8_t *q = (const uint8_t *)wt->q + row * (k / 2);
+    const uint16_t *scales = (const uint16_t *)wt->scales + row * groups;
+    const uint16_t *zeros = (const uint16_t *)wt->zeros + row * groups;
+    const __m512i low_nibble = _mm512_set1_epi32(15);
+    for (int64_t j = 0; j < k; j += 32) {
+        const int64_t g = j / wt->group_size;
+        const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[g]));
+        const __m512 zero = _mm512_set1_ps(_cvtsh_ss(zeros[g]));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j / 2)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        _mm512_storeu_ps(w_row + j, _mm512_fmadd_ps(lo, scale, zero));
+        _mm512_storeu_ps(w_row + j + 16, _mm512_fmadd_ps(hi, scale, zero));
+    }
+}
+
+/* n float32 values into dst of `dtype`, bfloat16 rounded to nearest even as f32_to_bf16. */
+static void store_row_vector(const float *src, int64_t n, void *dst, int dtype) {
+    if (dtype == KVGATE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    const __m512i rounding = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), infinity = _mm512_set1_epi32(0x7f800000);
+    const __m512i quiet_nan = _mm512_set1_epi32(0x7fc0);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mask = tail_mask16(n - j);
+        const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, src + j));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(rounding, odd)), 16);
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, magnitude), infinity);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, quiet_nan);
+        _mm256_mask_storeu_epi16((uint16_t *)dst + j, mask, _mm512_cvtepi32_epi16(rounded));
+    }
+}
+#endif
 
 /* Whether this build has a vector kernel for the weights' kind. */
 static int has_vector_kernel(int kind) {
@@ -415,8 +488,16 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < count; ++r) {
             if (w_row == NULL) continue;
+            void *dst = (char *)out + r * k * dtype_size(out_dtype);
+#ifdef KVGATE_AVX512
+            if (wt->kind == KVGATE_W_INT8 || wt->kind == KVGATE_W_INT4) {
+                dequantize_row_vector(wt, row0 + r, k, w_row);
+                store_row_vector(w_row, k, dst, out_dtype);
+                continue;
+            }
+#endif
             dequantize_row(wt, row0 + r, k, w_row);
-            store_row((char *)out + r * k * dtype_size(out_dtype), out_dtype, w_row, k);
+            store_row(dst, out_dtype, w_row, k);
         }
         free(w_row);
     }
