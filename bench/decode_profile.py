@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from executor.engine import Engine
+from kernels import cpu_linear
+from kernels.decoder import decoder_layers_with
 
 
 class ExclusiveTimers:
@@ -45,9 +47,10 @@ def profile_step(engine: Engine, steps: int) -> dict[str, float]:
     runner, model = engine.runner, engine.runner.model
     kernels = runner.kernels
     fields = [f.name for f in dataclasses.fields(kernels) if f.name != "name"]
-    runner.kernels = dataclasses.replace(
+    timed = dataclasses.replace(
         kernels, **{f: timers.wrap(f"kernel {f}", getattr(kernels, f)) for f in fields}
     )
+    runner.kernels = dataclasses.replace(timed, decoder_layers=_visible_stack(kernels, timed))
     head = model.lm_head.forward
 
     def output_layer(x, _kernels, out_dtype=None):  # its matmul counts here, not as a kernel
@@ -86,6 +89,21 @@ def profile_step(engine: Engine, steps: int) -> dict[str, float]:
     per_step["other"] = 1000 * total / steps - sum(per_step.values())
     per_step["step"] = 1000 * total / steps
     return per_step
+
+
+def _visible_stack(kernels, timed) -> Callable:
+    """The decoder stack with each kernel call timed: the one-call C stack (timed in C) when the
+    step is small enough for it, else the layers one timed kernel call at a time."""
+    one_call = timed.decoder_layers
+    per_call = decoder_layers_with(timed.linear, timed.linear_quantized, timed.rms_norm,
+                                   timed.attention, timed.silu_and_mul)  # fmt: skip
+
+    def decoder_layers(weights, hidden, step):
+        if kernels.name == "cpu" and hidden.shape[0] <= cpu_linear.SMALL_BATCH_ROWS:
+            return one_call(weights, hidden, step)
+        return per_call(weights, hidden, step)
+
+    return decoder_layers
 
 
 def _c_stack_timing(kernels, start: bool) -> dict[str, float] | None:

@@ -60,29 +60,128 @@ typedef struct {
     int64_t num_kv_heads, head_dim, block_size;
 } paged_kv;
 
-/* Head `kv_head` of cached token `t` of one cache (k or v) as float32: a pointer into the
- * cache itself when it is float32, else converted into `row`. */
-static const float *cached_row(const paged_kv *kv, const void *cache, int64_t t, int64_t kv_head,
-                               float *row) {
-    const int64_t slot = (int64_t)kv->block_table[t / kv->block_size] * kv->block_size +
-                         t % kv->block_size;
+/* Head `kv_head` of the cached token in slot `slot` of one cache (k or v) as float32: a pointer
+ * into the cache itself when it is float32, else converted into `row`. */
+static inline const float *cached_row(const paged_kv *kv, const void *cache, int64_t slot,
+                                      int64_t kv_head, float *row) {
     const int64_t offset = (slot * kv->num_kv_heads + kv_head) * kv->head_dim;
     if (kv->cache_dtype == KVGATE_F32) return (const float *)cache + offset;
-    load_row((const char *)cache + offset * dtype_size(kv->cache_dtype), kv->cache_dtype,
-             kv->head_dim, row);
+    const uint16_t *src = (const uint16_t *)cache + offset;
+#pragma omp simd
+    for (int64_t i = 0; i < kv->head_dim; ++i) row[i] = bf16_to_f32(src[i]);
     return row;
 }
 
+/* The cache slot of each of a sequence's first context_len tokens (walking its block table
+ * once, instead of dividing by the block size per token and per pass). */
+static void sequence_slots(const paged_kv *kv, int64_t context_len, int64_t *slots) {
+    for (int64_t start = 0, b = 0; start < context_len; start += kv->block_size, ++b) {
+        const int64_t base = (int64_t)kv->block_table[b] * kv->block_size;
+        const int64_t count = context_len - start < kv->block_size ? context_len - start
+                                                                   : kv->block_size;
+        for (int64_t o = 0; o < count; ++o) slots[start + o] = base + o;
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* 16 cached elements at `offset` (elements) of a float32 or bfloat16 cache, as float32. */
+static inline __m512 load16(const void *base, int dtype, int64_t offset) {
+    if (dtype == KVGATE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+#define R4(X) X(0) X(1) X(2) X(3)
+#define R8(X) R4(X) X(4) X(5) X(6) X(7)
+
+/*
+ * One query head over a sequence's cached tokens, head_dim = 16 * (4 or 8) in registers: the
+ * query and the output accumulators stay in registers, scores are taken four tokens at a time
+ * (independent sums), values are summed into two sets of accumulators (even and odd tokens).
+ * k and v point at the head's first element in slot 0; slots are `row` elements apart.
+ */
+#define ATTEND_HEAD(name, REP)                                                                \
+    static void name(const float *q, const void *k, const void *v, int dtype, int64_t row,     \
+                     int64_t context_len, const int64_t *slots, float scale, float *scores,   \
+                     float *out) {                                                             \
+        const __m512 zero = _mm512_setzero_ps();                                              \
+        REP(DECLARE_Q)                                                                        \
+        int64_t t = 0;                                                                        \
+        for (; t + 4 <= context_len; t += 4) {                                                \
+            const int64_t o0 = slots[t] * row, o1 = slots[t + 1] * row;                       \
+            const int64_t o2 = slots[t + 2] * row, o3 = slots[t + 3] * row;                   \
+            __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;                                \
+            REP(DOT4)                                                                         \
+            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
+            scores[t + 1] = scale * _mm512_reduce_add_ps(a1);                                 \
+            scores[t + 2] = scale * _mm512_reduce_add_ps(a2);                                 \
+            scores[t + 3] = scale * _mm512_reduce_add_ps(a3);                                 \
+        }                                                                                     \
+        for (; t < context_len; ++t) {                                                        \
+            const int64_t o0 = slots[t] * row;                                                \
+            __m512 a0 = zero;                                                                 \
+            REP(DOT1)                                                                         \
+            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
+        }                                                                                     \
+        softmax_in_place(scores, context_len);                                                \
+        REP(DECLARE_OUT)                                                                      \
+        for (t = 0; t + 2 <= context_len; t += 2) {                                           \
+            const __m512 p0 = _mm512_set1_ps(scores[t]), p1 = _mm512_set1_ps(scores[t + 1]);  \
+            const int64_t o0 = slots[t] * row, o1 = slots[t + 1] * row;                       \
+            REP(AXPY2)                                                                        \
+        }                                                                                     \
+        if (t < context_len) {                                                                \
+            const __m512 p0 = _mm512_set1_ps(scores[t]);                                      \
+            const int64_t o0 = slots[t] * row;                                                \
+            REP(AXPY1)                                                                        \
+        }                                                                                     \
+        REP(STORE_OUT)                                                                        \
+    }
+
+#define DECLARE_Q(i) const __m512 q##i = _mm512_loadu_ps(q + 16 * (i));
+#define DOT4(i)                                                             \
+    a0 = _mm512_fmadd_ps(q##i, load16(k, dtype, o0 + 16 * (i)), a0);        \
+    a1 = _mm512_fmadd_ps(q##i, load16(k, dtype, o1 + 16 * (i)), a1);        \
+    a2 = _mm512_fmadd_ps(q##i, load16(k, dtype, o2 + 16 * (i)), a2);        \
+    a3 = _mm512_fmadd_ps(q##i, load16(k, dtype, o3 + 16 * (i)), a3);
+#define DOT1(i) a0 = _mm512_fmadd_ps(q##i, load16(k, dtype, o0 + 16 * (i)), a0);
+#define DECLARE_OUT(i) __m512 even##i = zero, odd##i = zero;
+#define AXPY2(i)                                                             \
+    even##i = _mm512_fmadd_ps(p0, load16(v, dtype, o0 + 16 * (i)), even##i); \
+    odd##i = _mm512_fmadd_ps(p1, load16(v, dtype, o1 + 16 * (i)), odd##i);
+#define AXPY1(i) even##i = _mm512_fmadd_ps(p0, load16(v, dtype, o0 + 16 * (i)), even##i);
+#define STORE_OUT(i) _mm512_storeu_ps(out + 16 * (i), _mm512_add_ps(even##i, odd##i));
+
+ATTEND_HEAD(attend_head_64, R4)
+ATTEND_HEAD(attend_head_128, R8)
+#define KVGATE_ATTEND_HEAD 1
+#endif
+
 /*
  * Attention of `group` query heads (q: group * head_dim floats) that share KV head `kv_head`,
- * over a sequence's first `context_len` cached tokens, into out (group * head_dim floats).
- * scores: group * context_len floats of scratch; row: head_dim floats of scratch.
+ * over a sequence's first `context_len` cached tokens (in `slots`), into out (group * head_dim
+ * floats). scores: group * context_len floats of scratch; row: head_dim floats of scratch.
  */
 static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
-                         int64_t group, float scale, float *scores, float *row, float *out) {
+                         const int64_t *slots, int64_t group, float scale, float *scores,
+                         float *row, float *out) {
     const int64_t head_dim = kv->head_dim;
+#ifdef KVGATE_ATTEND_HEAD
+    if (head_dim == 64 || head_dim == 128) {
+        const int64_t row_elems = kv->num_kv_heads * head_dim, size = dtype_size(kv->cache_dtype);
+        const char *k = (const char *)kv->k_cache + kv_head * head_dim * size;
+        const char *v = (const char *)kv->v_cache + kv_head * head_dim * size;
+        for (int64_t h = 0; h < group; ++h)
+            (head_dim == 64 ? attend_head_64 : attend_head_128)(
+                q + h * head_dim, k, v, kv->cache_dtype, row_elems, context_len, slots, scale,
+                scores + h * context_len, out + h * head_dim);
+        return;
+    }
+#endif
     for (int64_t t = 0; t < context_len; ++t) {
-        const float *key = cached_row(kv, kv->k_cache, t, kv_head, row);
+        const float *key = cached_row(kv, kv->k_cache, slots[t], kv_head, row);
         for (int64_t h = 0; h < group; ++h)
             scores[h * context_len + t] = scale * dot(q + h * head_dim, key, head_dim);
     }
@@ -91,7 +190,7 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
         for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
     }
     for (int64_t t = 0; t < context_len; ++t) {
-        const float *value = cached_row(kv, kv->v_cache, t, kv_head, row);
+        const float *value = cached_row(kv, kv->v_cache, slots[t], kv_head, row);
         for (int64_t h = 0; h < group; ++h)
             axpy(out + h * head_dim, scores[h * context_len + t], value, head_dim);
     }
@@ -132,19 +231,26 @@ int64_t kvgate_first_out_of_range(const int64_t *values, int64_t n, int64_t low,
 }
 
 /* Per-thread scratch of the attention loops: scores, one cached row, a query group and its
- * output, all float32. NULL when malloc failed. */
+ * output (float32), and a sequence's cache slots. scores is NULL when malloc failed. */
 typedef struct {
     float *scores, *row, *q, *out;
+    int64_t *slots;
 } attention_scratch;
 
 static attention_scratch scratch_alloc(int64_t group, int64_t head_dim, int64_t max_context) {
     attention_scratch s;
     const int64_t floats = group * max_context + head_dim + 2 * group * head_dim;
-    s.scores = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
+    s.slots = malloc(sizeof(int64_t) * (size_t)(max_context > 0 ? max_context : 1));
+    s.scores = s.slots == NULL ? NULL : malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
     s.row = s.scores + group * max_context;
     s.q = s.row + head_dim;
     s.out = s.q + group * head_dim;
     return s;
+}
+
+static void scratch_free(attention_scratch *s) {
+    free(s->scores);
+    free(s->slots);
 }
 
 /*
@@ -159,7 +265,9 @@ static void attend_item(const void *q, int q_dtype, int64_t q_stride, int64_t q_
     const int64_t width = group * kv->head_dim;
     const int64_t q_offset = q_row * q_stride + kv_head * width;
     load_row((const char *)q + q_offset * dtype_size(q_dtype), q_dtype, width, s->q);
-    attend_group(s->q, kv, kv_head, context_len, group, scale, s->scores, s->row, s->out);
+    sequence_slots(kv, context_len, s->slots);
+    attend_group(s->q, kv, kv_head, context_len, s->slots, group, scale, s->scores, s->row,
+                 s->out);
     const int64_t out_offset = (out_row * kv->num_kv_heads + kv_head) * width;
     store_row((char *)out + out_offset * dtype_size(out_dtype), out_dtype, s->out, width);
 }
@@ -191,7 +299,7 @@ int kvgate_paged_decode_attention(const void *q, int act_dtype, const void *k_ca
             attend_item(q, act_dtype, num_heads * head_dim, seq, &kv, kv_head, context_lens[seq],
                         group, scale, &s, out, act_dtype, seq);
         }
-        free(s.scores);
+        scratch_free(&s);
     }
     return failed;
 }
@@ -253,7 +361,7 @@ int kvgate_paged_prefill_attention(const void *q, int act_dtype, int64_t q_strid
                                cu_seqlens, context_lens, item, seq, group, scale, &s, out,
                                act_dtype, 0);
         }
-        free(s.scores);
+        scratch_free(&s);
     }
     return failed;
 }
@@ -346,7 +454,7 @@ int kvgate_attention_layer(const kvgate_attention_step *st, const void *qkv, int
                                    &s, out, act_dtype, st->num_decode);
             }
         }
-        free(s.scores);
+        scratch_free(&s);
     }
     return failed;
 }

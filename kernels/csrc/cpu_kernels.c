@@ -20,9 +20,39 @@
  * sin the halves of a cos_sin row. Products and sums are rounded separately, as the PyTorch
  * reference rounds them (no fused multiply-add), then to `dtype`.
  */
+/* Contiguous heads (stride 1), typed so the loops vectorize. */
+#define ROTATE_CONTIGUOUS(name, T, LOAD, ROUND)                                               \
+    __attribute__((optimize("fp-contract=off"))) static void name(                            \
+        const T *x, int64_t num_heads, int64_t head_dim, const float *cos, float *out) {      \
+        const int64_t half = head_dim / 2;                                                    \
+        const float *sin = cos + half;                                                        \
+        for (int64_t h = 0; h < num_heads; ++h) {                                             \
+            const T *x1 = x + h * head_dim, *x2 = x1 + half;                                  \
+            float *o1 = out + h * head_dim, *o2 = o1 + half;                                  \
+            for (int64_t i = 0; i < half; ++i) {                                              \
+                const float a = LOAD(x1[i]) * cos[i], b = LOAD(x2[i]) * sin[i];               \
+                const float c = LOAD(x2[i]) * cos[i], d = LOAD(x1[i]) * sin[i];               \
+                o1[i] = ROUND(a - b);                                                         \
+                o2[i] = ROUND(c + d);                                                         \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+#define ROUND_F32(v) (v)
+#define ROUND_BF16(v) bf16_to_f32(f32_to_bf16(v))
+ROTATE_CONTIGUOUS(rotate_contiguous_f32, float, (float), ROUND_F32)
+ROTATE_CONTIGUOUS(rotate_contiguous_bf16, uint16_t, bf16_to_f32, ROUND_BF16)
+
 __attribute__((optimize("fp-contract=off"))) void
 kvgate_rotate_heads(const void *x, int dtype, int64_t stride, int64_t num_heads,
                     int64_t head_dim, const float *cos_sin, float *out) {
+    if (stride == 1) {
+        if (dtype == KVGATE_BF16)
+            rotate_contiguous_bf16(x, num_heads, head_dim, cos_sin, out);
+        else
+            rotate_contiguous_f32(x, num_heads, head_dim, cos_sin, out);
+        return;
+    }
     const int64_t half = head_dim / 2;
     const float *cos = cos_sin, *sin = cos_sin + half;
     for (int64_t h = 0; h < num_heads; ++h) {
@@ -163,37 +193,150 @@ static float rms_scale(float sum_of_squares, int64_t hidden, float eps) {
     return (float)(1.0 / sqrt((double)(mean + eps)));
 }
 
-/* Element j of row i of a [rows, hidden] operand with leading dimension ld. */
-static inline int64_t at(int column_major, int64_t i, int64_t j, int64_t ld) {
-    return column_major ? j * ld + i : i * ld + j;
+/*
+ * Column-major rows first .. first + count - 1 (count <= RMS_ROW_BLOCK): sums of squares in one
+ * pass down the features, then the outputs; the inner loops run along the rows, contiguous.
+ * T is the element type, LOAD/STORE convert it from/to float32 (STORE rounds as the dtype's).
+ */
+#define RMS_COLUMNS(name, T, LOAD, STORE)                                                     \
+    static void name(const rms_args *a, int64_t first, int64_t count) {                       \
+        const T *x = (const T *)a->x + first, *residual = a->residual;                        \
+        T *out = (T *)a->out + first;                                                         \
+        T *out_residual = a->residual != NULL ? (T *)a->out_residual + first : NULL;          \
+        const T *summed = residual != NULL ? out_residual : x;                                \
+        const int64_t summed_ld = residual != NULL ? a->rows : a->x_ld;                       \
+        float sum_of_squares[RMS_ROW_BLOCK] = {0.0f}, scale[RMS_ROW_BLOCK];                   \
+        for (int64_t j = 0; j < a->hidden; ++j) {                                             \
+            for (int64_t i = 0; i < count; ++i) {                                             \
+                float value = LOAD(x[j * a->x_ld + i]);                                       \
+                if (residual != NULL) {                                                       \
+                    value += LOAD(residual[j * a->res_ld + first + i]);                       \
+                    STORE(out_residual[j * a->rows + i], value);                              \
+                    value = LOAD(out_residual[j * a->rows + i]);                              \
+                }                                                                             \
+                sum_of_squares[i] += value * value;                                           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t i = 0; i < count; ++i)                                                   \
+            scale[i] = rms_scale(sum_of_squares[i], a->hidden, a->eps);                       \
+        for (int64_t j = 0; j < a->hidden; ++j) {                                             \
+            const float w = LOAD(((const T *)a->weight)[j]);                                  \
+            for (int64_t i = 0; i < count; ++i) {                                             \
+                T normed;                                                                     \
+                STORE(normed, LOAD(summed[j * summed_ld + i]) * scale[i]);                    \
+                STORE(out[j * a->rows + i], w * LOAD(normed));                                \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+/* Row-major row `row`: the sum of squares along it, then its outputs. */
+#define RMS_ROW(name, T, LOAD, STORE)                                                         \
+    static void name(const rms_args *a, int64_t row) {                                        \
+        const T *x = (const T *)a->x + row * a->x_ld;                                         \
+        T *out = (T *)a->out + row * a->hidden;                                               \
+        const T *summed = x;                                                                  \
+        float sum_of_squares = 0.0f;                                                          \
+        if (a->residual != NULL) {                                                            \
+            const T *residual = (const T *)a->residual + row * a->res_ld;                     \
+            T *sum = (T *)a->out_residual + row * a->hidden;                                  \
+            for (int64_t j = 0; j < a->hidden; ++j) STORE(sum[j], LOAD(x[j]) + LOAD(residual[j])); \
+            summed = sum;                                                                     \
+        }                                                                                     \
+        for (int64_t j = 0; j < a->hidden; ++j) sum_of_squares += LOAD(summed[j]) * LOAD(summed[j]); \
+        const float scale = rms_scale(sum_of_squares, a->hidden, a->eps);                     \
+        const T *weight = a->weight;                                                          \
+        for (int64_t j = 0; j < a->hidden; ++j) {                                             \
+            T normed;                                                                         \
+            STORE(normed, LOAD(summed[j]) * scale);                                           \
+            STORE(out[j], LOAD(weight[j]) * LOAD(normed));                                    \
+        }                                                                                     \
+    }
+
+#define LOAD_F32(v) (v)
+#define STORE_F32(dst, v) ((dst) = (v))
+#define LOAD_BF16(v) bf16_to_f32(v)
+#define STORE_BF16(dst, v) ((dst) = f32_to_bf16(v))
+
+RMS_COLUMNS(rms_columns_f32, float, LOAD_F32, STORE_F32)
+RMS_COLUMNS(rms_columns_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+RMS_ROW(rms_row_f32, float, LOAD_F32, STORE_F32)
+RMS_ROW(rms_row_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* count (<= 16) contiguous elements of `dtype` as float32 lanes, and back (rounded). */
+static inline __m512 load_lanes(const void *p, int dtype, __mmask16 mask) {
+    if (dtype == KVGATE_F32) return _mm512_maskz_loadu_ps(mask, p);
+    const __m256i half = _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-/* Rows first .. first + count - 1: sums of squares in one pass, then the outputs. */
+static inline __m512 store_lanes(void *p, int dtype, __mmask16 mask, __m512 value) {
+    if (dtype == KVGATE_F32) {
+        _mm512_mask_storeu_ps(p, mask, value);
+        return value;
+    }
+    /* Round to nearest even as f32_to_bf16 (no NaN reaches here from finite activations). */
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
+}
+
+/* Column-major rows first .. first + count - 1 (count <= 16) in one vector of rows. */
+static void rms_columns_vector(const rms_args *a, int64_t first, int64_t count) {
+    const int dtype = a->dtype;
+    const int64_t size = dtype_size(dtype);
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    const char *x = (const char *)a->x + first * size;
+    char *out = (char *)a->out + first * size;
+    char *sum = a->residual != NULL ? (char *)a->out_residual + first * size : NULL;
+    const char *summed = sum != NULL ? sum : x;
+    const int64_t summed_ld = sum != NULL ? a->rows : a->x_ld;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t j = 0; j < a->hidden; ++j) {
+        __m512 value = load_lanes(x + j * a->x_ld * size, dtype, mask);
+        if (sum != NULL) {
+            const char *r = (const char *)a->residual + (j * a->res_ld + first) * size;
+            value = store_lanes(sum + j * a->rows * size, dtype, mask,
+                                _mm512_add_ps(value, load_lanes(r, dtype, mask)));
+        }
+        squares = _mm512_fmadd_ps(value, value, squares);
+    }
+    float sums[16], scales[16];
+    _mm512_storeu_ps(sums, squares);
+    for (int64_t i = 0; i < count; ++i) scales[i] = rms_scale(sums[i], a->hidden, a->eps);
+    const __m512 scale = _mm512_maskz_loadu_ps(mask, scales);
+    float normed_lanes[16];
+    for (int64_t j = 0; j < a->hidden; ++j) {
+        const float w = load_elem(a->weight, dtype, j);
+        const __m512 value = load_lanes(summed + j * summed_ld * size, dtype, mask);
+        /* normed rounded to the dtype before the weight multiplies it, as the reference. */
+        __m512 normed = _mm512_mul_ps(value, scale);
+        if (dtype != KVGATE_F32) normed = store_lanes(normed_lanes, dtype, mask, normed);
+        store_lanes(out + j * a->rows * size, dtype, mask, _mm512_mul_ps(_mm512_set1_ps(w), normed));
+    }
+}
+#define KVGATE_RMS_VECTOR 1
+#endif
+
 static void rms_norm_block(const rms_args *a, int column_major, int64_t first, int64_t count) {
-    const int64_t dense_ld = column_major ? a->rows : a->hidden;
-    const void *summed = a->residual != NULL ? a->out_residual : a->x;
-    const int64_t summed_ld = a->residual != NULL ? dense_ld : a->x_ld;
-    float sum_of_squares[RMS_ROW_BLOCK] = {0.0f}, scale[RMS_ROW_BLOCK];
-    for (int64_t j = 0; j < a->hidden; ++j) {
-        for (int64_t i = first; i < first + count; ++i) {
-            float value = load_elem(a->x, a->dtype, at(column_major, i, j, a->x_ld));
-            if (a->residual != NULL) {
-                value += load_elem(a->residual, a->dtype, at(column_major, i, j, a->res_ld));
-                value = round_to(a->dtype, value);
-                store_elem(a->out_residual, a->dtype, at(column_major, i, j, dense_ld), value);
-            }
-            sum_of_squares[i - first] += value * value;
-        }
+    const int bf16 = a->dtype == KVGATE_BF16;
+#ifdef KVGATE_RMS_VECTOR
+    if (column_major) {
+        rms_columns_vector(a, first, count);
+        return;
     }
-    for (int64_t i = 0; i < count; ++i) scale[i] = rms_scale(sum_of_squares[i], a->hidden, a->eps);
-    for (int64_t j = 0; j < a->hidden; ++j) {
-        const float w = load_elem(a->weight, a->dtype, j);
-        for (int64_t i = first; i < first + count; ++i) {
-            const float r = load_elem(summed, a->dtype, at(column_major, i, j, summed_ld));
-            const float normed = round_to(a->dtype, r * scale[i - first]);
-            store_elem(a->out, a->dtype, at(column_major, i, j, dense_ld), w * normed);
-        }
+#endif
+    if (column_major) {
+        (bf16 ? rms_columns_bf16 : rms_columns_f32)(a, first, count);
+        return;
     }
+    for (int64_t row = first; row < first + count; ++row)
+        (bf16 ? rms_row_bf16 : rms_row_f32)(a, row);
 }
 
 void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t res_ld,
@@ -219,17 +362,33 @@ void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t 
  * at x + o * x_stride + up_offset, of out at out + o * out_stride (row-major: a run is a token's
  * features; column-major: a feature's tokens).
  */
+/* One run of `inner` contiguous elements, typed so that the loop vectorizes (expf included). */
+#define SILU_RUN(name, T, LOAD, STORE)                                                  \
+    static void name(const T *gate, const T *up, T *out, int64_t inner) {               \
+        for (int64_t i = 0; i < inner; ++i) {                                           \
+            const float g = LOAD(gate[i]);                                              \
+            T activated;                                                                \
+            STORE(activated, g / (1.0f + expf(-g)));                                    \
+            STORE(out[i], LOAD(activated) * LOAD(up[i]));                               \
+        }                                                                               \
+    }
+
+SILU_RUN(silu_run_f32, float, LOAD_F32, STORE_F32)
+SILU_RUN(silu_run_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+
 void kvgate_silu_and_mul(const void *x, int64_t x_stride, int64_t up_offset, void *out,
                          int64_t out_stride, int64_t outer, int64_t inner, int dtype,
                          int num_threads) {
     const int parallel = outer * inner >= (1 << 15);
+    const int64_t size = dtype_size(dtype);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t o = 0; o < outer; ++o) {
-        for (int64_t i = 0; i < inner; ++i) {
-            const float gate = load_elem(x, dtype, o * x_stride + i);
-            const float up = load_elem(x, dtype, o * x_stride + up_offset + i);
-            const float activated = round_to(dtype, gate / (1.0f + expf(-gate)));
-            store_elem(out, dtype, o * out_stride + i, activated * up);
-        }
+        const char *gate = (const char *)x + o * x_stride * size;
+        const char *up = gate + up_offset * size;
+        char *dst = (char *)out + o * out_stride * size;
+        if (dtype == KVGATE_BF16)
+            silu_run_bf16((const uint16_t *)gate, (const uint16_t *)up, (uint16_t *)dst, inner);
+        else
+            silu_run_f32((const float *)gate, (const float *)up, (float *)dst, inner);
     }
 }
