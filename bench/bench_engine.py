@@ -1,6 +1,11 @@
 """Engine benchmark: kvgate's Engine against transformers on one workload, in one process.
 
     python -m bench.bench_engine --out bench/results/engine.json
+    python -m bench.bench_engine --model smollm2 --out bench/results/engine_smollm2.json
+
+Without --model the model is a seeded random Llama of BENCH_SHAPE; with it, the weights of a
+checkpoint folder or GGUF file (`smollm2`: the SmolLM2-135M-Instruct GGUF of `make setup`),
+which transformers loads too (from_pretrained, with gguf_file= for a GGUF file), in float32.
 
 Measures output tokens/s of (a) `transformers` generate one request at a time, (b)
 `transformers` generate_batch (its continuous batching), (c) kvgate's Engine, each the best of
@@ -16,13 +21,16 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from bench.scratch import scratch_folder
+from common.model_files import default_gguf_path, gguf_file
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
@@ -64,6 +72,36 @@ def build_model(shape: dict, dtype: torch.dtype, seed: int = 0) -> LlamaForCausa
 def save_model(model: LlamaForCausalLM, folder: Path) -> Path:
     model.save_pretrained(folder)
     return folder
+
+
+def load_hf_model(model: str | Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of a checkpoint folder or a GGUF file (dequantized), in eval mode."""
+    gguf = gguf_file(model)
+    if gguf is not None:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    return loaded.eval()
+
+
+def model_shape(model) -> dict:
+    """The architecture numbers of a transformers Llama, as BENCH_SHAPE spells them."""
+    config = model.config
+    return {key: getattr(config, key) for key in BENCH_SHAPE}
+
+
+@contextmanager
+def benchmark_model(args: argparse.Namespace, dtype: torch.dtype) -> Iterator[tuple[str, object]]:
+    """(what the Engine loads, transformers' model) of --model, or of a seeded random Llama of
+    BENCH_SHAPE saved to a scratch folder (removed when the block ends)."""
+    if args.model:
+        path = str(default_gguf_path()) if args.model == "smollm2" else args.model
+        yield path, load_hf_model(path).to(dtype)
+        return
+    model = build_model(BENCH_SHAPE, torch.float32).to(dtype)
+    with scratch_folder() as folder:
+        save_model(model, folder)
+        yield str(folder), model
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -187,19 +225,17 @@ def run(args: argparse.Namespace) -> dict:
         # Process-wide, as every CPU Engine sets it: all peers measure with the same malloc.
         retain_freed_memory()
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
-    model = build_model(BENCH_SHAPE, torch.float32).to(dtype)
-    vocab_size = BENCH_SHAPE["vocab_size"]
-    prompts = workload.prompts(vocab_size)
-    num_params = count_parameters(model)
     flops = matmul_flops_per_s(args.device, dtype)
     output_len = workload.output_len
-    # Warm-up prompts of another seed: the measured prompts must not hit the prefix cache.
-    warm_up = Workload(4, args.prompt_len, 8, seed=workload.seed + 1).prompts(vocab_size)
-    with scratch_folder() as folder:
-        save_model(model, folder)
+    with benchmark_model(args, dtype) as (engine_model, model):
+        vocab_size = model.config.vocab_size
+        prompts = workload.prompts(vocab_size)
+        num_params = count_parameters(model)
+        # Warm-up prompts of another seed: the measured prompts must not hit the prefix cache.
+        warm_up = Workload(4, args.prompt_len, 8, seed=workload.seed + 1).prompts(vocab_size)
 
         def fresh_engine() -> Engine:
-            engine = Engine(_engine_config(folder, args))
+            engine = Engine(_engine_config(engine_model, args))
             kvgate_tokens_per_s(engine, warm_up, 8)
             return engine
 
@@ -225,7 +261,8 @@ def run(args: argparse.Namespace) -> dict:
         "torch_threads": torch.get_num_threads(),
         "load_average_at_end": os.getloadavg(),
         "workload": vars(workload),
-        "model_shape": BENCH_SHAPE,
+        "model": args.model or "seeded random Llama",
+        "model_shape": model_shape(model),
         "num_parameters": num_params,
         "matmul_flops_per_s": flops,
         "repeats": args.repeats,
@@ -243,9 +280,9 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _engine_config(folder: Path, args: argparse.Namespace) -> EngineConfig:
+def _engine_config(model: str, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=str(folder),
+        model=model,
         device=args.device,
         max_num_seqs=args.num_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -254,6 +291,7 @@ def _engine_config(folder: Path, args: argparse.Namespace) -> EngineConfig:
 
 
 def print_summary(result: dict) -> None:
+    print(f"model                      {result['model']}")
     print(f"parameters                 {result['num_parameters'] / 1e6:.1f} M")
     print(f"matmul                     {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
     print(f"roofline                   {result['roofline_tokens_per_s']:.0f} tokens/s")
@@ -283,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results/engine.json")
+    model_help = "checkpoint folder, GGUF file or smollm2 (default: a seeded random Llama)"
+    parser.add_argument("--model", default="", help=model_help)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -8,7 +8,8 @@ kvgate bench --sweep-window 0,5,20,100 ...    (starts its own stack on --model)
 kvgate bench --compare-hf ...                 (the same requests through transformers)
 
 Writes the results JSON to --out and PNG plots next to it (OUT_cdf.png, OUT_rates.png,
-OUT_windows.png); prints a summary.
+OUT_windows.png); prints a summary. `kvgate bench ...` and `python -m bench.cli ...` are the
+same command; the `kvgate` client loads this module only for `bench`.
 """
 
 from __future__ import annotations
@@ -18,75 +19,28 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from bench.config import DEFAULT_LOG_DIR, DEFAULT_OUT, BenchConfig, served_model
+from bench.runs import run_bench
 from bench.stats import parse_slos
 from bench.workloads import WORKLOADS, WorkloadConfig
-from client.api import KvgateClient
-from common.config import check_host_port
-from deploy.models import ROOT, choose_model
-
-DEFAULT_OUT = Path("bench/results/bench.json")
-DEFAULT_LOG_DIR = ROOT / ".run" / "bench-logs"
+from client.api import KvgateClient, default_target
+from common.model_files import check_model_path, model_id
 
 
-@dataclass(slots=True)
-class BenchConfig:
-    """The flags of one `kvgate bench`; validated in `__post_init__`."""
-
-    target: str
-    workload: WorkloadConfig
-    request_rate: float = math.inf  # requests per second; inf: all at once
-    burstiness: float = 1.0  # gamma shape of the gaps; 1: Poisson
-    max_concurrency: int | None = None  # None: no limit
-    slos_ms: dict[str, float] = field(default_factory=dict)
-    out: Path = DEFAULT_OUT
-    sweep_rates: list[float] = field(default_factory=list)
-    sweep_windows_ms: list[float] = field(default_factory=list)
-    model: str = ""  # the served model's folder (--sweep-window, --compare-hf)
-    prompt_words: str = "english"  # english | vocab (the words of --model's tokenizer)
-    compare_hf: bool = False
-    hf_sample: int = 4
-    progress: bool = True
-    log_dir: Path = DEFAULT_LOG_DIR  # where --sweep-window's local stack logs
-
-    def __post_init__(self) -> None:
-        check_host_port("--target", self.target)
-        for rate in [self.request_rate, *self.sweep_rates]:
-            if not rate > 0:
-                raise ValueError(f"--request-rate and --sweep-rates must be > 0 or inf, got {rate}")
-        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
-            raise ValueError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
-        if not all(math.isfinite(window) and window >= 0 for window in self.sweep_windows_ms):
-            raise ValueError(
-                f"--sweep-window values must be finite and >= 0 ms, got {self.sweep_windows_ms}"
-            )
-        if self.sweep_rates and self.sweep_windows_ms:
-            raise ValueError("--sweep-rates and --sweep-window cannot be combined: pick one")
-        if self.compare_hf and (self.sweep_rates or self.sweep_windows_ms):
-            raise ValueError(
-                "--compare-hf compares one run: leave out --sweep-rates/--sweep-window"
-            )
-        if self.compare_hf and self.workload.workload == "chat":
-            raise ValueError("--compare-hf runs Generate workloads: use random or shared-prefix")
-        if self.hf_sample < 1:
-            raise ValueError(f"--hf-sample must be >= 1, got {self.hf_sample}")
-
-    def plot_path(self, kind: str) -> Path:
-        """Returns: OUT_kind.png next to the results JSON."""
-        return self.out.with_name(f"{self.out.stem}_{kind}.png")
-
-
-def add_bench_flags(parser: argparse.ArgumentParser, default_target: str) -> None:
-    """Adds the flags of `kvgate bench` to its subcommand parser."""
-    parser.add_argument("--target", default=default_target, help="gateway HOST:PORT")
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `kvgate bench`."""
+    parser = argparse.ArgumentParser(
+        prog="kvgate bench",
+        description="Load a running gateway and report latencies and throughput.",
+    )
+    parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
     _add_load_flags(parser.add_argument)
     _add_output_flags(parser.add_argument)
+    return parser
 
 
 def _add_load_flags(add: Callable[..., object]) -> None:
@@ -195,11 +149,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def served_model(config: BenchConfig) -> str:
-    """--model, else the folder `make run` serves (KVGATE_MODEL, stories260K, ...)."""
-    return config.model or str(choose_model())
-
-
 def check_inputs(config: BenchConfig) -> None:
     """Checks what the run will need before it starts, so a bad flag costs no run.
 
@@ -210,21 +159,19 @@ def check_inputs(config: BenchConfig) -> None:
     """
     if config.out.is_dir():
         raise ValueError(f"--out must be a JSON file, got the folder {config.out}")
+    model = served_model(config)
     if config.prompt_words == "vocab":
-        tokenizer = Path(served_model(config)) / "tokenizer.json"
-        if not tokenizer.is_file():
-            raise ValueError(f"--prompt-words vocab reads --model's {tokenizer}: no such file")
+        try:
+            check_model_path("--model", model, "tokenizer.json")
+        except ValueError as error:
+            raise ValueError(f"--prompt-words vocab reads --model's tokenizer: {error}") from None
     if config.compare_hf or config.sweep_windows_ms:
-        model_dir = Path(served_model(config))
-        if not (model_dir / "config.json").is_file():
-            raise ValueError(f"--model must be a model folder with config.json, got {model_dir}")
+        check_model_path("--model", model, "config.json")
     if config.compare_hf:
         with KvgateClient(config.target, timeout_s=30.0) as client:
-            model_id = client.model_info().model_id
-        if model_dir.name != model_id:
-            raise ValueError(
-                f"--compare-hf: --target serves {model_id!r} but --model is {model_dir}"
-            )
+            served_id = client.model_info().model_id
+        if model_id(model) != served_id:
+            raise ValueError(f"--compare-hf: --target serves {served_id!r} but --model is {model}")
 
 
 def rpc_failure(args: argparse.Namespace, error: grpc.RpcError) -> str:
@@ -244,8 +191,9 @@ def fail(message: str) -> int:
     return 2
 
 
-def main(args: argparse.Namespace) -> int:
-    """Runs `kvgate bench` with parsed flags. Returns: the exit status."""
+def main(argv: list[str] | None = None) -> int:
+    """Runs `kvgate bench`. Args: its flags (None: sys.argv). Returns: the exit status."""
+    args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
         check_inputs(config)
@@ -253,8 +201,6 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(error))
     except grpc.RpcError as error:
         return fail(rpc_failure(args, error))
-    from bench.runs import run_bench
-
     try:
         results = run_bench(config)
     except grpc.RpcError as error:
@@ -263,3 +209,7 @@ def main(args: argparse.Namespace) -> int:
     config.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {config.out}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

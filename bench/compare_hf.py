@@ -13,9 +13,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from bench.bench_engine import hf_generate_batch_tokens_per_s, hf_generate_tokens_per_s
+from bench.bench_engine import (
+    hf_generate_batch_tokens_per_s,
+    hf_generate_tokens_per_s,
+    load_hf_model,
+)
 
 
 def one_at_a_time_tokens_per_s(model, prompts: list[list[int]], output_lens: list[int]) -> float:
@@ -49,7 +52,7 @@ def compare_hf(
     """Runs the peers and returns their throughputs and kvgate's ratios to them.
 
     Args:
-        model_dir: the served model's folder.
+        model_dir: the served model's folder or GGUF file.
         prompts: the run's prompts as token ids, as the gateway tokenized them.
         output_lens: each request's output tokens.
         kvgate_tokens_per_s: the served run's output token throughput.
@@ -59,7 +62,7 @@ def compare_hf(
         The peers' output tokens/s, the ratios, the device and the sample size.
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = load_hf_model(model_dir).to(device)
     with torch.inference_mode():
         one = one_at_a_time_tokens_per_s(model, prompts[:sample], output_lens[:sample])
         batch = batch_tokens_per_s(model, prompts, output_lens)

@@ -80,6 +80,39 @@ def window_sweep(points: list[dict], title: str, path: Path) -> Path:
     return _save(figure, title, path)
 
 
+def scaling_timeline(result: dict, path: Path) -> Path:
+    """Plots bench/scaler.py's run: executors, the scaling signal and the queue, TTFT p90."""
+    samples = result["samples"]
+    t = [s["t_s"] for s in samples]
+    figure, (fleet, load, ttft) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    fleet.step(t, [s["replicas"] for s in samples], where="post", label="executors serving")
+    fleet.step(t, [s["desired"] for s in samples], where="post", linestyle="--",
+               label="executors asked for")  # fmt: skip
+    fleet.step(t, [s["draining"] for s in samples], where="post", label="executors draining")
+    fleet.set_ylabel("executors")
+    threshold = result["rule"]["threshold"]
+    load.plot(t, [s["signal"] for s in samples], label="signal: queued + waiting + running")
+    load.plot(t, [s["queue"] for s in samples], label="queue: queued + waiting")
+    load.axhline(
+        threshold, color="grey", linestyle=":", label=f"threshold per executor ({threshold:g})"
+    )
+    load.set_ylabel("requests")
+    windows = [w for w in result["ttft_p90"] if w["ttft_p90_ms"] is not None]
+    ttft.plot([w["t_s"] for w in windows], [w["ttft_p90_ms"] for w in windows], marker="o",
+              label="TTFT p90 by arrival window")  # fmt: skip
+    ttft.set_ylabel("ms")
+    ttft.set_xlabel("seconds since the load started")
+    for axes in (fleet, load, ttft):
+        axes.legend(fontsize=8, loc="upper right")
+        axes.grid(alpha=0.3)
+    requests = result["requests"]
+    title = (
+        f"executors scaled on the ScaledObject's query: {requests['sent']} requests sent, "
+        f"{requests['finished']} finished whole, {requests['failed']} failed"
+    )
+    return _save(figure, title, path)
+
+
 def _two_panels(
     labels: list[str], x_label: str, throughput: list[float], ttft: list[float], ttft_label: str
 ) -> plt.Figure:

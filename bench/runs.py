@@ -7,7 +7,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import plots
-from bench.cli import BenchConfig, served_model
+from bench.config import BenchConfig, served_model
 from bench.load import arrival_gaps_s, run_jobs
 from bench.stats import RequestResult, run_metrics
 from bench.workloads import WORDS, GenerateJob, Job, build_jobs, vocab_words
@@ -110,7 +110,9 @@ def compare_with_hf(config: BenchConfig, jobs: list[Job], summary: dict) -> dict
     """Runs the run's requests through transformers and prints kvgate's ratios."""
     from bench.compare_hf import compare_hf, print_comparison
 
-    model_dir = Path(served_model(config))  # the model --target serves: bench.cli.check_inputs
+    model_dir = Path(
+        served_model(config)
+    )  # the model --target serves: checked by bench.cli.check_inputs
     generate_jobs = [job for job in jobs if isinstance(job, GenerateJob)]
     with KvgateClient(config.target, timeout_s=60.0) as client:
         prompts = [client.tokenize(job.prompt, True) for job in generate_jobs]

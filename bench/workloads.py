@@ -24,6 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from common.gguf_metadata import GgufFile
+from common.model_files import gguf_file
+
 WORKLOADS = ("random", "shared-prefix", "chat")
 WORDS = (
     "the a little girl boy dog cat bird tree house sun moon day night happy sad big small "
@@ -114,18 +117,22 @@ def sample_lengths(
     return rng.integers(low, high + 1, size=count).tolist()
 
 
-def vocab_words(model_dir: Path) -> list[str]:
-    """The whole words of a model's tokenizer vocabulary (tokenizer.json), without the
-    word-start marks of SentencePiece and byte-level BPE.
+def vocab_words(model: Path) -> list[str]:
+    """The whole words of a model's tokenizer vocabulary (tokenizer.json, or a GGUF file's
+    token list), without the word-start marks of SentencePiece and byte-level BPE.
 
     Args:
-        model_dir: the model folder.
+        model: the model folder or GGUF file.
 
     Returns:
         The distinct alphanumeric words, in vocabulary order.
     """
-    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    tokens = vocab if isinstance(vocab, dict) else [token for token, _ in vocab]
+    gguf = gguf_file(model)
+    if gguf is not None:
+        tokens = GgufFile(gguf).value("tokenizer.ggml.tokens", [])
+    else:
+        vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+        tokens = vocab if isinstance(vocab, dict) else [token for token, _ in vocab]
     words = (token.lstrip("▁Ġ") for token in tokens)
     return list(dict.fromkeys(word for word in words if word.isalnum()))
 

@@ -9,12 +9,14 @@ with KvgateClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import os
 import queue
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
 
+from common.finish_reason_pb import finish_reason_from_pb
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -28,7 +30,7 @@ class Completion:
     request_id: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "stop", "length", "abort" or "error"
+    finish_reason: str = ""  # a FinishReason ("stop", "length", "abort", "error") once finished
     usage: inference_pb2.Usage | None = None
     timings: inference_pb2.Timings | None = None
 
@@ -38,10 +40,17 @@ class Completion:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason:
-            name = inference_pb2.FinishReason.Name(chunk.finish_reason)
-            self.finish_reason = name.removeprefix("FINISH_REASON_").lower()
+            self.finish_reason = finish_reason_from_pb(chunk.finish_reason) or ""
             self.usage = chunk.usage
             self.timings = chunk.timings
+
+
+def default_target() -> str:
+    """KVGATE_TARGET, else KVGATE_HOST:KVGATE_PORT, else 127.0.0.1:50051."""
+    if "KVGATE_TARGET" in os.environ:
+        return os.environ["KVGATE_TARGET"]
+    host, _, port = DEFAULT_TARGET.partition(":")
+    return f"{os.environ.get('KVGATE_HOST', host)}:{os.environ.get('KVGATE_PORT', port)}"
 
 
 def sampling_params(

@@ -2,29 +2,21 @@
 
 kvgate generate "Once upon a time" --max-tokens 64 --temperature 0
 kvgate chat --system "You tell short stories."
-kvgate bench --num-requests 100 --request-rate 4 --out bench/results/run.json  (see bench/cli.py)
+kvgate bench --num-requests 100 --request-rate 4 --out bench/results/run.json  (bench/cli.py)
+
+`kvgate bench` hands its flags to bench/cli.py, imported only then: the client itself loads
+no benchmark code (nor numpy).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 
 import grpc
 
-from bench.cli import add_bench_flags
-from bench.cli import main as bench_main
-from client.api import DEFAULT_TARGET, ChatSession, KvgateClient, sampling_params
-
-
-def default_target() -> str:
-    """KVGATE_TARGET, else KVGATE_HOST:KVGATE_PORT, else 127.0.0.1:50051."""
-    if "KVGATE_TARGET" in os.environ:
-        return os.environ["KVGATE_TARGET"]
-    host, _, port = DEFAULT_TARGET.partition(":")
-    return f"{os.environ.get('KVGATE_HOST', host)}:{os.environ.get('KVGATE_PORT', port)}"
+from client.api import ChatSession, KvgateClient, default_target, sampling_params
 
 
 def _unsigned(bits: int) -> Callable[[str], int]:
@@ -64,10 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default="", help="system prompt")
     chat.add_argument("--session-id", default="", help="resume this session")
     _add_sampling_flags(chat)
-    bench = commands.add_parser(
-        "bench", help="load the gateway and report latencies (bench/cli.py)"
+    commands.add_parser(
+        "bench", help="load the gateway and report latencies (kvgate bench --help)", add_help=False
     )
-    add_bench_flags(bench, default_target())
     return parser
 
 
@@ -127,9 +118,12 @@ def run_chat(client: KvgateClient, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from bench.cli import main as bench_main  # the load generator, only when asked for
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        return bench_main(args)
     with KvgateClient(args.target) as client:
         try:
             if args.command == "generate":

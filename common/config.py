@@ -12,8 +12,12 @@ import argparse
 import os
 from urllib.parse import urlparse
 
+from common.model_files import default_model
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_MODEL = "../shared/models/stories260K"  # --model of gateway and executor
+# --model of gateway and executor: SmolLM2 (GGUF) when `make setup` has cached it, else
+# stories260K; read once, when the process starts.
+DEFAULT_MODEL = default_model()
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 TRUE_WORDS = ("1", "true", "yes", "on")

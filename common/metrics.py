@@ -1,17 +1,21 @@
-"""Prometheus metrics shared by the processes: bucket layouts, the --metrics-* flags, the server.
+"""Prometheus metrics: every metric's declaration, the bucket layouts, the --metrics-* flags
+and the server.
 
-Each process defines its metrics in its own module (gateway/metrics.py,
-scheduler/metrics.py, executor/metrics.py) on a `CollectorRegistry` of its own,
-and serves it on `--metrics-port` with `start_metrics_server`. Every metric
-name starts with `kvgate_`; durations are in seconds.
+METRICS declares every metric of the three processes in one place. Each process builds its
+own (gateway/metrics.py, scheduler/metrics.py, executor/metrics.py) on a
+`CollectorRegistry` of its own and serves it on `--metrics-port` with
+`start_metrics_server`. Every metric name starts with `kvgate_`; durations are in seconds;
+every latency histogram has LATENCY_BUCKETS_S and every size histogram SIZE_BUCKETS.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Collection
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from common.config import check_range, env_int, env_str
 
@@ -40,6 +44,115 @@ LATENCY_BUCKETS_S = (
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # --metrics-port value that serves no metrics.
 METRICS_DISABLED = -1
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One kvgate metric: its kind (counter, gauge, latency or size histogram), what it
+    counts, and its labels."""
+
+    kind: str
+    documentation: str
+    labels: tuple[str, ...] = ()
+
+
+# Every metric of every process, by name (counters are exposed as NAME_total); each process
+# builds its own as a ProcessMetrics. docs/observability.md explains them.
+METRICS = {
+    # gateway
+    "kvgate_gateway_requests": MetricSpec(
+        "counter",
+        "gRPC calls finished, by service, method and status code",
+        ("service", "method", "code"),
+    ),
+    "kvgate_gateway_active_streams": MetricSpec(
+        "gauge", "server-streaming calls open now, by method", ("method",)
+    ),
+    "kvgate_gateway_ttft_seconds": MetricSpec("latency", "time from arrival to the first token"),
+    "kvgate_gateway_itl_seconds": MetricSpec(
+        "latency", "gap between consecutive token arrivals of one request"
+    ),
+    "kvgate_gateway_e2e_seconds": MetricSpec("latency", "time from arrival to the last chunk"),
+    "kvgate_gateway_finished_requests": MetricSpec(
+        "counter", "generations finished, by finish reason", ("finish_reason",)
+    ),
+    "kvgate_gateway_prompt_tokens": MetricSpec("counter", "prompt tokens of queued requests"),
+    "kvgate_gateway_output_tokens": MetricSpec("counter", "tokens streamed to clients"),
+    "kvgate_gateway_requeues": MetricSpec(
+        "counter", "requests re-queued because their executor went away"
+    ),
+    # scheduler
+    "kvgate_scheduler_is_leader": MetricSpec(
+        "gauge", "1 while this scheduler holds the leader lock, 0 as a standby"
+    ),
+    "kvgate_scheduler_queue_length": MetricSpec(
+        "gauge", "requests waiting in the scheduler's queue for a batch or an executor"
+    ),
+    "kvgate_scheduler_queue_wait_seconds": MetricSpec(
+        "latency", "time from a request being queued (its XADD, on Redis's clock) to its assignment"
+    ),
+    "kvgate_scheduler_batch_size": MetricSpec("size", "requests in a released batch"),
+    "kvgate_scheduler_batch_tokens": MetricSpec("size", "prompt tokens in a released batch"),
+    "kvgate_scheduler_window_releases": MetricSpec(
+        "counter",
+        "batches released, by reason: window, max_batch_size or max_batch_tokens",
+        ("reason",),
+    ),
+    "kvgate_scheduler_assigned_requests": MetricSpec("counter", "requests assigned to an executor"),
+    "kvgate_scheduler_dropped_requests": MetricSpec(
+        "counter", "queued requests dropped, by reason: cancelled or expired", ("reason",)
+    ),
+    "kvgate_scheduler_executors_alive": MetricSpec("gauge", "executors with a live heartbeat"),
+    # executor
+    "kvgate_executor_running_requests": MetricSpec("gauge", "requests in the running batch"),
+    "kvgate_executor_waiting_requests": MetricSpec(
+        "gauge", "requests admitted but waiting for KV blocks or a batch slot"
+    ),
+    "kvgate_executor_kv_usage_ratio": MetricSpec(
+        "gauge", "fraction of KV cache blocks held by requests and session pins"
+    ),
+    "kvgate_executor_kv_blocks": MetricSpec("gauge", "KV cache blocks in the pool"),
+    "kvgate_executor_session_pins": MetricSpec("gauge", "sessions holding pinned KV blocks"),
+    "kvgate_executor_session_blocks": MetricSpec("gauge", "KV blocks pinned by sessions"),
+    "kvgate_executor_prefix_cache_hit_tokens": MetricSpec(
+        "counter", "prompt tokens served from the prefix or session cache"
+    ),
+    "kvgate_executor_evicted_blocks": MetricSpec("counter", "cached KV blocks reused for new data"),
+    "kvgate_executor_evicted_sessions": MetricSpec(
+        "counter", "pinned sessions dropped under memory pressure"
+    ),
+    "kvgate_executor_preemptions": MetricSpec(
+        "counter", "running requests preempted for lack of KV blocks"
+    ),
+    "kvgate_executor_step_seconds": MetricSpec(
+        "latency", "time of one engine step (schedule, forward, sample, update)"
+    ),
+    "kvgate_executor_step_tokens": MetricSpec(
+        "size", "tokens run through the model in one step (prompt chunks and decodes)"
+    ),
+}
+_BUCKETS = {"latency": LATENCY_BUCKETS_S, "size": SIZE_BUCKETS}
+
+
+class ProcessMetrics:
+    """The metrics METRICS declares under `prefix` (kvgate_<process>_) on a registry of their
+    own, each an attribute named after the rest of its name: kvgate_gateway_ttft_seconds is
+    `ttft_seconds`. Those named in `collected` are left to a collector of the process's own."""
+
+    def __init__(self, prefix: str, collected: Collection[str] = ()) -> None:
+        self.registry = CollectorRegistry()
+        for name in METRICS:
+            if name.startswith(prefix) and name not in collected:
+                setattr(self, name.removeprefix(prefix), build_metric(self.registry, name))
+
+
+def build_metric(registry: CollectorRegistry, name: str) -> Counter | Gauge | Histogram:
+    """The metric METRICS declares under `name`, on `registry`."""
+    spec = METRICS[name]
+    if spec.kind in _BUCKETS:
+        return Histogram(name, spec.documentation, buckets=_BUCKETS[spec.kind], registry=registry)
+    kind = Counter if spec.kind == "counter" else Gauge
+    return kind(name, spec.documentation, spec.labels, registry=registry)
 
 
 def add_metrics_flags(parser: argparse.ArgumentParser, port_env: str) -> None:

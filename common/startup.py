@@ -8,10 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry
-
 from common.logs import setup_logging
-from common.metrics import start_metrics_server
+from common.metrics import ProcessMetrics, start_metrics_server
 
 
 class ProcessConfig(Protocol):
@@ -19,10 +17,6 @@ class ProcessConfig(Protocol):
     log_format: str
     metrics_host: str
     metrics_port: int
-
-
-class ProcessMetrics(Protocol):
-    registry: CollectorRegistry
 
 
 C = TypeVar("C", bound=ProcessConfig)

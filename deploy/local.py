@@ -1,10 +1,11 @@
 """`make run`: start a local kvgate stack and keep it up until Ctrl-C.
 
 python -m deploy.local [--host H] [--port P] [--executors N] [--metrics-port M]
-[--log-format json|text] (KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL, KVGATE_METRICS_PORT,
-KVGATE_LOG_FORMAT as defaults). Prints
-the address and the /metrics ports once every process serves; Ctrl-C or SIGTERM
-stops them all.
+[--log-format json|text] [--log-dir DIR] (KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL,
+KVGATE_METRICS_PORT, KVGATE_LOG_FORMAT as defaults). Prints
+the address and the /metrics ports once every process serves. A process that dies is
+started again with backoff (deploy/supervise.py), and said so; Ctrl-C or SIGTERM stops
+them all.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.config import LOG_FORMATS, check_choice, check_range, env_int, env_str
 from deploy.models import choose_model
-from deploy.stack import Stack, StackConfig
+from deploy.stack import DEFAULT_LOG_DIR, Stack, StackConfig
+from deploy.supervise import Supervisor
 
 # /metrics of the gateway; the scheduler's is the next port, executor i's is 2 + i further
 # (the targets of deploy/prometheus.yml).
@@ -42,6 +45,7 @@ class LauncherConfig:
     redis_port: int = 0
     metrics_port: int = DEFAULT_METRICS_PORT
     log_format: str = "json"  # of every process: json lines or text
+    log_dir: str = str(DEFAULT_LOG_DIR)  # each process logs to DIR/NAME.log
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -74,6 +78,7 @@ class LauncherConfig:
             default=env_str("KVGATE_LOG_FORMAT", "json"),
             help="json lines (default) or text, for every process (env KVGATE_LOG_FORMAT)",
         )
+        parser.add_argument("--log-dir", default=str(DEFAULT_LOG_DIR), help="DIR/NAME.log each")
         return cls(**vars(parser.parse_args(argv)))
 
 
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             redis_port=config.redis_port,
             metrics_ports=metrics_ports(config.metrics_port, config.executors),
             log_format=config.log_format,
+            log_dir=Path(config.log_dir),
         )
     )
     stopped = threading.Event()
@@ -104,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvgate serving on {stack.address}  (Ctrl-C stops it)", flush=True)
         for name, port in sorted(stack.metrics_ports.items(), key=lambda item: item[1]):
             print(f"  {name} metrics: http://127.0.0.1:{port}/metrics", flush=True)
-        while not stopped.wait(0.5) and all(p.poll() is None for p in stack.procs.values()):
-            pass
+        supervisor = Supervisor(stack, say=lambda line: print(line, flush=True))
+        while not stopped.wait(0.5):
+            supervisor.poll()
     finally:
         print("stopping kvgate", flush=True)
         stack.stop_all()

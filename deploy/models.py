@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from common.model_files import default_gguf_path
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_MODEL = ROOT.parent / "shared" / "models" / "stories260K"
 TINY_MODEL_DIR = ROOT / ".run" / "tiny-random-llama"
@@ -25,13 +27,16 @@ TINY_CONFIG = dict(
 
 
 def choose_model() -> Path:
-    """KVGATE_MODEL, else ../shared/models/stories260K when present, else a built tiny model.
+    """KVGATE_MODEL, else SmolLM2-135M-Instruct (GGUF) when `make setup` has cached it, else
+    ../shared/models/stories260K when present, else a built tiny model.
 
-    Returns: the model folder.
+    Returns: the GGUF file or model folder.
     """
     configured = os.environ.get("KVGATE_MODEL")
     if configured:
         return Path(configured)
+    if default_gguf_path().is_file():
+        return default_gguf_path()
     if (SHARED_MODEL / "config.json").is_file():
         return SHARED_MODEL
     if not (TINY_MODEL_DIR / "config.json").is_file():

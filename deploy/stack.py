@@ -20,11 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import env_str
+from common.health import probe
 from common.keys import RedisKeys
 from protos.kvgate.v1 import internal_pb2
 
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Seconds a child gets to exit after SIGTERM before SIGKILL.
 STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
+DEFAULT_LOG_DIR = ROOT / ".run" / "logs"
 
 
 def free_port() -> int:
@@ -89,7 +89,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # public gateway port of the first gateway
     redis_port: int = 0  # 0: a free port
-    log_dir: Path = ROOT / ".run" / "logs"
+    log_dir: Path = DEFAULT_LOG_DIR
     redis_prefix: str = "kvgate:"
     executor_flags: list[str] = field(default_factory=list)
     scheduler_flags: list[str] = field(default_factory=list)
@@ -107,11 +107,13 @@ class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.procs: dict[str, subprocess.Popen] = {}
+        self.argvs: dict[str, list[str]] = {}  # the command each process was started with
         self.redis_port = config.redis_port or free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.keys = RedisKeys(config.redis_prefix)
         self.gateway_ports: dict[str, int] = {}
         self.metrics_ports: dict[str, int] = {}  # /metrics port of each process by name
+        self.health_addresses: dict[str, str] = {}  # grpc.health.v1 of each process by name
         config.log_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -131,10 +133,16 @@ class Stack:
         self.start_gateway("gateway", self.config.port)
         for index in range(num_executors):
             self.wait_executor(f"executor-{index}")
+        # Executors slower to load than the gateway's grace leave it NOT_SERVING for a moment.
+        wait_until(lambda: gateway_serving(self.address), 10.0, "gateway", self.procs["gateway"])
+
+    def log_path(self, name: str) -> Path:
+        """Where the child process `name` logs."""
+        return self.config.log_dir / f"{name}.log"
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         """Starts one child process logging to log_dir/NAME.log."""
-        log_file = open(self.config.log_dir / f"{name}.log", "ab")
+        log_file = open(self.log_path(name), "ab")
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -154,7 +162,12 @@ class Stack:
         )
         log_file.close()
         self.procs[name] = proc
+        self.argvs[name] = argv
         return proc
+
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Starts `name` again with the command it was last started with; does not wait."""
+        return self.spawn(name, self.argvs[name])
 
     def start_redis(self) -> None:
         argv = [
@@ -185,6 +198,7 @@ class Stack:
             "--scheduler-id",
             name,
             *self._metrics_flags(name),
+            *self._health_flags(name),
             *self.config.scheduler_flags,
         ]
         proc = self.spawn(name, argv)
@@ -204,6 +218,7 @@ class Stack:
             "--torch-threads",
             str(co_located_torch_threads()),
             *self._metrics_flags(executor_id),
+            *self._health_flags(executor_id),
             *self.config.executor_flags,
         ]
         self.spawn(executor_id, argv)
@@ -240,12 +255,22 @@ class Stack:
         proc = self.spawn(name, argv)
         self.gateway_ports[name] = port
         address = f"{self.config.host}:{port}"
+        self.health_addresses[name] = address
         wait_until(lambda: gateway_serving(address), self.config.start_timeout_s, name, proc)
 
     def _metrics_flags(self, name: str) -> list[str]:
         port = self.config.metrics_ports.get(name) or free_port()
         self.metrics_ports[name] = port
         return ["--metrics-port", str(port)]
+
+    def _health_flags(self, name: str) -> list[str]:
+        port = free_port()
+        self.health_addresses[name] = f"127.0.0.1:{port}"
+        return ["--health-port", str(port)]
+
+    def health(self, name: str, service: str = "") -> str:
+        """The grpc.health.v1 status name process `name` gives for `service` now."""
+        return probe(self.health_addresses[name], service, timeout_s=1.0)
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = STOP_GRACE_S) -> int:
         """Signals one child and waits for it (SIGKILL after timeout_s). Returns: its status."""
@@ -268,10 +293,4 @@ class Stack:
 
 def gateway_serving(address: str) -> bool:
     """Returns: whether the gateway at `address` reports grpc.health SERVING."""
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return probe(address, timeout_s=1.0) == "SERVING"

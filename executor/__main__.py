@@ -1,10 +1,64 @@
-"""`python -m executor`: run one executor service (flags: `python -m executor --help`)."""
+"""`python -m executor`: run one executor (flags: `python -m executor --help`)."""
 
 from __future__ import annotations
 
+import functools
+import signal
 import sys
 
-from executor.service import main
+import torch
+
+from common.health import start_health
+from common.keys import RedisKeys
+from common.logs import add_log_context
+from common.redis_conn import connect_sync
+from common.startup import start_process
+from executor.config import ExecutorConfig
+from executor.engine import Engine
+from executor.heartbeat import another_executor_has_the_id
+from executor.metrics import ExecutorMetrics
+from executor.service import ExecutorService
+
+# Longest time a thread holding the GIL keeps it while another thread asks for it, in seconds.
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Args: command-line flags (None: sys.argv). Returns: the exit status."""
+    parse = functools.partial(ExecutorConfig.from_args, argv)
+    started = start_process("executor", parse, ExecutorMetrics)
+    if started is None:
+        return 2
+    config, metrics = started
+    add_log_context(executor_id=config.executor_id)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    # The step loop holds the GIL between torch ops; the threads that send tokens to gateways
+    # and read the inbox would otherwise wait up to the default 5 ms for it after each step.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    client = connect_sync(config.redis_url, timeout_s=2.0)
+    if another_executor_has_the_id(client, RedisKeys(config.redis_prefix), config.executor_id):
+        print(
+            f"executor: --executor-id {config.executor_id}: another live executor has this id "
+            "(its heartbeat is being refreshed); give each executor its own id",
+            file=sys.stderr,
+        )
+        return 2
+    # NOT_SERVING while the model loads (a liveness probe answers meanwhile).
+    health = start_health("executor", config, metrics.registry, {"model": "loading the model"})
+    if health is None:
+        return 2
+    service = ExecutorService(config, Engine(config.engine), client, metrics)
+    health.remove_check("model")
+    health.add_check("draining", service.draining_check)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: (service.drain(), health.recheck()))
+    try:
+        service.run()
+    finally:
+        health.stop()
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

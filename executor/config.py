@@ -1,8 +1,41 @@
-"""Configuration of the in-process engine (one dataclass, validated at start)."""
+"""Configuration of the executor: the in-process engine's (`EngineConfig`) and the executor
+process's (`ExecutorConfig`: flags with KVGATE_* environment defaults, holding the engine's).
+
+Each dataclass is validated at start; an EngineConfig field out of range raises
+EngineConfigError naming the field, which the process reports under its flag.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import os
+import socket
+from dataclasses import dataclass, fields
+
+from common.config import (
+    DEFAULT_MODEL,
+    DEFAULT_REDIS_URL,
+    add_common_flags,
+    check_common_fields,
+    check_range,
+    env_bool,
+    env_float,
+    env_int,
+    env_str,
+)
+from common.health import add_health_flags, check_health_port
+from common.metrics import add_metrics_flags, check_metrics_port
+from common.model_files import MODEL_HELP, check_model_path
+
+
+class EngineConfigError(ValueError):
+    """An EngineConfig field out of range."""
+
+    def __init__(self, field: str, allowed: str, value: object) -> None:
+        super().__init__(f"{field} must be {allowed}, got {value!r}")
+        self.field = field  # the EngineConfig field
+        self.allowed = allowed  # its range, in words
+        self.value = value
 
 
 @dataclass(slots=True)
@@ -23,7 +56,6 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
-    seed: int = 0
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
@@ -89,7 +121,7 @@ class EngineConfig:
 
 def _require(ok: bool, field: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+        raise EngineConfigError(field, allowed, value)
 
 
 def check_device_present(device: str) -> None:
@@ -107,3 +139,152 @@ def check_device_present(device: str) -> None:
     if index is not None and index >= torch.cuda.device_count():
         count = torch.cuda.device_count()
         raise ValueError(f"--device {device}: there are {count} CUDA devices (0 to {count - 1})")
+
+
+@dataclass(slots=True)
+class ExecutorConfig:
+    """What the executor process needs: the engine's config and its own; validated in
+    `__post_init__` (errors name the flag)."""
+
+    engine: EngineConfig
+    redis_url: str = DEFAULT_REDIS_URL
+    redis_prefix: str = "kvgate:"
+    log_level: str = "info"
+    log_format: str = "json"
+    executor_id: str = ""  # empty: host-pid
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: a free port, -1: no metrics
+    torch_threads: int = 0  # CPU threads for the model; 0: torch's default (all cores)
+    health_host: str = "127.0.0.1"
+    health_port: int = 0  # grpc.health.v1 for probes; 0: a free port, -1: none
+
+    def __post_init__(self) -> None:
+        check_common_fields(self.redis_url, self.log_level, self.log_format)
+        check_metrics_port(self.metrics_port)
+        check_health_port(self.health_port)
+        check_range("--torch-threads", self.torch_threads, min_value=0, max_value=1024)
+        check_model_path("--model", self.engine.model, "config.json")
+        if any(c.isspace() or c == ":" for c in self.executor_id):
+            raise ValueError(f"--executor-id must hold no spaces or ':', got {self.executor_id!r}")
+        self.executor_id = self.executor_id or f"{socket.gethostname()}-{os.getpid()}"
+        check_device_present(self.engine.device)
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> ExecutorConfig:
+        """Args: command-line flags (None: sys.argv). Returns: the validated config.
+
+        Raises:
+            ValueError: naming the flag with a bad value.
+        """
+        return cls.from_flags(vars(build_parser().parse_args(argv)))
+
+    @classmethod
+    def from_flags(cls, values: dict[str, object]) -> ExecutorConfig:
+        """The config of parsed flags' values (`build_parser`'s, by field name).
+
+        Raises:
+            ValueError: naming the flag with a bad value.
+        """
+        values = dict(values)
+        engine = engine_config_from_flags(
+            {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
+        )
+        return cls(engine=engine, **values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of `python -m executor`, with KVGATE_* environment variables as defaults."""
+    parser = argparse.ArgumentParser(
+        prog="python -m executor",
+        description="Run one executor: the engine's step loop on assignments from its Redis "
+        "inbox, tokens streamed to the gateways. SIGTERM drains it.",
+    )
+    add_common_flags(parser)
+    add_engine_flags(parser)
+    add = parser.add_argument
+    add("--executor-id", default=env_str("KVGATE_EXECUTOR_ID", ""))
+    add(
+        "--torch-threads",
+        type=int,
+        default=env_int("KVGATE_TORCH_THREADS", 0),
+        help="CPU threads for the model (0: all cores)",
+    )
+    add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
+    add_health_flags(parser, default_port=0)
+    return parser
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Add a flag (env KVGATE_<NAME> as default) for each EngineConfig field an operator sets."""
+    add = parser.add_argument
+    add(
+        "--model",
+        default=env_str("KVGATE_MODEL", DEFAULT_MODEL),
+        help=MODEL_HELP,
+    )
+    add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
+    add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))
+    add("--max-num-seqs", type=int, default=env_int("KVGATE_MAX_NUM_SEQS", 64))
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=env_int("KVGATE_MAX_NUM_BATCHED_TOKENS", 2048),
+    )
+    add(
+        "--max-model-len",
+        type=int,
+        default=env_int("KVGATE_MAX_MODEL_LEN", 0),
+        help="0: the model's max_position_embeddings",
+    )
+    add("--kv-cache-gib", type=float, default=env_float("KVGATE_KV_CACHE_GIB", 1.0))
+    add(
+        "--num-gpu-blocks",
+        type=int,
+        default=env_int("KVGATE_NUM_GPU_BLOCKS", 0),
+        help="0: sized from --kv-cache-gib or --gpu-memory-utilization",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
+    )
+    add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+    add(
+        "--retain-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
+        help="CPU: keep freed activation memory in the process for reuse (glibc)",
+    )
+    add(
+        "--dtype",
+        default=env_str("KVGATE_DTYPE", ""),
+        help="float32 or bfloat16 on the CPU, bfloat16 or float16 on CUDA (default: float32 "
+        "CPU, bfloat16 CUDA)",
+    )
+    add(
+        "--quantization",
+        default=env_str("KVGATE_QUANTIZATION", "none"),
+        help="weight-only: none, int8 (per channel) or int4 (groups of 32)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        default=env_bool("KVGATE_ENFORCE_EAGER", False),
+        help="CUDA: run decode steps without CUDA graphs",
+    )
+
+
+def engine_config_from_flags(values: dict[str, object]) -> EngineConfig:
+    """The EngineConfig of the engine flags' values (0 for --max-model-len and
+    --num-gpu-blocks: unset).
+
+    Raises:
+        ValueError: naming the flag of the field out of range.
+    """
+    for name in ("max_model_len", "num_gpu_blocks", "dtype"):
+        values[name] = values[name] or None
+    try:
+        return EngineConfig(**values)
+    except EngineConfigError as error:
+        flag = "--" + error.field.replace("_", "-")
+        raise ValueError(f"{flag} must be {error.allowed}, got {error.value!r}") from None

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.kv_cache import KVCacheManager
 from executor.model_runner import ModelRunner
-from executor.request import FinishReason, Request
+from executor.request import Request
 from executor.sampler import Sampler, SamplingBatch, TokenLogprobs
 from executor.scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
 
@@ -29,7 +30,7 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens produced this step
     logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
     finished: bool
-    finish_reason: str | None  # "stop" | "length" once finished (aborts produce no output)
+    finish_reason: FinishReason | None  # STOP or LENGTH once finished (aborts produce no output)
     num_cached_tokens: int  # prompt tokens served from the prefix or session cache
 
 
@@ -212,7 +213,7 @@ class Engine:
                     new_token_ids=[token_id],
                     logprobs=None if logprobs is None else [logprobs],
                     finished=reason is not None,
-                    finish_reason=None if reason is None else reason.value,
+                    finish_reason=reason,
                     num_cached_tokens=req.num_cached_tokens or 0,
                 )
             )

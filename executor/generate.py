@@ -1,31 +1,24 @@
 """Offline generation with the in-process engine: no Redis, no gRPC.
 
-    python -m executor.generate --model DIR --prompt TEXT [--prompt TEXT ...] --max-tokens N
-        [--temperature T] [--ignore-eos]
+    python -m executor.generate --model DIR|FILE.gguf --prompt TEXT [--prompt TEXT ...]
+        --max-tokens N [--temperature T] [--ignore-eos]
 
 Prints each completion's text, one block per prompt in the order given; a progress bar of
-generated tokens goes to stderr.
+generated tokens goes to stderr. Prompts are tokenized as the gateway tokenizes them
+(gateway/model_text.py), without a chat template.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-
-
-def load_tokenizer(model_dir: str) -> Tokenizer:
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"--model {model_dir}: no tokenizer.json there")
-    return Tokenizer.from_file(str(path))
+from gateway.model_text import ModelText
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -43,7 +36,7 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Generate completions offline with kvgate.")
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    parser.add_argument("--model", required=True, help="checkpoint folder or GGUF file")
     parser.add_argument("--prompt", action="append", required=True, help="repeat for more")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -62,16 +55,16 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             seed=args.seed, ignore_eos=args.ignore_eos,
         )  # fmt: skip
-        tokenizer = load_tokenizer(args.model)
+        model_text = ModelText(args.model)
         config = EngineConfig(model=args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
         engine = Engine(config)
-        prompts = [tokenizer.encode(p).ids for p in args.prompt]
+        prompts = [model_text.encode(p) for p in args.prompt]
         completions = generate(engine, prompts, params)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for token_ids in completions:
-        print(tokenizer.decode(token_ids, skip_special_tokens=True))
+        print(model_text.tokenizer.decode(token_ids, skip_special_tokens=True))
         print()
     return 0
 

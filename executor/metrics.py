@@ -2,105 +2,74 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import time
+from collections.abc import Iterator
 
-from common.metrics import LATENCY_BUCKETS_S, SIZE_BUCKETS
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common.metrics import METRICS, ProcessMetrics
 from executor.engine import EngineStats
 
+# What a scrape shows before the first snapshot: an empty engine.
+IDLE_STATS = EngineStats(**{name: 0 for name in EngineStats.__dataclass_fields__})
 
-class ExecutorMetrics:
-    """Every metric of one executor, on its own registry.
 
-    Gauges are set from each EngineStats snapshot; counters advance by the
-    difference between the engine's cumulative totals and the last snapshot.
-    """
+class EngineStatsCollector(Collector):
+    """The engine's gauges and cumulative counters, read at each scrape from the latest
+    EngineStats snapshot the step loop handed over (the scraping thread never reads the
+    engine itself)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        registry = self.registry
-        self._last: EngineStats | None = None
-        self.running = Gauge(
-            "kvgate_executor_running_requests", "requests in the running batch", registry=registry
-        )
-        self.waiting = Gauge(
-            "kvgate_executor_waiting_requests",
-            "requests admitted but waiting for KV blocks or a batch slot",
-            registry=registry,
-        )
-        self.kv_usage = Gauge(
-            "kvgate_executor_kv_usage_ratio",
-            "fraction of KV cache blocks held by requests and session pins",
-            registry=registry,
-        )
-        self.kv_blocks = Gauge(
-            "kvgate_executor_kv_blocks", "KV cache blocks in the pool", registry=registry
-        )
-        self.session_pins = Gauge(
-            "kvgate_executor_session_pins", "sessions holding pinned KV blocks", registry=registry
-        )
-        self.session_blocks = Gauge(
-            "kvgate_executor_session_blocks",
-            "KV blocks pinned by sessions",
-            registry=registry,
-        )
-        self.prefix_hit_tokens = Counter(
-            "kvgate_executor_prefix_cache_hit_tokens",
-            "prompt tokens served from the prefix or session cache",
-            registry=registry,
-        )
-        self.evicted_blocks = Counter(
-            "kvgate_executor_evicted_blocks",
-            "cached KV blocks reused for new data",
-            registry=registry,
-        )
-        self.evicted_sessions = Counter(
-            "kvgate_executor_evicted_sessions",
-            "pinned sessions dropped under memory pressure",
-            registry=registry,
-        )
-        self.preemptions = Counter(
-            "kvgate_executor_preemptions",
-            "running requests preempted for lack of KV blocks",
-            registry=registry,
-        )
-        self.step_time = Histogram(
-            "kvgate_executor_step_seconds",
-            "time of one engine step (schedule, forward, sample, update)",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.step_tokens = Histogram(
-            "kvgate_executor_step_tokens",
-            "tokens run through the model in one step (prompt chunks and decodes)",
-            buckets=SIZE_BUCKETS,
-            registry=registry,
-        )
+        self.latest = IDLE_STATS
+        self._created_unix_s = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        stats, family = self.latest, self._family
+        total = stats.num_total_blocks
+        yield family("kvgate_executor_running_requests", stats.num_running)
+        yield family("kvgate_executor_waiting_requests", stats.num_waiting)
+        used = total - stats.num_free_blocks
+        yield family("kvgate_executor_kv_usage_ratio", used / total if total else 0.0)
+        yield family("kvgate_executor_kv_blocks", total)
+        yield family("kvgate_executor_session_pins", stats.num_session_pins)
+        yield family("kvgate_executor_session_blocks", stats.num_session_blocks)
+        yield family("kvgate_executor_prefix_cache_hit_tokens", stats.prefix_hit_tokens)
+        yield family("kvgate_executor_evicted_blocks", stats.num_evicted_blocks)
+        yield family("kvgate_executor_evicted_sessions", stats.num_evicted_sessions)
+        yield family("kvgate_executor_preemptions", stats.num_preemptions)
+
+    def describe(self) -> Iterator[Metric]:
+        """The families `collect` yields, so the registry knows their names."""
+        return self.collect()
+
+    def _family(self, name: str, value: float) -> Metric:
+        """The one sample of the gauge or counter METRICS declares under `name`."""
+        spec = METRICS[name]
+        if spec.kind == "counter":
+            created = self._created_unix_s
+            return CounterMetricFamily(name, spec.documentation, value=value, created=created)
+        return GaugeMetricFamily(name, spec.documentation, value=value)
+
+
+class ExecutorMetrics(ProcessMetrics):
+    """Every kvgate_executor_ metric of common.metrics.METRICS, on a registry of its own: the
+    step histograms, observed by the step loop, and the engine's snapshot, read at each
+    scrape."""
+
+    def __init__(self) -> None:
+        self._engine = EngineStatsCollector()
+        super().__init__("kvgate_executor_", collected={f.name for f in self._engine.describe()})
+        self.registry.register(self._engine)
 
     def record_step(self, step_s: float, stats: EngineStats) -> None:
         """A step took `step_s` seconds; `stats` is the engine's snapshot after it."""
-        num_tokens = stats.num_batched_tokens - self._last_value("num_batched_tokens")
+        num_tokens = stats.num_batched_tokens - self._engine.latest.num_batched_tokens
         if num_tokens > 0:
-            self.step_time.observe(step_s)
+            self.step_seconds.observe(step_s)
             self.step_tokens.observe(num_tokens)
         self.record_stats(stats)
 
     def record_stats(self, stats: EngineStats) -> None:
-        """Bring every gauge and counter up to an EngineStats snapshot."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_blocks.set(stats.num_total_blocks)
-        used = stats.num_total_blocks - stats.num_free_blocks
-        self.kv_usage.set(used / stats.num_total_blocks if stats.num_total_blocks else 0.0)
-        self.session_pins.set(stats.num_session_pins)
-        self.session_blocks.set(stats.num_session_blocks)
-        self._advance(self.prefix_hit_tokens, stats, "prefix_hit_tokens")
-        self._advance(self.evicted_blocks, stats, "num_evicted_blocks")
-        self._advance(self.evicted_sessions, stats, "num_evicted_sessions")
-        self._advance(self.preemptions, stats, "num_preemptions")
-        self._last = stats
-
-    def _last_value(self, name: str) -> int:
-        return 0 if self._last is None else getattr(self._last, name)
-
-    def _advance(self, counter: Counter, stats: EngineStats, name: str) -> None:
-        counter.inc(getattr(stats, name) - self._last_value(name))
+        """Hand over an EngineStats snapshot: the next scrape reads it."""
+        self._engine.latest = stats

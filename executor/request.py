@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 
 
@@ -14,12 +15,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS or one of stop_token_ids
-    LENGTH = "length"  # max_tokens or max_model_len
-    ABORT = "abort"  # aborted by the caller
 
 
 @dataclass(slots=True, eq=False)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from common.finish_reason import FinishReason
 from executor.config import EngineConfig
 from executor.kv_cache import KVCacheManager
-from executor.request import FinishReason, Request, RequestStatus
+from executor.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

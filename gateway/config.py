@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 from common.config import (
     DEFAULT_MODEL,
@@ -16,14 +15,17 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.health import HEALTH_DISABLED, add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
+from common.model_files import MODEL_HELP, check_model_path
 
 
 @dataclass(slots=True)
 class GatewayConfig:
     """Everything a gateway process needs; validated when built."""
 
-    model: str = DEFAULT_MODEL  # model folder (tokenizer files are read, never the weights)
+    # checkpoint folder or GGUF file (its tokenizer is read, never the weights)
+    model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"  # public Inference address
     port: int = 50051
     internal_host: str = "127.0.0.1"  # TokenSink address executors connect to
@@ -41,12 +43,13 @@ class GatewayConfig:
     grace_s: float = 5.0  # running calls get this long to finish on SIGTERM
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
+    health_host: str = "127.0.0.1"
+    health_port: int = HEALTH_DISABLED  # grpc.health.v1 also here; -1: on the public port only
     log_level: str = "info"
     log_format: str = "json"
 
     def __post_init__(self) -> None:
-        if not (Path(self.model) / "tokenizer.json").exists():
-            raise ValueError(f"--model must be a folder with tokenizer.json, got {self.model}")
+        check_model_path("--model", self.model, "tokenizer.json")
         check_range("--port", self.port, min_value=0, max_value=65535)
         check_range("--internal-port", self.internal_port, min_value=0, max_value=65535)
         check_positive("--redis-timeout-s", self.redis_timeout_s)
@@ -58,6 +61,7 @@ class GatewayConfig:
         check_range("--max-stop-len", self.max_stop_len, min_value=1)
         check_range("--grace-s", self.grace_s, min_value=0)
         check_metrics_port(self.metrics_port)
+        check_health_port(self.health_port)
         check_common_fields(self.redis_url, self.log_level, self.log_format)
 
     @property
@@ -70,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of `python -m gateway`, with KVGATE_* environment variables as defaults."""
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     add = parser.add_argument
-    add("--model", default=env_str("KVGATE_MODEL", DEFAULT_MODEL), help="model folder")
+    add("--model", default=env_str("KVGATE_MODEL", DEFAULT_MODEL), help=MODEL_HELP)
     add("--host", default=env_str("KVGATE_HOST", "127.0.0.1"), help="public host")
     add("--port", type=int, default=env_int("KVGATE_PORT", 50051), help="public port")
     add("--internal-host", default=env_str("KVGATE_INTERNAL_HOST", "127.0.0.1"))
@@ -85,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-stop-len", type=int, default=256)
     add("--grace-s", type=float, default=env_float("KVGATE_GRACE_S", 5.0))
     add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")
+    add_health_flags(parser, default_port=HEALTH_DISABLED)
     add_common_flags(parser)
     return parser
 

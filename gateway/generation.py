@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 
+from common.finish_reason import FinishReason
 from common.logs import request_fields
 from common.sampling_pb import sampling_params_to_pb
 from gateway.detokenizer import IncrementalDetokenizer
@@ -27,12 +28,11 @@ from gateway.token_sink import (
     ClientCancelled,
     ExecutorLost,
     RequestEvent,
-    TokenLogprob,
     TokenRouter,
     TokenUpdate,
 )
 from gateway.validation import GenerationSpec
-from protos.kvgate.v1 import internal_pb2
+from protos.kvgate.v1 import inference_pb2, internal_pb2
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class Chunk:
 
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last chunk
+    logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # set on the last chunk
     usage: Usage | None = None
     timings: Timings | None = None
     error_message: str = ""
@@ -226,7 +226,7 @@ class Generation:
             return None
         if isinstance(event, ClientCancelled):
             self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
-            return self._last_chunk(Chunk(self.stops.flush(), []), "abort")
+            return self._last_chunk(Chunk(self.stops.flush(), []), FinishReason.ABORT)
         return self._apply(event)
 
     async def _requeue(self, executor_id: str) -> None:
@@ -248,7 +248,7 @@ class Generation:
 
     def _apply(self, update: TokenUpdate) -> Chunk | None:
         now = time.monotonic()
-        if self.accepted_at is None:
+        if update.accepted and self.accepted_at is None:
             self.accepted_at = now
         self.waiting_for_executor = False
         self.executor_id = update.executor_id
@@ -263,10 +263,11 @@ class Generation:
             tail, stopped = self._flush_text()
             chunk.text += tail
             chunk.error_message = update.error_message
-            return self._last_chunk(chunk, "stop" if stopped else update.finish_reason or "stop")
+            reason = FinishReason.STOP if stopped else update.finish_reason or FinishReason.STOP
+            return self._last_chunk(chunk, reason)
         return chunk if new_ids else None
 
-    def _unseen(self, update: TokenUpdate) -> tuple[list[int], list[TokenLogprob]]:
+    def _unseen(self, update: TokenUpdate) -> tuple[list[int], list[inference_pb2.TokenLogprob]]:
         """The update's tokens past those already streamed (re-sends are dropped by offset)."""
         skip = len(self.tokens) - update.offset
         if skip < 0:
@@ -280,23 +281,27 @@ class Generation:
             return [], []
         return update.token_ids[skip:], update.logprobs[skip:]
 
-    def _text_of(self, new_ids: list[int], new_logprobs: list[TokenLogprob], now: float) -> Chunk:
-        """A chunk for the new tokens; finish_reason "stop" when a stop string matched."""
+    def _text_of(
+        self, new_ids: list[int], new_logprobs: list[inference_pb2.TokenLogprob], now: float
+    ) -> Chunk:
+        """A chunk for the new tokens; finish_reason STOP when a stop string matched."""
         if not new_ids:
             return Chunk("", [], [])
         self._observe_tokens(len(new_ids), now)
         self.tokens.extend(new_ids)
         result = self.stops.feed(self.detokenizer.add(new_ids))
-        return Chunk(result.text, new_ids, new_logprobs, "stop" if result.stopped else None)
+        return Chunk(
+            result.text, new_ids, new_logprobs, FinishReason.STOP if result.stopped else None
+        )
 
     def _observe_tokens(self, num_tokens: int, now: float) -> None:
         metrics = self.deps.metrics
         metrics.output_tokens.inc(num_tokens)
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.ttft.observe(now - self.arrival)
+            metrics.ttft_seconds.observe(now - self.arrival)
         else:
-            metrics.itl.observe(now - self.last_token_at)
+            metrics.itl_seconds.observe(now - self.last_token_at)
         self.last_token_at = now
 
     def _flush_text(self) -> tuple[str, bool]:
@@ -306,7 +311,7 @@ class Generation:
             return result.text, True
         return result.text + self.stops.flush(), False
 
-    def _last_chunk(self, chunk: Chunk, finish_reason: str) -> Chunk:
+    def _last_chunk(self, chunk: Chunk, finish_reason: FinishReason) -> Chunk:
         self.finished = True
         now = time.monotonic()
         chunk.finish_reason = finish_reason
@@ -325,8 +330,8 @@ class Generation:
 
     def _record_finish(self, chunk: Chunk) -> None:
         metrics = self.deps.metrics
-        metrics.finished.labels(chunk.finish_reason).inc()
-        metrics.e2e.observe(chunk.timings.total_ms / 1000.0)
+        metrics.finished_requests.labels(chunk.finish_reason).inc()
+        metrics.e2e_seconds.observe(chunk.timings.total_ms / 1000.0)
         log.info(
             "request finished: %s, %d tokens, queue %.1f ms, ttft %.1f ms, total %.1f ms",
             chunk.finish_reason,

@@ -8,64 +8,15 @@ from typing import Any
 
 import grpc
 from grpc import aio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import LATENCY_BUCKETS_S
+from common.metrics import ProcessMetrics
 
 
-class GatewayMetrics:
-    """Every metric of one gateway, on its own registry."""
+class GatewayMetrics(ProcessMetrics):
+    """Every kvgate_gateway_ metric of common.metrics.METRICS, on a registry of its own."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        registry = self.registry
-        self.requests = Counter(
-            "kvgate_gateway_requests",
-            "gRPC calls finished, by service, method and status code",
-            ["service", "method", "code"],
-            registry=registry,
-        )
-        self.active_streams = Gauge(
-            "kvgate_gateway_active_streams",
-            "server-streaming calls open now, by method",
-            ["method"],
-            registry=registry,
-        )
-        self.ttft = Histogram(
-            "kvgate_gateway_ttft_seconds",
-            "time from arrival to the first token",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.itl = Histogram(
-            "kvgate_gateway_itl_seconds",
-            "gap between consecutive token arrivals of one request",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.e2e = Histogram(
-            "kvgate_gateway_e2e_seconds",
-            "time from arrival to the last chunk",
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.finished = Counter(
-            "kvgate_gateway_finished_requests",
-            "generations finished, by finish reason",
-            ["finish_reason"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "kvgate_gateway_prompt_tokens", "prompt tokens of queued requests", registry=registry
-        )
-        self.output_tokens = Counter(
-            "kvgate_gateway_output_tokens", "tokens streamed to clients", registry=registry
-        )
-        self.requeues = Counter(
-            "kvgate_gateway_requeues",
-            "requests re-queued because their executor went away",
-            registry=registry,
-        )
+        super().__init__("kvgate_gateway_")
 
 
 def _split_method(full_method: str) -> tuple[str, str]:

@@ -9,14 +9,16 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.health import HEALTH_DISABLED
 from common.keys import RedisKeys
-from common.redis_conn import REDIS_DOWN_ERRORS, connect
+from common.redis_conn import connect
 from gateway.config import GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
+from gateway.health import GatewayHealth
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
@@ -37,6 +39,8 @@ class RunningGateway:
     public: aio.Server
     internal: aio.Server
     health: health.aio.HealthServicer
+    health_watch: GatewayHealth
+    health_server: aio.Server | None  # --health-port's, when one is given
     redis: aioredis.Redis
     address: str  # host:port of the public Inference service
     reply_to: str  # host:port of the TokenSink service
@@ -48,9 +52,12 @@ class RunningGateway:
         The token sink stays up while public calls finish (they need its tokens);
         then the executors' streams, idle by now, are closed at once.
         """
+        await self.health_watch.stop()
         await self.health.enter_graceful_shutdown()
         await self.public.stop(self.grace_s)
         await self.internal.stop(0)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.redis.aclose()
 
 
@@ -86,6 +93,15 @@ def _internal_server(config: GatewayConfig, router: TokenRouter) -> tuple[aio.Se
     return server, f"{config.reply_host}:{port}"
 
 
+def _health_server(config: GatewayConfig, servicer: health.aio.HealthServicer) -> aio.Server | None:
+    if config.health_port == HEALTH_DISABLED:
+        return None
+    server = aio.server(options=EXCLUSIVE_PORT)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    _listen(server, config.health_host, config.health_port, "--health-host/--health-port")
+    return server
+
+
 def _public_server(
     config: GatewayConfig, servicer: InferenceServicer, metrics: GatewayMetrics
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
@@ -105,7 +121,7 @@ def _public_server(
 async def start_gateway(
     config: GatewayConfig, metrics: GatewayMetrics | None = None
 ) -> RunningGateway:
-    """Start both servers; health turns SERVING once they listen.
+    """Start both servers (and --health-port's); health is evaluated once they listen.
 
     Args:
         config: the gateway's configuration.
@@ -130,32 +146,37 @@ async def start_gateway(
         config.default_max_tokens,
         StopLimits(config.max_stop_strings, config.max_stop_len),
     )
+    bound = [internal]
     try:
         public, health_servicer, address = _public_server(config, servicer, metrics)
+        bound.append(public)
+        health_server = _health_server(config, health_servicer)
     except ListenError:
-        await internal.stop(None)  # frees the token sink's port (bound, not started)
+        for server in bound:
+            await server.stop(None)  # frees its port (bound, not started)
         await client.aclose()
         raise
     await internal.start()
     await public.start()
-    for service in ("", INFERENCE_SERVICE):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    await _warn_if_redis_down(client, config.redis_url)
+    if health_server is not None:
+        await health_server.start()
+    services = ("", INFERENCE_SERVICE)
+    health_watch = GatewayHealth(health_servicer, queue, services, metrics.registry)
+    await health_watch.start()
     log.info(
         "gateway serving on %s (token sink %s, model %s)", address, reply_to, model_text.model_id
     )
     return RunningGateway(
-        public, internal, health_servicer, client, address, reply_to, config.grace_s
+        public,
+        internal,
+        health_servicer,
+        health_watch,
+        health_server,
+        client,
+        address,
+        reply_to,
+        config.grace_s,
     )
-
-
-async def _warn_if_redis_down(client: aioredis.Redis, url: str) -> None:
-    try:
-        await client.ping()
-    except REDIS_DOWN_ERRORS as error:
-        log.warning(
-            "redis at %s unreachable (%s): requests get UNAVAILABLE until it is up", url, error
-        )
 
 
 async def serve(config: GatewayConfig, metrics: GatewayMetrics) -> None:

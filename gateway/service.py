@@ -7,13 +7,15 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
+from common.finish_reason import FinishReason
+from common.finish_reason_pb import finish_reason_to_pb
 from gateway.auth import tenant_of
 from gateway.errors import InvalidArgument, NotFound
 from gateway.generation import Chunk, Generation, GenerationDeps
 from gateway.request_queue import RequestQueue
 from gateway.sessions import Session, SessionStore
 from gateway.templates import ROLES, ChatTemplateError, Message
-from gateway.token_sink import ClientCancelled, TokenLogprob
+from gateway.token_sink import ClientCancelled
 from gateway.validation import (
     GenerationSpec,
     StopLimits,
@@ -26,24 +28,6 @@ from gateway.validation import (
 )
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
-FINISH_REASONS = {
-    "stop": inference_pb2.FINISH_REASON_STOP,
-    "length": inference_pb2.FINISH_REASON_LENGTH,
-    "abort": inference_pb2.FINISH_REASON_ABORT,
-    "error": inference_pb2.FINISH_REASON_ERROR,
-}
-
-
-def logprobs_to_pb(logprobs: list[TokenLogprob]) -> list[inference_pb2.TokenLogprob]:
-    return [
-        inference_pb2.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-        )
-        for lp in logprobs
-    ]
-
 
 def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse:
     """A Chunk as the public GenerateResponse."""
@@ -51,11 +35,11 @@ def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse
         request_id=request_id,
         text=chunk.text,
         token_ids=chunk.token_ids,
-        logprobs=logprobs_to_pb(chunk.logprobs),
+        logprobs=chunk.logprobs,
         error_message=chunk.error_message,
     )
     if chunk.finish_reason is not None:
-        response.finish_reason = FINISH_REASONS[chunk.finish_reason]
+        response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
     if chunk.usage is not None:
         response.usage.CopyFrom(inference_pb2.Usage(**_fields(chunk.usage)))
     if chunk.timings is not None:
@@ -209,7 +193,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         conversation.running_request_id = spec.request_id
         async for chunk in generation.stream():
             reply.append(chunk.text)
-            if chunk.finish_reason is not None and chunk.finish_reason != "error":
+            if chunk.finish_reason is not None and chunk.finish_reason != FinishReason.ERROR:
                 assistant = Message("assistant", "".join(reply).strip())
                 await self._record_turn(session, generation, [user, assistant])
             yield inference_pb2.ChatResponse(
@@ -228,9 +212,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             messages = messages_from_pb("messages", list(request.messages))
             try:
                 text = self.model_text.render_chat(messages)
+                token_ids = self.model_text.encode_chat(messages)
             except ChatTemplateError as error:
                 raise InvalidArgument("messages", str(error)) from error
-            token_ids = self.model_text.encode(text, add_special_tokens=False)
         else:
             text = request.text
             token_ids = self.model_text.encode(text, request.add_special_tokens)

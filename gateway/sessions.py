@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.asyncio.client import Pipeline
 
 from common.keys import RedisKeys
 from gateway.errors import Aborted, NotFound, PermissionDenied
@@ -106,8 +106,9 @@ class SessionStore:
 
         The turn is appended to the messages stored now, not to those `session` was loaded
         with: another stream on the same session may have added turns since, and they stay
-        (a check-and-set, tried again when the key changes under it). A session ended
-        (EndSession) or expired meanwhile is not brought back: the turn is not recorded.
+        (a check-and-set: `Redis.transaction` watches the key and runs it again when the key
+        changes under it, MAX_TURN_WRITES times at most). A session ended (EndSession) or
+        expired meanwhile is not brought back: the turn is not recorded.
 
         Args:
             session: the caller's copy; updated in place.
@@ -118,28 +119,32 @@ class SessionStore:
             Aborted: the session changed under every one of MAX_TURN_WRITES attempts.
         """
         key = self.keys.session(session.session_id)
-        async with self.client.pipeline(transaction=True) as pipe:
-            for _ in range(MAX_TURN_WRITES):
-                try:
-                    await pipe.watch(key)
-                    raw = await pipe.get(key)
-                    if raw is None:
-                        await pipe.unwatch()
-                        return
-                    stored = Session.from_pb(internal_pb2.SessionState.FromString(raw))
-                    stored.messages.extend(new_messages)
-                    stored.executor_id = executor_id or stored.executor_id
-                    stored.num_turns += 1
-                    pipe.multi()
-                    pipe.set(key, stored.to_pb().SerializeToString(), px=self.ttl_ms)
-                    await pipe.execute()
-                except WatchError:
-                    continue
-                session.messages = stored.messages
-                session.executor_id = stored.executor_id
-                session.num_turns = stored.num_turns
-                return
-        raise Aborted(f"session_id: {session.session_id!r} kept changing; send the turn again")
+        attempts = 0
+
+        async def append_turn(pipe: Pipeline) -> Session | None:
+            nonlocal attempts
+            attempts += 1
+            if attempts > MAX_TURN_WRITES:
+                raise Aborted(
+                    f"session_id: {session.session_id!r} kept changing; send the turn again"
+                )
+            raw = await pipe.get(key)
+            if raw is None:
+                await pipe.unwatch()  # nothing left to execute: the turn is not recorded
+                return None
+            stored = Session.from_pb(internal_pb2.SessionState.FromString(raw))
+            stored.messages.extend(new_messages)
+            stored.executor_id = executor_id or stored.executor_id
+            stored.num_turns += 1
+            pipe.multi()
+            pipe.set(key, stored.to_pb().SerializeToString(), px=self.ttl_ms)
+            return stored
+
+        stored = await self.client.transaction(append_turn, key, value_from_callable=True)
+        if stored is not None:
+            session.messages = stored.messages
+            session.executor_id = stored.executor_id
+            session.num_turns = stored.num_turns
 
     async def end(self, session_id: str, tenant: str) -> Session:
         """Delete a session and return its last state.

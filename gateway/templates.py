@@ -1,4 +1,11 @@
-"""Chat templates: the model's own (Hugging Face `chat_template`, Jinja2) or kvgate's default.
+"""Chat templates: the model's own (Hugging Face's `chat_template`) or kvgate's default.
+
+A model's template comes with its tokenizer, as transformers reads it: `chat_template.jinja`
+beside the tokenizer, `tokenizer_config.json`'s `chat_template` (one string, or a list of
+named templates of which "default" is used), or a GGUF file's `tokenizer.chat_template`.
+transformers renders it (`apply_chat_template`), so a prompt is the text transformers makes
+of the same conversation, and tokenizes it with `sanitize_control_tokens`: a control token
+typed in a message is encoded as text, and only the template itself writes control tokens.
 
 The default, for models that ship none (stories260K has none), renders:
 
@@ -14,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -42,27 +49,15 @@ class Message:
     content: str
 
 
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
 class ChatTemplate:
-    """A compiled chat template with the model's special tokens."""
+    """Renders and tokenizes conversations with a tokenizer's chat template (or the default)."""
 
-    def __init__(self, source: str | None, bos_token: str, eos_token: str) -> None:
-        """Compile `source`, or the default template when it is None.
-
-        Args:
-            source: Jinja2 text of the model's chat template, or None.
-            bos_token: text of the BOS token (the template writes it).
-            eos_token: text of the EOS token.
-        """
-        self.is_default = source is None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        self.template = env.from_string(DEFAULT_CHAT_TEMPLATE if source is None else source)
-        self.bos_token = bos_token
-        self.eos_token = eos_token
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Args: tokenizer: the model's tokenizer, with its `chat_template` (or None)."""
+        self.tokenizer = tokenizer
+        self.is_default = not tokenizer.chat_template
+        # None: the tokenizer's own template (a named one is chosen by transformers).
+        self.source = DEFAULT_CHAT_TEMPLATE if self.is_default else None
 
     def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation (with the BOS token when the template writes it).
@@ -70,25 +65,26 @@ class ChatTemplate:
         Raises:
             ChatTemplateError: the template rejects the conversation.
         """
+        return self._apply(messages, add_generation_prompt, tokenize=False)
+
+    def encode(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of the rendered conversation; control tokens inside the messages'
+        contents are encoded as text.
+
+        Raises:
+            ChatTemplateError: the template rejects the conversation.
+        """
+        return self._apply(messages, add_generation_prompt, tokenize=True)
+
+    def _apply(self, messages: list[Message], add_generation_prompt: bool, tokenize: bool):
         try:
-            return self.template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+            return self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages],
+                chat_template=self.source,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
+                tokenize=tokenize,
+                sanitize_control_tokens=tokenize,
+                return_dict=False,
             )
         except TemplateError as error:
             raise ChatTemplateError(f"chat template failed: {error}") from error
-
-
-def template_source(tokenizer_config: dict) -> str | None:
-    """The chat template of a tokenizer_config.json, or None when it has none.
-
-    A config may hold one template or a list of named ones; "default" is chosen
-    from a list.
-    """
-    source = tokenizer_config.get("chat_template")
-    if isinstance(source, list):
-        named = {entry.get("name"): entry.get("template") for entry in source}
-        return named.get("default")
-    return source

@@ -15,26 +15,12 @@ from dataclasses import dataclass, field
 
 from grpc import aio
 
+from common.finish_reason import FinishReason
+from common.finish_reason_pb import finish_reason_from_pb
 from gateway.errors import FailedPrecondition, InvalidArgument
 from protos.kvgate.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-FINISH_REASONS = {
-    inference_pb2.FINISH_REASON_STOP: "stop",
-    inference_pb2.FINISH_REASON_LENGTH: "length",
-    inference_pb2.FINISH_REASON_ABORT: "abort",
-    inference_pb2.FINISH_REASON_ERROR: "error",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """Log-probability of one token and its most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -44,9 +30,10 @@ class TokenUpdate:
     executor_id: str
     offset: int  # position in the completion of token_ids[0]
     token_ids: list[int]
-    logprobs: list[TokenLogprob]
+    logprobs: list[inference_pb2.TokenLogprob]  # one per token id, when the request asked
+    accepted: bool  # the executor admitted this attempt with this entry
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or "error" when finished
+    finish_reason: FinishReason | None  # set when finished
     num_cached_tokens: int
     error_message: str = ""
 
@@ -92,12 +79,10 @@ def update_from_pb(executor_id: str, entry: internal_pb2.RequestTokens) -> Token
         executor_id=executor_id,
         offset=entry.offset,
         token_ids=list(entry.token_ids),
-        logprobs=[
-            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-            for lp in entry.logprobs
-        ],
+        logprobs=list(entry.logprobs),
+        accepted=entry.accepted,
         finished=entry.finished,
-        finish_reason=FINISH_REASONS.get(entry.finish_reason) if entry.finished else None,
+        finish_reason=finish_reason_from_pb(entry.finish_reason) if entry.finished else None,
         num_cached_tokens=entry.num_cached_tokens,
         error_message=entry.error_message,
     )
@@ -131,12 +116,6 @@ class TokenRouter:
         tracked = self._requests.get(request_id)
         if tracked is not None:
             tracked.inbox.put_nowait(event)
-
-    def forget_owner(self, request_id: str) -> None:
-        """The request is re-queued: the next executor to report it owns it."""
-        tracked = self._requests.get(request_id)
-        if tracked is not None:
-            tracked.owner = None
 
     def abort(self, request_id: str, reason: internal_pb2.AbortReason) -> None:
         """Send an abort to the executor running the request, or to all when none is known yet."""

@@ -6,6 +6,7 @@ import functools
 import signal
 import sys
 
+from common.health import start_health
 from common.redis_conn import connect_sync
 from common.startup import start_process
 from scheduler.config import SchedulerConfig
@@ -21,10 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     config, metrics = started
+    # A standby is as healthy as the leader (it is ready to take the lock); both need Redis.
+    health = start_health("scheduler", config, metrics.registry)
+    if health is None:
+        return 2
     scheduler = Scheduler(config, connect_sync(config.redis_url, timeout_s=2.0), metrics)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: scheduler.stop())
-    scheduler.run()
+    try:
+        scheduler.run()
+    finally:
+        health.stop()
     return 0
 
 

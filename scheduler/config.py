@@ -17,6 +17,7 @@ from common.config import (
     env_int,
     env_str,
 )
+from common.health import add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 
 POLICIES = ("fcfs", "priority")
@@ -41,6 +42,8 @@ class SchedulerConfig:
     scheduler_id: str = ""  # consumer and lock holder name; empty: host-pid
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
+    health_host: str = "127.0.0.1"
+    health_port: int = 0  # grpc.health.v1 for probes; 0: a free port, -1: none
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
@@ -53,25 +56,30 @@ class SchedulerConfig:
         check_range("--lock-ttl-ms", self.lock_ttl_ms, min_value=100)
         check_range("--registry-poll-ms", self.registry_poll_ms, min_value=1, max_value=1000)
         check_metrics_port(self.metrics_port)
+        check_health_port(self.health_port)
         if not self.scheduler_id:
             self.scheduler_id = f"{socket.gethostname()}-{os.getpid()}"
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> SchedulerConfig:
         """Args: command-line flags (None: sys.argv). Returns: the validated config."""
-        parser = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__)
-        add_common_flags(parser)
-        add = parser.add_argument
-        add("--batch-window-ms", type=float, default=env_float("KVGATE_BATCH_WINDOW_MS", 2.0))
-        add("--max-batch-size", type=int, default=env_int("KVGATE_MAX_BATCH_SIZE", 64))
-        add("--max-batch-tokens", type=int, default=env_int("KVGATE_MAX_BATCH_TOKENS", 8192))
-        add("--policy", default=env_str("KVGATE_POLICY", "fcfs"), help="fcfs or priority")
-        add(
-            "--priority-aging-ms", type=float, default=env_float("KVGATE_PRIORITY_AGING_MS", 1000.0)
-        )
-        add("--load-cost-blocks", type=float, default=env_float("KVGATE_LOAD_COST_BLOCKS", 2.0))
-        add("--lock-ttl-ms", type=int, default=env_int("KVGATE_LOCK_TTL_MS", 2000))
-        add("--registry-poll-ms", type=float, default=env_float("KVGATE_REGISTRY_POLL_MS", 100.0))
-        add("--scheduler-id", default=env_str("KVGATE_SCHEDULER_ID", ""))
-        add_metrics_flags(parser, "KVGATE_SCHEDULER_METRICS_PORT")
-        return cls(**vars(parser.parse_args(argv)))
+        return cls(**vars(build_parser().parse_args(argv)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of `python -m scheduler`, with KVGATE_* environment variables as defaults."""
+    parser = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__)
+    add_common_flags(parser)
+    add = parser.add_argument
+    add("--batch-window-ms", type=float, default=env_float("KVGATE_BATCH_WINDOW_MS", 2.0))
+    add("--max-batch-size", type=int, default=env_int("KVGATE_MAX_BATCH_SIZE", 64))
+    add("--max-batch-tokens", type=int, default=env_int("KVGATE_MAX_BATCH_TOKENS", 8192))
+    add("--policy", default=env_str("KVGATE_POLICY", "fcfs"), help="fcfs or priority")
+    add("--priority-aging-ms", type=float, default=env_float("KVGATE_PRIORITY_AGING_MS", 1000.0))
+    add("--load-cost-blocks", type=float, default=env_float("KVGATE_LOAD_COST_BLOCKS", 2.0))
+    add("--lock-ttl-ms", type=int, default=env_int("KVGATE_LOCK_TTL_MS", 2000))
+    add("--registry-poll-ms", type=float, default=env_float("KVGATE_REGISTRY_POLL_MS", 100.0))
+    add("--scheduler-id", default=env_str("KVGATE_SCHEDULER_ID", ""))
+    add_metrics_flags(parser, "KVGATE_SCHEDULER_METRICS_PORT")
+    add_health_flags(parser, default_port=0)
+    return parser

@@ -1,4 +1,9 @@
-"""The leader lock: one scheduler schedules, standbys wait to take over."""
+"""The leader lock: one scheduler schedules, standbys wait to take over.
+
+A redis-py `Lock` whose token is the scheduler's id (so the lock key names the leader),
+renewed by its holder; a holder that stops renewing (crash, partition) loses it after
+`ttl_ms`, and a standby then takes it.
+"""
 
 from __future__ import annotations
 
@@ -6,54 +11,40 @@ import time
 from collections.abc import Callable
 
 import redis
-
-# Extends the lock only while this holder still owns it.
-_RENEW = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-  return redis.call('pexpire', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-# Deletes the lock only while this holder still owns it.
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then
-  return redis.call('del', KEYS[1])
-end
-return 0
-"""
+from redis.exceptions import LockError
 
 
 class LeaderLock:
-    """A Redis lock with a time-to-live, renewed by its holder.
-
-    A holder that stops renewing (crash, partition) loses it after `ttl_ms`;
-    a standby then takes it.
-    """
+    """Taken, renewed and given back by one scheduler process."""
 
     def __init__(self, client: redis.Redis, key: str, holder: str, ttl_ms: int) -> None:
-        self._client = client
-        self._key = key
+        # thread_local=False: the token belongs to this process, whichever thread renews it.
+        self._lock = client.lock(key, timeout=ttl_ms / 1000.0, thread_local=False)
         self._holder = holder
-        self._ttl_ms = ttl_ms
-        self._renew = client.register_script(_RENEW)
-        self._release = client.register_script(_RELEASE)
 
     def try_acquire(self) -> bool:
-        """Returns: whether this holder owns the lock now."""
-        if self._client.set(self._key, self._holder, nx=True, px=self._ttl_ms):
+        """Returns: whether this process holds the lock now (taken now, or renewed)."""
+        if self._lock.acquire(blocking=False, token=self._holder):
             return True
         return self.renew()
 
     def renew(self) -> bool:
-        """Returns: False when the lock was lost to another holder or expired."""
-        return bool(self._renew(keys=[self._key], args=[self._holder, self._ttl_ms]))
+        """Resets the lock's time to live. Returns: False when this process does not hold it
+        (never took it, or lost it to expiry and another holder)."""
+        try:
+            return self._lock.reacquire()
+        except LockError:
+            return False
 
     def release(self) -> None:
-        self._release(keys=[self._key], args=[self._holder])
+        """Gives the lock back if this process still holds it."""
+        try:
+            self._lock.release()
+        except LockError:  # not held: never taken, or lost already
+            pass
 
     def wait(self, poll_s: float, should_stop: Callable[[], bool]) -> bool:
-        """Blocks until this holder owns the lock.
+        """Blocks until this process holds the lock.
 
         Args:
             poll_s: seconds between attempts.

@@ -92,15 +92,6 @@ class Placer:
     executors: dict[str, ExecutorView] = field(default_factory=dict)
     placements: int = 0  # requests placed so far
 
-    def place(
-        self, num_prompt_tokens: int, block_hashes: list[int], session_owner: str | None
-    ) -> Placement | None:
-        """`choose`, then `book` the choice."""
-        choice = self.choose(num_prompt_tokens, block_hashes, session_owner)
-        if choice is not None:
-            self.book(choice, block_hashes)
-        return choice
-
     def choose(
         self, num_prompt_tokens: int, block_hashes: list[int], session_owner: str | None
     ) -> Placement | None:

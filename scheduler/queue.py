@@ -14,7 +14,7 @@ class PendingRequest:
     request_id: str
     entry_id: str  # id of its entry in the request stream (XACK'd once assigned)
     num_prompt_tokens: int
-    block_hashes: list[bytes]  # chained hashes of the prompt's full blocks, tenant-salted
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks, tenant-salted
     priority: int  # lower runs first
     session_id: str | None
     session_executor_id: str | None  # executor that ran the session's last turn (a hint)
@@ -116,12 +116,13 @@ class WindowBatcher:
             self._waiting_tokens -= request.num_prompt_tokens
         return request
 
+    def clear(self) -> None:
+        """Forgets every waiting request (their entries stay pending in the stream)."""
+        self._waiting.clear()
+        self._waiting_tokens = 0
+
     def requests(self) -> list[PendingRequest]:
         return list(self._waiting.values())
-
-    def is_ready(self, now_s: float) -> bool:
-        """Returns: whether a batch is due: window elapsed, or requests or tokens at a limit."""
-        return self.release_reason(now_s) is not None
 
     def release_reason(self, now_s: float) -> str | None:
         """Returns: why a batch is due (one of RELEASE_REASONS), None when it is not."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 
@@ -14,30 +13,15 @@ from common.logs import request_fields
 from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
 from scheduler.clock import RedisClock
 from scheduler.config import SchedulerConfig
+from scheduler.intake import RequestIntake
 from scheduler.leader import LeaderLock
 from scheduler.metrics import SchedulerMetrics
 from scheduler.placement import Placer
 from scheduler.queue import PendingRequest, WindowBatcher, WindowLimits, make_policy
 from scheduler.registry import ExecutorRegistry
-from scheduler.streams import (
-    DEFAULT_BLOCK_SIZE,
-    ExecutorDirectory,
-    RequestStream,
-    StreamEntry,
-    to_pending,
-)
+from scheduler.streams import DEFAULT_BLOCK_SIZE, ExecutorDirectory, RequestStream
 
 log = logging.getLogger(__name__)
-# Most entries read from the request stream in one call.
-READ_COUNT = 512
-
-
-# Redis ends a timed-out BLOCK on its server clock (hz 10: every 100 ms): a BLOCK of T ms
-# returns between T and T + 100 ms unless an entry arrives first, which wakes it at once.
-REDIS_TIMEOUT_RESOLUTION_MS = 100
-# The last read before a window closes starts early by the average time a wake-up and that
-# read took, so the batch leaves on time; this is the weight of the latest in that average.
-READ_LEAD_WEIGHT = 0.2
 
 
 class Scheduler:
@@ -58,18 +42,14 @@ class Scheduler:
         self._placer = Placer(load_cost_blocks=config.load_cost_blocks)
         self._registry = ExecutorRegistry(self._placer)
         self._stop = threading.Event()
-        self._batcher = self._new_batcher()
-        self._next_poll_s = 0.0
-        self._next_renew_s = 0.0
-        self._stalled = False  # nothing could be placed: wait for the next heartbeats
-        self._read_lead_s = 0.0
-
-    def _new_batcher(self) -> WindowBatcher:
-        config = self._config
         limits = WindowLimits(
             config.batch_window_ms, config.max_batch_size, config.max_batch_tokens
         )
-        return WindowBatcher(limits, make_policy(config.policy, config.priority_aging_ms))
+        self._batcher = WindowBatcher(limits, make_policy(config.policy, config.priority_aging_ms))
+        self._intake = RequestIntake(self._stream, self._clock, self._batcher)
+        self._next_poll_s = 0.0
+        self._next_renew_s = 0.0
+        self._stalled = False  # nothing could be placed: wait for the next heartbeats
 
     def stop(self) -> None:
         """Asks `run` to return; safe from a signal handler."""
@@ -86,7 +66,7 @@ class Scheduler:
             except REDIS_DOWN_ERRORS as error:
                 delay_s = next(delays)
                 log.warning("redis unreachable (%s); retrying in %.2fs", error, delay_s)
-                self._batcher = self._new_batcher()
+                self._batcher.clear()
                 self._stop.wait(delay_s)
         self._release_lock()
 
@@ -106,14 +86,14 @@ class Scheduler:
         reclaimed = self._stream.reclaim()
         if reclaimed:
             log.info("reclaimed %d queued requests of an earlier scheduler", len(reclaimed))
-        self._admit(reclaimed, time.monotonic())
+        self._intake.admit(reclaimed, time.monotonic(), self._block_size())
         try:
             while not self._stop.is_set() and self._keep_lock():
                 self.tick()
         finally:
             self._metrics.is_leader.set(0)
             self._metrics.queue_length.set(0)
-        self._batcher = self._new_batcher()
+        self._batcher.clear()
 
     def _release_lock(self) -> None:
         try:
@@ -137,46 +117,13 @@ class Scheduler:
         if now >= self._next_poll_s:
             self._poll_executors(now)
         self._drop_expired(now)
-        self._admit(self._read_new(), time.monotonic())
+        entries = self._intake.read(self._next_poll_s, self._stalled)
+        self._intake.admit(entries, time.monotonic(), self._block_size())
         now = time.monotonic()
         reason = None if self._stalled else self._batcher.release_reason(now)
         if reason is not None:
             self._dispatch(now, reason)
         self._metrics.queue_length.set(len(self._batcher))
-
-    def _read_new(self) -> list[StreamEntry]:
-        """New requests: waits for them until the next poll, or until a window closes.
-
-        A wait on the stream wakes at once when a request arrives, but its timeout ends only
-        on Redis's coarse clock (up to REDIS_TIMEOUT_RESOLUTION_MS late). That is harmless
-        for a poll, so with nothing to release the wait is on the stream; while requests wait
-        for a window, the stream is waited on only while the close is more than a resolution
-        away, and the rest is slept here, to the exact time (`_read_until`).
-        """
-        now = time.monotonic()
-        wait_s = max(0.0, self._next_poll_s - now)
-        if self._stalled or not len(self._batcher):
-            return self._stream.read_new(max(1, math.ceil(wait_s * 1000.0)), READ_COUNT)
-        wait_ms = 1000.0 * min(wait_s, self._batcher.seconds_until_due(now))
-        if wait_ms > REDIS_TIMEOUT_RESOLUTION_MS + 1:
-            block_ms = math.floor(wait_ms) - REDIS_TIMEOUT_RESOLUTION_MS
-            return self._stream.read_new(block_ms, READ_COUNT)
-        return self._read_until(now + wait_ms / 1000.0)
-
-    def _read_until(self, due_s: float) -> list[StreamEntry]:
-        """Reads without waiting, so that the read ends at `due_s` (a window's close or a poll):
-        sleeps to the read's lead before it, and what is left of the lead after it."""
-        wake_s = due_s - self._read_lead_s
-        now = time.monotonic()
-        if wake_s > now:
-            time.sleep(wake_s - now)
-        started = max(now, wake_s)
-        entries = self._stream.read_new(None, READ_COUNT)
-        done_s = time.monotonic()
-        self._read_lead_s += READ_LEAD_WEIGHT * (done_s - started - self._read_lead_s)
-        if due_s > done_s:
-            time.sleep(due_s - done_s)
-        return entries
 
     def _poll_executors(self, now: float) -> None:
         self._next_poll_s = now + self._config.registry_poll_ms / 1000.0
@@ -196,24 +143,6 @@ class Scheduler:
         views = list(self._placer.executors.values())
         return views[0].block_size if views else DEFAULT_BLOCK_SIZE
 
-    def _admit(self, entries: list[StreamEntry], now: float) -> None:
-        block_size = self._block_size()
-        for entry in entries:
-            queued_s = self._clock.monotonic(entry.queued_unix_us, now)
-            request = to_pending(entry, block_size, now, queued_s)
-            if request is None:
-                log.warning("dropping request stream entry %s: not a QueuedRequest", entry.entry_id)
-                self._stream.drop([entry.entry_id])
-                continue
-            self._replace_waiting(request)
-
-    def _replace_waiting(self, request: PendingRequest) -> None:
-        """A re-queued request replaces the waiting entry of the same id (a later attempt)."""
-        earlier = self._batcher.remove(request.request_id)
-        if earlier is not None and earlier.entry_id != request.entry_id:
-            self._stream.drop([earlier.entry_id])
-        self._batcher.add(request)
-
     def _drop_expired(self, now: float) -> None:
         expired = self._batcher.expired(now)
         for request in expired:
@@ -222,7 +151,7 @@ class Scheduler:
                 request.request_id,
                 extra=request_fields(request.request_id, request.session_id),
             )
-        self._metrics.dropped.labels("expired").inc(len(expired))
+        self._metrics.dropped_requests.labels("expired").inc(len(expired))
         self._stream.drop([r.entry_id for r in expired])
 
     def _drop_cancelled(self, request_ids: list[str]) -> None:
@@ -239,7 +168,7 @@ class Scheduler:
                 "request cancelled while queued: dropped",
                 extra=request_fields(request.request_id, request.session_id),
             )
-        self._metrics.dropped.labels("cancelled").inc(len(requests))
+        self._metrics.dropped_requests.labels("cancelled").inc(len(requests))
 
     def _dispatch(self, now: float, reason: str) -> None:
         batch = self._batcher.release(now)
@@ -267,8 +196,8 @@ class Scheduler:
             return True
         self._placer.book(placement, request.block_hashes)
         waited_s = request.waited_ms(time.monotonic()) / 1000.0
-        self._metrics.queue_wait.observe(waited_s)
-        self._metrics.assigned.inc()
+        self._metrics.queue_wait_seconds.observe(waited_s)
+        self._metrics.assigned_requests.inc()
         log.info(
             "request assigned to %s after %.1f ms in the queue (%d cached blocks)",
             placement.executor_id,

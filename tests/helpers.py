@@ -1,17 +1,68 @@
-"""Shared test helpers: the stories260K path, seeded random checkpoints, greedy references."""
+"""Shared test helpers: the stories260K path, waiting for a condition, a private
+redis-server, seeded random checkpoints, greedy references."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import time
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+import pytest
+import redis
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES_260K = REPO.parent / "shared" / "models" / "stories260K"
 NEAR_TIE = 1e-4  # a divergence is accepted only where the reference's top-2 logits are this close
+WAIT_S = 10.0  # how long wait_for waits unless told
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> T:
+    """Polls `probe` until it returns something true, and returns that; fails the test naming
+    `what` when it does not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := probe()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"expected {what} within {timeout_s:g} s; it did not happen")
+        time.sleep(0.01)
+    return value
+
+
+@contextmanager
+def redis_server(folder: Path) -> Iterator[str]:
+    """A private redis-server on a unix socket in `folder` (no TCP port to collide with).
+
+    Yields: its URL.
+    """
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is required (make redis)"
+    socket_path = folder / "redis.sock"
+    argv = [binary, "--port", "0", "--unixsocket", str(socket_path), "--save", "",
+            "--appendonly", "no"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(unix_socket_path=str(socket_path))
+        wait_for(lambda: _answers(client), "redis-server to answer")
+        client.close()
+        yield f"unix://{socket_path}"
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, FileNotFoundError):
+        return False
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Load safetensors weights (single file or sharded) straight into kvgate's modules."""
+"""Load a checkpoint straight into kvgate's modules: a Hugging Face folder (safetensors, single
+file or sharded) or a GGUF file (executor/models/gguf.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.model_files import gguf_file
 from executor.models.config import ModelConfig, load_model_config
+from executor.models.gguf import read_gguf_checkpoint
 from executor.models.llama import LlamaForCausalLM
 from executor.models.quantize import apply_quantized, quantize_state
+from kernels.quant import QuantizedWeight, concat_rows
 
 _FUSED = {  # our fused parameter -> checkpoint parameters concatenated along dim 0
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -64,50 +68,86 @@ def to_kvgate_state_dict(config: ModelConfig, tensors: dict[str, torch.Tensor]) 
                     state[f"layers.{layer}.{fused}.{kind}"] = torch.cat(
                         [state.pop(n) for n in names]
                     )
-    if config.tie_word_embeddings or "lm_head.weight" not in state:
+    tied = config.tie_word_embeddings or "lm_head.weight" not in state
+    if tied and "embed_tokens.weight" in state:  # absent: read from a quantized output layer
         state["lm_head.weight"] = state["embed_tokens.weight"]
     return state
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+    model: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model of a Hugging Face checkpoint folder on `device` in `dtype`, its linear
-    layers weight-only quantized when `quantization` is "int8" or "int4" (from the checkpoint's
-    own weights, before they are cast to `dtype`).
+    """Build the model that `model` names (a checkpoint folder or a GGUF file) on `device`
+    in `dtype`, its linear layers weight-only quantized when `quantization` is "int8" or
+    "int4" (from the checkpoint's own weights before they are cast to `dtype`, or GGUF blocks
+    already in the format kept as they are).
 
     Raises:
         FileNotFoundError: config.json or the weights are missing.
-        ValueError: unsupported architecture, or the weights do not fit the config.
+        ValueError: unsupported architecture or tensor type, or the weights do not fit the
+            config.
     """
-    model_dir = Path(model_dir)
-    config = load_model_config(model_dir)
-    state = to_kvgate_state_dict(config, read_checkpoint(model_dir))
-    tied_table = state.get("embed_tokens.weight")
-    quantized = quantize_state(state, config.num_hidden_layers, quantization)
+    gguf = gguf_file(model)
+    kept: dict[str, QuantizedWeight] = {}
+    if gguf is not None:
+        config, tensors, kept_hf = read_gguf_checkpoint(gguf, quantization)
+        kept = to_kvgate_quantized(config, kept_hf, tensors)
+    else:
+        config = load_model_config(model)
+        tensors = read_checkpoint(Path(model))
+    state = to_kvgate_state_dict(config, tensors)
+    del tensors
+    quantized = quantize_state(state, config.num_hidden_layers, quantization, kept)
     # Copied when quantized: a tensor still mapped from the checkpoint file would keep the
     # whole file's pages resident (safetensors maps it), float weights included.
     copy = bool(quantized)
     state = {name: t.to(device=device, dtype=dtype, copy=copy) for name, t in state.items()}
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        built = LlamaForCausalLM(config)
     taken = {f"{name}.weight" for name in quantized}
-    if tied_table is not None and "embed_tokens.weight" not in state:
-        taken.add("embed_tokens.weight")
-    _load_dense(model, state, taken, model_dir)
+    if config.tie_word_embeddings and "lm_head" in quantized:
+        taken.add("embed_tokens.weight")  # read from the quantized output layer
+    _load_dense(built, state, taken, model)
     if config.tie_word_embeddings and not quantized:
-        model.lm_head.weight = model.embed_tokens.weight
-    apply_quantized(model, quantized, device, config.tie_word_embeddings)
-    return model.eval().requires_grad_(False), config
+        built.lm_head.weight = built.embed_tokens.weight
+    apply_quantized(built, quantized, device, config.tie_word_embeddings)
+    return built.eval().requires_grad_(False), config
 
 
-def _load_dense(model: LlamaForCausalLM, state: dict, quantized: set[str], model_dir: Path) -> None:
+def _load_dense(built: LlamaForCausalLM, state: dict, quantized: set[str], model: object) -> None:
     """Load every dense tensor; the quantized layers' weights are the only ones left out."""
     try:
-        result = model.load_state_dict(state, strict=not quantized, assign=True)
+        result = built.load_state_dict(state, strict=not quantized, assign=True)
     except RuntimeError as e:
-        raise ValueError(f"weights in {model_dir} do not match its config.json: {e}") from e
+        raise ValueError(f"weights in {model} do not match its config: {e}") from e
     missing, unexpected = sorted(set(result.missing_keys) - quantized), result.unexpected_keys
     if missing or unexpected:
-        raise ValueError(f"weights in {model_dir} do not match its config.json: missing "
+        raise ValueError(f"weights in {model} do not match its config: missing "
                          f"{missing}, unexpected {sorted(unexpected)}")  # fmt: skip
+
+
+def to_kvgate_quantized(
+    config: ModelConfig, kept: dict[str, QuantizedWeight], tensors: dict[str, torch.Tensor]
+) -> dict[str, QuantizedWeight]:
+    """Rename quantized Hugging Face modules to ours and fuse q/k/v and gate/up, as
+    `to_kvgate_state_dict` does dense ones. A fused layer whose parts are not all kept in one
+    format gets its kept parts dequantized into `tensors` instead (fused and quantized there)."""
+    renamed = {}
+    for name, weight in kept.items():
+        match = _LAYER.match(f"{name}.weight")
+        renamed[name if match is None else f"layers.{match[1]}.{match[2]}"] = weight
+    for layer in range(config.num_hidden_layers):
+        for fused, parts in _FUSED.items():
+            names = [f"layers.{layer}.{p}" for p in parts]
+            weights = [renamed.pop(n) for n in names if n in renamed]
+            if len(weights) == len(parts) and _one_format(weights):
+                renamed[f"layers.{layer}.{fused}"] = concat_rows(weights)
+                continue
+            for part in parts:  # some parts dense already, or formats that differ
+                if (weight := kept.get(f"model.layers.{layer}.{part}")) is not None:
+                    tensors[f"model.layers.{layer}.{part}.weight"] = weight.dequantize()
+    return renamed
+
+
+def _one_format(weights: list[QuantizedWeight]) -> bool:
+    return len({(w.bits, w.group_size) for w in weights}) == 1

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from client.api import Completion, KvgateClient, sampling_params
 from deploy.stack import Stack, StackConfig, free_port
 from protos.kvgate.v1 import inference_pb2, internal_pb2
+from tests.helpers import STORIES_260K, redis_server
 
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+MODEL = STORIES_260K
 # A small, fixed KV cache: fast to start, and free blocks are easy to compare.
 EXECUTOR_FLAGS = ["--num-gpu-blocks", "512", "--block-size", "16", "--max-num-seqs", "64"]
 
@@ -49,6 +50,22 @@ def start_stack(
         stack.stop_all()
         raise
     return stack
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private redis-server for the test module (a unix socket): its URL."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the module's redis-server, emptied for each test."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +108,3 @@ def open_stream(client: KvgateClient, prompt: str, **params) -> grpc.Future:
     params.setdefault("temperature", 0.0)
     request = inference_pb2.GenerateRequest(prompt=prompt, params=sampling_params(**params))
     return client.stub.Generate(request, timeout=120.0)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls `condition`; fails the test naming `what` when it stays false past timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"expected {what} within {timeout_s} s; it did not happen")
-        time.sleep(0.02)

@@ -15,7 +15,8 @@ import pytest
 
 from common.keys import SCHEDULER_GROUP
 from deploy.stack import free_port
-from tests.integration.conftest import generate, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import generate
 
 MAX_QUEUE_LEN = 6
 
@@ -68,7 +69,7 @@ def test_a_request_queued_past_queue_timeout_s_is_deadline_exceeded_by_the_serve
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED, f"{code}: {details}"
     assert "queue_timeout_s" in details, f"expected the gateway's queue timeout, got {details!r}"
     assert elapsed_s < 2.9, f"DEADLINE_EXCEEDED after {elapsed_s:.1f} s, not about 1 s"
-    wait_for(lambda: queued(stack) == 0, 10.0, "the expired request to leave the queue")
+    wait_for(lambda: queued(stack) == 0, "the expired request to leave the queue", timeout_s=10.0)
     stack.stop("gateway-impatient")
     completion = generate(stack.address, "Once upon a time", max_tokens=1)
     assert completion.finish_reason == "length", "the service stopped answering"
@@ -78,7 +79,11 @@ def test_requests_held_by_a_killed_scheduler_complete_under_the_standby(stack):
     stack.start_scheduler("scheduler-standby", wait=False)
     with ThreadPoolExecutor(4) as pool:
         futures = run_in_background(pool, stack, 4)
-        wait_for(lambda: held_by_scheduler(stack) == 4, 10.0, "4 requests held by the scheduler")
+        wait_for(
+            lambda: held_by_scheduler(stack) == 4,
+            "4 requests held by the scheduler",
+            timeout_s=10.0,
+        )
         assert leader(stack) == "scheduler", "the standby took the lock from a live leader"
         stack.stop("scheduler", sig=signal.SIGKILL)
         assert_all_complete(futures)
@@ -89,7 +94,11 @@ def test_a_full_queue_is_resource_exhausted_and_drains_after_a_restart(stack):
     stack.stop("scheduler-standby", sig=signal.SIGKILL)
     with ThreadPoolExecutor(MAX_QUEUE_LEN) as pool:
         futures = run_in_background(pool, stack, MAX_QUEUE_LEN)
-        wait_for(lambda: queued(stack) == MAX_QUEUE_LEN, 10.0, f"{MAX_QUEUE_LEN} queued requests")
+        wait_for(
+            lambda: queued(stack) == MAX_QUEUE_LEN,
+            f"{MAX_QUEUE_LEN} queued requests",
+            timeout_s=10.0,
+        )
         with pytest.raises(grpc.RpcError) as caught:
             generate(stack.address, "One more", timeout_s=10.0, max_tokens=8)
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -11,9 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.api import KvgateClient
+from common.health import LIVENESS_SERVICE
 from common.keys import PAYLOAD_FIELD
 from protos.kvgate.v1 import inference_pb2, internal_pb2
-from tests.integration.conftest import generate, session_executor, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import generate, session_executor
 
 # Long enough that executor-1 is still draining its share when the test hands it more work.
 DRAIN_TOKENS = 480
@@ -34,7 +37,9 @@ def stack(stack_factory):
 def wait_until_scheduled(stack, executor_id: str) -> None:
     """Waits until the scheduler has seen the executor's heartbeat and can place work on it."""
     joined = f"executor {executor_id} joined"
-    wait_for(lambda: bool(log_lines(stack, "scheduler", joined)), 30.0, f"{executor_id} joined")
+    wait_for(
+        lambda: bool(log_lines(stack, "scheduler", joined)), f"{executor_id} joined", timeout_s=30.0
+    )
 
 
 def new_sessions(count: int) -> list[str]:
@@ -98,6 +103,11 @@ def log_lines(stack, name: str, *needles: str) -> list[str]:
     return [line for line in text.splitlines() if all(n in line for n in needles)]
 
 
+def log_time(line: str) -> str:
+    """A log line's timestamp, as its ISO text (which sorts as time does)."""
+    return json.loads(line)["ts"]
+
+
 def inject_assignment(stack, executor_id: str, request_id: str) -> None:
     """Writes an assignment into an executor's inbox, as a scheduler that has not yet seen
     the executor's drain would."""
@@ -124,24 +134,39 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
     with ThreadPoolExecutor(12) as pool:
         pending = pool.submit(burst, stack, 12, DRAIN_TOKENS, sessions)
 
-        def busy() -> bool:
+        def admitted() -> list[str]:
             # The burst's own requests: a heartbeat may still count an earlier test's.
-            return any(log_lines(stack, "executor-1", "request admitted", s) for s in sessions)
+            return [s for s in sessions if log_lines(stack, "executor-1", "request admitted", s)]
+
+        def busy() -> bool:
+            # Several running requests keep the drain going well past the hand-back below.
+            return len(admitted()) >= 3
 
         def draining() -> bool:
             status = stack.executor_status("executor-1")
             return status is not None and status.draining
 
-        wait_for(busy, 30.0, "executor-1 running requests")
+        wait_for(busy, "executor-1 running three requests", timeout_s=30.0)
         stack.procs["executor-1"].send_signal(signal.SIGTERM)
-        wait_for(draining, 10.0, "executor-1 to report draining")
+        wait_for(draining, "executor-1 to report draining", timeout_s=10.0)
+        # Its probes see the drain too: out of rotation, but alive.
+        wait_for(lambda: stack.health("executor-1") == "NOT_SERVING", "NOT_SERVING", timeout_s=2.0)
+        assert stack.health("executor-1", LIVENESS_SERVICE) == "SERVING"
+        assert stack.procs["executor-1"].poll() is None, "executor-1 exited before its drain"
         inject_assignment(stack, "executor-1", probe_id)
         wait_for(
             lambda: bool(log_lines(stack, "executor-1", "handed back", probe_id)),
-            5.0,
             "executor-1 to hand the unread assignment back",
+            timeout_s=5.0,
         )
-        assert draining(), "the assignment was handed back only when executor-1 exited"
+        # Handed back while executor-1 still ran its own requests, not at its exit.
+        (handed_back,) = log_lines(stack, "executor-1", "handed back", probe_id)
+        finished = [
+            line for s in admitted() for line in log_lines(stack, "executor-1", "finished", s)
+        ]
+        assert len(finished) < len(admitted()) or log_time(handed_back) < max(
+            log_time(line) for line in finished
+        ), "the assignment was handed back only when executor-1 had finished its requests"
         status = stack.stop("executor-1", sig=signal.SIGTERM, timeout_s=60.0)
         results = pending.result(timeout=120)
     assert status == 0, f"the draining executor exited with status {status}"
@@ -163,4 +188,6 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
         others = ("executor-0", "executor-2")
         return any(log_lines(stack, e, "request admitted", probe_id) for e in others)
 
-    wait_for(probe_ran_elsewhere, 10.0, "another executor to run the handed-back assignment")
+    wait_for(
+        probe_ran_elsewhere, "another executor to run the handed-back assignment", timeout_s=10.0
+    )

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from client.api import KvgateClient, sampling_params
 from deploy.stack import Stack
 from protos.kvgate.v1 import inference_pb2
-from tests.integration.conftest import generate, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import generate
 
 PROCESSES = ("gateway", "scheduler", "executor-0")
 NUM_REQUESTS = 3
@@ -166,9 +167,13 @@ def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack
         after = parse(scrape(stack, "gateway"))
         return increase(before, after, calls, service=INFERENCE, method=method, code=code) == 1
 
-    wait_for(lambda: counted("Chat", "OK"), 10.0, "the closed Chat counted as OK")
-    wait_for(lambda: counted("Generate", "CANCELLED"), 10.0, "the cancelled call as CANCELLED")
-    wait_for(lambda: counted("Chat", "DEADLINE_EXCEEDED"), 10.0, "the Chat past its deadline")
+    wait_for(lambda: counted("Chat", "OK"), "the closed Chat counted as OK", timeout_s=10.0)
+    wait_for(
+        lambda: counted("Generate", "CANCELLED"), "the cancelled call as CANCELLED", timeout_s=10.0
+    )
+    wait_for(
+        lambda: counted("Chat", "DEADLINE_EXCEEDED"), "the Chat past its deadline", timeout_s=10.0
+    )
     after = parse(scrape(stack, "gateway"))
     unknown = sum(
         v for (n, labels), v in after.items() if n == calls and ("code", "UNKNOWN") in labels
@@ -186,7 +191,7 @@ def test_scheduler_metrics_count_batches_and_queue_waits(stack: Stack) -> None:
         waits = increase(before, after, "kvgate_scheduler_queue_wait_seconds_count")
         return waits == NUM_REQUESTS and value(after, "kvgate_scheduler_queue_length") == 0
 
-    wait_for(counted, 10.0, f"{NUM_REQUESTS} queue waits and an empty scheduler queue")
+    wait_for(counted, f"{NUM_REQUESTS} queue waits and an empty scheduler queue", timeout_s=10.0)
     after = parse(scrape(stack, "scheduler"))
     batched = increase(before, after, "kvgate_scheduler_batch_size_sum")
     assert batched == NUM_REQUESTS, f"expected {NUM_REQUESTS} requests in batches, got {batched}"
@@ -219,7 +224,7 @@ def test_executor_gauges_return_to_idle(stack: Stack) -> None:
         running = value(samples, "kvgate_executor_running_requests")
         return running == 0 and value(samples, "kvgate_executor_waiting_requests") == 0
 
-    wait_for(idle, 10.0, "executor metrics showing no running or waiting request")
+    wait_for(idle, "executor metrics showing no running or waiting request", timeout_s=10.0)
 
 
 def log_lines(stack: Stack, name: str) -> list[dict]:
@@ -251,7 +256,9 @@ def test_a_request_is_followed_through_every_log_by_its_id(stack: Stack) -> None
         return [line for line in log_lines(stack, name) if line.get("request_id") == request_id]
 
     for name in PROCESSES:
-        wait_for(lambda name=name: bool(mentions(name)), 10.0, f"{name} logging {request_id}")
+        wait_for(
+            lambda name=name: bool(mentions(name)), f"{name} logging {request_id}", timeout_s=10.0
+        )
         for line in mentions(name):
             assert line.get("session_id") == session_id, (
                 f"{name}: a line about {request_id} should carry session_id {session_id}: {line}"

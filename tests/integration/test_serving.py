@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from client.api import KvgateClient
 from deploy.stack import free_port
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
-from tests.integration.conftest import MODEL, generate, open_stream, wait_for
+from tests.helpers import wait_for
+from tests.integration.conftest import MODEL, generate, open_stream
 
 EXECUTOR = "executor-0"
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went", "One day, a bird"]
@@ -51,7 +52,7 @@ def idle_free_blocks(stack) -> int:
         status = stack.executor_status(EXECUTOR)
         return status.num_running == 0 and status.num_waiting == 0
 
-    wait_for(idle, 10.0, "an idle executor")
+    wait_for(idle, "an idle executor", timeout_s=10.0)
     return free_blocks(stack)
 
 
@@ -61,7 +62,11 @@ def free_blocks(stack) -> int:
 
 def wait_until_holding_blocks(stack, idle: int) -> None:
     """Waits until the executor reports fewer free blocks than `idle`: the request runs there."""
-    wait_for(lambda: free_blocks(stack) < idle, 10.0, f"the request to hold blocks (idle {idle})")
+    wait_for(
+        lambda: free_blocks(stack) < idle,
+        f"the request to hold blocks (idle {idle})",
+        timeout_s=10.0,
+    )
 
 
 def test_health_is_serving(stack):
@@ -169,7 +174,11 @@ def test_cancel_mid_stream_frees_the_executor_blocks(stack):
         next(call)
         wait_until_holding_blocks(stack, idle)
         call.cancel()
-    wait_for(lambda: free_blocks(stack) == idle, 2.0, f"free blocks back to {idle} after cancel")
+    wait_for(
+        lambda: free_blocks(stack) == idle,
+        f"free blocks back to {idle} after cancel",
+        timeout_s=2.0,
+    )
 
 
 def test_killed_gateway_mid_stream_frees_the_executor_blocks(stack):
@@ -183,6 +192,6 @@ def test_killed_gateway_mid_stream_frees_the_executor_blocks(stack):
         stack.stop("gateway-doomed", sig=signal.SIGKILL)
         wait_for(
             lambda: free_blocks(stack) == idle,
-            2.0,
             f"free blocks back to {idle} after the gateway died",
+            timeout_s=2.0,
         )

@@ -1,15 +1,18 @@
-"""`kvgate bench` on bad input: one line naming the flag, exit status 2, no traceback."""
+"""`kvgate bench` on bad input: one line naming the flag, exit status 2, no traceback; and the
+`kvgate` client, which loads the benchmark only for `kvgate bench`."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 
 from client.cli import main
 from deploy.stack import free_port
+from tests.helpers import REPO, STORIES_260K
 
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K"
+MODEL = STORIES_260K
 
 
 def bench_error(capsys: pytest.CaptureFixture[str], *flags: str) -> str:
@@ -63,3 +66,13 @@ def test_compare_hf_with_an_unreachable_target_says_so_before_running(capsys, tm
         "--out", str(tmp_path / "run.json"),
     )  # fmt: skip
     assert f"cannot reach --target {target}" in line, line
+
+
+def test_the_client_command_loads_no_benchmark_code():
+    probe = (
+        "import sys, client.cli; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'bench', 'numpy', 'deploy'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"`kvgate generate` would load {done.stdout.strip()}"

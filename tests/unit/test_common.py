@@ -1,4 +1,5 @@
-"""common/: Redis key names, config helpers, prefix hashes, log lines, metrics flags."""
+"""common/ and the processes' config: Redis key names, config helpers and errors, prefix hashes, log
+lines, metrics flags."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from common.logs import (
 )
 from common.metrics import METRICS_DISABLED, check_metrics_port
 from common.prefix import block_hashes
+from executor.config import EngineConfig, EngineConfigError, ExecutorConfig
+from tests.helpers import STORIES_260K
 
 
 def test_every_key_starts_with_the_prefix():
@@ -54,6 +57,19 @@ def test_check_helpers_name_the_flag_and_range():
     with pytest.raises(ValueError, match="--target"):
         check_host_port("--target", "localhost")
     check_host_port("--target", "127.0.0.1:50051")
+
+
+def test_an_engine_field_out_of_range_is_named_by_its_field_and_by_its_flag():
+    with pytest.raises(EngineConfigError, match=r"^block_size must be a power of two") as caught:
+        EngineConfig(model="m", block_size=3)
+    assert (caught.value.field, caught.value.value) == ("block_size", 3)
+    model = str(STORIES_260K)
+    with pytest.raises(ValueError, match=r"^--block-size must be a power of two .*, got 3$"):
+        ExecutorConfig.from_args(["--model", model, "--block-size", "3"])
+    with pytest.raises(ValueError, match=r"^--gpu-memory-utilization must be in \(0, 1\], got 2.0"):
+        ExecutorConfig.from_args(["--model", model, "--gpu-memory-utilization", "2"])
+    config = ExecutorConfig.from_args(["--model", model, "--max-model-len", "0"])
+    assert config.engine.max_model_len is None and config.engine.num_gpu_blocks is None
 
 
 def test_block_hashes_chain_and_are_salted_by_tenant():

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from common.health import HealthConditions
 from deploy.local import DEFAULT_METRICS_PORT, metrics_ports
 from executor.metrics import ExecutorMetrics
 from gateway.metrics import GatewayMetrics
@@ -45,6 +46,9 @@ def exposed_names(registry: CollectorRegistry) -> set[str]:
 def defined_metric_names() -> set[str]:
     registries = [GatewayMetrics().registry, SchedulerMetrics().registry]
     registries.append(ExecutorMetrics().registry)
+    health = CollectorRegistry()
+    HealthConditions("any", health)  # kvgate_redis_up, in every process's registry
+    registries.append(health)
     return set().union(*(exposed_names(r) for r in registries))
 
 

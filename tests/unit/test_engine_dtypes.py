@@ -13,7 +13,7 @@ import torch
 
 from bench.quality import measure_quality, tokenized_prompts
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
+from executor.config import EngineConfig, ExecutorConfig
 from executor.engine import Engine
 from kernels.quant import QuantizedWeight
 from tests.helpers import STORIES_260K, run_to_completion
@@ -90,16 +90,14 @@ def run_to_completion_of(engine: Engine, prompt: list[int]) -> list[int]:
 
 
 def test_executor_flags_reach_the_engine_and_bad_ones_name_the_flag(monkeypatch):
-    from executor.service import ExecutorServiceConfig
-
     model = ["--model", str(STORIES_260K)]
-    config = ExecutorServiceConfig.from_args([*model, "--dtype", "bfloat16", "--quantization",
+    config = ExecutorConfig.from_args([*model, "--dtype", "bfloat16", "--quantization",
                                               "int8", "--enforce-eager"])  # fmt: skip
     engine = config.engine
     assert (engine.dtype, engine.quantization, engine.enforce_eager) == ("bfloat16", "int8", True)
     monkeypatch.setenv("KVGATE_QUANTIZATION", "int4")
-    assert ExecutorServiceConfig.from_args(model).engine.quantization == "int4"
+    assert ExecutorConfig.from_args(model).engine.quantization == "int4"
     with pytest.raises(ValueError, match="--quantization must be one of none, int8, int4"):
-        ExecutorServiceConfig.from_args([*model, "--quantization", "int3"])
+        ExecutorConfig.from_args([*model, "--quantization", "int3"])
     with pytest.raises(ValueError, match="--dtype must be float32 or bfloat16 on the CPU"):
-        ExecutorServiceConfig.from_args([*model, "--dtype", "float16"])
+        ExecutorConfig.from_args([*model, "--dtype", "float16"])

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from executor.config import EngineConfig
+from executor.config import EngineConfig, ExecutorConfig
 from executor.model_runner import ModelRunner
-from executor.service import ExecutorServiceConfig
 from tests.helpers import STORIES_260K
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +62,7 @@ def test_a_large_activation_comes_from_the_heap_and_stays_there():
 
 def test_the_executor_flag_and_its_variable_reach_the_engine(monkeypatch: pytest.MonkeyPatch):
     def retained(*flags: str) -> bool:
-        config = ExecutorServiceConfig.from_args(["--model", str(STORIES_260K), *flags])
+        config = ExecutorConfig.from_args(["--model", str(STORIES_260K), *flags])
         return config.engine.retain_freed_memory
 
     monkeypatch.delenv("KVGATE_RETAIN_FREED_MEMORY", raising=False)

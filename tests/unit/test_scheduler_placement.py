@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.prefix import block_hashes as prompt_block_hashes
-from scheduler.placement import Placer
+from scheduler.placement import Placement, Placer
 from scheduler.registry import ExecutorRegistry, ExecutorReport
 
 BLOCK = 4
@@ -31,6 +31,16 @@ def cluster(*reports: ExecutorReport, load_cost_blocks: float = 1.0):
     return placer, registry
 
 
+def assign(
+    placer: Placer, num_prompt_tokens: int, hashes: list[int], session_owner: str | None
+) -> Placement | None:
+    """Chooses an executor and books it, as the scheduler does once the assignment is written."""
+    choice = placer.choose(num_prompt_tokens, hashes, session_owner)
+    if choice is not None:
+        placer.book(choice, hashes)
+    return choice
+
+
 def test_block_hashes_chain_and_are_salted_by_tenant():
     tokens = list(range(10))
     hashes = prompt_block_hashes(tokens, BLOCK, "default")
@@ -43,7 +53,7 @@ def test_block_hashes_chain_and_are_salted_by_tenant():
 
 def test_load_spreads_over_idle_executors():
     placer, _ = cluster(report("a"), report("b"))
-    chosen = [placer.place(8, [], None).executor_id for _ in range(4)]
+    chosen = [assign(placer, 8, [], None).executor_id for _ in range(4)]
     assert sorted(chosen) == ["a", "a", "b", "b"], f"expected an even spread, got {chosen}"
 
 
@@ -53,7 +63,7 @@ def test_requests_that_finish_between_reports_still_alternate():
     placer, registry = cluster(report("a"), report("b"))
     chosen = []
     for seq in range(2, 8):
-        chosen.append(placer.place(8, [], None).executor_id)
+        chosen.append(assign(placer, 8, [], None).executor_id)
         registry.refresh([report("a", seq=seq), report("b", seq=seq)])
     assert chosen == ["a", "b", "a", "b", "a", "b"], f"expected alternation, got {chosen}"
 
@@ -61,30 +71,30 @@ def test_requests_that_finish_between_reports_still_alternate():
 def test_cache_hit_attracts_a_shared_prefix():
     placer, _ = cluster(report("a"), report("b"), load_cost_blocks=0.5)
     prefix = list(range(32))
-    first = placer.place(33, prompt_block_hashes(prefix + [1], BLOCK, "t"), None)
-    second = placer.place(33, prompt_block_hashes(prefix + [2], BLOCK, "t"), None)
+    first = assign(placer, 33, prompt_block_hashes(prefix + [1], BLOCK, "t"), None)
+    second = assign(placer, 33, prompt_block_hashes(prefix + [2], BLOCK, "t"), None)
     assert second.executor_id == first.executor_id, "the shared 8-block prefix was ignored"
     assert second.cached_blocks == 8 and second.prefill_blocks == 1
 
 
 def test_session_owner_wins_while_it_can_take_the_request():
     placer, _ = cluster(report("a", running=9), report("b"))
-    assert placer.place(8, [], session_owner="a").executor_id == "a"
+    assert assign(placer, 8, [], session_owner="a").executor_id == "a"
 
 
 def test_executor_without_free_blocks_is_skipped():
     placer, _ = cluster(report("a", free=2), report("b", free=100, running=50))
-    assert placer.place(40, [], session_owner="a").executor_id == "b"
+    assert assign(placer, 40, [], session_owner="a").executor_id == "b"
     placer, _ = cluster(report("a", free=2))
-    assert placer.place(40, [], None) is None, "no executor has 11 free blocks"
+    assert assign(placer, 40, [], None) is None, "no executor has 11 free blocks"
 
 
 def test_bookings_reset_on_the_next_heartbeat():
     placer, registry = cluster(report("a", free=5))
-    assert placer.place(15, [], None) is not None
-    assert placer.place(15, [], None) is None, "4 blocks booked of 5: a second 4 cannot fit"
+    assert assign(placer, 15, [], None) is not None
+    assert assign(placer, 15, [], None) is None, "4 blocks booked of 5: a second 4 cannot fit"
     registry.refresh([report("a", free=5, seq=2)])
-    assert placer.place(15, [], None) is not None
+    assert assign(placer, 15, [], None) is not None
 
 
 def test_a_chosen_placement_counts_only_once_booked():
@@ -109,23 +119,23 @@ def test_registry_reports_joins_leaves_and_drains():
     change = registry.refresh([report("b", draining=True)])
     assert change.left == ["a"]
     assert registry.live_ids() == ["b"]
-    assert placer.place(4, [], None) is None, "a draining executor was given work"
+    assert assign(placer, 4, [], None) is None, "a draining executor was given work"
 
 
 def test_reported_cache_contents_attract_the_prefix():
     hashes = prompt_block_hashes(list(range(16)), BLOCK, "t")
     placer, _ = cluster(report("a"), report("b", cached_block_hashes=tuple(reversed(hashes))))
-    choice = placer.place(17, hashes, None)
+    choice = assign(placer, 17, hashes, None)
     assert (choice.executor_id, choice.cached_blocks) == ("b", 4)
 
 
 def test_an_executor_that_left_and_came_back_starts_with_an_empty_cache_estimate():
     placer, registry = cluster(report("a"))
     hashes = prompt_block_hashes(list(range(16)), BLOCK, "t")
-    placer.place(17, hashes, None)
+    assign(placer, 17, hashes, None)
     registry.refresh([])
     registry.refresh([report("a", seq=5)])
-    assert placer.place(17, hashes, None).cached_blocks == 0
+    assert assign(placer, 17, hashes, None).cached_blocks == 0
 
 
 def test_session_holder_comes_from_reports():

@@ -1,25 +1,22 @@
-"""Text on the gateway: incremental detokenization, stop strings, chat templates."""
+"""Text on the gateway: incremental detokenization, stop strings (chat templates:
+test_chat_templates.py)."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
+from tokenizers import Tokenizer, decoders, models
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.model_text import ModelText
 from gateway.stops import StopStringMatcher
-from gateway.templates import ChatTemplate, ChatTemplateError, Message, template_source
+from tests.helpers import STORIES_260K
 
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
 PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
 def model_text() -> ModelText:
-    return ModelText(STORIES)
+    return ModelText(STORIES_260K)
 
 
 def stream(detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> list[str]:
@@ -64,6 +61,38 @@ def test_special_tokens_are_not_text(model_text: ModelText):
     assert detokenizer.add([eos]) + detokenizer.flush() == ""
 
 
+def test_a_completion_cut_inside_a_character_ends_with_a_replacement_character(
+    model_text: ModelText,
+):
+    """The held-back bytes of a character the completion never finished come out at the end
+    (as U+FFFD), so the streamed text still equals the decoded whole."""
+    prompt_ids = model_text.encode(PROMPT)
+    cut = model_text.encode(PROMPT + " 😀")[len(prompt_ids) :][:-2]
+    deltas = stream(IncrementalDetokenizer(model_text.tokenizer, prompt_ids), cut)
+    expected = model_text.tokenizer.decode(prompt_ids + cut)[len(PROMPT) :]
+    assert expected.endswith("\ufffd") and "".join(deltas) == expected, deltas
+
+
+def test_a_prompt_ending_inside_a_character_is_never_streamed(model_text: ModelText):
+    """Token-id prompts may stop half-way through a character that the completion ends."""
+    emoji_ids = model_text.encode(PROMPT + " 😀")[len(model_text.encode(PROMPT)) :]
+    prompt_ids = model_text.encode(PROMPT) + emoji_ids[:-2]
+    completion_ids = emoji_ids[-2:] + model_text.encode(PROMPT + " there")[-1:]
+    text = "".join(stream(IncrementalDetokenizer(model_text.tokenizer, prompt_ids), completion_ids))
+    assert "upon" not in text and text.endswith("there"), f"streamed {text!r}"
+
+
+def test_a_decoder_that_rewrites_its_text_does_not_stop_the_stream():
+    """A decoder whose text is not monotonic in the tokens (here "ab" becomes "X") cannot
+    take back text already sent; the stream goes on with as much as the text grew."""
+    tokenizer = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "c": 2}, unk_token="c"))
+    tokenizer.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    token_ids = [2, 0, 1, 2, 2, 0, 1, 0, 2]
+    deltas = stream(IncrementalDetokenizer(tokenizer, [2]), token_ids)
+    whole = tokenizer.decode([2, *token_ids])
+    assert len("".join(deltas)) == len(whole) - 1 and deltas[-2] == "c", deltas
+
+
 def feed_all(matcher: StopStringMatcher, deltas: list[str]) -> tuple[str, bool]:
     text = ""
     for delta in deltas:
@@ -94,55 +123,3 @@ def test_text_that_may_start_a_stop_string_is_held_back():
     first = matcher.feed("happy. The")
     assert (first.text, first.stopped) == ("happy. ", False)
     assert matcher.flush() == "The"
-
-
-def test_default_template_renders_the_documented_format(model_text: ModelText):
-    conversation = [
-        Message("system", "Be kind."),
-        Message("user", "hi"),
-        Message("assistant", "Hello."),
-        Message("user", "a story"),
-    ]
-    assert model_text.chat_template.is_default, "stories260K ships no chat template"
-    assert model_text.render_chat(conversation) == (
-        "<s>Be kind.\n\nUser: hi\nAssistant: Hello.</s>\nUser: a story\nAssistant:"
-    )
-
-
-def test_chat_prompt_starts_with_one_bos_and_extends_the_previous_turn(model_text: ModelText):
-    first = model_text.encode_chat([Message("user", "hi")])
-    second = model_text.encode_chat(
-        [Message("user", "hi"), Message("assistant", "Hello."), Message("user", "more")]
-    )
-    bos = model_text.limits.bos_token_id
-    assert first[0] == bos and first.count(bos) == 1, f"expected one BOS at the start: {first}"
-    assert second[: len(first)] == first, "turn 2's prompt must extend turn 1's (KV reuse)"
-
-
-def test_a_model_template_from_tokenizer_config_is_used(tmp_path: Path):
-    for name in ("tokenizer.json", "config.json", "generation_config.json"):
-        shutil.copy(STORIES / name, tmp_path / name)
-    template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
-    )
-    model_text = ModelText(tmp_path)
-    assert not model_text.chat_template.is_default
-    assert model_text.render_chat([Message("user", "hi")]) == "<|user|>hi<|assistant|>"
-
-
-def test_named_templates_pick_default():
-    config = {
-        "chat_template": [
-            {"name": "tool_use", "template": "T"},
-            {"name": "default", "template": "D"},
-        ]
-    }
-    assert template_source(config) == "D"
-    assert template_source({}) is None
-
-
-def test_template_raise_exception_becomes_a_chat_template_error():
-    template = ChatTemplate("{{ raise_exception('no system role') }}", "<s>", "</s>")
-    with pytest.raises(ChatTemplateError, match="no system role"):
-        template.render([Message("system", "x")])

@@ -16,27 +16,14 @@ import torch
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from common.redis_conn import connect_sync
-from executor import redis_io
-from executor.redis_io import Heartbeat, InboxEntry, InboxReader, StatusBoard
+from executor import streams
+from executor.heartbeat import Heartbeat, StatusBoard
+from executor.streams import InboxEntry, InboxReader
 from protos.kvgate.v1 import internal_pb2
-from tests.unit.gateway_harness import STORIES, redis_server, wait_for
+from tests.helpers import REPO, STORIES_260K, redis_server, wait_for
 
 KEYS = RedisKeys()
 EXECUTOR = "e1"
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture
-def client(redis_url: str) -> redis.Redis:
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    return client
 
 
 def assign(client: redis.Redis, request_id: str, deadline_unix_ms: int = 0) -> None:
@@ -61,30 +48,34 @@ def requeued(client: redis.Redis) -> dict[str, internal_pb2.QueuedRequest]:
     return {r.request_id: r for r in parsed}
 
 
-def test_a_draining_reader_hands_back_assignments_and_still_delivers_releases(client):
+def test_a_draining_reader_hands_back_assignments_and_still_delivers_releases(redis_client):
     delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
-    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
+    reader = InboxReader(redis_client, KEYS, EXECUTOR, delivered)
     reader.start()
     try:
-        assign(client, "before-drain")
+        assign(redis_client, "before-drain")
         first = delivered.get(timeout=5.0)
         assert first.message.assignment.request.request_id == "before-drain"
         reader.handled(first.entry_id)
         reader.hand_back_assignments()
         deadline_unix_ms = int(time.time() * 1000) + 60_000
-        assign(client, "during-drain", deadline_unix_ms)
-        release(client, "s1")
+        assign(redis_client, "during-drain", deadline_unix_ms)
+        release(redis_client, "s1")
         entry = delivered.get(timeout=5.0)
         assert entry.message.release_session.session_id == "s1", "a release was not delivered"
         reader.handled(entry.entry_id)
-        back = wait_for(lambda: requeued(client).get("during-drain"), "the hand-back")
+        back = wait_for(lambda: requeued(redis_client).get("during-drain"), "the hand-back")
     finally:
         reader.stop()
     assert back.attempt == 1, f"a handed-back request must be attempt 1, got {back.attempt}"
     assert back.queue_deadline_unix_ms == deadline_unix_ms, "the queue deadline changed"
-    assert "before-drain" not in requeued(client), "an assignment taken before the drain came back"
+    assert "before-drain" not in requeued(redis_client), (
+        "an assignment taken before the drain came back"
+    )
     assert delivered.empty(), "an assignment read during the drain was delivered to the engine"
-    assert client.xlen(KEYS.executor_inbox(EXECUTOR)) == 0, "handled entries stayed in the inbox"
+    assert redis_client.xlen(KEYS.executor_inbox(EXECUTOR)) == 0, (
+        "handled entries stayed in the inbox"
+    )
 
 
 def drained(delivered: queue.SimpleQueue[InboxEntry]) -> list[str]:
@@ -100,17 +91,17 @@ def later(seconds: float, action) -> threading.Timer:
     return timer
 
 
-def test_an_idle_step_loop_reads_entries_itself_while_the_thread_pauses(client):
+def test_an_idle_step_loop_reads_entries_itself_while_the_thread_pauses(redis_client):
     delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
-    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
+    reader = InboxReader(redis_client, KEYS, EXECUTOR, delivered)
     reader.start()
     try:
         reader.read_while_idle(400)  # the thread's own read ends meanwhile, and it pauses
         assert drained(delivered) == []
-        later(0.1, lambda: assign(client, "idle"))
+        later(0.1, lambda: assign(redis_client, "idle"))
         reader.read_while_idle(5000)
         assert drained(delivered) == ["idle"], "the idle read did not take the entry itself"
-        assign(client, "unread")
+        assign(redis_client, "unread")
         time.sleep(0.5)
         assert drained(delivered) == [], "the paused thread read an entry"
         reader.read_on_thread()
@@ -119,17 +110,17 @@ def test_an_idle_step_loop_reads_entries_itself_while_the_thread_pauses(client):
         reader.stop()
 
 
-def test_an_entry_both_readers_get_is_delivered_once(client, monkeypatch):
+def test_an_entry_both_readers_get_is_delivered_once(redis_client, monkeypatch):
     # The thread's read outlasts each round, so both readers surely wait when the entry comes.
-    monkeypatch.setattr(redis_io, "INBOX_BLOCK_MS", 2000)
+    monkeypatch.setattr(streams, "INBOX_BLOCK_MS", 2000)
     delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
-    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
+    reader = InboxReader(redis_client, KEYS, EXECUTOR, delivered)
     reader.start()
     try:
         for index in range(10):
             reader.read_on_thread()
             time.sleep(0.05)  # the thread waits on the stream now
-            later(0.05, lambda i=index: assign(client, f"r{i}"))
+            later(0.05, lambda i=index: assign(redis_client, f"r{i}"))
             reader.read_while_idle(500)
             time.sleep(0.3)  # the thread's read has returned
             assert drained(delivered) == [f"r{index}"], "not delivered exactly once"
@@ -137,11 +128,11 @@ def test_an_entry_both_readers_get_is_delivered_once(client, monkeypatch):
         reader.stop()
 
 
-def test_the_idle_read_does_not_wait_while_an_entry_is_queued(client):
+def test_the_idle_read_does_not_wait_while_an_entry_is_queued(redis_client):
     """An entry the thread queued just before the idle read is not left waiting behind it."""
     delivered: queue.SimpleQueue[InboxEntry] = queue.SimpleQueue()
-    reader = InboxReader(client, KEYS, EXECUTOR, delivered)
-    assign(client, "queued-first")
+    reader = InboxReader(redis_client, KEYS, EXECUTOR, delivered)
+    assign(redis_client, "queued-first")
     reader._read(None, "0")  # the thread's last read, just before the step loop went idle
     idle_read = threading.Thread(target=reader.read_while_idle, args=(60_000,), daemon=True)
     idle_read.start()
@@ -153,22 +144,22 @@ def test_the_idle_read_does_not_wait_while_an_entry_is_queued(client):
 def test_the_idle_read_waits_out_redis_errors_and_logs_once(tmp_path: Path, caplog):
     client = connect_sync(f"unix://{tmp_path}/no-redis.sock", timeout_s=0.5)
     reader = InboxReader(client, KEYS, EXECUTOR, queue.SimpleQueue())
-    with caplog.at_level("WARNING", logger="executor.redis_io"):
+    with caplog.at_level("WARNING", logger="executor.streams"):
         for _ in range(3):
             reader.read_while_idle(10)
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "redis failed" in caplog.records[0].message
 
 
-def test_stop_hands_back_the_assignments_left_unread(client):
-    assign(client, "r1")
-    assign(client, "r2")
-    release(client, "s1")
-    reader = InboxReader(client, KEYS, EXECUTOR, queue.SimpleQueue())
+def test_stop_hands_back_the_assignments_left_unread(redis_client):
+    assign(redis_client, "r1")
+    assign(redis_client, "r2")
+    release(redis_client, "s1")
+    reader = InboxReader(redis_client, KEYS, EXECUTOR, queue.SimpleQueue())
     reader.stop()
-    assert sorted(requeued(client)) == ["r1", "r2"]
-    assert all(r.attempt == 1 for r in requeued(client).values())
-    assert client.xlen(KEYS.executor_inbox(EXECUTOR)) == 0, "the inbox was not emptied"
+    assert sorted(requeued(redis_client)) == ["r1", "r2"]
+    assert all(r.attempt == 1 for r in requeued(redis_client).values())
+    assert redis_client.xlen(KEYS.executor_inbox(EXECUTOR)) == 0, "the inbox was not emptied"
 
 
 def test_heartbeat_and_inbox_survive_redis_being_down(tmp_path: Path):
@@ -199,7 +190,7 @@ def wait_or_dump_stacks(process: subprocess.Popen, timeout_s: float, log_path: P
 def test_an_executor_started_before_redis_registers_once_redis_is_up(tmp_path: Path):
     socket_path = tmp_path / "redis.sock"
     argv = [
-        sys.executable, "-m", "executor", "--model", str(STORIES),
+        sys.executable, "-m", "executor", "--model", str(STORIES_260K),
         "--redis-url", f"unix://{socket_path}", "--executor-id", EXECUTOR,
         "--num-gpu-blocks", "64", "--metrics-port", "-1",
     ]  # fmt: skip
@@ -240,7 +231,7 @@ def test_an_executor_whose_id_a_live_executor_has_exits_naming_the_flag(tmp_path
         beater.start()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "executor", "--model", str(STORIES), "--redis-url", url,
+                [sys.executable, "-m", "executor", "--model", str(STORIES_260K), "--redis-url", url,
                  "--executor-id", "dup-1", "--num-gpu-blocks", "64", "--metrics-port", "-1"],
                 cwd=REPO, capture_output=True, text=True, timeout=120,
             )  # fmt: skip
@@ -253,8 +244,8 @@ def test_an_executor_whose_id_a_live_executor_has_exits_naming_the_flag(tmp_path
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_a_cuda_device_on_a_machine_without_one_is_a_flag_error():
-    from executor.service import ExecutorServiceConfig
+    from executor.config import ExecutorConfig
 
     for device in ("cuda", "cuda:1"):
         with pytest.raises(ValueError, match=f"--device {device}: .* no CUDA device"):
-            ExecutorServiceConfig.from_args(["--model", str(STORIES), "--device", device])
+            ExecutorConfig.from_args(["--model", str(STORIES_260K), "--device", device])

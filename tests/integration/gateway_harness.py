@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import shutil
-import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import redis
@@ -22,57 +15,7 @@ from executor.gateway_link import GatewayEvent, GatewayLink
 from gateway.config import GatewayConfig
 from gateway.server import RunningGateway, start_gateway
 from protos.kvgate.v1 import inference_pb2_grpc, internal_pb2
-
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
-WAIT_S = 10.0  # how long a helper waits for something that must happen
-T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T | None], what: str) -> T:
-    """Poll `probe` until it returns something other than None."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        value = probe()
-        if value is not None:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"waited {WAIT_S} s for {what}; it did not happen")
-
-
-@contextmanager
-def redis_server(tmp_path: Path) -> Iterator[str]:
-    """A private redis-server on a unix socket (no TCP port to collide with)."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is required (make redis)"
-    socket_path = tmp_path / "redis.sock"
-    process = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            "0",
-            "--unixsocket",
-            str(socket_path),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(unix_socket_path=str(socket_path))
-        wait_for(lambda: _ping(client), "redis-server to answer")
-        yield f"unix://{socket_path}"
-    finally:
-        process.terminate()
-        process.wait()
-
-
-def _ping(client: redis.Redis) -> bool | None:
-    try:
-        return client.ping() or None
-    except (redis.ConnectionError, FileNotFoundError):
-        return None
+from tests.helpers import WAIT_S, wait_for
 
 
 class GatewayThread:

@@ -26,17 +26,12 @@ from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
-from gateway.sessions import Session, SessionStore
+from gateway.sessions import MAX_TURN_WRITES, Session, SessionStore
 from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import internal_pb2
-from tests.unit.gateway_harness import (
-    STORIES,
-    ExecutorPeer,
-    GatewayThread,
-    redis_server,
-    wait_for,
-)
+from tests.helpers import STORIES_260K, wait_for
+from tests.integration.gateway_harness import ExecutorPeer, GatewayThread
 
 PROMPT = "Once upon a time"
 STORY = ", there was a little girl named Lily. She loved to play."
@@ -45,24 +40,16 @@ CALL_TIMEOUT_S = 20
 
 @pytest.fixture(scope="module")
 def model_text() -> ModelText:
-    return ModelText(STORIES)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture
-def redis_client(redis_url: str) -> redis.Redis:
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    return client
+    return ModelText(STORIES_260K)
 
 
 def make_gateway(redis_url: str, **overrides) -> GatewayThread:
-    fields = {"model": str(STORIES), "redis_url": redis_url, "port": 0, "queue_timeout_s": 20.0}
+    fields = {
+        "model": str(STORIES_260K),
+        "redis_url": redis_url,
+        "port": 0,
+        "queue_timeout_s": 20.0,
+    }
     return GatewayThread(GatewayConfig(**(fields | overrides)))
 
 
@@ -181,7 +168,7 @@ def test_a_full_queue_is_resource_exhausted(redis_url: str, redis_client: redis.
     ExecutorPeer(redis_client, RedisKeys()).register()
     try:
         waiting = generate(gateway)
-        wait_for(lambda: redis_client.xlen("kvgate:requests") or None, "the first request queued")
+        wait_for(lambda: redis_client.xlen("kvgate:requests"), "the first request queued")
         code, details = status_of(generate(gateway))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code}: {details}"
         waiting.cancel()
@@ -205,7 +192,7 @@ def test_a_queued_request_is_unavailable_once_no_executor_is_alive(
         assert code == grpc.StatusCode.UNAVAILABLE, f"{code}: {details}"
         assert "no executor is alive" in details, details
         wait_for(
-            lambda: redis_client.exists("kvgate:cancel:orphan-1") or None,
+            lambda: redis_client.exists("kvgate:cancel:orphan-1"),
             "the cancel marker for the scheduler",
         )
     finally:
@@ -221,7 +208,7 @@ def test_a_request_queued_past_queue_timeout_is_deadline_exceeded(
         code, details = status_of(generate(gateway, request_id="slow-1"))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED, f"{code}: {details}"
         wait_for(
-            lambda: redis_client.exists("kvgate:cancel:slow-1") or None,
+            lambda: redis_client.exists("kvgate:cancel:slow-1"),
             "the cancel marker for the scheduler",
         )
     finally:
@@ -239,7 +226,7 @@ def test_reusing_a_just_cancelled_request_id_is_failed_precondition(
     try:
         code, _ = status_of(generate(gateway, request_id="reused-1"))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: redis_client.exists("kvgate:cancel:reused-1") or None, "the marker")
+        wait_for(lambda: redis_client.exists("kvgate:cancel:reused-1"), "the marker")
         code, details = status_of(generate(gateway, request_id="reused-1"))
         assert code == grpc.StatusCode.FAILED_PRECONDITION, f"{code}: {details}"
         assert "request_id 'reused-1'" in details, details
@@ -257,7 +244,7 @@ def test_tokens_stream_as_text_with_usage_and_timings(
     assert queued.reply_to == gateway.gateway.reply_to
     assert queued.params.max_tokens == 64 and queued.params.HasField("temperature")
     assert queued.prompt_token_ids == model_text.encode(PROMPT)
-    executor.send(queued.request_id, 0, [], num_cached_tokens=3)
+    executor.send(queued.request_id, 0, [], accepted=True, num_cached_tokens=3)
     tokens = story_ids(model_text)
     for offset, token in enumerate(tokens[:-1]):
         executor.send(queued.request_id, offset, [token])
@@ -286,7 +273,7 @@ def test_a_stop_string_trims_the_text_and_aborts_the_executor(
     text, chunks = collect(call)
     assert text == ", there was a little "
     assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
-    wait_for(lambda: queued.request_id in executor.aborted_ids() or None, "an abort")
+    wait_for(lambda: queued.request_id in executor.aborted_ids(), "an abort")
 
 
 def test_tokens_sent_twice_are_streamed_once(
@@ -331,7 +318,7 @@ def test_client_cancel_aborts_the_executors_work(
     executor.send("cancel-me", 0, story_ids(model_text)[:2])
     next(call)
     call.cancel()
-    wait_for(lambda: "cancel-me" in executor.aborted_ids() or None, "an abort after cancel")
+    wait_for(lambda: "cancel-me" in executor.aborted_ids(), "an abort after cancel")
 
 
 def test_chat_opens_a_session_and_routes_later_turns_to_its_executor(
@@ -368,7 +355,7 @@ def test_chat_cancel_ends_the_turn_with_abort_and_keeps_the_stream(
     next(responses)
     turns.outgoing.put(pb.ChatRequest(cancel=pb.CancelTurn()))
     assert read_turn(responses)[-1].chunk.finish_reason == pb.FINISH_REASON_ABORT
-    wait_for(lambda: first.request_id in executor.aborted_ids() or None, "an abort")
+    wait_for(lambda: first.request_id in executor.aborted_ids(), "an abort")
     turns.next()
     second = executor.take_request()
     executor.send(second.request_id, 0, [2], finished=True, finish_reason=pb.FINISH_REASON_STOP)
@@ -444,7 +431,7 @@ def test_sigterm_stops_the_gateway_process_with_an_executor_connected(
     redis_url: str, redis_client: redis.Redis
 ):
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--model", str(STORIES), "--redis-url", redis_url,
+        [sys.executable, "-m", "gateway", "--model", str(STORIES_260K), "--redis-url", redis_url,
          "--port", "0", "--log-format", "json"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -528,8 +515,8 @@ def test_a_gateway_on_a_taken_port_exits_naming_the_flag(redis_url: str):
     holder.start()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "gateway", "--model", str(STORIES), "--redis-url", redis_url,
-             "--port", str(port), "--metrics-port", "-1"],
+            [sys.executable, "-m", "gateway", "--model", str(STORIES_260K),
+             "--redis-url", redis_url, "--port", str(port), "--metrics-port", "-1"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     finally:
@@ -610,6 +597,30 @@ def test_a_turn_whose_session_is_ended_under_it_does_not_bring_it_back(
     asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
     assert deleted == [1], "the session was deleted between the read and the write"
     assert redis_client.get(key) is None, "an ended session must stay ended"
+    assert [m.content for m in session.messages] == ["hi"], session
+
+
+def test_a_turn_that_keeps_losing_the_race_gives_up_with_aborted(
+    redis_url: str, redis_client, monkeypatch
+):
+    """Another stream writes the session before every one of this turn's writes: after
+    MAX_TURN_WRITES tries the turn gives up with ABORTED instead of trying forever."""
+    store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
+    key = RedisKeys().session("s-busy")
+    session = Session("s-busy", "default", [Message("user", "hi")])
+    redis_client.set(key, session.to_pb().SerializeToString())
+    original_to_pb = Session.to_pb
+    tries = []
+
+    def to_pb_always_racing(self):
+        tries.append(1)
+        redis_client.set(key, original_to_pb(session).SerializeToString())
+        return original_to_pb(self)
+
+    monkeypatch.setattr(Session, "to_pb", to_pb_always_racing)
+    with pytest.raises(errors.Aborted, match="kept changing"):
+        asyncio.run(store.record_turn(session, [Message("assistant", "yo")], ""))
+    assert len(tries) == MAX_TURN_WRITES, f"{len(tries)} writes tried"
     assert [m.content for m in session.messages] == ["hi"], session
 
 

@@ -1,0 +1,107 @@
+"""deploy/compose.yaml: valid against the Compose Specification's schema (kept in the repo),
+and every kvgate container's command accepted by that process's own parser."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import urlparse
+
+import jsonschema
+import yaml
+
+from tests.helpers import REPO
+from tests.unit.deploy_args import check_container, image_env
+
+DEPLOY = REPO / "deploy"
+COMPOSE = DEPLOY / "compose.yaml"
+SCHEMA = DEPLOY / "schemas" / "compose-spec.json"
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())  # YAML merge keys (<<) resolved
+
+
+def kvgate_services() -> dict[str, dict]:
+    """The services built from the project's Dockerfile, by name."""
+    return {
+        name: service
+        for name, service in compose()["services"].items()
+        if service.get("build", {}).get("dockerfile") == "deploy/docker/Dockerfile"
+    }
+
+
+def bind_mounts(service: dict) -> dict[str, str]:
+    """Host path (relative to deploy/) of each bind mount, by container path."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("."):
+            mounts[target] = source
+    return mounts
+
+
+def test_the_file_is_valid_against_the_compose_specification() -> None:
+    schema = json.loads(SCHEMA.read_text())
+    assert schema["$schema"].startswith("http://json-schema.org/draft/2019-09/schema")
+    jsonschema.Draft201909Validator.check_schema(schema)
+    validator = jsonschema.Draft201909Validator(schema)
+    errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(compose())]
+    assert not errors, errors
+
+
+def test_it_runs_redis_with_an_append_only_file_and_each_process_twice() -> None:
+    services = compose()["services"]
+    redis = services["redis"]["command"]
+    assert redis[redis.index("--appendonly") + 1] == "yes", redis
+    assert any(v.endswith(":/data") for v in services["redis"]["volumes"]), "no Redis volume"
+    roles = [service["command"][0] for service in kvgate_services().values()]
+    assert sorted(roles) == ["executor"] * 2 + ["gateway"] * 2 + ["scheduler"] * 2, roles
+    assert {"prometheus", "grafana"} <= services.keys()
+
+
+def test_every_kvgate_service_runs_a_process_that_accepts_its_command() -> None:
+    services = compose()["services"]
+    for name, service in kvgate_services().items():
+        env = image_env() | {k: str(v) for k, v in service["environment"].items()}
+        config = check_container(service["command"], env, f"compose service {name}")
+        assert urlparse(config.redis_url).hostname in services, f"{name}: {config.redis_url}"
+        if service["command"][0] == "gateway":
+            assert config.advertise_host == name, f"{name} must advertise its service name"
+        if service["command"][0] == "executor":
+            assert config.executor_id == name, f"{name}: executor id {config.executor_id}"
+
+
+def test_prometheus_scrapes_every_kvgate_service_by_name() -> None:
+    prometheus = compose()["services"]["prometheus"]
+    mounts = bind_mounts(prometheus)
+    config_path = DEPLOY / mounts["/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(config_path.read_text())
+    jobs = config["scrape_configs"]
+    targets = {t for job in jobs for static in job["static_configs"] for t in static["targets"]}
+    port = image_env()["KVGATE_GATEWAY_METRICS_PORT"]
+    assert targets == {f"{name}:{port}" for name in kvgate_services()}, targets
+    for rules in config["rule_files"]:
+        assert f"/etc/prometheus/{rules}" in mounts, f"{rules} is not mounted beside the config"
+    for source in mounts.values():
+        assert (DEPLOY / source).exists(), f"prometheus mounts {source}, which is not in deploy/"
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
+    services = compose()["services"]
+    mounts = bind_mounts(services["grafana"])
+    provisioning = DEPLOY / mounts["/etc/grafana/provisioning"]
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    url = urlparse(datasource["url"])
+    assert (
+        url.hostname == "prometheus" and f"{url.port}:{url.port}" in services["prometheus"]["ports"]
+    )
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "kvgate.yml").read_text())[
+        "providers"
+    ]
+    dashboards = [t for t in mounts if t.startswith(provider["options"]["path"] + "/")]
+    assert dashboards, f"nothing is mounted in {provider['options']['path']}"
+    for target in dashboards:
+        dashboard = json.loads((DEPLOY / mounts[target]).read_text())
+        assert dashboard["uid"] and dashboard["panels"]
