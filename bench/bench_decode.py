@@ -29,6 +29,7 @@ import torch
 from bench.decode_profile import profile_step
 from bench.machine import read_bandwidth_bytes_per_s
 from bench.scratch import scratch_folder
+from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
@@ -62,6 +63,24 @@ def write_random_checkpoint(folder: Path, shape: dict = SMOLLM2_SHAPE, seed: int
     torch.manual_seed(seed)
     LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
     return folder
+
+
+MODEL_HELP = (
+    "checkpoint folder, GGUF file, smollm2 (the cached SmolLM2-135M-Instruct GGUF file: the "
+    "default when it is cached) or shape (SmolLM2's shape with seeded random weights)"
+)
+RANDOM_SHAPE_LABEL = "SmolLM2-135M shape, seeded random weights"
+
+
+def speed_model(model: str | None, folder: Path) -> tuple[str, str]:
+    """(what the engine loads, how results name it) for --model; a random-weight checkpoint
+    is written to `folder`."""
+    model = model or ("smollm2" if default_gguf_path().is_file() else "shape")
+    if model == "smollm2":
+        return str(default_gguf_path()), f"SmolLM2-135M-Instruct ({default_gguf_path().name})"
+    if model == "shape":
+        return str(write_random_checkpoint(folder)), RANDOM_SHAPE_LABEL
+    return model, model
 
 
 def engine_for(model: str, variant: str, max_num_seqs: int = 64) -> Engine:
@@ -170,11 +189,11 @@ def run(args: argparse.Namespace) -> dict:
     retain_freed_memory()
     bandwidth = read_bandwidth_bytes_per_s()
     with scratch_folder() as folder:
-        model = args.model or str(write_random_checkpoint(folder))
+        model, label = speed_model(args.model, folder)
         variants = {v: measure_variant(model, v, args, bandwidth) for v in args.variants}
         memory = {v: resident_bytes(model, v) for v in args.variants} if args.memory else {}
     return {
-        "model": args.model or "SmolLM2-135M shape, seeded random weights",
+        "model": label,
         "torch_threads": torch.get_num_threads(),
         "load_average_at_end": os.getloadavg(),
         "read_bytes_per_s": bandwidth,
@@ -204,7 +223,7 @@ def print_summary(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint (default: SmolLM2 shape)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt-len", type=int, default=128)

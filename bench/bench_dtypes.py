@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_decode import write_random_checkpoint
+from bench.bench_decode import MODEL_HELP, speed_model
 from bench.bench_engine import (
     Workload,
     best_rates,
     hf_generate_batch_tokens_per_s,
     kvgate_tokens_per_s,
+    load_hf_model,
 )
 from bench.machine import matmul_flops_per_s
 from bench.scratch import scratch_folder
@@ -54,12 +55,9 @@ def kvgate_measure(model: str, formats: dict, prompts: list[list[int]], output_l
 
 
 def run(model: str, workload: Workload, repeats: int, formats: list[str]) -> dict:
-    from transformers import AutoModelForCausalLM
-
     retain_freed_memory()
-    config = json.loads((Path(model) / "config.json").read_text())
-    prompts = workload.prompts(config["vocab_size"])
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    hf = load_hf_model(model, torch.bfloat16)
+    prompts = workload.prompts(hf.config.vocab_size)
     num_params = sum(p.numel() for p in hf.parameters())
     measures = {name: kvgate_measure(model, KVGATE_FORMATS[name], prompts, workload.output_len)
                 for name in formats}  # fmt: skip
@@ -96,7 +94,7 @@ def print_summary(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint (default: SmolLM2 shape)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--formats", nargs="+", default=list(KVGATE_FORMATS),
                         choices=list(KVGATE_FORMATS))  # fmt: skip
     parser.add_argument("--num-requests", type=int, default=64)
@@ -107,9 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
     with scratch_folder() as folder:
-        model = args.model or str(write_random_checkpoint(folder))
+        model, label = speed_model(args.model, folder)
         result = run(model, workload, args.repeats, args.formats)
-    result["model"] = args.model or "SmolLM2-135M shape, seeded random weights"
+    result["model"] = label
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print_summary(result)

@@ -63,13 +63,13 @@ def run(args: argparse.Namespace) -> dict:
         prompt_len=128, output_len=64, profile_steps=32, memory=True,
     )  # fmt: skip
     with scratch_folder() as folder:
-        model = args.speed_model or str(bench_decode.write_random_checkpoint(folder))
+        model, label = bench_decode.speed_model(args.speed_model, folder)
         decode_args.model = model
-        decode = bench_decode.run(decode_args)
+        decode = bench_decode.run(decode_args) | {"model": label}
         dtypes = bench_dtypes.run(model, Workload(64, 128, 128), args.speed_repeats,
                                   list(bench_dtypes.KVGATE_FORMATS))  # fmt: skip
     return {
-        "model": args.speed_model or "SmolLM2-135M shape, seeded random weights",
+        "model": label,
         "machine": machine_limits(),
         "decode": decode,
         "dtypes": dtypes,
@@ -86,8 +86,7 @@ def print_summary(result: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model_help = "checkpoint of the CPU speed runs (default: SmolLM2's shape)"
-    parser.add_argument("--speed-model", default=None, help=model_help)
+    parser.add_argument("--speed-model", default=None, help=bench_decode.MODEL_HELP)
     parser.add_argument("--speed-repeats", type=int, default=2)
     parser.add_argument("--float32-baseline-tokens-per-s", type=float, default=None)
 

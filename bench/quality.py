@@ -170,18 +170,13 @@ def tokenized_prompts(
     if kind == "random":
         gen = torch.Generator().manual_seed(0)
         return torch.randint(3, vocab_size, (num_prompts, 32), generator=gen).tolist()
-    from transformers import AutoTokenizer
+    from gateway.model_text import ModelText  # here: only prompts of text need it
+    from gateway.templates import Message
 
-    path = Path(model)
-    if path.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    text = ModelText(model)  # the gateway's tokenizer and chat template
     if kind == "chat":
-        return [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                              add_generation_prompt=True, tokenize=True)
-                for q in CHAT_QUESTIONS[:num_prompts]]  # fmt: skip
-    return [tokenizer.encode(text) for text in STORY_STARTS[:num_prompts]]
+        return [text.encode_chat([Message("user", q)]) for q in CHAT_QUESTIONS[:num_prompts]]
+    return [text.encode(start) for start in STORY_STARTS[:num_prompts]]
 
 
 def smollm2_quality(model: str, new_tokens: int = 128) -> dict:
