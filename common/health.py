@@ -33,9 +33,10 @@ from typing import Protocol
 import grpc
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
 from common.config import check_range, env_int, env_str
+from common.metrics import build_metric
 from common.redis_conn import connect_sync
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,7 @@ class HealthConditions:
         self._lock = threading.Lock()
         self._redis_up = None
         if registry is not None:
-            self._redis_up = Gauge(
-                "kvgate_redis_up",
-                "1 while this process reaches Redis, 0 while it does not",
-                registry=registry,
-            )
+            self._redis_up = build_metric(registry, "kvgate_redis_up")
 
     def update(self, condition: str, failing: str | None) -> bool:
         """Records one condition (None: it holds). Returns: whether SERVING changed."""
@@ -281,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`python -m common.health [--service NAME] [--until STATUS] [HOST:PORT]`.
 
-    Returns: 0 when the status is SERVING (or STATUS, within --timeout-s), else 1.
+    Returns: 0 when the status is SERVING (or STATUS, within --timeout-s), else 1. A process
+    that stops answering while waited on for NOT_SERVING has gone past it (an idle executor
+    drains and exits at once): that counts as reached.
     """
     args = build_parser().parse_args(argv)
     wanted = args.until or "SERVING"
@@ -290,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         status = probe(args.address, args.service)
         if status == wanted or time.monotonic() >= deadline:
             break
+        if wanted == "NOT_SERVING" and status.startswith("UNREACHABLE"):
+            print(f"{args.address} {args.service or '(all)'}: {status}: exited, so drained")
+            return 0
         time.sleep(0.2)
     print(f"{args.address} {args.service or '(all)'}: {status}")
     return 0 if status == wanted else 1

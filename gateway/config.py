@@ -63,11 +63,21 @@ class GatewayConfig:
         check_metrics_port(self.metrics_port)
         check_health_port(self.health_port)
         check_common_fields(self.redis_url, self.log_level, self.log_format)
+        if self.reply_host in WILDCARD_HOSTS:
+            raise ValueError(
+                f"--advertise-host is needed when --internal-host is {self.internal_host!r}: "
+                "executors dial the advertised host, and a wildcard address is not one they "
+                "can reach (give this gateway's own address, e.g. its pod IP)"
+            )
 
     @property
     def reply_host(self) -> str:
         """The host executors dial for this gateway's TokenSink."""
         return self.advertise_host or self.internal_host
+
+
+# Addresses a server may listen on but a client cannot dial.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
 
 def build_parser() -> argparse.ArgumentParser:
