@@ -1,7 +1,7 @@
 """Offline generation with the in-process engine: no Redis, no gRPC.
 
     python -m executor.generate --model DIR|FILE.gguf --prompt TEXT [--prompt TEXT ...]
-        --max-tokens N [--temperature T] [--ignore-eos]
+        --max-tokens N [--temperature T] [--ignore-eos] [--dtype D] [--quantization Q]
 
 Prints each completion's text, one block per prompt in the order given; a progress bar of
 generated tokens goes to stderr. Prompts are tokenized as the gateway tokenizes them
@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kv-cache-gib", type=float, default=0.5)
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (CPU)")
+    parser.add_argument("--quantization", default="none", help="none, int8 or int4")
     return parser.parse_args(argv)
 
 
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, ignore_eos=args.ignore_eos,
         )  # fmt: skip
         model_text = ModelText(args.model)
-        config = EngineConfig(model=args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
+        config = EngineConfig(model=args.model, device=args.device, kv_cache_gib=args.kv_cache_gib,
+                              dtype=args.dtype, quantization=args.quantization)  # fmt: skip
         engine = Engine(config)
         prompts = [model_text.encode(p) for p in args.prompt]
         completions = generate(engine, prompts, params)
