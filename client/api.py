@@ -5,6 +5,11 @@ with KvgateClient("127.0.0.1:50051") as client:
     chat = client.chat()
     for piece in chat.send("Tell me a story"):
         print(piece.chunk.text, end="")
+
+A gateway with API keys and TLS (docs/security.md):
+
+    KvgateClient("gw.example:50051", api_key=os.environ["KVGATE_API_KEY"],
+                 tls=TLSFiles(ca="ca.pem"))
 """
 
 from __future__ import annotations
@@ -23,6 +28,49 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 CLOSE_WAIT_S = 5.0  # how long ChatSession.close waits for the server to end the stream
 
 
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files of a TLS connection: ca verifies the gateway (empty: the system's roots);
+    cert and key are this client's certificate, for a gateway that asks for one."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Raises: ValueError naming the flag of a file that cannot be read."""
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        return grpc.ssl_channel_credentials(
+            *(_read("--tls-" + name, path) for name, path in self._files())
+        )
+
+    def _files(self) -> tuple[tuple[str, str], ...]:
+        return (("ca", self.ca), ("key", self.key), ("cert", self.cert))
+
+
+def _read(flag: str, path: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as error:
+        raise ValueError(f"{flag}: cannot read {path} ({error.strerror})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a client presents: an API key (empty: none) and TLS files (None: plaintext)."""
+
+    api_key: str = ""
+    tls: TLSFiles | None = None
+
+    def client(self, target: str, timeout_s: float | None = None) -> KvgateClient:
+        """A KvgateClient of `target` presenting these."""
+        return KvgateClient(target, timeout_s, api_key=self.api_key, tls=self.tls)
+
+
 @dataclass(slots=True)
 class Completion:
     """A whole completion, gathered from its chunks."""
@@ -33,6 +81,8 @@ class Completion:
     finish_reason: str = ""  # a FinishReason ("stop", "length", "abort", "error") once finished
     usage: inference_pb2.Usage | None = None
     timings: inference_pb2.Timings | None = None
+    priority: int = 0  # the priority it ran at, once finished
+    priority_clamped: bool = False  # lowered to the tenant's highest allowed
 
     def add(self, chunk: inference_pb2.GenerateResponse) -> None:
         """Append one streamed chunk."""
@@ -43,6 +93,8 @@ class Completion:
             self.finish_reason = finish_reason_from_pb(chunk.finish_reason) or ""
             self.usage = chunk.usage
             self.timings = chunk.timings
+            self.priority = chunk.priority
+            self.priority_clamped = chunk.priority_clamped
 
 
 def default_target() -> str:
@@ -87,15 +139,31 @@ def sampling_params(
 class KvgateClient:
     """One channel to a gateway; thread-safe like the grpc channel under it."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        timeout_s: float | None = None,
+        *,
+        api_key: str = "",
+        tls: TLSFiles | None = None,
+    ) -> None:
         """
         Args:
             target: the gateway's HOST:PORT.
             timeout_s: deadline of each call; None: none.
+            api_key: sent on every call as `authorization: Bearer <key>`; empty: none.
+            tls: connect over TLS with these files; None: plaintext.
+
+        Raises:
+            ValueError: naming the flag of a TLS file that cannot be read.
         """
-        self.channel = grpc.insecure_channel(target)
+        if tls is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            self.channel = grpc.secure_channel(target, tls.credentials())
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def __enter__(self) -> KvgateClient:
         return self
@@ -122,29 +190,32 @@ class KvgateClient:
         request = inference_pb2.GenerateRequest(
             prompt=prompt, params=params, session_id=session_id, priority=priority
         )
-        yield from self.stub.Generate(request, timeout=self.timeout_s)
+        yield from self.stub.Generate(request, **self._call_options())
 
-    def generate(self, prompt: str, **params: object) -> Completion:
+    def generate(self, prompt: str, *, priority: int = 0, **params: object) -> Completion:
         """The whole completion of `prompt`; keyword arguments as `sampling_params`."""
         completion = Completion()
-        for chunk in self.generate_stream(prompt, sampling_params(**params)):
+        for chunk in self.generate_stream(prompt, sampling_params(**params), priority=priority):
             completion.add(chunk)
         return completion
 
     def chat(self, system_prompt: str = "", session_id: str = "") -> ChatSession:
         """Open a Chat stream (a new session, or `session_id` resumed)."""
-        return ChatSession(self.stub, system_prompt, session_id, self.timeout_s)
+        return ChatSession(self.stub, system_prompt, session_id, self.timeout_s, self.metadata)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self.stub.Tokenize(request, timeout=self.timeout_s).token_ids)
+        return list(self.stub.Tokenize(request, **self._call_options()).token_ids)
 
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
-        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), **self._call_options())
 
     def end_session(self, session_id: str) -> bool:
         request = inference_pb2.EndSessionRequest(session_id=session_id)
-        return self.stub.EndSession(request, timeout=self.timeout_s).ended
+        return self.stub.EndSession(request, **self._call_options()).ended
+
+    def _call_options(self) -> dict[str, object]:
+        return {"timeout": self.timeout_s, "metadata": self.metadata}
 
 
 class ChatSession:
@@ -156,9 +227,11 @@ class ChatSession:
         system_prompt: str,
         session_id: str,
         timeout_s: float | None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._outgoing: queue.Queue[inference_pb2.ChatRequest | None] = queue.Queue()
-        self._responses = stub.Chat(iter(self._outgoing.get, None), timeout=timeout_s)
+        requests = iter(self._outgoing.get, None)
+        self._responses = stub.Chat(requests, timeout=timeout_s, metadata=metadata)
         self._first_turn = True
         self._turn_open = False
         self._closed = False
@@ -166,10 +239,10 @@ class ChatSession:
         self.session_id = session_id
 
     def send(
-        self, content: str, params: inference_pb2.SamplingParams | None = None
+        self, content: str, params: inference_pb2.SamplingParams | None = None, priority: int = 0
     ) -> Iterator[inference_pb2.ChatResponse]:
         """Send a user turn and yield the reply's responses until its last chunk."""
-        turn = inference_pb2.ChatTurn(content=content, params=params)
+        turn = inference_pb2.ChatTurn(content=content, params=params, priority=priority)
         if self._first_turn:
             turn.system_prompt = self.system_prompt
             turn.session_id = self.session_id

@@ -28,9 +28,10 @@ def shown(value: str) -> str:
 
 
 class ServiceError(Exception):
-    """An error with the gRPC status code the client gets."""
+    """An error with the gRPC status code the client gets, and trailing metadata to send."""
 
     code = grpc.StatusCode.INTERNAL
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 class InvalidArgument(ServiceError):
@@ -47,12 +48,28 @@ class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
-class PermissionDenied(ServiceError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
 class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# Trailing metadata of a refusal by quota: milliseconds after which the call may succeed.
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+class QuotaExceeded(ResourceExhausted):
+    """A tenant is over one of its limits; the client gets RETRY_AFTER_KEY."""
+
+    def __init__(self, message: str, limit: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.limit = limit  # the TenantLimits field exceeded
+        self.retry_after_ms = retry_after_ms
+        self.metadata = ((RETRY_AFTER_KEY, str(retry_after_ms)),)
+
+
+class Unauthenticated(ServiceError):
+    """No credentials, or credentials that name no tenant; the message never repeats them."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Unavailable(ServiceError):
@@ -71,6 +88,37 @@ class Aborted(ServiceError):
     """A concurrent change won; the client may retry."""
 
     code = grpc.StatusCode.ABORTED
+
+
+class WrappingInterceptor(aio.ServerInterceptor):
+    """An interceptor that wraps the behaviour of the handlers of the methods it `wraps`:
+    with `wrap_unary` when the server answers with one message, `wrap_stream` when it streams."""
+
+    def wraps(self, method: str) -> bool:
+        return True
+
+    def wrap_unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def wrap_stream(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not self.wraps(method):
+            return handler
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self.wrap_unary(handler.unary_unary, method))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self.wrap_unary(handler.stream_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self.wrap_stream(handler.unary_stream, method))
+        return handler._replace(stream_stream=self.wrap_stream(handler.stream_stream, method))
 
 
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
@@ -93,45 +141,27 @@ async def _abort_with(context: aio.ServicerContext, error: Exception) -> None:
     if status is None:
         raise error
     log.debug("%s: %s", status[0].name, status[1])
-    await context.abort(status[0], status[1])
+    await context.abort(status[0], status[1], getattr(error, "metadata", ()))
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
-        try:
-            return await behavior(request_or_iterator, context)
-        except (ServiceError, *REDIS_DOWN_ERRORS) as error:
-            await _abort_with(context, error)
-
-    return wrapper
-
-
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for response in behavior(request_or_iterator, context):
-                yield response
-        except (ServiceError, *REDIS_DOWN_ERRORS) as error:
-            await _abort_with(context, error)
-
-    return wrapper
-
-
-class ErrorInterceptor(aio.ServerInterceptor):
+class ErrorInterceptor(WrappingInterceptor):
     """Turns ServiceError and Redis outages raised by servicers into gRPC status codes."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
-        return handler._replace(stream_stream=_wrap_stream(handler.stream_stream))
+    def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], method: str) -> Callable:
+        async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request_or_iterator, context)
+            except (ServiceError, *REDIS_DOWN_ERRORS) as error:
+                await _abort_with(context, error)
+
+        return wrapper
+
+    def wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable:
+        async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
+            try:
+                async for response in behavior(request_or_iterator, context):
+                    yield response
+            except (ServiceError, *REDIS_DOWN_ERRORS) as error:
+                await _abort_with(context, error)
+
+        return wrapper

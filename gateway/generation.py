@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from common.finish_reason import FinishReason
 from common.logs import request_fields
 from common.sampling_pb import sampling_params_to_pb
+from gateway.accounting import Accounting
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import DeadlineExceeded, Unavailable
 from gateway.metrics import GatewayMetrics
@@ -67,6 +68,8 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     error_message: str = ""
+    priority: int = 0  # set on the last chunk: the priority the request ran at
+    priority_clamped: bool = False
 
 
 class BackgroundTasks:
@@ -97,6 +100,7 @@ class GenerationDeps:
     reply_to: str  # this gateway's TokenSink address
     queue_timeout_s: float
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    accounting: Accounting | None = None  # None: usage is not recorded
 
 
 class Generation:
@@ -325,10 +329,18 @@ class Generation:
             ttft_ms=_ms_since(self.arrival, self.first_token_at or now),
             total_ms=_ms_since(self.arrival, now),
         )
+        chunk.priority = self.spec.priority
+        chunk.priority_clamped = self.spec.priority_clamped
         self._record_finish(chunk)
         return chunk
 
     def _record_finish(self, chunk: Chunk) -> None:
+        accounting = self.deps.accounting
+        if accounting is not None:
+            accounting.count(self.tenant, chunk.usage)
+            self.deps.background.spawn(
+                accounting.record(self.tenant, chunk.usage), "recording a tenant's usage"
+            )
         metrics = self.deps.metrics
         metrics.finished_requests.labels(chunk.finish_reason).inc()
         metrics.e2e_seconds.observe(chunk.timings.total_ms / 1000.0)

@@ -10,6 +10,7 @@ import grpc
 from grpc import aio
 
 from common.metrics import ProcessMetrics
+from gateway.errors import WrappingInterceptor
 
 
 class GatewayMetrics(ProcessMetrics):
@@ -48,7 +49,7 @@ def _code_of(context: aio.ServicerContext, ended: str) -> str:
     return grpc.StatusCode.UNKNOWN.name
 
 
-class MetricsInterceptor(aio.ServerInterceptor):
+class MetricsInterceptor(WrappingInterceptor):
     """Counts every call by service, method and status code; tracks open response streams.
 
     Placed before ErrorInterceptor, it sees the status that interceptor aborted with.
@@ -61,7 +62,7 @@ class MetricsInterceptor(aio.ServerInterceptor):
         service, method = _split_method(full_method)
         self.metrics.requests.labels(service, method, _code_of(context, ended)).inc()
 
-    def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str):
+    def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str) -> Callable:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
             ended = "raised"
             try:
@@ -76,7 +77,9 @@ class MetricsInterceptor(aio.ServerInterceptor):
 
         return wrapper
 
-    def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], full_method: str):
+    def wrap_stream(
+        self, behavior: Callable[..., AsyncIterator[Any]], full_method: str
+    ) -> Callable:
         active = self.metrics.active_streams.labels(_split_method(full_method)[1])
 
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
@@ -86,7 +89,10 @@ class MetricsInterceptor(aio.ServerInterceptor):
                 async for response in behavior(request_or_iterator, context):
                     yield response
                 ended = "completed"
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                # gRPC stops reading a response stream whose client has gone either by
+                # cancelling the call's task or by closing this generator at its yield
+                # (GeneratorExit), the latter at times before context.cancelled() says so.
                 ended = "cancelled"
                 raise
             finally:
@@ -94,20 +100,3 @@ class MetricsInterceptor(aio.ServerInterceptor):
                 self._count(full_method, context, ended)
 
         return wrapper
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if handler.unary_unary:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary, method))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
-        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method))

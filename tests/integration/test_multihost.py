@@ -76,7 +76,8 @@ def start_cluster(stack: Stack, hosts: Hosts) -> None:
     for name in ("gateway-1", "gateway-2"):
         address = hosts.addresses[name]
         argv = [*python, "gateway", "--model", str(MODEL), "--host", address, "--port", str(PORT)]
-        argv += ["--internal-host", address, "--internal-port", str(SINK_PORT), *common]
+        argv += ["--internal-host", address, "--internal-port", str(SINK_PORT), "--auth", "off"]
+        argv += common
         stack.spawn(name, hosts.command(name, argv))
     ready = {
         "scheduler": "is the leader",
