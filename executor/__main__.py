@@ -61,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     health = start_health("executor", config, metrics.registry, {"model": "loading the model"})
     if health is None:
         return 2
-    service = ExecutorService(config, Engine(config.engine), client, metrics, sink_credentials)
+    try:
+        engine = Engine(config.engine)
+    except (ValueError, FileNotFoundError) as error:  # a model kvgate cannot load, named
+        print(f"executor: {error}", file=sys.stderr)
+        health.stop()
+        return 2
+    service = ExecutorService(config, engine, client, metrics, sink_credentials)
     health.remove_check("model")
     health.add_check("draining", service.draining_check)
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -27,6 +27,10 @@ from common.health import add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.model_files import MODEL_HELP, check_model_path
 
+# Orders of the waiting queue within a priority level: first come, first served, or longest
+# prefix match first (the most prompt tokens already in the prefix or session cache).
+POLICIES = ("fcfs", "lpm")
+
 
 class EngineConfigError(ValueError):
     """An EngineConfig field out of range."""
@@ -58,6 +62,8 @@ class EngineConfig:
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    policy: str = "fcfs"  # order of the waiting queue within a priority: fcfs or lpm
+    lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones
 
     def __post_init__(self) -> None:
         _require(
@@ -99,6 +105,8 @@ class EngineConfig:
             "one of float32, float16, bfloat16",
             self.dtype,
         )
+        _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
+        _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
         _require(
             self.quantization in ("none", "int8", "int4"),
             "quantization",
@@ -195,9 +203,7 @@ class ExecutorConfig:
             ValueError: naming the flag with a bad value.
         """
         values = dict(values)
-        engine = engine_config_from_flags(
-            {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
-        )
+        engine = pop_engine_config(values)
         return cls(engine=engine, **values)
 
 
@@ -282,16 +288,36 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
     add(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default=env_str("KVGATE_DTYPE", "auto"),
+        help="weights and KV cache: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+        "float16 or bfloat16",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("KVGATE_ENABLE_PREFIX_CACHING", True),
+        help="reuse the K/V of cached prompt prefixes across requests",
+    )
+    add(
+        "--policy",
+        choices=POLICIES,
+        default=env_str("KVGATE_EXECUTOR_POLICY", "fcfs"),
+        help="order of waiting requests within a priority: fcfs, or lpm (longest cached "
+        "prefix first, with aging)",
+    )
+    add(
+        "--lpm-aging-steps",
+        type=int,
+        default=env_int("KVGATE_LPM_AGING_STEPS", 64),
+        help="lpm: a request waiting this many steps goes before every younger one",
+    )
+    add(
         "--retain-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
         help="CPU: keep freed activation memory in the process for reuse (glibc)",
-    )
-    add(
-        "--dtype",
-        default=env_str("KVGATE_DTYPE", ""),
-        help="float32 or bfloat16 on the CPU, bfloat16 or float16 on CUDA (default: float32 "
-        "CPU, bfloat16 CUDA)",
     )
     add(
         "--quantization",
@@ -306,17 +332,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config_from_flags(values: dict[str, object]) -> EngineConfig:
-    """The EngineConfig of the engine flags' values (0 for --max-model-len and
-    --num-gpu-blocks: unset).
+def pop_engine_config(values: dict[str, object]) -> EngineConfig:
+    """Take the engine flags' values (`add_engine_flags`'s, by field name) out of `values`.
+
+    Returns:
+        Their EngineConfig (0 for --max-model-len and --num-gpu-blocks, `auto` for --dtype:
+        unset); the other flags' values stay in `values`.
 
     Raises:
         ValueError: naming the flag of the field out of range.
     """
-    for name in ("max_model_len", "num_gpu_blocks", "dtype"):
-        values[name] = values[name] or None
+    engine = {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
+    for name in ("max_model_len", "num_gpu_blocks"):
+        engine[name] = engine[name] or None
+    if engine.get("dtype") == "auto":
+        engine["dtype"] = None
     try:
-        return EngineConfig(**values)
+        return EngineConfig(**engine)
     except EngineConfigError as error:
         flag = "--" + error.field.replace("_", "-")
         raise ValueError(f"{flag} must be {error.allowed}, got {error.value!r}") from None
