@@ -339,6 +339,8 @@ def print_summary(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench import cpu_speed  # here: it builds on this module's measures
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results/engine.json")
     model_help = "checkpoint folder, GGUF file or smollm2 (default: a seeded random Llama)"
@@ -356,13 +358,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
     threads_help = "torch CPU threads for every measurement (0: torch's default)"
     parser.add_argument("--threads", type=int, default=0, help=threads_help)
+    parser.add_argument("--no-cpu-speed", dest="run_cpu_speed", action="store_false",
+                        help="skip the CPU decode-latency and number-format runs")  # fmt: skip
+    cpu_speed.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     result = run(args)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print_summary(result)
+    if args.run_cpu_speed and args.device == "cpu":
+        result["cpu_speed"] = cpu_speed.run(args)
+        cpu_speed.print_summary(result["cpu_speed"])
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

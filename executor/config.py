@@ -58,8 +58,10 @@ class EngineConfig:
     session_ttl_s: float = 600.0
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     policy: str = "fcfs"  # order of the waiting queue within a priority: fcfs or lpm
     lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones
 
@@ -105,6 +107,18 @@ class EngineConfig:
         )
         _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
         _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
+        _require(
+            self.quantization in ("none", "int8", "int4"),
+            "quantization",
+            "one of none, int8, int4",
+            self.quantization,
+        )
+        _require(
+            not (self.device == "cpu" and self.dtype == "float16"),
+            "dtype",
+            "float32 or bfloat16 on the CPU",
+            self.dtype,
+        )
         _require(
             self.device == "cpu" or self.device.startswith("cuda"),
             "device",
@@ -304,6 +318,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
         help="CPU: keep freed activation memory in the process for reuse (glibc)",
+    )
+    add(
+        "--quantization",
+        default=env_str("KVGATE_QUANTIZATION", "none"),
+        help="weight-only: none, int8 (per channel) or int4 (groups of 32)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        default=env_bool("KVGATE_ENFORCE_EAGER", False),
+        help="CUDA: run decode steps without CUDA graphs",
     )
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
+
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
@@ -19,7 +21,7 @@ from executor.kv_cache import KVCacheManager
 from executor.model_runner import ModelRunner
 from executor.request import Request
 from executor.sampler import Sampler, SamplingBatch, TokenLogprobs
-from executor.scheduler import SchedulerOutput, StepScheduler
+from executor.scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
 
 
 @dataclass(slots=True)
@@ -126,6 +128,28 @@ class Engine:
             return []
         logits = self.runner.execute(out)
         return self._update(out, logits)
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits of a whole sequence in one forward pass: row i holds the
+        model's float32 logits for the token after token_ids[: i + 1]. For measuring a model's
+        quality (bench/quality.py); it needs an idle engine, takes blocks as a request would
+        (evicting cached prefixes if it must) and gives them back.
+
+        Raises:
+            ValueError: the ids are not a valid prompt for this model.
+            RuntimeError: requests are running or waiting, or the KV cache cannot hold it.
+        """
+        if self.requests:
+            raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
+        self._validate_prompt(token_ids)
+        req = Request("prompt-logits", list(token_ids), SamplingParams(max_tokens=1), -1)
+        if not self.kv_cache.allocate_slots(req, len(token_ids)):
+            raise RuntimeError(f"the KV cache cannot hold {len(token_ids)} tokens at once")
+        try:
+            step = ScheduledRequest(req, len(token_ids), samples=True)
+            return self.runner.execute(SchedulerOutput([step], len(token_ids)), every_row=True)
+        finally:
+            self.kv_cache.free(req)
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
