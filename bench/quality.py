@@ -170,8 +170,8 @@ def tokenized_prompts(
     if kind == "random":
         gen = torch.Generator().manual_seed(0)
         return torch.randint(3, vocab_size, (num_prompts, 32), generator=gen).tolist()
-    from gateway.model_text import ModelText  # here: only prompts of text need it
-    from gateway.templates import Message
+    from common.model_text import ModelText  # here: only prompts of text need it
+    from common.templates import Message
 
     text = ModelText(model)  # the gateway's tokenizer and chat template
     if kind == "chat":
