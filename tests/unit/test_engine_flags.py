@@ -52,10 +52,10 @@ def test_generate_takes_the_same_engine_flags():
 
 
 def test_engine_flags_read_their_environment_defaults(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("KVGATE_DTYPE", "float16")
+    monkeypatch.setenv("KVGATE_DTYPE", "bfloat16")
     monkeypatch.setenv("KVGATE_ENABLE_PREFIX_CACHING", "false")
     engine = ExecutorConfig.from_args(["--model", str(STORIES_260K)]).engine
-    assert (engine.dtype, engine.enable_prefix_caching) == ("float16", False)
+    assert (engine.dtype, engine.enable_prefix_caching) == ("bfloat16", False)
     monkeypatch.delenv("KVGATE_DTYPE")
     engine = ExecutorConfig.from_args(["--model", str(STORIES_260K)]).engine
     assert engine.dtype is None, "--dtype auto leaves the device's default"
