@@ -81,6 +81,12 @@ METRICS = {
     "kvgate_gateway_requeues": MetricSpec(
         "counter", "requests re-queued because their executor went away"
     ),
+    "kvgate_gateway_refused": MetricSpec(
+        "counter",
+        "calls refused with RESOURCE_EXHAUSTED at a limit, by the limit's flag: "
+        "max_concurrent_streams, redis_max_connections, max_queue_len, max_queued_turns",
+        ("limit",),
+    ),
     # scheduler
     "kvgate_scheduler_is_leader": MetricSpec(
         "gauge", "1 while this scheduler holds the leader lock, 0 as a standby"
