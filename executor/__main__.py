@@ -15,6 +15,7 @@ from common.redis_conn import connect_sync
 from common.startup import start_process
 from executor.config import ExecutorConfig
 from executor.engine import Engine
+from executor.faults import install_faults
 from executor.heartbeat import another_executor_has_the_id
 from executor.metrics import ExecutorMetrics
 from executor.service import ExecutorService
@@ -48,9 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     health = start_health("executor", config, metrics.registry, {"model": "loading the model"})
     if health is None:
         return 2
-    service = ExecutorService(config, Engine(config.engine), client, metrics)
+    engine = Engine(config.engine)
+    install_faults(engine)
+    service = ExecutorService(config, engine, client, metrics)
     health.remove_check("model")
     health.add_check("draining", service.draining_check)
+    health.add_check("step_loop", service.step_loop_check)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: (service.drain(), health.recheck()))
     try:

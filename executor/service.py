@@ -22,7 +22,7 @@ from common.finish_reason_pb import finish_reason_to_pb
 from common.keys import RedisKeys
 from common.logs import request_fields
 from common.model_files import model_id
-from common.sampling_pb import resumed_sampling_params
+from common.sampling_pb import queued_sampling_params
 from executor.config import ExecutorConfig
 from executor.engine import Engine, RequestOutput
 from executor.gateway_link import GatewayAbort, GatewayEvent, GatewayGone, GatewayLink
@@ -51,6 +51,7 @@ class Tracked:
     tenant: str
     prompt_token_ids: list[int]
     session_id: str = ""  # empty: no session
+    attempt: int = 0  # QueuedRequest.attempt, echoed in its output
 
 
 def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
@@ -82,7 +83,7 @@ class ExecutorService:
         self._events: queue.SimpleQueue[InboxEntry | GatewayEvent] = queue.SimpleQueue()
         self._inbox = InboxReader(client, keys, config.executor_id, self._events)
         self._board = StatusBoard()
-        self._heartbeat = Heartbeat(client, keys, self._board)
+        self._heartbeat = Heartbeat(client, keys, self._board, config.step_stall_s)
         self._links: dict[str, GatewayLink] = {}
         self._tracked: dict[str, Tracked] = {}
         self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
@@ -93,6 +94,10 @@ class ExecutorService:
     def drain(self) -> None:
         """Finish running work and take no more; safe from a signal handler."""
         self._drain_requested.set()
+
+    def step_loop_check(self) -> str | None:
+        """The health condition of the step loop: None while it goes round."""
+        return self._heartbeat.stuck_check()
 
     def draining_check(self) -> str | None:
         """The health condition of a drain: None until one was asked for."""
@@ -111,6 +116,7 @@ class ExecutorService:
             self._engine.stats().num_total_blocks,
         )
         while self._taking_work or self._engine.has_unfinished() or not self._events.empty():
+            self._board.progress()
             self._stop_taking_work_if_draining()
             self._handle_events()
             if self._taking_work and not self._engine.has_unfinished():
@@ -181,29 +187,36 @@ class ExecutorService:
         if queued.request_id in self._tracked:
             return
         resumed = list(queued.resume_token_ids)
-        prompt = list(queued.prompt_token_ids) + resumed
+        prompt = list(queued.prompt_token_ids)
         if resumed and len(resumed) >= queued.params.max_tokens:
             self._finish_at_once(queued, FinishReason.LENGTH, "")
             return
         try:
-            params = resumed_sampling_params(queued.params, len(resumed))
             self._engine.add_request(
                 queued.request_id,
                 prompt,
-                params,
+                queued_sampling_params(queued.params),
                 priority=queued.priority,
                 session_id=queued.session_id or None,
                 cache_salt=queued.tenant or None,
+                resume_token_ids=resumed,
             )
         except ValueError as error:
             self._reject(queued, str(error))
             return
-        tracked = Tracked(queued.reply_to, len(resumed), queued.tenant, prompt, queued.session_id)
+        tracked = Tracked(
+            queued.reply_to,
+            len(resumed),
+            queued.tenant,
+            prompt,
+            queued.session_id,
+            queued.attempt,
+        )
         self._tracked[queued.request_id] = tracked
         self._entry(queued.request_id, tracked).accepted = True
         log.info(
             "request admitted: %d prompt tokens (%d resumed), attempt %d",
-            len(prompt),
+            len(prompt) + len(resumed),
             len(resumed),
             queued.attempt,
             extra=request_fields(queued.request_id, queued.session_id),
@@ -222,7 +235,8 @@ class ExecutorService:
         self, queued: internal_pb2.QueuedRequest, finish_reason: FinishReason, error_message: str
     ) -> None:
         offset = len(queued.resume_token_ids)
-        entry = self._entry(queued.request_id, Tracked(queued.reply_to, offset, queued.tenant, []))
+        tracked = Tracked(queued.reply_to, offset, queued.tenant, [], attempt=queued.attempt)
+        entry = self._entry(queued.request_id, tracked)
         entry.finished = True
         entry.finish_reason = finish_reason_to_pb(finish_reason)
         entry.error_message = error_message
@@ -256,7 +270,9 @@ class ExecutorService:
         entries = self._outbox.setdefault(tracked.reply_to, {})
         entry = entries.get(request_id)
         if entry is None:
-            entry = internal_pb2.RequestTokens(request_id=request_id, offset=tracked.offset)
+            entry = internal_pb2.RequestTokens(
+                request_id=request_id, offset=tracked.offset, attempt=tracked.attempt
+            )
             entries[request_id] = entry
         return entry
 
@@ -273,11 +289,14 @@ class ExecutorService:
             if output.finished:
                 entry.finished = True
                 entry.finish_reason = finish_reason_to_pb(output.finish_reason)
+                entry.error_message = output.error_message
                 del self._tracked[output.request_id]
-                log.info(
-                    "request finished: %s, %d cached prompt tokens",
+                log.log(
+                    logging.WARNING if output.error_message else logging.INFO,
+                    "request finished: %s, %d cached prompt tokens%s",
                     output.finish_reason,
                     output.num_cached_tokens,
+                    f" ({output.error_message})" if output.error_message else "",
                     extra=request_fields(output.request_id, tracked.session_id),
                 )
 

@@ -16,7 +16,8 @@ from google.protobuf.message import DecodeError
 
 from common.keys import PAYLOAD_FIELD, RedisKeys, stream_id
 from common.logs import request_fields
-from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
+from common.redis_conn import Backoff
+from common.requeue import next_attempt, stream_fields
 from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -128,8 +129,8 @@ class InboxReader:
         try:
             self._delete_handled()
             self._sweep_unread()
-        except REDIS_DOWN_ERRORS as error:
-            log.warning("inbox: redis unreachable at exit (%s); the scheduler re-queues it", error)
+        except redis.RedisError as error:
+            log.warning("inbox: redis failed at exit (%s); the scheduler re-queues it", error)
 
     def handled(self, entry_id: str) -> None:
         """Marks an entry as handled; the reader deletes it from the stream."""
@@ -224,10 +225,7 @@ class InboxReader:
         pipe = self._client.pipeline(transaction=True)
         for _, request in self._to_hand_back:
             if request is not None:
-                requeued = internal_pb2.QueuedRequest()
-                requeued.CopyFrom(request)
-                requeued.attempt += 1
-                pipe.xadd(self._requests_key, {PAYLOAD_FIELD: requeued.SerializeToString()})
+                pipe.xadd(self._requests_key, stream_fields(next_attempt(request)))
         pipe.xdel(self._inbox_key, *(entry_id for entry_id, _ in self._to_hand_back))
         pipe.execute()
         for _, request in self._to_hand_back:
