@@ -10,6 +10,7 @@ import grpc
 from grpc import aio
 
 from common.metrics import ProcessMetrics
+from gateway.errors import wrap_handler
 
 
 class GatewayMetrics(ProcessMetrics):
@@ -100,14 +101,9 @@ class MetricsInterceptor(aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
         method = handler_call_details.method
-        if handler.unary_unary:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary, method))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
-        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method))
+        return wrap_handler(
+            await continuation(handler_call_details),
+            lambda behavior: self._wrap_unary(behavior, method),
+            lambda behavior: self._wrap_stream(behavior, method),
+        )

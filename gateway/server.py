@@ -19,11 +19,13 @@ from gateway.config import GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
+from gateway.limits import StreamLimitInterceptor, public_server_options
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer
 from gateway.sessions import SessionStore
+from gateway.text_work import TextWork
 from gateway.token_sink import TokenRouter, TokenSinkServicer
 from gateway.validation import StopLimits
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc, internal_pb2_grpc
@@ -45,6 +47,7 @@ class RunningGateway:
     address: str  # host:port of the public Inference service
     reply_to: str  # host:port of the TokenSink service
     grace_s: float
+    text_work: TextWork | None = None
 
     async def stop(self) -> None:
         """Stop taking calls, let running ones finish within grace_s, then close.
@@ -58,6 +61,8 @@ class RunningGateway:
         await self.internal.stop(0)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        if self.text_work is not None:
+            self.text_work.close()
         await self.redis.aclose()
 
 
@@ -68,6 +73,9 @@ SINK_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# How long a Redis call waits for a connection of the gateway's budget when all are busy;
+# then the call is refused (RESOURCE_EXHAUSTED naming --redis-max-connections).
+REDIS_POOL_WAIT_S = 0.1
 # gRPC binds with SO_REUSEPORT by default: a second gateway (or anything else that sets it)
 # on a taken port would start and silently take half of its connections.
 EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
@@ -105,8 +113,17 @@ def _health_server(config: GatewayConfig, servicer: health.aio.HealthServicer) -
 def _public_server(
     config: GatewayConfig, servicer: InferenceServicer, metrics: GatewayMetrics
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
+    def refused(limit: str) -> None:
+        metrics.refused.labels(limit).inc()
+
+    limits = public_server_options(config.max_concurrent_streams, config.max_receive_message_bytes)
     server = aio.server(
-        interceptors=[MetricsInterceptor(metrics), ErrorInterceptor()], options=EXCLUSIVE_PORT
+        interceptors=[
+            MetricsInterceptor(metrics),
+            StreamLimitInterceptor(INFERENCE_SERVICE, config.max_concurrent_streams, refused),
+            ErrorInterceptor(refused),
+        ],
+        options=EXCLUSIVE_PORT + limits,
     )
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -131,20 +148,35 @@ async def start_gateway(
         The running gateway (call its stop()).
     """
     model_text = ModelText(config.model)
-    client = connect(config.redis_url, timeout_s=config.redis_timeout_s)
+    client = connect(
+        config.redis_url,
+        timeout_s=config.redis_timeout_s,
+        max_connections=config.redis_max_connections,
+        pool_wait_s=REDIS_POOL_WAIT_S,
+    )
     keys = RedisKeys(config.redis_prefix)
     router = TokenRouter()
     internal, reply_to = _internal_server(config, router)
     queue = RequestQueue(client, keys, config.max_queue_len, config.queue_timeout_s)
     metrics = metrics or GatewayMetrics()
     deps = GenerationDeps(
-        router, queue, model_text, BackgroundTasks(), reply_to, config.queue_timeout_s, metrics
+        router,
+        queue,
+        model_text,
+        BackgroundTasks(),
+        reply_to,
+        config.queue_timeout_s,
+        metrics,
+        config.max_attempts,
     )
+    text = TextWork(model_text, config.tokenizer_threads)
     servicer = InferenceServicer(
         deps,
         SessionStore(client, keys, config.session_ttl_s),
         config.default_max_tokens,
-        StopLimits(config.max_stop_strings, config.max_stop_len),
+        StopLimits(config.max_stop_strings, config.max_stop_len, config.max_stop_token_ids),
+        text,
+        config.max_queued_turns,
     )
     bound = [internal]
     try:
@@ -161,7 +193,9 @@ async def start_gateway(
     if health_server is not None:
         await health_server.start()
     services = ("", INFERENCE_SERVICE)
-    health_watch = GatewayHealth(health_servicer, queue, services, metrics.registry)
+    health_watch = GatewayHealth(
+        health_servicer, queue, services, metrics.registry, router.observe_heartbeats
+    )
     await health_watch.start()
     log.info(
         "gateway serving on %s (token sink %s, model %s)", address, reply_to, model_text.model_id
@@ -176,6 +210,7 @@ async def start_gateway(
         address,
         reply_to,
         config.grace_s,
+        text,
     )
 
 

@@ -252,8 +252,19 @@ def test_a_request_is_followed_through_every_log_by_its_id(stack: Stack) -> None
         chunks = list(client.stub.Generate(request, timeout=60.0))
     assert chunks[-1].request_id == request_id
 
+    # Between the processes a request's id is the client's scoped to its tenant and its call
+    # (gateway.generation.internal_request_id): one id in every process's lines.
+    scoped = {
+        line["request_id"]
+        for line in log_lines(stack, "gateway")
+        if line.get("request_id", "").startswith(f"default/{request_id}/")
+    }
+    assert len(scoped) == 1, (
+        f"expected one scoped id of {request_id} in the gateway's log: {scoped}"
+    )
+
     def mentions(name: str) -> list[dict]:
-        return [line for line in log_lines(stack, name) if line.get("request_id") == request_id]
+        return [line for line in log_lines(stack, name) if line.get("request_id") in scoped]
 
     for name in PROCESSES:
         wait_for(
