@@ -108,6 +108,7 @@ class Stack:
         self.config = config
         self.procs: dict[str, subprocess.Popen] = {}
         self.argvs: dict[str, list[str]] = {}  # the command each process was started with
+        self.envs: dict[str, dict[str, str]] = {}  # environment variables it got besides
         self.redis_port = config.redis_port or free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.keys = RedisKeys(config.redis_prefix)
@@ -140,7 +141,9 @@ class Stack:
         """Where the child process `name` logs."""
         return self.config.log_dir / f"{name}.log"
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def spawn(
+        self, name: str, argv: list[str], extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """Starts one child process logging to log_dir/NAME.log."""
         log_file = open(self.log_path(name), "ab")
         env = {
@@ -149,6 +152,7 @@ class Stack:
             "KVGATE_REDIS_URL": self.redis_url,
             "KVGATE_REDIS_PREFIX": self.config.redis_prefix,
             "KVGATE_LOG_FORMAT": self.config.log_format,
+            **(extra_env or {}),
         }
         proc = subprocess.Popen(
             argv,
@@ -163,11 +167,13 @@ class Stack:
         log_file.close()
         self.procs[name] = proc
         self.argvs[name] = argv
+        self.envs[name] = dict(extra_env or {})
         return proc
 
     def respawn(self, name: str) -> subprocess.Popen:
-        """Starts `name` again with the command it was last started with; does not wait."""
-        return self.spawn(name, self.argvs[name])
+        """Starts `name` again with the command (and environment) it was last started with;
+        does not wait."""
+        return self.spawn(name, self.argvs[name], self.envs.get(name))
 
     def start_redis(self) -> None:
         argv = [
@@ -190,7 +196,11 @@ class Stack:
         except redis.ConnectionError:
             return False
 
-    def start_scheduler(self, name: str, wait: bool = True) -> None:
+    def start_scheduler(
+        self, name: str, wait: bool = True, extra_flags: list[str] | None = None
+    ) -> None:
+        """Starts a scheduler with the stack's scheduler flags, then `extra_flags`; waits
+        until a leader holds the lock unless told not to."""
         argv = [
             sys.executable,
             "-m",
@@ -200,13 +210,16 @@ class Stack:
             *self._metrics_flags(name),
             *self._health_flags(name),
             *self.config.scheduler_flags,
+            *(extra_flags or []),
         ]
         proc = self.spawn(name, argv)
         if wait:
             leader = self.keys.scheduler_leader
             wait_until(lambda: self.redis().exists(leader) == 1, 30.0, name, proc)
 
-    def start_executor(self, executor_id: str, wait: bool = True) -> None:
+    def start_executor(
+        self, executor_id: str, wait: bool = True, extra_env: dict[str, str] | None = None
+    ) -> None:
         argv = [
             sys.executable,
             "-m",
@@ -221,7 +234,7 @@ class Stack:
             *self._health_flags(executor_id),
             *self.config.executor_flags,
         ]
-        self.spawn(executor_id, argv)
+        self.spawn(executor_id, argv, extra_env)
         if wait:
             self.wait_executor(executor_id)
 

@@ -22,6 +22,7 @@ from common.finish_reason_pb import finish_reason_to_pb
 from common.keys import RedisKeys
 from common.logs import request_fields
 from common.model_files import model_id
+from common.requeue import attempts_used_up
 from common.sampling_pb import queued_sampling_params
 from executor.config import ExecutorConfig
 from executor.engine import Engine, RequestOutput
@@ -52,6 +53,7 @@ class Tracked:
     prompt_token_ids: list[int]
     session_id: str = ""  # empty: no session
     attempt: int = 0  # QueuedRequest.attempt, echoed in its output
+    entry_id: str = ""  # its assignment's inbox entry, deleted once the request is done here
 
 
 def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
@@ -123,7 +125,8 @@ class ExecutorService:
                 self._flush()  # answers due already (a request refused) do not wait for it
                 self._inbox.read_while_idle(IDLE_WAIT_MS)
                 self._handle_events()
-            self._flush()  # "accepted" entries go out before the step: queue_ms ends here
+            if self._flush():  # "accepted" entries go out before the step: queue_ms ends here
+                time.sleep(0)  # and before a step that might never end (see _step)
             if self._engine.has_unfinished():
                 self._inbox.read_on_thread()
                 self._step()
@@ -176,20 +179,29 @@ class ExecutorService:
         elif isinstance(event, GatewayGone):
             self._gateway_gone(event.address)
         elif event.message.HasField("assignment"):
-            self._admit(event.message.assignment.request)
-            self._inbox.handled(event.entry_id)
+            self._admit(event.message.assignment.request, event.entry_id)
         else:
             release = event.message.release_session
             self._engine.release_session(release.session_id, release.tenant or None)
             self._inbox.handled(event.entry_id)
 
-    def _admit(self, queued: internal_pb2.QueuedRequest) -> None:
+    def _admit(self, queued: internal_pb2.QueuedRequest, entry_id: str) -> None:
+        """Runs an assignment. Its inbox entry stays until the request is done here
+        (finished, refused or aborted), so that if this executor dies, the scheduler hands
+        every request it owed back to the queue, also one whose gateway never heard of it."""
         if queued.request_id in self._tracked:
+            self._inbox.handled(entry_id)  # a second assignment of a request it runs
+            return
+        used_up = attempts_used_up(queued)
+        if used_up is not None:
+            self._reject(queued, used_up)
+            self._inbox.handled(entry_id)
             return
         resumed = list(queued.resume_token_ids)
         prompt = list(queued.prompt_token_ids)
         if resumed and len(resumed) >= queued.params.max_tokens:
             self._finish_at_once(queued, FinishReason.LENGTH, "")
+            self._inbox.handled(entry_id)
             return
         try:
             self._engine.add_request(
@@ -203,6 +215,7 @@ class ExecutorService:
             )
         except ValueError as error:
             self._reject(queued, str(error))
+            self._inbox.handled(entry_id)
             return
         tracked = Tracked(
             queued.reply_to,
@@ -211,6 +224,7 @@ class ExecutorService:
             prompt,
             queued.session_id,
             queued.attempt,
+            entry_id,
         )
         self._tracked[queued.request_id] = tracked
         self._entry(queued.request_id, tracked).accepted = True
@@ -248,6 +262,7 @@ class ExecutorService:
                 continue
             self._engine.abort(request_id)
             del self._tracked[request_id]
+            self._inbox.handled(tracked.entry_id)
             log.info(
                 "request aborted by its gateway",
                 extra=request_fields(request_id, tracked.session_id),
@@ -291,6 +306,7 @@ class ExecutorService:
                 entry.finish_reason = finish_reason_to_pb(output.finish_reason)
                 entry.error_message = output.error_message
                 del self._tracked[output.request_id]
+                self._inbox.handled(tracked.entry_id)
                 log.log(
                     logging.WARNING if output.error_message else logging.INFO,
                     "request finished: %s, %d cached prompt tokens%s",

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from common.keys import PAYLOAD_FIELD, RedisKeys, stream_id
 from common.logs import request_fields
 from common.redis_conn import Backoff
-from common.requeue import next_attempt, stream_fields
+from common.requeue import stream_fields
 from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,11 @@ class InboxReader:
     step's start with the hand-off, 0.43 ms without).
     Around a switch both may read the same entry; each is delivered once, in stream order.
 
-    Entries stay in the stream until the step loop handled them (`handled`);
-    they are XDEL'd then, so the scheduler re-queues whatever a dead executor
-    left unread. Once the executor drains (`hand_back_assignments`), the reader
-    moves each assignment it reads back to the request stream instead, and
-    `stop` hands back whatever is still unread.
+    Entries stay in the stream until the step loop is done with them (`handled`: an
+    assignment once its request finished, was refused or aborted here); they are XDEL'd
+    then, so the scheduler re-queues whatever a dead executor owed. Once the executor
+    drains (`hand_back_assignments`), the reader moves each assignment it reads back to the
+    request stream instead, and `stop` hands back whatever is still unread.
     """
 
     def __init__(
@@ -211,7 +211,8 @@ class InboxReader:
     def _hand_back_pending(self) -> None:
         """Moves the assignments a draining executor will not run back to the request stream.
 
-        Same request_id, attempt + 1, and the gateway's queue deadline kept: the gateway
+        The same request: the same id and attempt (it never ran here: nothing of it can
+        come late), and the gateway's queue deadline kept: the gateway
         enforces that deadline itself, so a later one here would not help the client, and
         a hand-back within one inbox read of the drain costs the request well under a second.
         One MULTI/EXEC: an entry leaves the inbox only with its request re-queued.
@@ -225,14 +226,14 @@ class InboxReader:
         pipe = self._client.pipeline(transaction=True)
         for _, request in self._to_hand_back:
             if request is not None:
-                pipe.xadd(self._requests_key, stream_fields(next_attempt(request)))
+                pipe.xadd(self._requests_key, stream_fields(request))
         pipe.xdel(self._inbox_key, *(entry_id for entry_id, _ in self._to_hand_back))
         pipe.execute()
         for _, request in self._to_hand_back:
             if request is not None:
                 log.info(
                     "draining: assignment handed back to the request stream (attempt %d)",
-                    request.attempt + 1,
+                    request.attempt,
                     extra=request_fields(request.request_id, request.session_id),
                 )
         self._to_hand_back.clear()

@@ -33,7 +33,7 @@ class GatewayConfig:
     advertise_host: str = ""  # host put in reply_to; empty: internal_host
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvgate:"
-    redis_timeout_s: float = 0.5  # a Redis call fails after this: UNAVAILABLE well within 2 s
+    redis_timeout_s: float = 1.5  # a Redis call fails after this: UNAVAILABLE within 2 s
     # Redis connections this gateway may hold; a call that finds them all busy for
     # REDIS_POOL_WAIT_S is refused with RESOURCE_EXHAUSTED
     redis_max_connections: int = 128
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--internal-host", default=env_str("KVGATE_INTERNAL_HOST", "127.0.0.1"))
     add("--internal-port", type=int, default=env_int("KVGATE_INTERNAL_PORT", 0))
     add("--advertise-host", default=env_str("KVGATE_ADVERTISE_HOST", ""))
-    add("--redis-timeout-s", type=float, default=env_float("KVGATE_REDIS_TIMEOUT_S", 0.5))
+    add("--redis-timeout-s", type=float, default=env_float("KVGATE_REDIS_TIMEOUT_S", 1.5))
     add(
         "--redis-max-connections",
         type=int,

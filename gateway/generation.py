@@ -20,6 +20,7 @@ import redis
 
 from common.finish_reason import FinishReason
 from common.logs import request_fields
+from common.requeue import attempts_used_up
 from common.sampling_pb import sampling_params_to_pb
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import DeadlineExceeded, ServiceError, Unavailable
@@ -134,7 +135,6 @@ class Generation:
         self.last_token_at: float | None = None
         self.num_cached_tokens = 0
         self.attempt = 0  # of the QueuedRequest now queued or running
-        self.num_lost = 0  # times its executor was lost while running it
         self.executor_id = ""  # the executor that last reported this request
         self.waiting_for_executor = True
         self.no_executor_since: float | None = None  # first seen with no executor alive
@@ -159,6 +159,7 @@ class Generation:
             arrival_unix_ms=self.arrival_unix_ms,
             queue_deadline_unix_ms=deadline_unix_ms,
             attempt=self.attempt,
+            max_attempts=self.deps.max_attempts,
         )
 
     async def stream(self) -> AsyncIterator[Chunk]:
@@ -291,15 +292,12 @@ class Generation:
         lost; the last chunk (FINISH_REASON_ERROR) once it was lost max_attempts times."""
         executor_id = lost.executor_id
         self.attempt = lost.attempt
-        self.num_lost += 1
-        if self.num_lost >= self.deps.max_attempts:
-            message = (
-                f"the request lost its executor {self.num_lost} times (last {executor_id}); "
-                f"it is not run again (--max-attempts {self.deps.max_attempts})"
-            )
-            log.warning(message, extra=self.log_fields)
-            chunk = Chunk(self._flush_text()[0], [], error_message=message)
+        used_up = attempts_used_up(self.queued_request())
+        if used_up is not None:
+            log.warning("%s (last %s)", used_up, executor_id, extra=self.log_fields)
+            chunk = Chunk(self._flush_text()[0], [], error_message=used_up)
             return self._last_chunk(chunk, FinishReason.ERROR)
+        self.deps.router.resume_from(self.request_id, len(self.tokens))
         self.waiting_for_executor = True
         self.no_executor_since = None  # the grace starts anew for this attempt
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s

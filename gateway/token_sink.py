@@ -76,15 +76,25 @@ class TrackedRequest:
     inbox: asyncio.Queue[RequestEvent] = field(default_factory=asyncio.Queue)
     owner: ExecutorConnection | None = None
     attempt: int = 0  # the attempt whose output it takes (or a later one: a hand-back)
+    resume_offset: int = 0  # tokens streamed when its executor was lost: a run resumes there
 
     def takes(self, connection: ExecutorConnection, entry: internal_pb2.RequestTokens) -> bool:
-        """Whether `entry` from `connection` is this request's output: of its attempt (or a
-        later one), from the executor that owns it, or from any while none does. Output of an
-        attempt taken from a lost executor, and a second run of one attempt (a request queued
-        twice across a failover, or assigned twice by a scheduler that lost its lock), is not."""
+        """Whether `entry` from `connection` is this request's output.
+
+        It is when it comes from the executor that runs the request, or, while none does,
+        when it starts a run (its accepted entry) of the current attempt or a later one (an
+        inbox hand-back) from the tokens already streamed, or when it refuses the request.
+        Not taken, and aborted: output of an attempt taken from a lost executor, a run that
+        starts over instead of resuming, and a second run of one attempt (a request queued
+        twice across a failover, or assigned twice by a scheduler that lost its lock).
+        """
         if entry.attempt < self.attempt:
             return False
-        return self.owner is None or self.owner is connection
+        if self.owner is not None:
+            return self.owner is connection
+        if entry.accepted:
+            return entry.offset >= self.resume_offset
+        return entry.finished and not entry.token_ids
 
 
 def update_from_pb(executor_id: str, entry: internal_pb2.RequestTokens) -> TokenUpdate:
@@ -179,6 +189,12 @@ class TokenRouter:
             tracked.attempt += 1
             tracked.inbox.put_nowait(ExecutorLost(connection.executor_id, tracked.attempt))
         return lost
+
+    def resume_from(self, request_id: str, offset: int) -> None:
+        """The request's next run must resume after `offset` tokens (those streamed)."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            tracked.resume_offset = offset
 
     def observe_heartbeats(self, live_executor_ids: set[str], now: float) -> None:
         """Takes the requests away from an executor whose heartbeat has been gone for

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -94,6 +95,13 @@ def generate(
         for chunk in stream:
             completion.add(chunk)
     return completion
+
+
+def scrape(stack: Stack, name: str) -> str:
+    """The /metrics text of one process of the stack."""
+    url = f"http://127.0.0.1:{stack.metrics_ports[name]}/metrics"
+    with urllib.request.urlopen(url, timeout=10.0) as reply:
+        return reply.read().decode()
 
 
 def session_executor(stack: Stack, session_id: str) -> str:

@@ -49,6 +49,7 @@ class ExecutorPeer:
         self.executor_id = executor_id
         self.events: queue.Queue[GatewayEvent] = queue.Queue()
         self.link: GatewayLink | None = None
+        self._started: set[tuple[str, int]] = set()  # (request id, attempt) sent to so far
 
     def register(self) -> None:
         """Announce a live executor (a status key that outlives the test)."""
@@ -71,6 +72,12 @@ class ExecutorPeer:
         return self.link
 
     def send(self, request_id: str, offset: int, token_ids: list[int], **fields) -> None:
+        """Sends one RequestTokens entry; the first of each attempt is marked accepted, as a
+        real executor's is."""
+        run = (request_id, fields.get("attempt", 0))
+        if run not in self._started:
+            self._started.add(run)
+            fields.setdefault("accepted", True)
         entry = internal_pb2.RequestTokens(
             request_id=request_id, offset=offset, token_ids=token_ids, **fields
         )
