@@ -5,9 +5,9 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis promtool cc model proto test test-kernels lint bench bench-engine bench-serve run clean
+.PHONY: setup redis sentinel promtool cc model proto test test-kernels lint bench bench-engine bench-serve run fuzz chaos clean
 
-setup: $(BIN)/.installed redis promtool cc model
+setup: $(BIN)/.installed redis sentinel promtool cc model
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -21,6 +21,12 @@ redis:
 	@command -v redis-server >/dev/null || { \
 		echo "redis-server not found: installing it with apt-get"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+# The Redis failover test runs real sentinels; Debian ships them apart from redis-server.
+sentinel:
+	@command -v redis-sentinel >/dev/null || { \
+		echo "redis-sentinel not found: installing it with apt-get"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-sentinel; }
 
 # promtool checks the /metrics text in tests; Debian's prometheus package ships it.
 promtool:

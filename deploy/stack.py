@@ -90,6 +90,9 @@ class StackConfig:
     port: int = 50051  # public gateway port of the first gateway
     redis_port: int = 0  # 0: a free port
     log_dir: Path = DEFAULT_LOG_DIR
+    # Redis's data folder (its append-only file), emptied when the stack starts, kept when
+    # Redis alone restarts; None: log_dir/redis.
+    redis_dir: Path | None = None
     redis_prefix: str = "kvgate:"
     executor_flags: list[str] = field(default_factory=list)
     scheduler_flags: list[str] = field(default_factory=list)
@@ -116,6 +119,7 @@ class Stack:
         self.metrics_ports: dict[str, int] = {}  # /metrics port of each process by name
         self.health_addresses: dict[str, str] = {}  # grpc.health.v1 of each process by name
         config.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_dir = config.redis_dir or config.log_dir / "redis"
 
     @property
     def address(self) -> str:
@@ -126,7 +130,9 @@ class Stack:
         return redis.Redis(port=self.redis_port, socket_timeout=5.0)
 
     def start_all(self, num_executors: int = 1) -> None:
-        """Starts redis, the scheduler, executors and the gateway, and waits until all serve."""
+        """Starts redis (on an empty data folder), the scheduler, executors and the gateway,
+        and waits until all serve."""
+        shutil.rmtree(self.redis_dir, ignore_errors=True)
         self.start_redis()
         self.start_scheduler("scheduler")
         for index in range(num_executors):
@@ -176,24 +182,32 @@ class Stack:
         return self.spawn(name, self.argvs[name], self.envs.get(name))
 
     def start_redis(self) -> None:
+        """Starts redis-server with an append-only file in redis_dir, fsynced every second
+        (what a Redis crash can lose: about the last second of writes); a restart on the same
+        folder reloads it. Waits until it answers."""
+        self.redis_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             find_redis_server(),
             "--port",
             str(self.redis_port),
             "--bind",
             "127.0.0.1",
+            "--dir",
+            str(self.redis_dir.resolve()),
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes",
+            "--appendfsync",
+            "everysec",
         ]
         proc = self.spawn("redis", argv)
-        wait_until(self._redis_answers, 10.0, "redis-server", proc)
+        wait_until(self._redis_answers, 30.0, "redis-server", proc)
 
     def _redis_answers(self) -> bool:
         try:
             return bool(self.redis().ping())
-        except redis.ConnectionError:
+        except (redis.ConnectionError, redis.exceptions.BusyLoadingError):
             return False
 
     def start_scheduler(
