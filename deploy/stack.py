@@ -25,6 +25,8 @@ import redis
 from common.config import env_str
 from common.health import probe
 from common.keys import RedisKeys
+from common.redis_conn import connect_sync
+from deploy.redis_ha import RedisHA, server_argv
 from protos.kvgate.v1 import internal_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +95,8 @@ class StackConfig:
     # Redis's data folder (its append-only file), emptied when the stack starts, kept when
     # Redis alone restarts; None: log_dir/redis.
     redis_dir: Path | None = None
+    # 0: one redis-server; N: a master, a replica and N sentinels (deploy/redis_ha.py)
+    redis_sentinels: int = 0
     redis_prefix: str = "kvgate:"
     executor_flags: list[str] = field(default_factory=list)
     scheduler_flags: list[str] = field(default_factory=list)
@@ -114,12 +118,17 @@ class Stack:
         self.envs: dict[str, dict[str, str]] = {}  # environment variables it got besides
         self.redis_port = config.redis_port or free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.ha: RedisHA | None = None
         self.keys = RedisKeys(config.redis_prefix)
         self.gateway_ports: dict[str, int] = {}
         self.metrics_ports: dict[str, int] = {}  # /metrics port of each process by name
         self.health_addresses: dict[str, str] = {}  # grpc.health.v1 of each process by name
         config.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis_dir = config.redis_dir or config.log_dir / "redis"
+        if config.redis_sentinels:
+            sentinel_ports = [free_port() for _ in range(config.redis_sentinels)]
+            self.ha = RedisHA(self.redis_dir, self.redis_port, free_port(), sentinel_ports)
+            self.redis_url = self.ha.url
 
     @property
     def address(self) -> str:
@@ -127,6 +136,9 @@ class Stack:
         return f"{self.config.host}:{self.config.port}"
 
     def redis(self) -> redis.Redis:
+        """A client of the stack's Redis (its master now, with sentinels)."""
+        if self.ha is not None:
+            return connect_sync(self.redis_url, timeout_s=5.0)
         return redis.Redis(port=self.redis_port, socket_timeout=5.0)
 
     def start_all(self, num_executors: int = 1) -> None:
@@ -184,24 +196,14 @@ class Stack:
     def start_redis(self) -> None:
         """Starts redis-server with an append-only file in redis_dir, fsynced every second
         (what a Redis crash can lose: about the last second of writes); a restart on the same
-        folder reloads it. Waits until it answers."""
-        self.redis_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            find_redis_server(),
-            "--port",
-            str(self.redis_port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.redis_dir.resolve()),
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-        ]
-        proc = self.spawn("redis", argv)
+        folder reloads it. With sentinels: the master, its replica and the sentinels. Waits
+        until it answers."""
+        if self.ha is not None:
+            self.ha.start(self, find_redis_server())
+            return
+        proc = self.spawn(
+            "redis", server_argv(find_redis_server(), self.redis_port, self.redis_dir)
+        )
         wait_until(self._redis_answers, 30.0, "redis-server", proc)
 
     def _redis_answers(self) -> bool:
@@ -313,7 +315,10 @@ class Stack:
 
     def stop_all(self) -> None:
         """Stops gateways, executors, schedulers, then redis."""
-        order = sorted(self.procs, key=lambda n: (n == "redis", n.startswith("scheduler")))
+        order = sorted(
+            self.procs,
+            key=lambda n: (n.startswith(("redis", "sentinel")), n.startswith("scheduler")),
+        )
         for name in order:
             self.stop(name)
 

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from common.keys import PAYLOAD_FIELD, RedisKeys, stream_id
 from common.logs import request_fields
-from common.redis_conn import Backoff
+from common.redis_conn import Backoff, OutageLog
 from common.requeue import stream_fields
 from protos.kvgate.v1 import internal_pb2
 
@@ -73,6 +73,7 @@ class InboxReader:
         self._thread_reads = threading.Event()
         self._thread_reads.set()
         self._idle_read_delays: Iterator[float] | None = None  # while the idle read fails
+        self._outage = OutageLog(log, "inbox")  # one log line per outage, for both readers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inbox", daemon=True)
 
@@ -108,14 +109,13 @@ class InboxReader:
         try:
             self._read(None if queued else block_ms, after_id)
         except redis.RedisError as error:
+            self._outage.failed(error)
             if self._idle_read_delays is None:
-                log.warning("inbox: redis failed (%s); retrying with backoff", error)
                 self._idle_read_delays = Backoff(initial_s=block_ms / 1000.0).delays()
             time.sleep(next(self._idle_read_delays))
             return
-        if self._idle_read_delays is not None:
-            log.info("inbox: redis reachable again")
-            self._idle_read_delays = None
+        self._idle_read_delays = None
+        self._outage.succeeded()
 
     def stop(self) -> None:
         """Stops reading (if started), then hands back the assignments left unread.
@@ -138,7 +138,6 @@ class InboxReader:
 
     def _run(self) -> None:
         delays = Backoff().delays()
-        redis_down = False
         while not self._stop.is_set():
             try:
                 self._delete_handled()
@@ -147,13 +146,9 @@ class InboxReader:
                     self._read(INBOX_BLOCK_MS, self._last_id)
                 self._hand_back_pending()
                 delays = Backoff().delays()
-                if redis_down:
-                    log.info("inbox: redis reachable again")
-                    redis_down = False
+                self._outage.succeeded()
             except redis.RedisError as error:  # down, or an error reply such as BUSY
-                if not redis_down:
-                    log.warning("inbox: redis failed (%s); retrying with backoff", error)
-                    redis_down = True
+                self._outage.failed(error)
                 self._stop.wait(next(delays))
 
     def _read(self, block_ms: int | None, after_id: str) -> None:

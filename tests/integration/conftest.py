@@ -33,13 +33,17 @@ def start_stack(
     gateway_flags: list[str] | None = None,
     scheduler_flags: list[str] | None = None,
     log_format: str | None = None,
+    redis_sentinels: int = 0,
+    executor_flags: list[str] | None = None,
 ) -> Stack:
-    """Starts redis, a scheduler, executors and a gateway; returns once all serve."""
+    """Starts redis (with sentinels if asked), a scheduler, executors and a gateway; returns
+    once all serve."""
     config = StackConfig(
         model=str(MODEL),
         port=free_port(),
         log_dir=log_dir,
-        executor_flags=EXECUTOR_FLAGS,
+        redis_sentinels=redis_sentinels,
+        executor_flags=executor_flags or EXECUTOR_FLAGS,
         scheduler_flags=scheduler_flags or ["--batch-window-ms", "2"],
         gateway_flags=gateway_flags or [],
     )

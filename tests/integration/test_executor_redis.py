@@ -148,7 +148,7 @@ def test_the_idle_read_waits_out_redis_errors_and_logs_once(tmp_path: Path, capl
         for _ in range(3):
             reader.read_while_idle(10)
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
-    assert "redis failed" in caplog.records[0].message
+    assert "inbox: redis unreachable" in caplog.records[0].message
 
 
 def test_stop_hands_back_the_assignments_left_unread(redis_client):
