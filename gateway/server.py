@@ -28,6 +28,7 @@ from gateway.sessions import SessionStore
 from gateway.text_work import TextWork
 from gateway.token_sink import TokenRouter, TokenSinkServicer
 from gateway.validation import StopLimits
+from gateway.wire import RequestParsingInterceptor
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def _public_server(
             MetricsInterceptor(metrics),
             StreamLimitInterceptor(INFERENCE_SERVICE, config.max_concurrent_streams, refused),
             ErrorInterceptor(refused),
+            RequestParsingInterceptor(),
         ],
         options=EXCLUSIVE_PORT + limits,
     )

@@ -10,7 +10,7 @@ from grpc import aio
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
 from gateway.auth import tenant_of
-from gateway.errors import InvalidArgument, NotFound, Refused
+from gateway.errors import InvalidArgument, NotFound, Refused, ServiceError
 from gateway.generation import Chunk, Generation, GenerationDeps
 from gateway.request_queue import RequestQueue
 from gateway.sessions import Session, SessionStore
@@ -266,6 +266,7 @@ class ChatConversation:
         self.running_request_id: str | None = None
         self.max_queued_turns = max_queued_turns
         self.too_many_turns = False  # more than max_queued_turns waited: the call ends
+        self.error: ServiceError | None = None  # a bad message: the call ends with it
         self._turns: asyncio.Queue[inference_pb2.ChatTurn | None] = asyncio.Queue()
 
     async def read(
@@ -281,6 +282,8 @@ class ChatConversation:
                     self._turns.put_nowait(request.turn)
                 elif request.HasField("cancel") and self.running_request_id is not None:
                     deps.router.post(self.running_request_id, ClientCancelled())
+        except ServiceError as error:  # a message that does not parse
+            self.error = error
         finally:
             self._turns.put_nowait(None)
 
@@ -291,6 +294,8 @@ class ChatConversation:
             Refused: the client sent more than max_queued_turns turns ahead.
         """
         turn = await self._turns.get()
+        if self.error is not None:
+            raise self.error
         if self.too_many_turns:
             raise Refused(
                 "max_queued_turns",
