@@ -116,6 +116,20 @@ def check_error(error: grpc.RpcError, cancelled: bool) -> None:
         assert FIELD.match(details), f"INVALID_ARGUMENT must start with the field: {details!r}"
 
 
+def read_then_cancel(call, chunks_to_read: int, on_response) -> None:
+    """Reads a streaming call's responses, cancelling it after `chunks_to_read` (or at the
+    first when 0), and checks how it ended."""
+    cancelled = False
+    try:
+        for index, response in enumerate(call):
+            on_response(response)
+            if index + 1 >= chunks_to_read:
+                call.cancel()
+                cancelled = True
+    except grpc.RpcError as error:
+        check_error(error, cancelled)
+
+
 @pytest.fixture(scope="module")
 def stack(stack_factory):
     return stack_factory(num_executors=1)
@@ -142,16 +156,8 @@ def test_generate(fuzzer: Fuzzer, data) -> None:
     else:
         request.prompt_token_ids.extend(data.draw(st.lists(st.one_of(st.integers(0, 520), U32))))
     fuzzer.sessions.add(request.session_id)
-    chunks_to_read = data.draw(st.integers(0, 3))
     call = fuzzer.raw("Generate", True)(with_bad_utf8(request, data.draw), timeout=30)
-    cancelled = False
-    try:
-        for index, _ in enumerate(call):
-            if index + 1 >= chunks_to_read:
-                call.cancel()
-                cancelled = True
-    except grpc.RpcError as error:
-        check_error(error, cancelled)
+    read_then_cancel(call, data.draw(st.integers(0, 3)), lambda response: None)
 
 
 @settings_for("chat")
@@ -180,15 +186,9 @@ def test_chat(fuzzer: Fuzzer, data) -> None:
         response_deserializer=pb.ChatResponse.FromString,
     )(iter(raw), timeout=30)
     chunks_to_read = data.draw(st.integers(0, 6))
-    cancelled = False
-    try:
-        for index, response in enumerate(call):
-            fuzzer.sessions.add(response.session_id)
-            if index + 1 >= chunks_to_read:
-                call.cancel()
-                cancelled = True
-    except grpc.RpcError as error:
-        check_error(error, cancelled)
+    read_then_cancel(
+        call, chunks_to_read, lambda response: fuzzer.sessions.add(response.session_id)
+    )
 
 
 @settings_for("tokenize")
