@@ -9,6 +9,7 @@ with KvgateClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 from collections.abc import Iterator
@@ -21,6 +22,28 @@ from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 CLOSE_WAIT_S = 5.0  # how long ChatSession.close waits for the server to end the stream
+# The statuses a call may be sent again for, unchanged and under the same request_id, with
+# nothing lost or run twice (docs/api.md): UNAVAILABLE (refused before it was queued, or
+# dropped from the queue when no executor or Redis was there; the retry is a new run) and
+# ABORTED (a session turn that met another; the turn was not recorded). gRPC retries a call
+# only while no response has come, so a stream is never retried halfway.
+RETRYABLE_STATUS_CODES = ("UNAVAILABLE", "ABORTED")
+# The gRPC service config of every KvgateClient channel: up to 4 tries with exponential
+# backoff (0.25 s, 0.5 s, 1 s, capped at 2 s, each jittered by gRPC).
+SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": "kvgate.v1.Inference"}],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.25s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": list(RETRYABLE_STATUS_CODES),
+            },
+        }
+    ]
+}
 
 
 @dataclass(slots=True)
@@ -87,13 +110,18 @@ def sampling_params(
 class KvgateClient:
     """One channel to a gateway; thread-safe like the grpc channel under it."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, target: str = DEFAULT_TARGET, timeout_s: float | None = None, retry: bool = True
+    ) -> None:
         """
         Args:
             target: the gateway's HOST:PORT.
             timeout_s: deadline of each call; None: none.
+            retry: retry the RETRYABLE_STATUS_CODES (SERVICE_CONFIG); False: fail at once.
         """
-        self.channel = grpc.insecure_channel(target)
+        options = [("grpc.service_config", json.dumps(SERVICE_CONFIG))] if retry else []
+        options.append(("grpc.enable_retries", int(retry)))
+        self.channel = grpc.insecure_channel(target, options=options)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout_s = timeout_s
 

@@ -13,6 +13,7 @@ import redis
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from executor.gateway_link import GatewayEvent, GatewayLink
 from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
 from gateway.server import RunningGateway, start_gateway
 from protos.kvgate.v1 import inference_pb2_grpc, internal_pb2
 from tests.helpers import WAIT_S, wait_for
@@ -25,12 +26,21 @@ class GatewayThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.gateway: RunningGateway = self._run(start_gateway(config))
+        self.metrics = GatewayMetrics()
+        self.gateway: RunningGateway = self._run(start_gateway(config, self.metrics))
         self.channel = grpc.insecure_channel(self.gateway.address)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WAIT_S)
+
+    def calls(self, method: str, code: str) -> float:
+        """How many `method` calls ended with status `code`, by the gateway's metrics."""
+        value = self.metrics.registry.get_sample_value(
+            "kvgate_gateway_requests_total",
+            {"service": "kvgate.v1.Inference", "method": method, "code": code},
+        )
+        return value or 0.0
 
     def stop(self) -> None:
         self.channel.close()

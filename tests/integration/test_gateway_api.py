@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import cli
+from client.api import KvgateClient
 from common.keys import RedisKeys
 from common.redis_conn import connect
 from gateway import errors
@@ -248,6 +250,40 @@ def test_a_request_refused_before_queueing_leaves_no_marker_and_its_retry_runs(
         assert_streams_a_story(peer, retry, model_text, "the retry")
     finally:
         gateway.stop()
+
+
+def test_the_client_retries_unavailable_and_the_retry_runs(
+    redis_url: str, redis_client: redis.Redis, model_text: ModelText
+):
+    """KvgateClient's service config retries UNAVAILABLE: refused while no executor is alive,
+    the call is sent again (same request_id) once one is, and streams its completion."""
+    gateway = make_gateway(redis_url, queue_timeout_s=30.0)
+    peer = ExecutorPeer(redis_client, RedisKeys())
+    try:
+        with ThreadPoolExecutor(1) as pool, KvgateClient(gateway.gateway.address, 30.0) as client:
+            request = pb.GenerateRequest(prompt=PROMPT, request_id="retried-by-grpc")
+            call = pool.submit(lambda: collect(client.stub.Generate(request, timeout=30)))
+            wait_for(lambda: gateway.calls("Generate", "UNAVAILABLE") >= 1, "a first refusal")
+            peer.register()
+            queued = peer.take_request()
+            peer.connect(queued.reply_to)
+            peer.send(queued.request_id, 0, story_ids(model_text), finished=True,
+                      finish_reason=pb.FINISH_REASON_LENGTH)  # fmt: skip
+            text, chunks = call.result(timeout=30)
+        assert text == STORY and chunks[-1].request_id == "retried-by-grpc", text
+        assert gateway.calls("Generate", "OK") == 1
+    finally:
+        if peer.link is not None:
+            peer.link.close()
+        gateway.stop()
+
+
+def test_without_retries_the_client_sees_each_refusal(gateway: GatewayThread):
+    with KvgateClient(gateway.gateway.address, 10.0, retry=False) as client:
+        with pytest.raises(grpc.RpcError) as raised:
+            client.generate(PROMPT)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert gateway.calls("Generate", "UNAVAILABLE") == 1
 
 
 def cancel_markers(client: redis.Redis, request_id: str) -> list[bytes]:

@@ -31,7 +31,7 @@ def outcome(address: str, prompt: str, max_tokens: int, streaming: list | None =
     params = sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     count = 0
     try:
-        with KvgateClient(address, timeout_s=60.0) as client:
+        with KvgateClient(address, timeout_s=60.0, retry=False) as client:
             for chunk in client.generate_stream(prompt, params):
                 if streaming is not None and chunk.token_ids and not count:
                     streaming.append(1)

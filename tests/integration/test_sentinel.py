@@ -45,7 +45,7 @@ class Stream:
         params = sampling_params(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         count = 0
         try:
-            with KvgateClient(self.address, timeout_s=120.0) as client:
+            with KvgateClient(self.address, timeout_s=120.0, retry=False) as client:
                 for chunk in client.generate_stream(f"Once upon a time {self.index}", params):
                     if chunk.token_ids and self.first_token_s is None:
                         self.first_token_s = time.monotonic()
