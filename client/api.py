@@ -9,7 +9,6 @@ with KvgateClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 from collections.abc import Iterator
@@ -17,33 +16,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from client.retry import NO_RETRY, RetryPolicy, call_with_retries, stream_with_retries
 from common.finish_reason_pb import finish_reason_from_pb
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 CLOSE_WAIT_S = 5.0  # how long ChatSession.close waits for the server to end the stream
-# The statuses a call may be sent again for, unchanged and under the same request_id, with
-# nothing lost or run twice (docs/api.md): UNAVAILABLE (refused before it was queued, or
-# dropped from the queue when no executor or Redis was there; the retry is a new run) and
-# ABORTED (a session turn that met another; the turn was not recorded). gRPC retries a call
-# only while no response has come, so a stream is never retried halfway.
-RETRYABLE_STATUS_CODES = ("UNAVAILABLE", "ABORTED")
-# The gRPC service config of every KvgateClient channel: up to 4 tries with exponential
-# backoff (0.25 s, 0.5 s, 1 s, capped at 2 s, each jittered by gRPC).
-SERVICE_CONFIG = {
-    "methodConfig": [
-        {
-            "name": [{"service": "kvgate.v1.Inference"}],
-            "retryPolicy": {
-                "maxAttempts": 4,
-                "initialBackoff": "0.25s",
-                "maxBackoff": "2s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": list(RETRYABLE_STATUS_CODES),
-            },
-        }
-    ]
-}
 
 
 @dataclass(slots=True)
@@ -117,13 +95,14 @@ class KvgateClient:
         Args:
             target: the gateway's HOST:PORT.
             timeout_s: deadline of each call; None: none.
-            retry: retry the RETRYABLE_STATUS_CODES (SERVICE_CONFIG); False: fail at once.
+            retry: send a call again on UNAVAILABLE or ABORTED before its first response, up
+                to 4 tries within the deadline (client/retry.py); False: fail at once. Chat
+                streams are not retried.
         """
-        options = [("grpc.service_config", json.dumps(SERVICE_CONFIG))] if retry else []
-        options.append(("grpc.enable_retries", int(retry)))
-        self.channel = grpc.insecure_channel(target, options=options)
+        self.channel = grpc.insecure_channel(target)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout_s = timeout_s
+        self.retry = RetryPolicy() if retry else NO_RETRY
 
     def __enter__(self) -> KvgateClient:
         return self
@@ -141,16 +120,24 @@ class KvgateClient:
         *,
         session_id: str = "",
         priority: int = 0,
+        request_id: str = "",
     ) -> Iterator[inference_pb2.GenerateResponse]:
-        """Stream the completion of `prompt` chunk by chunk.
+        """Stream the completion of `prompt` chunk by chunk (a retry is sent unchanged, under
+        the same `request_id`).
 
         Raises:
             grpc.RpcError: with the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...).
         """
         request = inference_pb2.GenerateRequest(
-            prompt=prompt, params=params, session_id=session_id, priority=priority
+            prompt=prompt,
+            params=params,
+            session_id=session_id,
+            priority=priority,
+            request_id=request_id,
         )
-        yield from self.stub.Generate(request, timeout=self.timeout_s)
+        yield from stream_with_retries(
+            lambda timeout: self.stub.Generate(request, timeout=timeout), self.retry, self.timeout_s
+        )
 
     def generate(self, prompt: str, **params: object) -> Completion:
         """The whole completion of `prompt`; keyword arguments as `sampling_params`."""
@@ -165,14 +152,26 @@ class KvgateClient:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self.stub.Tokenize(request, timeout=self.timeout_s).token_ids)
+        response = call_with_retries(
+            lambda timeout: self.stub.Tokenize(request, timeout=timeout), self.retry, self.timeout_s
+        )
+        return list(response.token_ids)
 
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
-        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        request = inference_pb2.GetModelInfoRequest()
+        return call_with_retries(
+            lambda timeout: self.stub.GetModelInfo(request, timeout=timeout),
+            self.retry,
+            self.timeout_s,
+        )
 
     def end_session(self, session_id: str) -> bool:
         request = inference_pb2.EndSessionRequest(session_id=session_id)
-        return self.stub.EndSession(request, timeout=self.timeout_s).ended
+        return call_with_retries(
+            lambda timeout: self.stub.EndSession(request, timeout=timeout),
+            self.retry,
+            self.timeout_s,
+        ).ended
 
 
 class ChatSession:

@@ -256,14 +256,14 @@ def test_a_request_refused_before_queueing_leaves_no_marker_and_its_retry_runs(
 def test_the_client_retries_unavailable_and_the_retry_runs(
     redis_url: str, redis_client: redis.Redis, model_text: ModelText
 ):
-    """KvgateClient's service config retries UNAVAILABLE: refused while no executor is alive,
-    the call is sent again (same request_id) once one is, and streams its completion."""
+    """KvgateClient retries UNAVAILABLE: refused while no executor is alive, the call is sent
+    again (same request_id) once one is, and streams its completion."""
     gateway = make_gateway(redis_url, queue_timeout_s=30.0)
     peer = ExecutorPeer(redis_client, RedisKeys())
     try:
         with ThreadPoolExecutor(1) as pool, KvgateClient(gateway.gateway.address, 30.0) as client:
-            request = pb.GenerateRequest(prompt=PROMPT, request_id="retried-by-grpc")
-            call = pool.submit(lambda: collect(client.stub.Generate(request, timeout=30)))
+            stream = client.generate_stream(PROMPT, request_id="retried-by-the-client")
+            call = pool.submit(lambda: collect(stream))
             wait_for(lambda: gateway.calls("Generate", "UNAVAILABLE") >= 1, "a first refusal")
             peer.register()
             queued = peer.take_request()
@@ -271,7 +271,7 @@ def test_the_client_retries_unavailable_and_the_retry_runs(
             peer.send(queued.request_id, 0, story_ids(model_text), finished=True,
                       finish_reason=pb.FINISH_REASON_LENGTH)  # fmt: skip
             text, chunks = call.result(timeout=30)
-        assert text == STORY and chunks[-1].request_id == "retried-by-grpc", text
+        assert text == STORY and chunks[-1].request_id == "retried-by-the-client", text
         assert gateway.calls("Generate", "OK") == 1
     finally:
         if peer.link is not None:
@@ -283,8 +283,10 @@ def test_without_retries_the_client_sees_each_refusal(gateway: GatewayThread):
     with KvgateClient(gateway.gateway.address, 10.0, retry=False) as client:
         with pytest.raises(grpc.RpcError) as raised:
             client.generate(PROMPT)
-    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert gateway.calls("Generate", "UNAVAILABLE") == 1
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+    # The gateway counts a call once its status is sent: the client may read it first.
+    wait_for(lambda: gateway.calls("Generate", "UNAVAILABLE") >= 1, "the refusal counted")
+    assert gateway.calls("Generate", "UNAVAILABLE") == 1, "one call, not retried"
 
 
 def cancel_markers(client: redis.Redis, request_id: str) -> list[bytes]:
