@@ -75,5 +75,14 @@ bench-serve: setup proto
 run: setup proto
 	$(PYTHON) -m deploy.local $(ARGS)
 
+# 20,000 API fuzzing cases against a live stack (CI runs 2,000 in make test).
+fuzz: setup proto
+	KVGATE_FUZZ_EXAMPLES=20000 $(PYTHON) -m pytest -q -ra tests/integration/test_fuzz.py
+
+# 10 minutes of random kill -9 (executors, schedulers, gateways, the Redis master) under load;
+# prints requests completed, failed by status and lost. Not in CI.
+chaos: setup proto
+	$(PYTHON) -m bench.chaos --model $(MODEL) --duration-s 600 $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
