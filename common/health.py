@@ -33,9 +33,10 @@ from typing import Protocol
 import grpc
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
 from common.config import check_range, env_int, env_str
+from common.metrics import build_metric
 from common.redis_conn import connect_sync
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,7 @@ class HealthConditions:
         self._lock = threading.Lock()
         self._redis_up = None
         if registry is not None:
-            self._redis_up = Gauge(
-                "kvgate_redis_up",
-                "1 while this process reaches Redis, 0 while it does not",
-                registry=registry,
-            )
+            self._redis_up = build_metric(registry, "kvgate_redis_up")
 
     def update(self, condition: str, failing: str | None) -> bool:
         """Records one condition (None: it holds). Returns: whether SERVING changed."""

@@ -59,6 +59,10 @@ class MetricSpec:
 # Every metric of every process, by name (counters are exposed as NAME_total); each process
 # builds its own as a ProcessMetrics. docs/observability.md explains them.
 METRICS = {
+    # every process
+    "kvgate_redis_up": MetricSpec(
+        "gauge", "1 while this process reaches Redis, 0 while it does not"
+    ),
     # gateway
     "kvgate_gateway_requests": MetricSpec(
         "counter",
