@@ -99,6 +99,22 @@ class RedisHA:
             return False
         return True
 
+    def restart_argv(self, name: str, binary: str) -> list[str]:
+        """The command that starts server `name` (redis, redis-replica) again after it died:
+        a replica of the master the sentinels know now, or a master on its append-only file
+        while they still take `name` for the master (they demote it if they fail over).
+
+        Not its first command: a promoted replica started again as a replica of the former
+        master, itself now a replica of it, makes a loop with no master that the sentinels
+        cannot repair (no replica is in sync to promote).
+        """
+        port = self.ports()[name]
+        argv = server_argv(binary, port, self.folder / name)
+        master = self.master_port_now()
+        if master is None or master == port:
+            return argv
+        return [*argv, "--replicaof", "127.0.0.1", str(master)]
+
     def master_port_now(self) -> int | None:
         """The master's port as the first sentinel that answers sees it."""
         for port in self.sentinel_ports:

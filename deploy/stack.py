@@ -189,9 +189,13 @@ class Stack:
         return proc
 
     def respawn(self, name: str) -> subprocess.Popen:
-        """Starts `name` again with the command (and environment) it was last started with;
-        does not wait."""
-        return self.spawn(name, self.argvs[name], self.envs.get(name))
+        """Starts `name` again with the command (and environment) it was last started with,
+        a Redis server of a Sentinel setup in the role the sentinels give it now
+        (RedisHA.restart_argv); does not wait."""
+        argv = self.argvs[name]
+        if self.ha is not None and name in self.ha.ports():
+            argv = self.ha.restart_argv(name, argv[0])
+        return self.spawn(name, argv, self.envs.get(name))
 
     def start_redis(self) -> None:
         """Starts redis-server with an append-only file in redis_dir, fsynced every second

@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from client.api import KvgateClient, sampling_params
 from tests.helpers import wait_for
@@ -87,6 +88,40 @@ def test_a_killed_master_is_replaced_and_every_process_follows(stack):
     assert len(after.token_ids) == 8, "the stack serves on the new master"
     completed = sum(s.outcome == "complete" for s in waiting)
     print(f"sentinel failover: {completed} of {len(waiting)} waiting requests completed")
+
+
+def test_a_killed_server_comes_back_in_the_role_the_sentinels_give_it(stack):
+    """After the failover: the former master started again joins as a replica of the new
+    one; then the new master is killed and started again at once, and there is a master
+    again (started with its first command, --replicaof the former master, the two were each
+    other's replica, with no master, for good)."""
+    assert stack.ha.master_name_now() == "redis-replica"
+    stack.respawn("redis")
+    wait_for(lambda: replica_in_sync(stack, "redis-replica"), "the former master as a replica")
+    stack.stop("redis-replica", sig=signal.SIGKILL)
+    stack.respawn("redis-replica")
+    wait_for(lambda: master_answers(stack), "a master again", timeout_s=60.0)
+    with KvgateClient(stack.address, timeout_s=60.0) as client:
+        after = client.generate("The cat", max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert len(after.token_ids) == 8, "the stack serves again"
+
+
+def replica_in_sync(stack, master: str) -> bool:
+    """Whether server `master` is a master with a replica connected."""
+    try:
+        server = redis.Redis(port=stack.ha.ports()[master], socket_timeout=1.0)
+        info = server.info("replication")
+    except redis.RedisError:
+        return False
+    return info.get("role") == "master" and info.get("connected_slaves", 0) >= 1
+
+
+def master_answers(stack) -> bool:
+    """Whether the server the sentinels name as master takes a write."""
+    try:
+        return bool(stack.redis().set("kvgate-test:probe", "1"))
+    except redis.RedisError:
+        return False
 
 
 def test_every_process_survived_the_failover(stack):
