@@ -5,9 +5,9 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis sentinel promtool cc model proto test test-kernels lint bench bench-engine bench-serve run fuzz chaos clean
+.PHONY: setup redis sentinel promtool iproute cc model proto test test-kernels lint bench bench-engine bench-serve run fuzz chaos clean
 
-setup: $(BIN)/.installed redis sentinel promtool cc model
+setup: $(BIN)/.installed redis sentinel promtool iproute cc model
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -33,6 +33,12 @@ promtool:
 	@command -v promtool >/dev/null || { \
 		echo "promtool not found: installing prometheus with apt-get"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+
+# The multi-host test puts each process in a network namespace of its own (ip netns).
+iproute:
+	@command -v ip >/dev/null || { \
+		echo "ip not found: installing iproute2 with apt-get"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; }
 
 # The CPU kernels (kernels/csrc/cpu_kernels.c) are compiled at first use.
 cc:

@@ -4,10 +4,14 @@ in-process Engine, on the engine benchmark's model and workload, in one run.
     python -m bench.bench_serve --out bench/results/serve.json
 
 Reports the throughput ratio grpc / in-process (target >= 0.9) and the TTFT p50 at
-1 request/s (the two sides take turns, half a second apart); the stack's TTFT minus
-batch_window_ms is compared with the in-process TTFT (target: at most 3 ms more). The same
-client also times a do-nothing gRPC server (bench/grpc_floor.py) at the same rate: the share
-of that difference any Python gRPC front end pays before it does any work.
+1 request/s (the sides take turns, a third of a second apart); the stack's TTFT minus
+batch_window_ms is compared with the in-process TTFT (target: at most 3 ms more). A second
+stack with every defence on (API keys, quotas, TLS, mutual TLS on the TokenSink, Redis over
+TLS with an ACL user: bench/secure.py) takes its turns too: its TTFT over the plain stack's
+is what security costs (target: under 1 ms), reported as the median of the paired
+differences with its 95% bootstrap interval. The same client also times a do-nothing gRPC
+server (bench/grpc_floor.py) at the same rate: the share of that difference any Python gRPC
+front end pays before it does any work.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +32,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bench.bench_engine import BENCH_SHAPE, Workload, build_model
 from bench.scratch import scratch_folder
+from bench.secure import key_metadata, secure_config, tenant_key
+from bench.stats import paired_median_ms, print_and_save
 from common.sampling_params import SamplingParams
 from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
 from executor.config import EngineConfig
@@ -44,9 +51,9 @@ def write_model(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"unk_token": "w0"}))
 
 
-def engine_config(folder: Path, args: argparse.Namespace) -> EngineConfig:
+def engine_config(model: Path, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=str(folder),
+        model=str(model),
         device=args.device,
         max_num_seqs=args.num_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -83,14 +90,21 @@ def grpc_request(prompt: list[int], max_tokens: int) -> inference_pb2.GenerateRe
     return inference_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
 
 
-def grpc_tokens_per_s(address: str, prompts: list[list[int]], output_len: int) -> float:
+def grpc_tokens_per_s(
+    connect: Callable[[], grpc.Channel],
+    prompts: list[list[int]],
+    output_len: int,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> float:
+    """Output tokens per second of all `prompts` streamed at once on a channel `connect` opens."""
     # The channel is closed before the pool waits for its threads: on SIGTERM (SystemExit)
     # that cancels the streams at once instead of waiting for them to finish.
-    with ThreadPoolExecutor(len(prompts)) as pool, grpc.insecure_channel(address) as channel:
+    with ThreadPoolExecutor(len(prompts)) as pool, connect() as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
 
         def stream(prompt: list[int]) -> int:
-            chunks = stub.Generate(grpc_request(prompt, output_len), timeout=3600)
+            request = grpc_request(prompt, output_len)
+            chunks = stub.Generate(request, timeout=3600, metadata=metadata)
             return sum(len(chunk.token_ids) for chunk in chunks)
 
         start = time.perf_counter()
@@ -98,10 +112,14 @@ def grpc_tokens_per_s(address: str, prompts: list[list[int]], output_len: int) -
     return produced / (time.perf_counter() - start)
 
 
-def grpc_ttft_once(stub: inference_pb2_grpc.InferenceStub, prompt: list[int]) -> float:
+def grpc_ttft_once(
+    stub: inference_pb2_grpc.InferenceStub,
+    prompt: list[int],
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> float:
     """TTFT in ms of one Generate call, as its client sees it (then read to its end)."""
     start = time.perf_counter()
-    chunks = stub.Generate(grpc_request(prompt, 4), timeout=600)
+    chunks = stub.Generate(grpc_request(prompt, 4), timeout=600, metadata=metadata)
     next(c for c in chunks if c.token_ids)
     ttft = 1000 * (time.perf_counter() - start)
     list(chunks)
@@ -118,21 +136,26 @@ def grpc_ttft_ms(address: str, prompts: list[list[int]], interval_s: float) -> l
     return ttfts
 
 
+Side = tuple[grpc.Channel, tuple[tuple[str, str], ...]]  # a stack's channel, call metadata
+
+
 def interleaved_ttft_ms(
-    engine: Engine, address: str, prompts: list[list[int]], interval_s: float
-) -> tuple[list[float], list[float]]:
-    """TTFT of each prompt in process and through the stack, taking turns half an interval
-    apart: each side gets a request every `interval_s`, and both see the same machine (on a
-    shared machine the in-process TTFT alone moves by several ms between minutes)."""
-    inprocess, stack = [], []
-    with grpc.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        for index, prompt in enumerate(prompts):
-            time.sleep(interval_s / 2)
-            inprocess.append(inprocess_ttft_once(engine, f"ttft-{index}", prompt))
-            time.sleep(interval_s / 2)
-            stack.append(grpc_ttft_once(stub, prompt))
-    return inprocess, stack
+    engine: Engine, sides: dict[str, Side], prompts: list[list[int]], interval_s: float
+) -> dict[str, list[float]]:
+    """TTFT of each prompt in process ("inprocess") and through each stack of `sides`,
+    taking turns evenly spaced: each side gets a request every `interval_s`, and all see the
+    same machine (on a shared machine the in-process TTFT alone moves by several ms between
+    minutes)."""
+    stubs = {name: (inference_pb2_grpc.InferenceStub(ch), md) for name, (ch, md) in sides.items()}
+    samples: dict[str, list[float]] = {"inprocess": [], **{name: [] for name in sides}}
+    gap_s = interval_s / (1 + len(sides))
+    for index, prompt in enumerate(prompts):
+        time.sleep(gap_s)
+        samples["inprocess"].append(inprocess_ttft_once(engine, f"ttft-{index}", prompt))
+        for name, (stub, metadata) in stubs.items():
+            time.sleep(gap_s)
+            samples[name].append(grpc_ttft_once(stub, prompt, metadata))
+    return samples
 
 
 def grpc_floor_ttft_ms(prompts: list[list[int]], interval_s: float) -> list[float]:
@@ -150,7 +173,7 @@ def grpc_floor_ttft_ms(prompts: list[list[int]], interval_s: float) -> list[floa
         server.wait(10)
 
 
-def stack_config(folder: Path, args: argparse.Namespace) -> StackConfig:
+def stack_config(model: Path, folder: Path, args: argparse.Namespace) -> StackConfig:
     executor_flags = [
         "--device",
         args.device,
@@ -162,40 +185,59 @@ def stack_config(folder: Path, args: argparse.Namespace) -> StackConfig:
         str(args.kv_cache_gib),
     ]
     return StackConfig(
-        model=str(folder),
+        model=str(model),
         port=free_port(),
         log_dir=folder / "logs",
         executor_flags=executor_flags,
         scheduler_flags=["--batch-window-ms", str(args.batch_window_ms)],
-        gateway_flags=["--max-queue-len", str(4 * args.num_requests)],
+        # A Redis call that takes over 0.5 s (the default) fails the request; on a loaded
+        # shared machine the TLS handshakes of 64 streams' first calls can: 5 s on both sides.
+        gateway_flags=["--max-queue-len", str(4 * args.num_requests), "--redis-timeout-s", "5"],
     )
 
 
-def measure(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+def measure(model: Path, folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """Throughput in process, then through the stack; then TTFT of both, taking turns.
 
     The in-process Engine gets the model threads the stack's executor gets.
     """
     torch.set_num_threads(co_located_torch_threads())
-    engine = Engine(engine_config(folder, args))
+    engine = Engine(engine_config(model, args))
     inprocess_tokens_per_s(engine, prompts[:4], 8)
     inprocess = inprocess_tokens_per_s(engine, prompts, args.output_len)
-    stack = Stack(stack_config(folder, args))
+    stack = Stack(stack_config(model, folder, args))
+    secured, access = secure_config(stack_config(model, folder, args), folder / "secure")
+    secured.log_dir = folder / "secure-logs"
+    secure = Stack(secured)
     try:
         stack.start_all()
-        grpc_tokens_per_s(stack.address, prompts[:4], 8)
-        through_stack = grpc_tokens_per_s(stack.address, prompts, args.output_len)
+        secure.start_all()
+        api_key = tenant_key(secure, "bench")
         ttft_prompts = [prompts[i % len(prompts)] for i in range(args.ttft_requests)]
-        ttft_inprocess, ttft_grpc = interleaved_ttft_ms(
-            engine, stack.address, ttft_prompts, args.ttft_interval_s
-        )
+        connects = {
+            "grpc": (lambda: grpc.insecure_channel(stack.address), ()),
+            "secure": (lambda: access.channel(secure.address), key_metadata(api_key)),
+        }
+        # Both stacks run the same work before their TTFTs are taken: their prefix caches then
+        # hold the same prompts.
+        tokens_per_s = {}
+        for name, (connect, metadata) in connects.items():
+            grpc_tokens_per_s(connect, prompts[:4], 8, metadata)
+            tokens_per_s[name] = grpc_tokens_per_s(connect, prompts, args.output_len, metadata)
+        with grpc.insecure_channel(stack.address) as plain, access.channel(secure.address) as tls:
+            sides = {"grpc": (plain, ()), "secure": (tls, key_metadata(api_key))}
+            interleaved_ttft_ms(engine, sides, ttft_prompts[:4], 0.0)  # warm-up, untimed
+            ttft = interleaved_ttft_ms(engine, sides, ttft_prompts, args.ttft_interval_s)
     finally:
         stack.stop_all()
+        secure.stop_all()
     return {
         "inprocess_tokens_per_s": inprocess,
-        "grpc_tokens_per_s": through_stack,
-        "ttft_ms_inprocess": ttft_inprocess,
-        "ttft_ms_grpc": ttft_grpc,
+        "grpc_tokens_per_s": tokens_per_s["grpc"],
+        "secure_tokens_per_s": tokens_per_s["secure"],
+        "ttft_ms_inprocess": ttft["inprocess"],
+        "ttft_ms_grpc": ttft["grpc"],
+        "ttft_ms_secure": ttft["secure"],
         "ttft_ms_grpc_floor": grpc_floor_ttft_ms(ttft_prompts, args.ttft_interval_s),
     }
 
@@ -211,13 +253,16 @@ def paired_overhead_ms(inprocess: list[float], grpc: list[float], window_ms: flo
 
 def run(args: argparse.Namespace) -> dict:
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
-    prompts = workload.prompts(BENCH_SHAPE["vocab_size"])
     with scratch_folder() as folder:
-        write_model(folder)
-        samples = measure(folder, prompts, args)
+        model = args.model or folder
+        if args.model is None:
+            write_model(folder)
+        vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+        samples = measure(model, folder, workload.prompts(vocab_size), args)
     ttft_inprocess = statistics.median(samples["ttft_ms_inprocess"])
     ttft_grpc = statistics.median(samples["ttft_ms_grpc"])
     return {
+        "model": args.model.name if args.model else "llama-56M (random, float32)",
         "device": args.device,
         "workload": vars(workload),
         "batch_window_ms": args.batch_window_ms,
@@ -225,6 +270,10 @@ def run(args: argparse.Namespace) -> dict:
         "inprocess_tokens_per_s": samples["inprocess_tokens_per_s"],
         "grpc_tokens_per_s": samples["grpc_tokens_per_s"],
         "throughput_ratio": samples["grpc_tokens_per_s"] / samples["inprocess_tokens_per_s"],
+        "secure_tokens_per_s": samples["secure_tokens_per_s"],
+        "throughput_ratio_secure_over_grpc": (
+            samples["secure_tokens_per_s"] / samples["grpc_tokens_per_s"]
+        ),
         "ttft_p50_ms_inprocess": ttft_inprocess,
         "ttft_p50_ms_grpc": ttft_grpc,
         "ttft_p50_ms_grpc_minus_window_over_inprocess": (
@@ -234,8 +283,13 @@ def run(args: argparse.Namespace) -> dict:
         "ttft_paired_p50_ms_grpc_minus_window_over_inprocess": paired_overhead_ms(
             samples["ttft_ms_inprocess"], samples["ttft_ms_grpc"], args.batch_window_ms
         ),
+        "ttft_p50_ms_secure": statistics.median(samples["ttft_ms_secure"]),
+        "ttft_paired_p50_ms_secure_over_grpc": paired_median_ms(
+            samples["ttft_ms_secure"], samples["ttft_ms_grpc"]
+        ),
         "ttft_samples_ms": {
-            key: samples[key] for key in ("ttft_ms_inprocess", "ttft_ms_grpc", "ttft_ms_grpc_floor")
+            key: samples[key]
+            for key in ("ttft_ms_inprocess", "ttft_ms_grpc", "ttft_ms_secure", "ttft_ms_grpc_floor")
         },
     }
 
@@ -243,6 +297,12 @@ def run(args: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a checkpoint folder with a tokenizer (default: the engine benchmark's 56 M model)",
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -262,10 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    results = run(args)
-    print(json.dumps(results, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print_and_save(run(args), args.out)
 
 
 if __name__ == "__main__":

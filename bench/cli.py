@@ -27,7 +27,8 @@ from bench.config import DEFAULT_LOG_DIR, DEFAULT_OUT, BenchConfig, served_model
 from bench.runs import run_bench
 from bench.stats import parse_slos
 from bench.workloads import WORKLOADS, WorkloadConfig
-from client.api import KvgateClient, default_target
+from client.api import default_target
+from client.cli import add_credential_flags, credentials_from_args
 from common.model_files import check_model_path, model_id
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a running gateway and report latencies and throughput.",
     )
     parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
+    add_credential_flags(parser)
     _add_load_flags(parser.add_argument)
     _add_output_flags(parser.add_argument)
     return parser
@@ -146,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         hf_sample=args.hf_sample,
         progress=args.progress,
         log_dir=args.log_dir,
+        credentials=credentials_from_args(args),
     )
 
 
@@ -168,7 +171,7 @@ def check_inputs(config: BenchConfig) -> None:
     if config.compare_hf or config.sweep_windows_ms:
         check_model_path("--model", model, "config.json")
     if config.compare_hf:
-        with KvgateClient(config.target, timeout_s=30.0) as client:
+        with config.credentials.client(config.target, timeout_s=30.0) as client:
             served_id = client.model_info().model_id
         if model_id(model) != served_id:
             raise ValueError(f"--compare-hf: --target serves {served_id!r} but --model is {model}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.workloads import WorkloadConfig
+from client.api import Credentials
 from common.config import check_host_port
 from deploy.models import ROOT, choose_model
 
@@ -33,6 +34,7 @@ class BenchConfig:
     hf_sample: int = 4
     progress: bool = True
     log_dir: Path = DEFAULT_LOG_DIR  # where --sweep-window's local stack logs
+    credentials: Credentials = field(default_factory=Credentials)  # --api-key, --tls*
 
     def __post_init__(self) -> None:
         check_host_port("--target", self.target)

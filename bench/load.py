@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from bench.stats import RequestResult
 from bench.workloads import ChatJob, GenerateJob, Job, num_requests
-from client.api import KvgateClient, sampling_params
+from client.api import Credentials, KvgateClient, sampling_params
 from protos.kvgate.v1 import inference_pb2
 
 # Finish reasons of a request that did not run to max_tokens.
@@ -140,6 +140,7 @@ def run_jobs(
     gaps_s: list[float],
     max_concurrency: int | None = None,
     progress: bool = True,
+    credentials: Credentials = Credentials(),  # noqa: B008 (frozen)
 ) -> tuple[list[RequestResult], float]:
     """Sends the jobs at their arrival times and waits for all of them.
 
@@ -149,6 +150,7 @@ def run_jobs(
         gaps_s: the gap before each job (arrival_gaps_s).
         max_concurrency: most jobs in flight at once; None: no limit.
         progress: show a progress bar of finished requests on stderr.
+        credentials: the API key and TLS files the client presents.
 
     Returns:
         Every request's result, and the seconds from the first send to the last finish.
@@ -156,7 +158,7 @@ def run_jobs(
     total = sum(num_requests(job) for job in jobs)
     bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr, disable=not progress)
     lock = threading.Lock()
-    with KvgateClient(target, timeout_s=CALL_TIMEOUT_S) as client:
+    with credentials.client(target, timeout_s=CALL_TIMEOUT_S) as client:
 
         def run_one(job: Job) -> list[RequestResult]:
             runner = run_chat if isinstance(job, ChatJob) else run_generate

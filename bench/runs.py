@@ -11,7 +11,6 @@ from bench.config import BenchConfig, served_model
 from bench.load import arrival_gaps_s, run_jobs
 from bench.stats import RequestResult, run_metrics
 from bench.workloads import WORDS, GenerateJob, Job, build_jobs, vocab_words
-from client.api import KvgateClient
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -87,11 +86,13 @@ def run_point(
     """
     workload = replace(config.workload, seed=seed)
     words = WORDS if config.prompt_words == "english" else vocab_words(Path(served_model(config)))
-    with KvgateClient(target, timeout_s=60.0) as client:
+    with config.credentials.client(target, timeout_s=60.0) as client:
         model_id = client.model_info().model_id
         jobs = build_jobs(workload, lambda text: len(client.tokenize(text, True)), words)
     gaps_s = arrival_gaps_s(len(jobs), request_rate, config.burstiness, seed)
-    results, duration_s = run_jobs(target, jobs, gaps_s, config.max_concurrency, config.progress)
+    results, duration_s = run_jobs(
+        target, jobs, gaps_s, config.max_concurrency, config.progress, config.credentials
+    )
     summary = {
         "target": target,
         "model_id": model_id,
@@ -114,7 +115,7 @@ def compare_with_hf(config: BenchConfig, jobs: list[Job], summary: dict) -> dict
         served_model(config)
     )  # the model --target serves: checked by bench.cli.check_inputs
     generate_jobs = [job for job in jobs if isinstance(job, GenerateJob)]
-    with KvgateClient(config.target, timeout_s=60.0) as client:
+    with config.credentials.client(config.target, timeout_s=60.0) as client:
         prompts = [client.tokenize(job.prompt, True) for job in generate_jobs]
     output_lens = [job.output_len for job in generate_jobs]
     if summary["request_rate"] != "inf":

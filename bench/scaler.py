@@ -220,7 +220,9 @@ def run(config: PlayConfig, rule: ScalingRule, fleet: Fleet) -> dict:
         )
         time.sleep(scaler.interval_s)
     load.join()
-    return report(config, rule, samples, arrivals, outcome[0], fleet.exits)
+    result = report(config, rule, samples, arrivals, outcome[0], fleet.exits)
+    result["settled"] = settled
+    return result
 
 
 def report(
@@ -299,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{requests['sent']} sent, {requests['finished']} finished whole, "
           f"{requests['failed']} failed; up to {result['most_replicas']} executors; "
           f"{args.out}, {png}")  # fmt: skip
+    if not result["settled"]:
+        print(
+            f"the fleet was not back at {rule.min_replicas} executor(s) within --settle-s "
+            f"{args.settle_s} after the load: the scale-in was cut short (raise --settle-s)"
+        )
+        return 1
     return 0 if requests["finished"] == requests["sent"] else 1
 
 

@@ -5,6 +5,11 @@ with KvgateClient("127.0.0.1:50051") as client:
     chat = client.chat()
     for piece in chat.send("Tell me a story"):
         print(piece.chunk.text, end="")
+
+A gateway with API keys and TLS (docs/security.md):
+
+    KvgateClient("gw.example:50051", api_key=os.environ["KVGATE_API_KEY"],
+                 tls=TLSFiles(ca="ca.pem"))
 """
 
 from __future__ import annotations
@@ -24,6 +29,49 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 CLOSE_WAIT_S = 5.0  # how long ChatSession.close waits for the server to end the stream
 
 
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files of a TLS connection: ca verifies the gateway (empty: the system's roots);
+    cert and key are this client's certificate, for a gateway that asks for one."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Raises: ValueError naming the flag of a file that cannot be read."""
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        return grpc.ssl_channel_credentials(
+            *(_read("--tls-" + name, path) for name, path in self._files())
+        )
+
+    def _files(self) -> tuple[tuple[str, str], ...]:
+        return (("ca", self.ca), ("key", self.key), ("cert", self.cert))
+
+
+def _read(flag: str, path: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as error:
+        raise ValueError(f"{flag}: cannot read {path} ({error.strerror})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a client presents: an API key (empty: none) and TLS files (None: plaintext)."""
+
+    api_key: str = ""
+    tls: TLSFiles | None = None
+
+    def client(self, target: str, timeout_s: float | None = None) -> KvgateClient:
+        """A KvgateClient of `target` presenting these."""
+        return KvgateClient(target, timeout_s, api_key=self.api_key, tls=self.tls)
+
+
 @dataclass(slots=True)
 class Completion:
     """A whole completion, gathered from its chunks."""
@@ -34,6 +82,8 @@ class Completion:
     finish_reason: str = ""  # a FinishReason ("stop", "length", "abort", "error") once finished
     usage: inference_pb2.Usage | None = None
     timings: inference_pb2.Timings | None = None
+    priority: int = 0  # the priority it ran at, once finished
+    priority_clamped: bool = False  # lowered to the tenant's highest allowed
 
     def add(self, chunk: inference_pb2.GenerateResponse) -> None:
         """Append one streamed chunk."""
@@ -44,6 +94,8 @@ class Completion:
             self.finish_reason = finish_reason_from_pb(chunk.finish_reason) or ""
             self.usage = chunk.usage
             self.timings = chunk.timings
+            self.priority = chunk.priority
+            self.priority_clamped = chunk.priority_clamped
 
 
 def default_target() -> str:
@@ -89,7 +141,13 @@ class KvgateClient:
     """One channel to a gateway; thread-safe like the grpc channel under it."""
 
     def __init__(
-        self, target: str = DEFAULT_TARGET, timeout_s: float | None = None, retry: bool = True
+        self,
+        target: str = DEFAULT_TARGET,
+        timeout_s: float | None = None,
+        *,
+        retry: bool = True,
+        api_key: str = "",
+        tls: TLSFiles | None = None,
     ) -> None:
         """
         Args:
@@ -98,11 +156,20 @@ class KvgateClient:
             retry: send a call again on UNAVAILABLE or ABORTED before its first response, up
                 to 4 tries within the deadline (client/retry.py); False: fail at once. Chat
                 streams are not retried.
+            api_key: sent on every call as `authorization: Bearer <key>`; empty: none.
+            tls: connect over TLS with these files; None: plaintext.
+
+        Raises:
+            ValueError: naming the flag of a TLS file that cannot be read.
         """
-        self.channel = grpc.insecure_channel(target)
+        if tls is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            self.channel = grpc.secure_channel(target, tls.credentials())
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout_s = timeout_s
         self.retry = RetryPolicy() if retry else NO_RETRY
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def __enter__(self) -> KvgateClient:
         return self
@@ -136,31 +203,35 @@ class KvgateClient:
             request_id=request_id,
         )
         yield from stream_with_retries(
-            lambda timeout: self.stub.Generate(request, timeout=timeout), self.retry, self.timeout_s
+            lambda timeout: self.stub.Generate(request, **self._call_options(timeout)),
+            self.retry,
+            self.timeout_s,
         )
 
-    def generate(self, prompt: str, **params: object) -> Completion:
+    def generate(self, prompt: str, *, priority: int = 0, **params: object) -> Completion:
         """The whole completion of `prompt`; keyword arguments as `sampling_params`."""
         completion = Completion()
-        for chunk in self.generate_stream(prompt, sampling_params(**params)):
+        for chunk in self.generate_stream(prompt, sampling_params(**params), priority=priority):
             completion.add(chunk)
         return completion
 
     def chat(self, system_prompt: str = "", session_id: str = "") -> ChatSession:
         """Open a Chat stream (a new session, or `session_id` resumed)."""
-        return ChatSession(self.stub, system_prompt, session_id, self.timeout_s)
+        return ChatSession(self.stub, system_prompt, session_id, self.timeout_s, self.metadata)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         response = call_with_retries(
-            lambda timeout: self.stub.Tokenize(request, timeout=timeout), self.retry, self.timeout_s
+            lambda timeout: self.stub.Tokenize(request, **self._call_options(timeout)),
+            self.retry,
+            self.timeout_s,
         )
         return list(response.token_ids)
 
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
         request = inference_pb2.GetModelInfoRequest()
         return call_with_retries(
-            lambda timeout: self.stub.GetModelInfo(request, timeout=timeout),
+            lambda timeout: self.stub.GetModelInfo(request, **self._call_options(timeout)),
             self.retry,
             self.timeout_s,
         )
@@ -168,10 +239,14 @@ class KvgateClient:
     def end_session(self, session_id: str) -> bool:
         request = inference_pb2.EndSessionRequest(session_id=session_id)
         return call_with_retries(
-            lambda timeout: self.stub.EndSession(request, timeout=timeout),
+            lambda timeout: self.stub.EndSession(request, **self._call_options(timeout)),
             self.retry,
             self.timeout_s,
         ).ended
+
+    def _call_options(self, timeout_s: float | None) -> dict[str, object]:
+        """One attempt's options: what is left of the call's deadline, the credentials."""
+        return {"timeout": timeout_s, "metadata": self.metadata}
 
 
 class ChatSession:
@@ -183,9 +258,11 @@ class ChatSession:
         system_prompt: str,
         session_id: str,
         timeout_s: float | None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._outgoing: queue.Queue[inference_pb2.ChatRequest | None] = queue.Queue()
-        self._responses = stub.Chat(iter(self._outgoing.get, None), timeout=timeout_s)
+        requests = iter(self._outgoing.get, None)
+        self._responses = stub.Chat(requests, timeout=timeout_s, metadata=metadata)
         self._first_turn = True
         self._turn_open = False
         self._closed = False
@@ -193,10 +270,10 @@ class ChatSession:
         self.session_id = session_id
 
     def send(
-        self, content: str, params: inference_pb2.SamplingParams | None = None
+        self, content: str, params: inference_pb2.SamplingParams | None = None, priority: int = 0
     ) -> Iterator[inference_pb2.ChatResponse]:
         """Send a user turn and yield the reply's responses until its last chunk."""
-        turn = inference_pb2.ChatTurn(content=content, params=params)
+        turn = inference_pb2.ChatTurn(content=content, params=params, priority=priority)
         if self._first_turn:
             turn.system_prompt = self.system_prompt
             turn.session_id = self.session_id

@@ -3,20 +3,29 @@
 kvgate generate "Once upon a time" --max-tokens 64 --temperature 0
 kvgate chat --system "You tell short stories."
 kvgate bench --num-requests 100 --request-rate 4 --out bench/results/run.json  (bench/cli.py)
+kvgate admin keys create --tenant acme   (client/admin.py: API keys, limits, usage in Redis)
 
-`kvgate bench` hands its flags to bench/cli.py, imported only then: the client itself loads
-no benchmark code (nor numpy).
+`kvgate bench` and `kvgate admin` hand their flags to bench/cli.py and client/admin.py,
+imported only then: the client itself loads no benchmark code (nor numpy) and no Redis client.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
 import grpc
 
-from client.api import ChatSession, KvgateClient, default_target, sampling_params
+from client.api import (
+    ChatSession,
+    Credentials,
+    KvgateClient,
+    TLSFiles,
+    default_target,
+    sampling_params,
+)
 
 
 def _unsigned(bits: int) -> Callable[[str], int]:
@@ -43,7 +52,40 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_unsigned(64), default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--priority", type=int, default=0, help="lower runs first")
+    add_connection_flags(parser)
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """--target, the API key and the TLS files: how to reach a gateway."""
     parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
+    add_credential_flags(parser)
+
+
+def add_credential_flags(parser: argparse.ArgumentParser) -> None:
+    """--api-key and the TLS files."""
+    add = parser.add_argument
+    add(
+        "--api-key",
+        default=os.environ.get("KVGATE_API_KEY", ""),
+        help="API key (env KVGATE_API_KEY, which keeps it out of the process list)",
+    )
+    add("--tls", action="store_true", help="TLS, the gateway verified by the system's roots")
+    add("--tls-ca", default="", help="TLS, the gateway's certificate signed by this CA")
+    add("--tls-cert", default="", help="this client's certificate (mutual TLS)")
+    add("--tls-key", default="", help="the key of --tls-cert")
+
+
+def credentials_from_args(args: argparse.Namespace) -> Credentials:
+    """The credentials the flags of add_credential_flags ask for."""
+    use_tls = args.tls or args.tls_ca or args.tls_cert
+    tls = TLSFiles(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
+    return Credentials(args.api_key, tls)
+
+
+def client_from_args(args: argparse.Namespace, timeout_s: float | None = None) -> KvgateClient:
+    """The client the connection flags ask for. Raises: ValueError naming a flag."""
+    return credentials_from_args(args).client(args.target, timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(chat)
     commands.add_parser(
         "bench", help="load the gateway and report latencies (kvgate bench --help)", add_help=False
+    )
+    commands.add_parser(
+        "admin",
+        help="API keys, tenant limits and usage, in Redis (kvgate admin --help)",
+        add_help=False,
     )
     return parser
 
@@ -75,7 +122,7 @@ def _params(args: argparse.Namespace) -> object:
 
 def run_generate(client: KvgateClient, args: argparse.Namespace) -> int:
     """Print the completion as it streams."""
-    for chunk in client.generate_stream(args.text, _params(args)):
+    for chunk in client.generate_stream(args.text, _params(args), priority=args.priority):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         if chunk.error_message:
@@ -87,7 +134,7 @@ def run_generate(client: KvgateClient, args: argparse.Namespace) -> int:
 
 def _stream_reply(session: ChatSession, content: str, args: argparse.Namespace) -> None:
     try:
-        for response in session.send(content, _params(args)):
+        for response in session.send(content, _params(args), args.priority):
             sys.stdout.write(response.chunk.text)
             sys.stdout.flush()
     except KeyboardInterrupt:
@@ -123,8 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         from bench.cli import main as bench_main  # the load generator, only when asked for
 
         return bench_main(argv[1:])
+    if argv[:1] == ["admin"]:
+        from client.admin import main as admin_main  # Redis, only when asked for
+
+        return admin_main(argv[1:])
     args = build_parser().parse_args(argv)
-    with KvgateClient(args.target) as client:
+    try:
+        client = client_from_args(args)
+    except ValueError as error:
+        print(f"kvgate: {error}", file=sys.stderr)
+        return 2
+    with client:
         try:
             if args.command == "generate":
                 return run_generate(client, args)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+from urllib.parse import urlparse
 
 from common.model_files import default_model
 from common.redis_conn import check_url
@@ -96,13 +98,27 @@ def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
 
 
+def redacted_url(url: str) -> str:
+    """`url` with its password (in the address or a password= query) replaced by ***, fit
+    for a log line or a message."""
+    parsed = urlparse(url)
+    netloc = parsed.netloc
+    if parsed.password is not None:
+        netloc = f"{parsed.username or ''}:***@{netloc.rpartition('@')[2]}"
+    query = re.sub(r"(^|&)password=[^&]*", r"\1password=***", parsed.query)
+    if (netloc, query) == (parsed.netloc, parsed.query):
+        return url
+    return parsed._replace(netloc=netloc, query=query).geturl()
+
+
 def check_redis_url(flag: str, url: str) -> None:
     """Raise a ValueError naming `flag` unless `url` is a redis://, rediss://, unix:// or
-    redis+sentinel:// URL (common.redis_conn)."""
+    redis+sentinel:// URL (common.redis_conn; the message shows the URL without its
+    password)."""
     try:
         check_url(url)
     except ValueError as error:
-        raise ValueError(f"{flag} {error}") from None
+        raise ValueError(f"{flag} {error}".replace(url, redacted_url(url))) from None
 
 
 def check_host_port(flag: str, address: str) -> None:

@@ -278,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`python -m common.health [--service NAME] [--until STATUS] [HOST:PORT]`.
 
-    Returns: 0 when the status is SERVING (or STATUS, within --timeout-s), else 1.
+    Returns: 0 when the status is SERVING (or STATUS, within --timeout-s), else 1. A process
+    that stops answering while waited on for NOT_SERVING has gone past it (an idle executor
+    drains and exits at once): that counts as reached.
     """
     args = build_parser().parse_args(argv)
     wanted = args.until or "SERVING"
@@ -287,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         status = probe(args.address, args.service)
         if status == wanted or time.monotonic() >= deadline:
             break
+        if wanted == "NOT_SERVING" and status.startswith("UNREACHABLE"):
+            print(f"{args.address} {args.service or '(all)'}: {status}: exited, so drained")
+            return 0
         time.sleep(0.2)
     print(f"{args.address} {args.service or '(all)'}: {status}")
     return 0 if status == wanted else 1

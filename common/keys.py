@@ -59,13 +59,46 @@ class RedisKeys:
         """Stream of InboxMessage for one executor: the scheduler and gateways XADD, it reads."""
         return f"{self.prefix}exec:{executor_id}:inbox"
 
-    def session(self, session_id: str) -> str:
-        """SessionState of one session, with a TTL renewed at each turn."""
-        return f"{self.prefix}session:{session_id}"
+    def session(self, tenant: str, session_id: str) -> str:
+        """SessionState of one of `tenant`'s sessions, with a TTL renewed at each turn; every
+        tenant has a session id space of its own (tenant names hold no ':')."""
+        return f"{self.prefix}session:{tenant}:{session_id}"
 
     def cancelled(self, request_id: str) -> str:
         """Marker that a request was cancelled while maybe still queued; the scheduler drops it."""
         return f"{self.prefix}cancel:{request_id}"
+
+    def api_key(self, key_id: str) -> str:
+        """Hash of one API key: its tenant, the SHA-256 of the whole key, when it was made
+        (common/tenants.py); deleted when the key is revoked."""
+        return f"{self.prefix}apikey:{key_id}"
+
+    @property
+    def api_key_ids(self) -> str:
+        """Set of the ids of every API key not revoked (for `kvgate admin keys list`)."""
+        return f"{self.prefix}apikeys"
+
+    def tenant_limits(self, tenant: str) -> str:
+        """Hash of a tenant's quotas (common/tenants.py TenantLimits); absent: no limits."""
+        return f"{self.prefix}tenant:{tenant}:limits"
+
+    def tenant_buckets(self, tenant: str) -> str:
+        """Hash of a tenant's token buckets (requests per second, generated tokens per
+        minute), written by the gateways' quota script only."""
+        return f"{self.prefix}tenant:{tenant}:buckets"
+
+    def tenant_streams(self, tenant: str) -> str:
+        """Sorted set of a tenant's open streams: member gateway/stream id, score the end of
+        its lease (Redis time, ms); gateways renew the leases of the streams they hold."""
+        return f"{self.prefix}tenant:{tenant}:streams"
+
+    def tenant_usage(self, tenant: str, day: str) -> str:
+        """Hash of a tenant's usage counters on one UTC day (YYYY-MM-DD)."""
+        return f"{self.prefix}usage:{tenant}:{day}"
+
+    def tenant_usage_pattern(self, tenant: str = "*") -> str:
+        """SCAN pattern of the usage hashes of `tenant` (default: of every tenant)."""
+        return f"{self.prefix}usage:{tenant}:*"
 
     @property
     def scheduler_leader(self) -> str:

@@ -91,6 +91,26 @@ METRICS = {
         "max_concurrent_streams, redis_max_connections, max_queue_len, max_queued_turns",
         ("limit",),
     ),
+    # per tenant: the first --metrics-max-tenants tenants a gateway sees have a label of their
+    # own, the others share the label "_other"
+    "kvgate_gateway_tenant_requests": MetricSpec(
+        "counter", "generations finished, by tenant", ("tenant",)
+    ),
+    "kvgate_gateway_tenant_prompt_tokens": MetricSpec(
+        "counter", "prompt tokens of finished generations, by tenant", ("tenant",)
+    ),
+    "kvgate_gateway_tenant_cached_prompt_tokens": MetricSpec(
+        "counter", "prompt tokens served from the KV cache, by tenant", ("tenant",)
+    ),
+    "kvgate_gateway_tenant_generated_tokens": MetricSpec(
+        "counter", "tokens generated, by tenant", ("tenant",)
+    ),
+    "kvgate_gateway_tenant_refused": MetricSpec(
+        "counter",
+        "calls refused over a quota, by tenant and limit: requests_per_s, tokens_per_min or "
+        "max_streams",
+        ("tenant", "limit"),
+    ),
     # scheduler
     "kvgate_scheduler_is_leader": MetricSpec(
         "gauge", "1 while this scheduler holds the leader lock, 0 as a standby"

@@ -1,9 +1,9 @@
 """`make run`: start a local kvgate stack and keep it up until Ctrl-C.
 
 python -m deploy.local [--host H] [--port P] [--executors N] [--metrics-port M]
-[--log-format json|text] [--log-dir DIR] (KVGATE_HOST, KVGATE_PORT, KVGATE_MODEL,
-KVGATE_METRICS_PORT, KVGATE_LOG_FORMAT as defaults). Prints
-the address and the /metrics ports once every process serves. A process that dies is
+[--log-format json|text] [--log-dir DIR] [--auth off|keys] (KVGATE_HOST, KVGATE_PORT,
+KVGATE_MODEL, KVGATE_METRICS_PORT, KVGATE_LOG_FORMAT as defaults). Prints the address, the
+/metrics ports and whether API keys are asked for once every process serves. A process that dies is
 started again with backoff (deploy/supervise.py), and said so; Ctrl-C or SIGTERM stops
 them all.
 """
@@ -17,7 +17,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import LOG_FORMATS, check_choice, check_range, env_int, env_str
+from common.config import (
+    LOG_FORMATS,
+    check_choice,
+    check_range,
+    env_int,
+    env_str,
+    redacted_url,
+)
 from deploy.models import choose_model
 from deploy.stack import DEFAULT_LOG_DIR, Stack, StackConfig
 from deploy.supervise import Supervisor
@@ -26,6 +33,7 @@ from deploy.supervise import Supervisor
 # (the targets of deploy/prometheus.yml).
 DEFAULT_METRICS_PORT = 9400
 MAX_EXECUTORS = 16
+AUTH_CHOICES = ("off", "keys")
 
 
 def metrics_ports(first_port: int, num_executors: int) -> dict[str, int]:
@@ -46,6 +54,7 @@ class LauncherConfig:
     metrics_port: int = DEFAULT_METRICS_PORT
     log_format: str = "json"  # of every process: json lines or text
     log_dir: str = str(DEFAULT_LOG_DIR)  # each process logs to DIR/NAME.log
+    auth: str = "off"  # the gateway's --auth: off (tenant "default") or keys
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -56,6 +65,7 @@ class LauncherConfig:
         last_port = 65535 - 2 - MAX_EXECUTORS
         check_range("--metrics-port", self.metrics_port, min_value=1, max_value=last_port)
         check_choice("--log-format", self.log_format, LOG_FORMATS)
+        check_choice("--auth", self.auth, AUTH_CHOICES)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> LauncherConfig:
@@ -79,7 +89,24 @@ class LauncherConfig:
             help="json lines (default) or text, for every process (env KVGATE_LOG_FORMAT)",
         )
         parser.add_argument("--log-dir", default=str(DEFAULT_LOG_DIR), help="DIR/NAME.log each")
+        parser.add_argument(
+            "--auth",
+            default="off",
+            help="off: every caller is tenant 'default'; keys: API keys (kvgate admin keys)",
+        )
         return cls(**vars(parser.parse_args(argv)))
+
+
+def _auth_line(auth: str, redis_url: str) -> str:
+    if auth == "off":
+        return (
+            "  auth is off: every caller is tenant 'default' (ARGS='--auth keys' asks for API "
+            "keys; docs/security.md)"
+        )
+    return (
+        "  auth: API keys; make one with\n"
+        f"  .venv/bin/kvgate admin --redis-url {redacted_url(redis_url)} keys create --tenant NAME"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics_ports=metrics_ports(config.metrics_port, config.executors),
             log_format=config.log_format,
             log_dir=Path(config.log_dir),
+            auth=config.auth,
         )
     )
     stopped = threading.Event()
@@ -108,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting kvgate on model {model} (logs in {stack.config.log_dir})", flush=True)
         stack.start_all(num_executors=config.executors)
         print(f"kvgate serving on {stack.address}  (Ctrl-C stops it)", flush=True)
+        print(_auth_line(config.auth, stack.redis_url), flush=True)
         for name, port in sorted(stack.metrics_ports.items(), key=lambda item: item[1]):
             print(f"  {name} metrics: http://127.0.0.1:{port}/metrics", flush=True)
         supervisor = Supervisor(stack, say=lambda line: print(line, flush=True))

@@ -83,6 +83,37 @@ def co_located_torch_threads() -> int:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
+# What kvgate's processes and `kvgate admin` need of Redis (docs/security.md): every command
+# but the dangerous ones (KEYS, FLUSHALL, CONFIG, DEBUG, ...), on kvgate's keys only.
+KVGATE_ACL_RULES = "~kvgate:* +@all -@dangerous"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSecurity:
+    """A redis-server that serves TLS only (clients need not present a certificate) and
+    knows one ACL user, limited to kvgate's keys; its default user is off."""
+
+    ca: str  # PEM files: the CA of the server's certificate, the certificate, its key
+    cert: str
+    key: str
+    user: str = "kvgate"
+    password: str = ""
+    acl_file: str = ""  # written by `server_args`
+
+    def server_args(self, port: int) -> list[str]:
+        Path(self.acl_file).write_text(
+            f"user default off\nuser {self.user} on >{self.password} {KVGATE_ACL_RULES}\n"
+        )
+        return [
+            "--port", "0", "--tls-port", str(port), "--tls-cert-file", self.cert,
+            "--tls-key-file", self.key, "--tls-ca-cert-file", self.ca,
+            "--tls-auth-clients", "no", "--aclfile", self.acl_file,
+        ]  # fmt: skip
+
+    def url(self, port: int) -> str:
+        return f"rediss://{self.user}:{self.password}@127.0.0.1:{port}/0?ssl_ca_certs={self.ca}"
+
+
 @dataclass(slots=True)
 class StackConfig:
     """How the local stack is laid out."""
@@ -106,6 +137,8 @@ class StackConfig:
     log_format: str = field(default_factory=lambda: env_str("KVGATE_LOG_FORMAT", "json"))
     # Fixed /metrics port by process name ("gateway", "scheduler", "executor-0"); others: free.
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    auth: str = "off"  # the gateways' --auth: a local stack takes every caller as "default"
+    redis_security: RedisSecurity | None = None  # None: plain TCP, no password
 
 
 class Stack:
@@ -117,7 +150,10 @@ class Stack:
         self.argvs: dict[str, list[str]] = {}  # the command each process was started with
         self.envs: dict[str, dict[str, str]] = {}  # environment variables it got besides
         self.redis_port = config.redis_port or free_port()
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        if config.redis_security is None:
+            self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        else:
+            self.redis_url = config.redis_security.url(self.redis_port)
         self.ha: RedisHA | None = None
         self.keys = RedisKeys(config.redis_prefix)
         self.gateway_ports: dict[str, int] = {}
@@ -139,7 +175,7 @@ class Stack:
         """A client of the stack's Redis (its master now, with sentinels)."""
         if self.ha is not None:
             return connect_sync(self.redis_url, timeout_s=5.0)
-        return redis.Redis(port=self.redis_port, socket_timeout=5.0)
+        return redis.Redis.from_url(self.redis_url, socket_timeout=5.0)
 
     def start_all(self, num_executors: int = 1) -> None:
         """Starts redis (on an empty data folder), the scheduler, executors and the gateway,
@@ -153,7 +189,8 @@ class Stack:
         for index in range(num_executors):
             self.wait_executor(f"executor-{index}")
         # Executors slower to load than the gateway's grace leave it NOT_SERVING for a moment.
-        wait_until(lambda: gateway_serving(self.address), 10.0, "gateway", self.procs["gateway"])
+        health = self.health_addresses["gateway"]
+        wait_until(lambda: gateway_serving(health), 10.0, "gateway", self.procs["gateway"])
 
     def log_path(self, name: str) -> Path:
         """Where the child process `name` logs."""
@@ -205,9 +242,11 @@ class Stack:
         if self.ha is not None:
             self.ha.start(self, find_redis_server())
             return
-        proc = self.spawn(
-            "redis", server_argv(find_redis_server(), self.redis_port, self.redis_dir)
-        )
+        binary, _, _, *rest = server_argv(find_redis_server(), self.redis_port, self.redis_dir)
+        ports = ["--port", str(self.redis_port)]
+        if self.config.redis_security is not None:
+            ports = self.config.redis_security.server_args(self.redis_port)
+        proc = self.spawn("redis", [binary, *ports, *rest])
         wait_until(self._redis_answers, 30.0, "redis-server", proc)
 
     def _redis_answers(self) -> bool:
@@ -281,14 +320,17 @@ class Stack:
             self.config.host,
             "--port",
             str(port),
+            "--auth",
+            self.config.auth,
             *self._metrics_flags(name),
+            *self._health_flags(name),
             *self.config.gateway_flags,
             *(extra_flags or []),
         ]
         proc = self.spawn(name, argv)
         self.gateway_ports[name] = port
-        address = f"{self.config.host}:{port}"
-        self.health_addresses[name] = address
+        # The health port: the public one may ask for TLS and client certificates.
+        address = self.health_addresses[name]
         wait_until(lambda: gateway_serving(address), self.config.start_timeout_s, name, proc)
 
     def _metrics_flags(self, name: str) -> list[str]:

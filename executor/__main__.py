@@ -13,9 +13,11 @@ from common.keys import RedisKeys
 from common.logs import add_log_context
 from common.redis_conn import connect_sync
 from common.startup import start_process
+from common.tls import TLSFileError
 from executor.config import ExecutorConfig
 from executor.engine import Engine
 from executor.faults import install_faults
+from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
 from executor.metrics import ExecutorMetrics
 from executor.service import ExecutorService
@@ -32,6 +34,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config, metrics = started
     add_log_context(executor_id=config.executor_id)
+    try:
+        sink_credentials = SinkCredentials.from_files(
+            config.sink_tls_ca,
+            config.sink_tls_cert,
+            config.sink_tls_key,
+            config.sink_tls_server_name,
+            config.sink_secret_file,
+        )
+    except TLSFileError as error:
+        print(f"executor: {error}", file=sys.stderr)
+        return 2
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     # The step loop holds the GIL between torch ops; the threads that send tokens to gateways
@@ -51,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = Engine(config.engine)
     install_faults(engine)
-    service = ExecutorService(config, engine, client, metrics)
+    service = ExecutorService(config, engine, client, metrics, sink_credentials)
     health.remove_check("model")
     health.add_check("draining", service.draining_check)
     health.add_check("step_loop", service.step_loop_check)

@@ -146,6 +146,11 @@ class ExecutorConfig:
     # A step loop that has not gone round for this long is stuck: the heartbeat is withdrawn
     # (its requests resume elsewhere) and health is NOT_SERVING; must exceed the longest step.
     step_stall_s: float = 5.0
+    sink_tls_ca: str = ""  # TokenSink over TLS: the CA of the gateways' certificates
+    sink_tls_cert: str = ""  # this executor's client certificate (mutual TLS)
+    sink_tls_key: str = ""
+    sink_tls_server_name: str = ""  # the name the gateways' certificate holds; empty: the host
+    sink_secret_file: str = ""  # the shared secret sent first on each TokenSink stream
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
@@ -158,6 +163,10 @@ class ExecutorConfig:
             raise ValueError(f"--executor-id must hold no spaces or ':', got {self.executor_id!r}")
         self.executor_id = self.executor_id or f"{socket.gethostname()}-{os.getpid()}"
         check_device_present(self.engine.device)
+        if bool(self.sink_tls_cert) != bool(self.sink_tls_key):
+            raise ValueError("--sink-tls-cert and --sink-tls-key must be given together")
+        if (self.sink_tls_cert or self.sink_tls_server_name) and not self.sink_tls_ca:
+            raise ValueError("--sink-tls-cert and --sink-tls-server-name need --sink-tls-ca")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorConfig:
@@ -207,7 +216,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
     add_health_flags(parser, default_port=0)
+    add_sink_flags(parser)
     return parser
+
+
+def add_sink_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of the TokenSink's TLS and shared secret (docs/security.md)."""
+    add = parser.add_argument
+    add(
+        "--sink-tls-ca",
+        default=env_str("KVGATE_SINK_TLS_CA", ""),
+        help="dial the gateways' TokenSink over TLS, their certificates signed by this CA",
+    )
+    add("--sink-tls-cert", default=env_str("KVGATE_SINK_TLS_CERT", ""), help="mutual TLS")
+    add("--sink-tls-key", default=env_str("KVGATE_SINK_TLS_KEY", ""))
+    add(
+        "--sink-tls-server-name",
+        default=env_str("KVGATE_SINK_TLS_SERVER_NAME", ""),
+        help="the name in the gateways' certificate (default: the host dialled)",
+    )
+    add(
+        "--sink-secret-file",
+        default=env_str("KVGATE_SINK_SECRET_FILE", ""),
+        help="send this file's secret on each TokenSink stream",
+    )
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.tls import channel_credentials, read_secret, sink_metadata
 from protos.kvgate.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,36 @@ class GatewayGone:
 GatewayEvent = GatewayAbort | GatewayGone
 
 
+@dataclass(frozen=True, slots=True)
+class SinkCredentials:
+    """How an executor dials the gateways' TokenSink: TLS (None: plaintext), the name the
+    gateways' certificate must carry (empty: the host dialled), and the shared secret's
+    metadata (empty: none)."""
+
+    tls: grpc.ChannelCredentials | None = None
+    server_name: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_files(
+        cls, ca: str, cert: str, key: str, server_name: str, secret_file: str
+    ) -> SinkCredentials:
+        """Reads the files (--sink-tls-*, --sink-secret-file; empty: not used).
+
+        Raises:
+            common.tls.TLSFileError: naming the flag of a file it cannot read.
+        """
+        tls = channel_credentials(ca, cert, key, "--sink-tls") if ca else None
+        secret = read_secret("--sink-secret-file", secret_file) if secret_file else None
+        return cls(tls, server_name, sink_metadata(secret))
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(address)
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(address, self.tls, options)
+
+
 class GatewayLink:
     """A TokenSink.Connect stream to one gateway.
 
@@ -44,18 +75,22 @@ class GatewayLink:
     """
 
     def __init__(
-        self, address: str, executor_id: str, on_event: Callable[[GatewayEvent], None]
+        self,
+        address: str,
+        executor_id: str,
+        on_event: Callable[[GatewayEvent], None],
+        credentials: SinkCredentials = SinkCredentials(),  # noqa: B008 (frozen, shared)
     ) -> None:
         self.address = address
         self._outgoing: queue.SimpleQueue[internal_pb2.ConnectRequest | None] = queue.SimpleQueue()
         self._on_event = on_event
-        self._channel = grpc.insecure_channel(address)
+        self._channel = credentials.channel(address)
         hello = internal_pb2.ConnectRequest(
             hello=internal_pb2.ExecutorHello(executor_id=executor_id)
         )
         self._outgoing.put(hello)
         stub = internal_pb2_grpc.TokenSinkStub(self._channel)
-        self._call = stub.Connect(self._requests())
+        self._call = stub.Connect(self._requests(), metadata=credentials.metadata)
         self._closing = False
         self._reader = threading.Thread(target=self._read, name=f"sink-{address}", daemon=True)
         self._reader.start()

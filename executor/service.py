@@ -26,7 +26,13 @@ from common.requeue import attempts_used_up
 from common.sampling_pb import queued_sampling_params
 from executor.config import ExecutorConfig
 from executor.engine import Engine, RequestOutput
-from executor.gateway_link import GatewayAbort, GatewayEvent, GatewayGone, GatewayLink
+from executor.gateway_link import (
+    GatewayAbort,
+    GatewayEvent,
+    GatewayGone,
+    GatewayLink,
+    SinkCredentials,
+)
 from executor.heartbeat import Heartbeat, StatusBoard
 from executor.metrics import ExecutorMetrics
 from executor.sampler import TokenLogprobs
@@ -77,9 +83,11 @@ class ExecutorService:
         engine: Engine,
         client: redis.Redis,
         metrics: ExecutorMetrics | None = None,
+        sink_credentials: SinkCredentials | None = None,
     ) -> None:
         keys = RedisKeys(config.redis_prefix)
         self._config = config
+        self._sink_credentials = sink_credentials or SinkCredentials()
         self._engine = engine
         self._metrics = metrics or ExecutorMetrics()
         self._events: queue.SimpleQueue[InboxEntry | GatewayEvent] = queue.SimpleQueue()
@@ -330,7 +338,9 @@ class ExecutorService:
     def _link(self, address: str) -> GatewayLink:
         link = self._links.get(address)
         if link is None:
-            link = GatewayLink(address, self._config.executor_id, self._events.put)
+            link = GatewayLink(
+                address, self._config.executor_id, self._events.put, self._sink_credentials
+            )
             self._links[address] = link
         return link
 

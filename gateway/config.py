@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from common.config import (
     DEFAULT_MODEL,
     add_common_flags,
+    check_choice,
     check_common_fields,
     check_positive,
     check_range,
@@ -18,6 +19,8 @@ from common.config import (
 from common.health import HEALTH_DISABLED, add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.model_files import MODEL_HELP, check_model_path
+from common.tls import check_tls_flags
+from gateway.auth import AUTH_MODES
 
 
 @dataclass(slots=True)
@@ -57,6 +60,16 @@ class GatewayConfig:
     health_port: int = HEALTH_DISABLED  # grpc.health.v1 also here; -1: on the public port only
     log_level: str = "info"
     log_format: str = "json"
+    auth: str = "keys"  # keys, cert (the client certificate's CN) or off (tenant "default")
+    auth_cache_s: float = 2.0  # API key records and tenant limits are read again after this
+    tls_cert: str = ""  # public port: PEM certificate chain; empty: no TLS
+    tls_key: str = ""
+    tls_client_ca: str = ""  # set: clients must present a certificate this CA signed
+    internal_tls_cert: str = ""  # TokenSink port: executors must present a certificate
+    internal_tls_key: str = ""
+    internal_tls_client_ca: str = ""  # the CA of the executors' certificates
+    sink_secret_file: str = ""  # executors must send this file's secret first
+    metrics_max_tenants: int = 32  # tenants with labels of their own; the rest are "other"
 
     def __post_init__(self) -> None:
         check_model_path("--model", self.model, "tokenizer.json")
@@ -80,11 +93,42 @@ class GatewayConfig:
         check_metrics_port(self.metrics_port)
         check_health_port(self.health_port)
         check_common_fields(self.redis_url, self.log_level, self.log_format)
+        if self.reply_host in WILDCARD_HOSTS:
+            raise ValueError(
+                f"--advertise-host is needed when --internal-host is {self.internal_host!r}: "
+                "executors dial the advertised host, and a wildcard address is not one they "
+                "can reach (give this gateway's own address, e.g. its pod IP)"
+            )
+        self._check_security()
+
+    def _check_security(self) -> None:
+        """The auth, TLS and tenant-label flags."""
+        check_choice("--auth", self.auth, AUTH_MODES)
+        if self.auth == "cert" and not self.tls_client_ca:
+            raise ValueError("--auth cert needs --tls-client-ca (the CA of client certificates)")
+        check_positive("--auth-cache-s", self.auth_cache_s)
+        check_tls_flags("--tls", self.tls_cert, self.tls_key, self.tls_client_ca)
+        check_tls_flags(
+            "--internal-tls",
+            self.internal_tls_cert,
+            self.internal_tls_key,
+            self.internal_tls_client_ca,
+        )
+        if self.internal_tls_cert and not self.internal_tls_client_ca:
+            raise ValueError(
+                "--internal-tls-cert needs --internal-tls-client-ca: executors must present "
+                "a certificate"
+            )
+        check_range("--metrics-max-tenants", self.metrics_max_tenants, min_value=0)
 
     @property
     def reply_host(self) -> str:
         """The host executors dial for this gateway's TokenSink."""
         return self.advertise_host or self.internal_host
+
+
+# Addresses a server may listen on but a client cannot dial.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,7 +179,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")
     add_health_flags(parser, default_port=HEALTH_DISABLED)
     add_common_flags(parser)
+    add_security_flags(parser)
     return parser
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of API keys, TLS on both ports and the TokenSink's secret (docs/security.md)."""
+    add = parser.add_argument
+    add(
+        "--auth",
+        default=env_str("KVGATE_AUTH", "keys"),
+        help="keys: an API key per call; cert: the client certificate's CN; off: every caller "
+        "is tenant 'default' (env KVGATE_AUTH)",
+    )
+    add("--auth-cache-s", type=float, default=env_float("KVGATE_AUTH_CACHE_S", 2.0))
+    add("--tls-cert", default=env_str("KVGATE_TLS_CERT", ""), help="public port's certificate")
+    add("--tls-key", default=env_str("KVGATE_TLS_KEY", ""))
+    add(
+        "--tls-client-ca",
+        default=env_str("KVGATE_TLS_CLIENT_CA", ""),
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+    add("--internal-tls-cert", default=env_str("KVGATE_INTERNAL_TLS_CERT", ""))
+    add("--internal-tls-key", default=env_str("KVGATE_INTERNAL_TLS_KEY", ""))
+    add("--internal-tls-client-ca", default=env_str("KVGATE_INTERNAL_TLS_CLIENT_CA", ""))
+    add(
+        "--sink-secret-file",
+        default=env_str("KVGATE_SINK_SECRET_FILE", ""),
+        help="executors must send this file's secret on the TokenSink",
+    )
+    add(
+        "--metrics-max-tenants",
+        type=int,
+        default=env_int("KVGATE_METRICS_MAX_TENANTS", 32),
+        help="tenants with metric labels of their own; the others count as 'other'",
+    )
 
 
 def config_from_args(argv: list[str] | None = None) -> GatewayConfig:

@@ -29,9 +29,10 @@ def shown(value: str) -> str:
 
 
 class ServiceError(Exception):
-    """An error with the gRPC status code the client gets."""
+    """An error with the gRPC status code the client gets, and trailing metadata to send."""
 
     code = grpc.StatusCode.INTERNAL
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 class InvalidArgument(ServiceError):
@@ -48,10 +49,6 @@ class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
-class PermissionDenied(ServiceError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
 class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -62,6 +59,26 @@ class Refused(ResourceExhausted):
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)
         self.limit = limit  # the flag, without its dashes: max_queue_len, ...
+
+
+# Trailing metadata of a refusal by quota: milliseconds after which the call may succeed.
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+class QuotaExceeded(ResourceExhausted):
+    """A tenant is over one of its limits; the client gets RETRY_AFTER_KEY."""
+
+    def __init__(self, message: str, limit: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.limit = limit  # the TenantLimits field exceeded
+        self.retry_after_ms = retry_after_ms
+        self.metadata = ((RETRY_AFTER_KEY, str(retry_after_ms)),)
+
+
+class Unauthenticated(ServiceError):
+    """No credentials, or credentials that name no tenant; the message never repeats them."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class Unavailable(ServiceError):
@@ -89,6 +106,37 @@ def refused_limit(error: Exception) -> str | None:
     if isinstance(error, ConnectionBudgetExhausted):
         return "redis_max_connections"
     return None
+
+
+class WrappingInterceptor(aio.ServerInterceptor):
+    """An interceptor that wraps the behaviour of the handlers of the methods it `wraps`:
+    with `wrap_unary` when the server answers with one message, `wrap_stream` when it streams."""
+
+    def wraps(self, method: str) -> bool:
+        return True
+
+    def wrap_unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def wrap_stream(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not self.wraps(method):
+            return handler
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self.wrap_unary(handler.unary_unary, method))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self.wrap_unary(handler.stream_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self.wrap_stream(handler.unary_stream, method))
+        return handler._replace(stream_stream=self.wrap_stream(handler.stream_stream, method))
 
 
 def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
@@ -129,7 +177,7 @@ async def _abort_with(
     if limit is not None:
         on_refused(limit)
     log.debug("%s: %s", status[0].name, status[1])
-    await context.abort(status[0], status[1])
+    await context.abort(status[0], status[1], getattr(error, "metadata", ()))
 
 
 def _wrap_unary(
@@ -179,21 +227,15 @@ def wrap_handler(
     return handler
 
 
-class ErrorInterceptor(aio.ServerInterceptor):
+class ErrorInterceptor(WrappingInterceptor):
     """Turns ServiceError and Redis errors raised by servicers into gRPC status codes, and
     reports each refusal at a limit to `on_refused`."""
 
     def __init__(self, on_refused: OnRefused = lambda limit: None) -> None:
         self._on_refused = on_refused
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        refused = self._on_refused
-        return wrap_handler(
-            await continuation(handler_call_details),
-            lambda behavior: _wrap_unary(behavior, refused),
-            lambda behavior: _wrap_stream(behavior, refused),
-        )
+    def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], method: str) -> Callable:
+        return _wrap_unary(behavior, self._on_refused)
+
+    def wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable:
+        return _wrap_stream(behavior, self._on_refused)

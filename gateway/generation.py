@@ -22,6 +22,7 @@ from common.finish_reason import FinishReason
 from common.logs import request_fields
 from common.requeue import attempts_used_up
 from common.sampling_pb import sampling_params_to_pb
+from gateway.accounting import Accounting
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import DeadlineExceeded, ServiceError, Unavailable
 from gateway.metrics import GatewayMetrics
@@ -80,6 +81,8 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     error_message: str = ""
+    priority: int = 0  # set on the last chunk: the priority the request ran at
+    priority_clamped: bool = False
 
 
 class BackgroundTasks:
@@ -111,6 +114,7 @@ class GenerationDeps:
     queue_timeout_s: float
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     max_attempts: int = 3  # runs of a request whose executor was lost, before it fails
+    accounting: Accounting | None = None  # None: usage is not recorded
 
 
 class Generation:
@@ -396,10 +400,18 @@ class Generation:
             ttft_ms=_ms_since(self.arrival, self.first_token_at or now),
             total_ms=_ms_since(self.arrival, now),
         )
+        chunk.priority = self.spec.priority
+        chunk.priority_clamped = self.spec.priority_clamped
         self._record_finish(chunk)
         return chunk
 
     def _record_finish(self, chunk: Chunk) -> None:
+        accounting = self.deps.accounting
+        if accounting is not None:
+            accounting.count(self.tenant, chunk.usage)
+            self.deps.background.spawn(
+                accounting.record(self.tenant, chunk.usage), "recording a tenant's usage"
+            )
         metrics = self.deps.metrics
         metrics.finished_requests.labels(chunk.finish_reason).inc()
         metrics.e2e_seconds.observe(chunk.timings.total_ms / 1000.0)

@@ -10,7 +10,7 @@ import grpc
 from grpc import aio
 
 from common.metrics import ProcessMetrics
-from gateway.errors import wrap_handler
+from gateway.errors import WrappingInterceptor
 
 
 class GatewayMetrics(ProcessMetrics):
@@ -49,7 +49,7 @@ def _code_of(context: aio.ServicerContext, ended: str) -> str:
     return grpc.StatusCode.UNKNOWN.name
 
 
-class MetricsInterceptor(aio.ServerInterceptor):
+class MetricsInterceptor(WrappingInterceptor):
     """Counts every call by service, method and status code; tracks open response streams.
 
     Placed before ErrorInterceptor, it sees the status that interceptor aborted with.
@@ -62,7 +62,7 @@ class MetricsInterceptor(aio.ServerInterceptor):
         service, method = _split_method(full_method)
         self.metrics.requests.labels(service, method, _code_of(context, ended)).inc()
 
-    def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str):
+    def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str) -> Callable:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
             ended = "raised"
             try:
@@ -77,7 +77,9 @@ class MetricsInterceptor(aio.ServerInterceptor):
 
         return wrapper
 
-    def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], full_method: str):
+    def wrap_stream(
+        self, behavior: Callable[..., AsyncIterator[Any]], full_method: str
+    ) -> Callable:
         active = self.metrics.active_streams.labels(_split_method(full_method)[1])
 
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
@@ -87,7 +89,10 @@ class MetricsInterceptor(aio.ServerInterceptor):
                 async for response in behavior(request_or_iterator, context):
                     yield response
                 ended = "completed"
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                # gRPC stops reading a response stream whose client has gone either by
+                # cancelling the call's task or by closing this generator at its yield
+                # (GeneratorExit), the latter at times before context.cancelled() says so.
                 ended = "cancelled"
                 raise
             finally:
@@ -95,15 +100,3 @@ class MetricsInterceptor(aio.ServerInterceptor):
                 self._count(full_method, context, ended)
 
         return wrapper
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method
-        return wrap_handler(
-            await continuation(handler_call_details),
-            lambda behavior: self._wrap_unary(behavior, method),
-            lambda behavior: self._wrap_stream(behavior, method),
-        )

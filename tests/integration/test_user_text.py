@@ -37,7 +37,9 @@ def served(request, redis_url: str, chatml_gguf: Path):
     client.flushall()
     model = STORIES_260K if request.param == "stories260K" else chatml_gguf
     gateway = GatewayThread(
-        GatewayConfig(model=str(model), redis_url=redis_url, port=0, queue_timeout_s=20.0)
+        GatewayConfig(
+            model=str(model), redis_url=redis_url, port=0, queue_timeout_s=20.0, auth="off"
+        )
     )
     peer = ExecutorPeer(client, RedisKeys())
     peer.register()

@@ -8,7 +8,14 @@ import logging
 
 import pytest
 
-from common.config import check_host_port, check_range, env_bool, env_int
+from common.config import (
+    check_host_port,
+    check_range,
+    check_redis_url,
+    env_bool,
+    env_int,
+    redacted_url,
+)
 from common.keys import RedisKeys
 from common.logs import (
     JsonFormatter,
@@ -30,8 +37,14 @@ def test_every_key_starts_with_the_prefix():
         keys.executors,
         keys.executor_status("e1"),
         keys.executor_inbox("e1"),
-        keys.session("s1"),
+        keys.session("acme", "s1"),
         keys.cancelled("r1"),
+        keys.api_key("k1"),
+        keys.api_key_ids,
+        keys.tenant_limits("acme"),
+        keys.tenant_buckets("acme"),
+        keys.tenant_streams("acme"),
+        keys.tenant_usage("acme", "2026-01-01"),
         keys.scheduler_leader,
     ]
     assert all(name.startswith("tenantA:") for name in names), names
@@ -181,3 +194,14 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(tmp_path):
             process.wait()
     output = log_path.read_text()
     assert "Current thread" in output and "scheduler/service.py" in output, output[-2000:]
+
+
+def test_redis_urls_are_shown_without_their_password():
+    assert redacted_url("rediss://kvgate:s3cret@h:6380/0?ssl_ca_certs=/ca.pem") == (
+        "rediss://kvgate:***@h:6380/0?ssl_ca_certs=/ca.pem"
+    )
+    assert redacted_url("unix:///r.sock?db=0&password=s3cret") == "unix:/r.sock?db=0&password=***"
+    assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
+    with pytest.raises(ValueError) as refused:
+        check_redis_url("--redis-url", "http://kvgate:s3cret@h:6379")
+    assert "s3cret" not in str(refused.value) and "--redis-url" in str(refused.value)

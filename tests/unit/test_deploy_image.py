@@ -110,7 +110,10 @@ def test_every_exposed_port_is_a_port_the_processes_listen_on_in_the_image() -> 
     (expose,) = [i["value"].split() for i in final_stage() if i["instruction"] == "EXPOSE"]
     listening: set[int] = set()
     for role in PARSERS:
-        config = check_container([role], env, f"the image's {role}")
+        # A gateway in a container says which address executors dial (compose: its service
+        # name, Kubernetes: its pod IP); without one it is refused, as the next test shows.
+        command = [role, "--advertise-host", "gateway-1"] if role == "gateway" else [role]
+        config = check_container(command, env, f"the image's {role}")
         ports = [getattr(config, f, None) for f in ("port", "internal_port")]
         ports += [config.metrics_port, config.health_port]
         listening.update(p for p in ports if p and p > 0)
@@ -120,6 +123,11 @@ def test_every_exposed_port_is_a_port_the_processes_listen_on_in_the_image() -> 
     assert {int(p) for p in expose} == listening, (
         f"EXPOSE {expose}; the processes listen on {sorted(listening)}"
     )
+
+
+def test_the_images_gateway_without_an_advertised_host_is_refused_naming_the_flag() -> None:
+    with pytest.raises(AssertionError, match="--advertise-host is needed"):
+        check_container(["gateway"], image_env(), "the image's gateway")
 
 
 HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent))

@@ -17,9 +17,16 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from dockerfile_parse import DockerfileParser
 
 from common.health import build_parser as health_parser
-from tests.unit.deploy_args import check_container, image_env, module_exists
+from tests.unit.deploy_args import (
+    DOCKERFILE,
+    check_container,
+    image_env,
+    module_exists,
+    parse_container,
+)
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
@@ -173,6 +180,32 @@ def test_every_container_runs_a_process_that_accepts_its_args(overlay: str) -> N
         if args[0] == "gateway":
             assert config.advertise_host == POD_IP, f"{where}: executors must dial the pod IP"
     assert roles == {"gateway", "scheduler", "executor"}, roles
+
+
+def image_model_source() -> str:
+    """The Dockerfile's default MODEL_SOURCE: `fetch` bakes the chat model into /models."""
+    (source,) = [
+        step["value"].split("=", 1)[1]
+        for step in DockerfileParser(path=str(DOCKERFILE)).structure
+        if step["instruction"] == "ARG" and step["value"].startswith("MODEL_SOURCE=")
+    ]
+    return source
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_gateway_and_executor_has_a_model(overlay: str) -> None:
+    for workload, container in kvgate_containers(overlay):
+        env = container_env(overlay, container)
+        args = [expand(arg, env) for arg in container["args"]]
+        if args[0] not in ("gateway", "executor"):
+            continue
+        _, parsed = parse_container(args, env, workload["metadata"]["name"])
+        mounted = {m["mountPath"].rstrip("/") for m in container.get("volumeMounts", [])}
+        in_image = image_model_source() == "fetch" and parsed.model.startswith("/models")
+        assert parsed.model.rstrip("/") in mounted or in_image, (
+            f"{overlay}: {workload['metadata']['name']} serves {parsed.model}, which neither "
+            "a volume nor the default image build provides"
+        )
 
 
 def test_executors_drain_before_they_stop() -> None:

@@ -1,0 +1,85 @@
+"""Per-tenant accounting: Prometheus counters (bounded labels) and daily usage in Redis.
+
+Each finished generation adds to its tenant's counters (requests, prompt, cached prompt and
+generated tokens) in Prometheus and in the tenant's usage hash of the day, which
+`kvgate admin usage` reports; its generated tokens are taken from the tenant's tokens-per-
+minute bucket. The Redis writes run after the client has its last chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import redis.asyncio as aioredis
+
+from common.keys import RedisKeys
+from common.tenants import OTHER_TENANTS, USAGE_FIELDS, USAGE_TTL_DAYS, utc_day
+from gateway.metrics import GatewayMetrics
+from gateway.quotas import Quotas
+
+
+class Usage(Protocol):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+class TenantLabels:
+    """The metric label of a tenant: its name for the first `max_tenants` seen, then
+    OTHER_TENANTS, so that a gateway's series stay bounded whoever calls it."""
+
+    def __init__(self, max_tenants: int) -> None:
+        self.max_tenants = max_tenants
+        self._named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._named:
+            return tenant
+        if len(self._named) < self.max_tenants:
+            self._named.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
+
+class Accounting:
+    """Counts what each tenant used."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        quotas: Quotas,
+        metrics: GatewayMetrics,
+        max_tenants: int,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.quotas = quotas
+        self.metrics = metrics
+        self.label = TenantLabels(max_tenants)
+
+    def count(self, tenant: str, usage: Usage) -> None:
+        """Add a finished generation to the tenant's Prometheus counters."""
+        label = self.label(tenant)
+        metrics = self.metrics
+        metrics.tenant_requests.labels(label).inc()
+        metrics.tenant_prompt_tokens.labels(label).inc(usage.prompt_tokens)
+        metrics.tenant_cached_prompt_tokens.labels(label).inc(usage.cached_prompt_tokens)
+        metrics.tenant_generated_tokens.labels(label).inc(usage.completion_tokens)
+
+    def refused(self, tenant: str, limit: str) -> None:
+        """Count a call refused over one of the tenant's limits."""
+        self.metrics.tenant_refused.labels(self.label(tenant), limit).inc()
+
+    async def record(self, tenant: str, usage: Usage) -> None:
+        """Add a finished generation to the tenant's usage of the day and take its tokens
+        from the tenant's bucket."""
+        key = self.keys.tenant_usage(tenant, utc_day(time.time()))
+        counts = (1, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for name, count in zip(USAGE_FIELDS, counts, strict=True):
+                pipe.hincrby(key, name, count)
+            pipe.expire(key, USAGE_TTL_DAYS * 86400)
+            await pipe.execute()
+        await self.quotas.charge_tokens(tenant, usage.completion_tokens)

@@ -1,0 +1,94 @@
+"""The security flags' checks, API key helpers, tenant limits and bounded tenant labels."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.tenants import (
+    OTHER_TENANTS,
+    TenantLimits,
+    check_tenant,
+    key_id_of,
+    key_matches,
+    key_record,
+    new_api_key,
+)
+from executor.config import EngineConfig, ExecutorConfig
+from gateway.accounting import TenantLabels
+from gateway.config import GatewayConfig
+from gateway.server import ListenError, PortSecurity
+from tests.helpers import STORIES_260K
+
+
+def gateway(**fields) -> GatewayConfig:
+    return GatewayConfig(model=str(STORIES_260K), **fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [
+        ({"auth": "maybe"}, "--auth"),
+        ({"auth": "cert"}, "--auth cert needs --tls-client-ca"),
+        ({"tls_cert": "c.pem"}, "--tls-cert and --tls-key"),
+        ({"tls_client_ca": "ca.pem"}, "--tls-client-ca needs --tls-cert"),
+        ({"internal_tls_cert": "c.pem", "internal_tls_key": "k.pem"}, "--internal-tls-client-ca"),
+        ({"auth_cache_s": 0}, "--auth-cache-s"),
+        ({"metrics_max_tenants": -1}, "--metrics-max-tenants"),
+    ],
+)
+def test_bad_security_flags_are_refused_naming_them(fields: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        gateway(**fields)
+
+
+def test_an_executor_needs_the_ca_for_its_sink_certificate() -> None:
+    engine = EngineConfig(model=str(STORIES_260K))
+    with pytest.raises(ValueError, match="--sink-tls-ca"):
+        ExecutorConfig(engine, sink_tls_cert="c.pem", sink_tls_key="k.pem")
+    with pytest.raises(ValueError, match="--sink-tls-cert and --sink-tls-key"):
+        ExecutorConfig(engine, sink_tls_ca="ca.pem", sink_tls_cert="c.pem")
+
+
+def test_an_unreadable_certificate_stops_the_gateway_naming_its_flag(tmp_path) -> None:
+    config = gateway(tls_cert=str(tmp_path / "none.pem"), tls_key=str(tmp_path / "none.key"))
+    with pytest.raises(ListenError, match="--tls-key: cannot read"):
+        PortSecurity.from_config(config)
+    empty = tmp_path / "secret"
+    empty.write_text("\n")
+    with pytest.raises(ListenError, match="--sink-secret-file: .* is empty"):
+        PortSecurity.from_config(gateway(sink_secret_file=str(empty)))
+
+
+def test_api_keys_carry_their_id_and_match_only_their_hash() -> None:
+    key_id, api_key = new_api_key()
+    assert key_id_of(api_key) == key_id and len(api_key) == len("kvg__") + 12 + 43
+    record = key_record("acme", api_key, 0)
+    assert api_key not in record.values() and key_matches(api_key, record["sha256"])
+    _, other = new_api_key()
+    assert not key_matches(other, record["sha256"])
+    for malformed in ("", "kvg_", f"{api_key}x", api_key.replace("kvg_", "sk_"), "Bearer x"):
+        assert key_id_of(malformed) is None, malformed
+
+
+def test_tenant_names_and_limits_round_trip() -> None:
+    assert check_tenant("--tenant", "team-a.prod_1") == "team-a.prod_1"
+    for bad in ("", "_other", "a:b", "a b", "x" * 65):
+        with pytest.raises(ValueError, match="--tenant"):
+            check_tenant("--tenant", bad)
+    limits = TenantLimits(requests_per_s=2.5, tokens_per_min=600, max_streams=3, max_priority=0)
+    stored = {k.encode(): v.encode() for k, v in limits.to_redis().items()}
+    assert TenantLimits.from_redis(stored) == limits
+    assert TenantLimits().unlimited and TenantLimits().to_redis() == {}
+    with pytest.raises(ValueError, match="--tokens-per-min"):
+        TenantLimits(tokens_per_min=-1)
+
+
+def test_tenant_labels_are_bounded() -> None:
+    label = TenantLabels(max_tenants=2)
+    assert [label(t) for t in ("a", "b", "c", "a", "d")] == [
+        "a",
+        "b",
+        OTHER_TENANTS,
+        "a",
+        OTHER_TENANTS,
+    ]
