@@ -95,7 +95,9 @@ def test_sessions_and_queued_requests_survive_a_redis_restart_under_load(stack):
             scheduler.send_signal(signal.SIGCONT)
         outcomes = [f.result(timeout=120) for f in running + queued]
     assert outcomes == ["complete"] * 30, outcomes
-    assert stack.redis().get(stack.keys.session("default", session_id)), "the session did not survive"
+    assert stack.redis().get(stack.keys.session("default", session_id)), (
+        "the session did not survive"
+    )
     with KvgateClient(stack.address, timeout_s=60.0) as client:
         chat = client.chat(session_id=session_id)
         second = chat.ask("And then?", max_tokens=8, temperature=0.0)
