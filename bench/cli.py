@@ -5,6 +5,7 @@ kvgate bench --workload shared-prefix --num-prefixes 4 --prefix-len 96 --input-l
 kvgate bench --workload chat --num-turns 3 --input-len 32 --output-len 32 ...
 kvgate bench --sweep-rates 1,2,4,inf ...      (one run per rate, plotted)
 kvgate bench --sweep-window 0,5,20,100 ...    (starts its own stack on --model)
+kvgate bench --sweep-policy fcfs,lpm ...      (its own stack, scheduler and executor per policy)
 kvgate bench --compare-hf ...                 (the same requests through transformers)
 
 Writes the results JSON to --out and PNG plots next to it (OUT_cdf.png, OUT_rates.png,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -106,10 +108,25 @@ def _add_output_flags(add: Callable[..., object]) -> None:
         help="e.g. 0,5,20,100: batch_window_ms per run, on a local stack of --model",
     )
     add(
+        "--sweep-policy",
+        type=_name_list,
+        default=[],
+        dest="sweep_policies",
+        help="e.g. fcfs,lpm: --policy of the scheduler and executor per run (the same "
+        "requests), on a local stack of --model",
+    )
+    add(
+        "--executor-flags",
+        type=shlex.split,
+        default=[],
+        help="--sweep-window/--sweep-policy: flags of the local stack's executor, "
+        "e.g. '--num-gpu-blocks 64 --max-num-seqs 4'",
+    )
+    add(
         "--log-dir",
         type=Path,
         default=DEFAULT_LOG_DIR,
-        help="--sweep-window: where its local stack's processes log",
+        help="--sweep-window/--sweep-policy: where the local stack's processes log",
     )
     add("--model", default="", help="served model folder (default: KVGATE_MODEL or make run's)")
     add("--compare-hf", action="store_true", help="run the same requests through transformers")
@@ -128,6 +145,14 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _name_list(text: str) -> list[str]:
+    """An argparse type: comma-separated names, at least one."""
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected names like fcfs,lpm, got {text!r}")
+    return names
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Raises: ValueError naming the flag when a value is out of range."""
     flags = vars(args)
@@ -142,6 +167,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         out=args.out,
         sweep_rates=args.sweep_rates,
         sweep_windows_ms=args.sweep_windows_ms,
+        sweep_policies=args.sweep_policies,
+        executor_flags=args.executor_flags,
         model=args.model,
         prompt_words=args.prompt_words,
         compare_hf=args.compare_hf,
@@ -168,7 +195,7 @@ def check_inputs(config: BenchConfig) -> None:
             check_model_path("--model", model, "tokenizer.json")
         except ValueError as error:
             raise ValueError(f"--prompt-words vocab reads --model's tokenizer: {error}") from None
-    if config.compare_hf or config.sweep_windows_ms:
+    if config.compare_hf or config.sweep_windows_ms or config.sweep_policies:
         check_model_path("--model", model, "config.json")
     if config.compare_hf:
         with config.credentials.client(config.target, timeout_s=30.0) as client:
@@ -181,7 +208,7 @@ def rpc_failure(args: argparse.Namespace, error: grpc.RpcError) -> str:
     """The one-line message of a gateway call outside the measured requests (model info,
     tokenize), whose failure stops the bench."""
     status = f"{error.code().name}: {error.details()}"
-    if args.sweep_windows_ms:
+    if args.sweep_windows_ms or args.sweep_policies:
         return f"the local stack's gateway failed: {status}"
     if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return f"cannot reach --target {args.target}: {status}"

@@ -13,6 +13,8 @@ from deploy.models import ROOT, choose_model
 
 DEFAULT_OUT = Path("bench/results/bench.json")
 DEFAULT_LOG_DIR = ROOT / ".run" / "bench-logs"
+# The policies --sweep-policy compares: both the scheduler and the executor know them.
+SWEPT_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass(slots=True)
@@ -28,12 +30,14 @@ class BenchConfig:
     out: Path = DEFAULT_OUT
     sweep_rates: list[float] = field(default_factory=list)
     sweep_windows_ms: list[float] = field(default_factory=list)
-    model: str = ""  # the served model's folder (--sweep-window, --compare-hf)
+    sweep_policies: list[str] = field(default_factory=list)  # fcfs | lpm, one run each
+    executor_flags: list[str] = field(default_factory=list)  # the sweeps' local executor's
+    model: str = ""  # the served model's folder (--sweep-window, --sweep-policy, --compare-hf)
     prompt_words: str = "english"  # english | vocab (the words of --model's tokenizer)
     compare_hf: bool = False
     hf_sample: int = 4
     progress: bool = True
-    log_dir: Path = DEFAULT_LOG_DIR  # where --sweep-window's local stack logs
+    log_dir: Path = DEFAULT_LOG_DIR  # where the sweeps' local stack logs
     credentials: Credentials = field(default_factory=Credentials)  # --api-key, --tls*
 
     def __post_init__(self) -> None:
@@ -49,11 +53,18 @@ class BenchConfig:
             raise ValueError(
                 f"--sweep-window values must be finite and >= 0 ms, got {self.sweep_windows_ms}"
             )
-        if self.sweep_rates and self.sweep_windows_ms:
-            raise ValueError("--sweep-rates and --sweep-window cannot be combined: pick one")
-        if self.compare_hf and (self.sweep_rates or self.sweep_windows_ms):
+        bad = [p for p in self.sweep_policies if p not in SWEPT_POLICIES]
+        if bad:
+            raise ValueError(f"--sweep-policy values must be fcfs or lpm, got {bad[0]!r}")
+        sweeps = [self.sweep_rates, self.sweep_windows_ms, self.sweep_policies]
+        if sum(bool(sweep) for sweep in sweeps) > 1:
             raise ValueError(
-                "--compare-hf compares one run: leave out --sweep-rates/--sweep-window"
+                "--sweep-rates, --sweep-window and --sweep-policy cannot be combined: pick one"
+            )
+        if self.compare_hf and any(sweeps):
+            raise ValueError(
+                "--compare-hf compares one run: leave out --sweep-rates/--sweep-window/"
+                "--sweep-policy"
             )
         if self.compare_hf and self.workload.workload == "chat":
             raise ValueError("--compare-hf runs Generate workloads: use random or shared-prefix")

@@ -7,7 +7,7 @@
 # Prints every Triton kernel against its PyTorch reference in bfloat16, float16 and float32,
 # paged decode/prefill attention timings next to PyTorch SDPA, then the engine benchmark
 # (bench/gpu_engine.py): tokens/s at 1 and 64 concurrent requests against transformers
-# generate_batch, and the batch-1 decode step against the bandwidth bound.
+# generate_batch, and the batch-1 decode step (CUDA graphs and eager) against the bandwidth bound.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

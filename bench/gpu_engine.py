@@ -4,8 +4,8 @@
 
 Prints one table: output tokens/s of kvgate's Engine and of `transformers` generate_batch at
 1 and 64 concurrent requests (128 prompt, 128 output tokens, ignore_eos) on the same GPU in
-the same run, and the batch-1 decode step time against the bandwidth bound (weight bytes /
-4.8 TB/s, the H200's HBM bandwidth).
+the same run, and the batch-1 decode step time with CUDA graphs and without (enforce_eager)
+against the bandwidth bound (weight bytes / 4.8 TB/s, the H200's HBM bandwidth).
 """
 
 from __future__ import annotations
@@ -52,7 +52,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in unique.values())
 
 
+def eager_batch1_decode_ms(model_dir: Path) -> float:
+    """The batch-1 decode step without CUDA graphs (enforce_eager), its engine freed after."""
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", max_num_seqs=1,
+                                 gpu_memory_utilization=0.4, enforce_eager=True))  # fmt: skip
+    kvgate_tokens_per_s(engine, Workload(num_requests=1).prompts(LLAMA_1B_SHAPE["vocab_size"]), 4)
+    step_ms = decode_step_ms(engine, context_len=128, batch=1, steps=16)
+    del engine
+    torch.cuda.empty_cache()
+    return step_ms
+
+
 def measure(model_dir: Path, model: LlamaForCausalLM, concurrency: list[int]) -> dict:
+    eager_ms = eager_batch1_decode_ms(model_dir)
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", max_num_seqs=max(concurrency),
                                  gpu_memory_utilization=0.8))  # fmt: skip
     workload = Workload(num_requests=max(concurrency))
@@ -65,6 +77,7 @@ def measure(model_dir: Path, model: LlamaForCausalLM, concurrency: list[int]) ->
             model, prompts[:n], 128
         )
     result["batch1_decode_ms"] = decode_step_ms(engine, context_len=128, batch=1, steps=16)
+    result["batch1_decode_ms_eager"] = eager_ms
     result["bandwidth_bound_ms"] = 1000 * weight_bytes(model) / HBM_BYTES_PER_S
     return result
 
@@ -79,7 +92,9 @@ def print_table(result: dict) -> None:
             f"{f'tokens/s at {n} concurrent':<44}{ours:>12.1f}{theirs:>16.1f}{ours / theirs:>8.2f}"
         )
     decode, bound = result["batch1_decode_ms"], result["bandwidth_bound_ms"]
-    print(f"{'batch-1 decode step (ms)':<44}{decode:>12.3f}")
+    eager = result["batch1_decode_ms_eager"]
+    print(f"{'batch-1 decode step, CUDA graphs (ms)':<44}{decode:>12.3f}")
+    print(f"{'batch-1 decode step, eager (ms)':<44}{eager:>12.3f}{'':>16}{eager / decode:>8.2f}")
     print(
         f"{'bound: weight bytes / 4.8 TB/s (ms)':<44}{bound:>12.3f}{'':>16}{bound / decode:>8.2f}"
     )

@@ -3,7 +3,8 @@
     python -m bench.gpu_kernels [--skip-bench]
 
 1. Every Triton kernel against its PyTorch reference on CUDA in bfloat16, float16 and
-   float32: max abs error, and pass/fail against the tolerance of the dtype.
+   float32 (the weight-only int8/int4 matmuls too): max abs error, and pass/fail against the
+   tolerance of the dtype.
 2. Paged decode attention at batch 64, context 4096, 32 query / 8 KV heads, head_dim 128,
    block_size 16, bfloat16: median time (CUDA events), KV bytes read per second, fraction of
    the H200's 4.8 TB/s; next to PyTorch's scaled_dot_product_attention on the same K/V
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from kernels import KernelBackend, build_cos_sin_cache, get_kernels
 from kernels import reference as ref
+from kernels.quant import quantize_int4, quantize_int8
 
 H200_BANDWIDTH_GBPS = 4800.0
 # (atol, rtol) of Triton vs reference per dtype: outputs are rounded to the dtype on both sides.
@@ -186,6 +188,26 @@ def check_norm_and_rotary(dtype: torch.dtype, device: torch.device, tk: KernelBa
     return rows
 
 
+def check_quantized_linear(
+    dtype: torch.dtype, device: torch.device, tk: KernelBackend
+) -> list[Row]:
+    """int8 and int4 weight-only matmuls at 1 and 64 rows, errors relative to the largest
+    output (16-bit activations multiply weights rounded to their dtype)."""
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    weight = torch.randn(4096, 4096, generator=gen) * 0.02
+    rows = []
+    for name, quantized in (("int8", quantize_int8(weight)), ("int4 g32", quantize_int4(weight))):
+        quantized = quantized.to(device)
+        for num_rows in (1, 64):
+            x = torch.randn(num_rows, 4096, generator=gen).to(device, dtype)
+            expected = ref.linear_quantized(x, quantized)
+            scale = expected.float().abs().max()
+            rows.append(compare(f"{name} linear {num_rows}x4096", dtype,
+                                tk.linear_quantized(x, quantized).float() / scale,
+                                expected.float() / scale))  # fmt: skip
+    return rows
+
+
 def run_checks(device: torch.device, tk: KernelBackend) -> list[Row]:
     rows = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -193,6 +215,7 @@ def run_checks(device: torch.device, tk: KernelBackend) -> list[Row]:
             rows.extend(check_attention(shape, dtype, device, tk))
         rows.append(check_store(dtype, device, tk))
         rows.extend(check_norm_and_rotary(dtype, device, tk))
+        rows.extend(check_quantized_linear(dtype, device, tk))
     return rows
 
 

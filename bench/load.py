@@ -86,6 +86,7 @@ def time_stream(chunks: Iterator[inference_pb2.GenerateResponse], sent_s: float)
         if chunk.finish_reason:
             result.e2e_s = now_s - sent_s
             result.prompt_tokens = chunk.usage.prompt_tokens
+            result.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
             if chunk.finish_reason in FAILED:
                 name = inference_pb2.FinishReason.Name(chunk.finish_reason)
                 result.error = chunk.error_message or name

@@ -24,6 +24,8 @@ def run_bench(config: BenchConfig) -> dict:
     """
     if config.sweep_windows_ms:
         return window_sweep(config)
+    if config.sweep_policies:
+        return policy_sweep(config)
     if config.sweep_rates:
         return rate_sweep(config)
     return single_run(config)
@@ -53,14 +55,16 @@ def rate_sweep(config: BenchConfig) -> dict:
 
 def window_sweep(config: BenchConfig) -> dict:
     """One run per --sweep-window value on a local stack, its scheduler restarted each time."""
-    from bench.sweeps import local_stack, restart_scheduler, warm_up
+    from bench.sweeps import local_stack, restart_scheduler, warm_up, window_flags
 
     windows = config.sweep_windows_ms
     points = []
-    with local_stack(served_model(config), windows[0], config.log_dir) as stack:
+    model = served_model(config)
+    flags = window_flags(windows[0])
+    with local_stack(model, config.log_dir, flags, config.executor_flags) as stack:
         for index, window_ms in enumerate(windows):
             if index:
-                restart_scheduler(stack, window_ms)
+                restart_scheduler(stack, window_flags(window_ms))
             warm_up(stack.address)
             seed = config.workload.seed + index
             _, _, summary = run_point(config, stack.address, config.request_rate, seed)
@@ -74,6 +78,36 @@ def window_sweep(config: BenchConfig) -> dict:
         "plots": [str(path)],
         "log_dir": str(config.log_dir),
     }
+
+
+def policy_sweep(config: BenchConfig) -> dict:
+    """One run per --sweep-policy value on a local stack whose scheduler and executor are
+    restarted with `--policy` each time: the same requests (one seed) on an empty cache."""
+    from bench.sweeps import local_stack, restart_executor, restart_scheduler, warm_up
+
+    def scheduler_flags(policy: str) -> list[str]:
+        return ["--policy", policy]
+
+    def executor_flags(policy: str) -> list[str]:
+        return [*config.executor_flags, "--policy", policy]
+
+    points = []
+    first = config.sweep_policies[0]
+    model = served_model(config)
+    with local_stack(model, config.log_dir, scheduler_flags(first), executor_flags(first)) as stack:
+        for index, policy in enumerate(config.sweep_policies):
+            if index:
+                restart_scheduler(stack, scheduler_flags(policy))
+                restart_executor(stack, executor_flags(policy))
+            warm_up(stack.address)
+            _, _, summary = run_point(
+                config, stack.address, config.request_rate, config.workload.seed
+            )
+            summary["policy"] = policy
+            summary["executor_flags"] = config.executor_flags
+            print_summary(summary)
+            points.append(summary)
+    return {"sweep": "policy", "points": points, "log_dir": str(config.log_dir)}
 
 
 def run_point(
@@ -141,7 +175,12 @@ def print_summary(summary: dict) -> None:
     """Prints one run's statistics as a table."""
     rate = summary["request_rate"]
     window = summary.get("batch_window_ms")
-    print(f"\n== rate {rate} req/s" + ("" if window is None else f", window {window:g} ms"))
+    policy = summary.get("policy")
+    print(
+        f"\n== rate {rate} req/s"
+        + ("" if window is None else f", window {window:g} ms")
+        + ("" if policy is None else f", policy {policy}")
+    )
     print(
         f"completed {summary['completed']}, failed {summary['failed']} "
         f"in {summary['duration_s']:.2f} s"
@@ -151,6 +190,7 @@ def print_summary(summary: dict) -> None:
     print(f"request throughput  {summary['request_throughput']:.2f} req/s")
     print(f"output throughput   {summary['output_token_throughput']:.1f} tokens/s")
     print(f"goodput             {summary['goodput']:.2f} req/s  (SLOs: {summary['slo'] or 'none'})")
+    print(f"prefix cache hits   {summary['prefix_cache_hit_rate']:.1%} of prompt tokens")
     print(f"{'ms':8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         row = summary[name]

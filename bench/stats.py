@@ -33,6 +33,7 @@ class RequestResult:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""  # empty: the request finished
+    cached_prompt_tokens: int = 0  # prompt tokens served from the executor's prefix/session cache
 
     @property
     def ok(self) -> bool:
@@ -95,16 +96,21 @@ def run_metrics(
             every finished request.
 
     Returns:
-        ttft_ms, tpot_ms, itl_ms, e2e_ms summaries, counts and throughputs per second.
+        ttft_ms, tpot_ms, itl_ms, e2e_ms summaries, counts, throughputs per second, and the
+        prefix cache hit rate (cached prompt tokens / prompt tokens of finished requests).
     """
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    cached_tokens = sum(r.cached_prompt_tokens for r in done)
     good = sum(meets_slos(r, slos_ms) for r in done)
     return {
         "completed": len(done),
         "failed": len(results) - len(done),
         "duration_s": duration_s,
-        "total_prompt_tokens": sum(r.prompt_tokens for r in done),
+        "total_prompt_tokens": prompt_tokens,
+        "total_cached_prompt_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration_s,
         "output_token_throughput": output_tokens / duration_s,

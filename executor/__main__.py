@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     health = start_health("executor", config, metrics.registry, {"model": "loading the model"})
     if health is None:
         return 2
-    engine = Engine(config.engine)
+    try:
+        engine = Engine(config.engine)
+    except (ValueError, FileNotFoundError) as error:  # a model kvgate cannot load, named
+        print(f"executor: {error}", file=sys.stderr)
+        health.stop()
+        return 2
     install_faults(engine)
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
     health.remove_check("model")

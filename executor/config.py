@@ -27,6 +27,10 @@ from common.health import add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 from common.model_files import MODEL_HELP, check_model_path
 
+# Orders of the waiting queue within a priority level: first come, first served, or longest
+# prefix match first (the most prompt tokens already in the prefix or session cache).
+POLICIES = ("fcfs", "lpm")
+
 
 class EngineConfigError(ValueError):
     """An EngineConfig field out of range."""
@@ -54,8 +58,12 @@ class EngineConfig:
     session_ttl_s: float = 600.0
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    policy: str = "fcfs"  # order of the waiting queue within a priority: fcfs or lpm
+    lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones
 
     def __post_init__(self) -> None:
         _require(
@@ -95,6 +103,20 @@ class EngineConfig:
             self.dtype in (None, "float32", "float16", "bfloat16"),
             "dtype",
             "one of float32, float16, bfloat16",
+            self.dtype,
+        )
+        _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
+        _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
+        _require(
+            self.quantization in ("none", "int8", "int4"),
+            "quantization",
+            "one of none, int8, int4",
+            self.quantization,
+        )
+        _require(
+            not (self.device == "cpu" and self.dtype == "float16"),
+            "dtype",
+            "float32 or bfloat16 on the CPU",
             self.dtype,
         )
         _require(
@@ -185,9 +207,7 @@ class ExecutorConfig:
             ValueError: naming the flag with a bad value.
         """
         values = dict(values)
-        engine = engine_config_from_flags(
-            {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
-        )
+        engine = pop_engine_config(values)
         return cls(engine=engine, **values)
 
 
@@ -278,24 +298,67 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
     add(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default=env_str("KVGATE_DTYPE", "auto"),
+        help="weights and KV cache: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+        "float16 or bfloat16",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("KVGATE_ENABLE_PREFIX_CACHING", True),
+        help="reuse the K/V of cached prompt prefixes across requests",
+    )
+    add(
+        "--policy",
+        choices=POLICIES,
+        default=env_str("KVGATE_EXECUTOR_POLICY", "fcfs"),
+        help="order of waiting requests within a priority: fcfs, or lpm (longest cached "
+        "prefix first, with aging)",
+    )
+    add(
+        "--lpm-aging-steps",
+        type=int,
+        default=env_int("KVGATE_LPM_AGING_STEPS", 64),
+        help="lpm: a request waiting this many steps goes before every younger one",
+    )
+    add(
         "--retain-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=env_bool("KVGATE_RETAIN_FREED_MEMORY", True),
         help="CPU: keep freed activation memory in the process for reuse (glibc)",
     )
+    add(
+        "--quantization",
+        default=env_str("KVGATE_QUANTIZATION", "none"),
+        help="weight-only: none, int8 (per channel) or int4 (groups of 32)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        default=env_bool("KVGATE_ENFORCE_EAGER", False),
+        help="CUDA: run decode steps without CUDA graphs",
+    )
 
 
-def engine_config_from_flags(values: dict[str, object]) -> EngineConfig:
-    """The EngineConfig of the engine flags' values (0 for --max-model-len and
-    --num-gpu-blocks: unset).
+def pop_engine_config(values: dict[str, object]) -> EngineConfig:
+    """Take the engine flags' values (`add_engine_flags`'s, by field name) out of `values`.
+
+    Returns:
+        Their EngineConfig (0 for --max-model-len and --num-gpu-blocks, `auto` for --dtype:
+        unset); the other flags' values stay in `values`.
 
     Raises:
         ValueError: naming the flag of the field out of range.
     """
+    engine = {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
     for name in ("max_model_len", "num_gpu_blocks"):
-        values[name] = values[name] or None
+        engine[name] = engine[name] or None
+    if engine.get("dtype") == "auto":
+        engine["dtype"] = None
     try:
-        return EngineConfig(**values)
+        return EngineConfig(**engine)
     except EngineConfigError as error:
         flag = "--" + error.field.replace("_", "-")
         raise ValueError(f"{flag} must be {error.allowed}, got {error.value!r}") from None

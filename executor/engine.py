@@ -21,7 +21,7 @@ from executor.kv_cache import KVCacheManager
 from executor.model_runner import ModelRunner
 from executor.request import Request
 from executor.sampler import Sampler, SamplingBatch, TokenLogprobs
-from executor.scheduler import SchedulerOutput, StepScheduler
+from executor.scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
 
 
 @dataclass(slots=True)
@@ -148,6 +148,28 @@ class Engine:
         except Exception as error:  # noqa: BLE001 (any failure of the model: isolate it)
             return self._run_each_alone(out, error)
         return self._update(out, logits)
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits of a whole sequence in one forward pass: row i holds the
+        model's float32 logits for the token after token_ids[: i + 1]. For measuring a model's
+        quality (bench/quality.py); it needs an idle engine, takes blocks as a request would
+        (evicting cached prefixes if it must) and gives them back.
+
+        Raises:
+            ValueError: the ids are not a valid prompt for this model.
+            RuntimeError: requests are running or waiting, or the KV cache cannot hold it.
+        """
+        if self.requests:
+            raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
+        self._validate_prompt(token_ids)
+        req = Request("prompt-logits", list(token_ids), SamplingParams(max_tokens=1), -1)
+        if not self.kv_cache.allocate_slots(req, len(token_ids)):
+            raise RuntimeError(f"the KV cache cannot hold {len(token_ids)} tokens at once")
+        try:
+            step = ScheduledRequest(req, len(token_ids), samples=True)
+            return self.runner.execute(SchedulerOutput([step], len(token_ids)), every_row=True)
+        finally:
+            self.kv_cache.free(req)
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""

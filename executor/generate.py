@@ -1,7 +1,10 @@
 """Offline generation with the in-process engine: no Redis, no gRPC.
 
     python -m executor.generate --model DIR|FILE.gguf --prompt TEXT [--prompt TEXT ...]
-        --max-tokens N [--temperature T] [--ignore-eos]
+        --max-tokens N [--temperature T] [--ignore-eos] [engine flags]
+
+The engine flags are the executor's (`python -m executor --help`: --block-size, --dtype,
+--enable-prefix-caching, --kv-cache-gib, ...), so each can be tried without the stack.
 
 Prints each completion's text, one block per prompt in the order given; a progress bar of
 generated tokens goes to stderr. Prompts are tokenized as the gateway tokenizes them
@@ -15,8 +18,9 @@ import sys
 
 from tqdm import tqdm
 
+from common.model_files import check_model_path
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
+from executor.config import add_engine_flags, check_device_present, pop_engine_config
 from executor.engine import Engine
 from gateway.model_text import ModelText
 
@@ -34,31 +38,34 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -
     return outputs
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Generate completions offline with kvgate.")
-    parser.add_argument("--model", required=True, help="checkpoint folder or GGUF file")
-    parser.add_argument("--prompt", action="append", required=True, help="repeat for more")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.5)
-    return parser.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    """The sampling flags, then every engine flag of `python -m executor`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m executor.generate",
+        description="Generate completions offline with kvgate's engine.",
+    )
+    add = parser.add_argument
+    add("--prompt", action="append", required=True, help="repeat for more")
+    add("--max-tokens", type=int, default=64)
+    add("--temperature", type=float, default=0.0)
+    add("--top-p", type=float, default=1.0)
+    add("--seed", type=int, default=None)
+    add("--ignore-eos", action="store_true")
+    add_engine_flags(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    flags = vars(build_parser().parse_args(argv))
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed, ignore_eos=args.ignore_eos,
-        )  # fmt: skip
-        model_text = ModelText(args.model)
-        config = EngineConfig(model=args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
+        config = pop_engine_config(flags)
+        check_model_path("--model", config.model, "config.json")
+        check_device_present(config.device)
+        prompts_text = flags.pop("prompt")
+        params = SamplingParams(**flags)
+        model_text = ModelText(config.model)
         engine = Engine(config)
-        prompts = [model_text.encode(p) for p in args.prompt]
+        prompts = [model_text.encode(p) for p in prompts_text]
         completions = generate(engine, prompts, params)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -129,6 +129,12 @@ class KVCacheManager:
         req.num_registered_blocks = hit.num_tokens // self.block_size if hit is prefix_hit else 0
         return hit.num_tokens
 
+    def num_cached_prefix_tokens(self, req: Request) -> int:
+        """The tokens `acquire_cached_prefix` would give the request now, taking nothing."""
+        max_tokens = req.num_tokens - 1
+        session_hit = self._match_session(req, max_tokens)
+        return max(session_hit.num_tokens, self._match_prefix(req, max_tokens).num_tokens)
+
     def _match_prefix(self, req: Request, max_tokens: int) -> PrefixHit:
         hit = PrefixHit()
         if not self.enable_prefix_caching:

@@ -7,12 +7,13 @@ import logging
 import torch
 
 from executor.config import EngineConfig
-from executor.host_memory import retain_freed_memory
+from executor.cuda_graphs import DecodeGraphs
+from executor.host_memory import release_freed_memory, retain_freed_memory
 from executor.models.config import ModelConfig
-from executor.models.llama import AttentionMetadata, ForwardContext
+from executor.models.llama import ForwardContext
 from executor.models.loader import load_model
 from executor.scheduler import ScheduledRequest, SchedulerOutput
-from kernels import build_cos_sin_cache, get_kernels
+from kernels import AttentionStep, build_cos_sin_cache, get_kernels
 
 logger = logging.getLogger("kvgate.executor")
 
@@ -28,11 +29,18 @@ class ModelRunner:
         self.dtype = _DTYPES[
             config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         ]
+        # The KV cache's own dtype: the kernels take it apart from the activations' dtype.
+        self.kv_cache_dtype = self.dtype
         self.block_size = config.block_size
-        if self.device.type == "cpu" and config.retain_freed_memory:
-            retain_freed_memory()
         self.kernels = get_kernels(self.device, config.kernels, self.dtype)
-        self.model, self.model_config = load_model(config.model, self.device, self.dtype)
+        self.model, self.model_config = load_model(
+            config.model, self.device, self.dtype, config.quantization
+        )
+        if self.device.type == "cpu":
+            # The checkpoint's float tensors are freed by now: hand their pages back first.
+            release_freed_memory()
+            if config.retain_freed_memory:
+                retain_freed_memory()
         self.num_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(config)
         self.kv_caches = self._allocate_kv_caches()
         self.max_model_len = self._max_model_len(config)
@@ -40,12 +48,17 @@ class ModelRunner:
         self.cos_sin_cache = build_cos_sin_cache(
             mc.head_dim, self.max_model_len, mc.rope_theta, mc.rope_scaling, self.device
         )
+        self.decoder = self.kernels.prepare_decoder(self.model.decoder_weights(self.kv_caches))
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self, config.max_num_seqs, capture=True)
+            logger.info("CUDA graphs captured for decode batches of %s", self.decode_graphs.sizes)
 
     @property
     def block_bytes(self) -> int:
         mc = self.model_config
         per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        return per_token * self.block_size * self.kv_cache_dtype.itemsize
 
     def _num_blocks_from_memory(self, config: EngineConfig) -> int:
         if self.device.type == "cpu":
@@ -68,7 +81,7 @@ class ModelRunner:
         shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
         caches = []
         for _ in range(mc.num_hidden_layers):
-            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kv = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             caches.append((kv[0], kv[1]))
         logger.info("kv cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
         return caches
@@ -91,21 +104,35 @@ class ModelRunner:
         return config.max_model_len
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, every_row: bool = False) -> torch.Tensor:
         """Run one forward pass.
+
+        Args:
+            out: the step's requests and token counts.
+            every_row: return the logits of every new token, not only of those that sample.
 
         Returns:
             [num_sampling, vocab] float32 logits, one row per scheduled request that samples,
-            in batch order.
+            in batch order (every_row: [num_batched_tokens, vocab]).
         """
-        input_ids, positions, attn, sample_rows = self._prepare(out.scheduled)
-        ctx = ForwardContext(positions, attn, self.cos_sin_cache, self.kernels)
-        hidden = self.model(input_ids, self.kv_caches, ctx)
-        return self.model.compute_logits(hidden[sample_rows], self.kernels)
+        graphs = self.decode_graphs
+        if not every_row and graphs is not None and graphs.fits(out.scheduled):
+            logits = graphs.run(out.scheduled)
+            rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+            return logits if len(rows) == len(out.scheduled) else logits[rows]
+        input_ids, step, sample_rows = self._prepare(out.scheduled)
+        if every_row:
+            sample_rows = None
+        step = self.kernels.prepare_attention(step, self.kv_caches[0][0])
+        hidden = self.model(input_ids, ForwardContext(step, self.decoder, self.kernels))
+        if sample_rows is not None:
+            hidden = hidden[sample_rows]
+        return self.model.compute_logits(hidden, self.kernels)
 
     def _prepare(
         self, scheduled: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    ) -> tuple[torch.Tensor, AttentionStep, torch.Tensor | None]:
+        """The step's token ids, its attention inputs, and the rows that sample (None: all)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -120,30 +147,35 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
-        attn = self._attention_metadata(scheduled, slots)
-        return (
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            attn,
-            self._tensor(sample_rows, torch.int64),
+        step = self._attention_step(scheduled, positions, slots)
+        rows = (
+            None if len(sample_rows) == len(input_ids) else self._tensor(sample_rows, torch.int64)
         )
+        return self._tensor(input_ids, torch.int64), step, rows
 
-    def _attention_metadata(
-        self, scheduled: list[ScheduledRequest], slots: list[int]
-    ) -> AttentionMetadata:
+    def _attention_step(
+        self, scheduled: list[ScheduledRequest], positions: list[int], slots: list[int]
+    ) -> AttentionStep:
         num_decode = sum(1 for s in scheduled if s.num_new_tokens == 1)
         decode, prefill = scheduled[:num_decode], scheduled[num_decode:]
         cu_seqlens = [0]
         for s in prefill:
             cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
-        return AttentionMetadata(
+        mc = self.model_config
+        return AttentionStep(
+            positions=self._tensor(positions, torch.int64),
             slot_mapping=self._tensor(slots, torch.int64),
+            cos_sin_cache=self.cos_sin_cache,
             num_decode_tokens=num_decode,
             decode_block_tables=self._block_tables(decode),
             decode_context_lens=self._context_lens(decode),
             prefill_block_tables=self._block_tables(prefill),
             prefill_cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
             prefill_context_lens=self._context_lens(prefill),
+            num_heads=mc.num_attention_heads,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            scale=mc.head_dim**-0.5,
         )
 
     def _block_tables(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:

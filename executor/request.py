@@ -39,6 +39,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks published in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
+    waiting_since_step: int = 0  # the scheduler's step count when it last joined the queue
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
 

@@ -1,9 +1,10 @@
 """Step scheduler: which requests run in the next forward pass, and how many tokens each.
 
 Running requests go first (each gets what it still needs, within the token budget), then
-waiting ones in (priority, arrival) order while sequences, budget and blocks allow. A long
-prompt is cut into chunks by the budget, so decodes keep flowing beside it. When blocks run
-out, the lowest-priority, newest running request is preempted and later recomputed.
+waiting ones in policy order while sequences, budget and blocks allow: by priority, then
+arrival (fcfs) or the longest cached prefix first (lpm, with aging). A long prompt is cut
+into chunks by the budget, so decodes keep flowing beside it. When blocks run out, the
+lowest-priority, newest running request is preempted and later recomputed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# lpm orders at most this many of the oldest waiting requests each step (SGLang falls back
+# to fcfs past 128 waiting requests for the same reason: matching costs time every step).
+LPM_WINDOW = 128
+
+
 class StepScheduler:
     """Decides each step's batch; owns the waiting and running queues."""
 
@@ -44,14 +50,16 @@ class StepScheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self.waiting: list[Request] = []  # sorted by sort_key
+        self.waiting: list[Request] = []  # sorted by sort_key (priority, arrival)
         self.running: list[Request] = []  # sorted by sort_key
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.num_batched_tokens = 0  # cumulative tokens of all steps
+        self.num_steps = 0  # schedule() calls: the clock of lpm's aging
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        req.waiting_since_step = self.num_steps
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
     def schedule(self) -> SchedulerOutput:
@@ -60,6 +68,7 @@ class StepScheduler:
         Returns:
             The step's decision; empty when nothing can run.
         """
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -106,9 +115,29 @@ class StepScheduler:
         self.num_preemptions += 1
         self.add(req)
 
+    def _lpm_key(self, req: Request) -> tuple[int, bool, int, int]:
+        """Longest prefix match first (SGLang's lpm: the most prompt tokens already cached),
+        within a priority level. A request that has waited `lpm_aging_steps` steps goes
+        before every younger one, oldest first, so a prompt nobody shares still runs."""
+        if self.num_steps - req.waiting_since_step >= self.config.lpm_aging_steps:
+            return (req.priority, False, 0, req.arrival_seq)
+        return (req.priority, True, -self.kv_cache.num_cached_prefix_tokens(req), req.arrival_seq)
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in the order they are tried. lpm orders the LPM_WINDOW
+        oldest (measuring a request's cached prefix costs a hash lookup per block); the rest
+        follow in arrival order."""
+        if self.config.policy != "lpm":
+            return list(self.waiting)
+        window = sorted(self.waiting[:LPM_WINDOW], key=self._lpm_key)
+        return window + self.waiting[LPM_WINDOW:]
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        if not self.waiting or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            return
+        for req in self._admission_order():
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             num_cached = self.kv_cache.acquire_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv_cache.allocate_slots(req, num_new):
@@ -120,7 +149,7 @@ class StepScheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_cached
                 self.prefix_hit_tokens += num_cached
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             out.scheduled.append(self._scheduled(req, num_new))

@@ -121,9 +121,10 @@ class ExecutorService:
         self._heartbeat.start()
         self._inbox.start()
         log.info(
-            "executor %s serving (%d KV blocks)",
+            "executor %s serving (%d KV blocks, policy %s)",
             self._config.executor_id,
             self._engine.stats().num_total_blocks,
+            self._config.engine.policy,
         )
         while self._taking_work or self._engine.has_unfinished() or not self._events.empty():
             self._board.progress()

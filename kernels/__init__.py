@@ -1,6 +1,7 @@
-"""Attention, KV-cache, RMSNorm and rotary kernels: Triton and their PyTorch reference twins."""
+"""Attention, KV-cache, RMSNorm, rotary and linear kernels: Triton, C, and their PyTorch twins."""
 
+from kernels.attention_step import AttentionStep
 from kernels.dispatch import KernelBackend, get_kernels
 from kernels.rotary import build_cos_sin_cache
 
-__all__ = ["KernelBackend", "build_cos_sin_cache", "get_kernels"]
+__all__ = ["AttentionStep", "KernelBackend", "build_cos_sin_cache", "get_kernels"]

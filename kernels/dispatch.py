@@ -1,8 +1,9 @@
 """Choose the kernel backend for a device: Triton on CUDA, the C kernels on the CPU.
 
 `cpu` is the PyTorch reference with paged attention, rotary embedding, the KV-cache store, the
-greedy argmax, RMSNorm and linear layers replaced by kernels/cpu.py (float32 only); where that
-cannot be built or the dtype is not float32, the reference runs and the log says why.
+greedy argmax, RMSNorm, SiLU-and-multiply and linear layers replaced by the C kernels
+(kernels/cpu*.py; float32 and bfloat16); where those cannot be built or the dtype is another,
+the reference runs and the log says why.
 """
 
 import dataclasses
@@ -14,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kernels.attention_step import AttentionStep
+from kernels.decoder import DecoderWeights
 
 logger = logging.getLogger("kvgate.kernels")
 
@@ -33,6 +37,16 @@ class KernelBackend:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    linear_quantized: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # Once per step: check the step's indices and build what `attention` reads in each layer.
+    prepare_attention: Callable[..., AttentionStep]
+    # One layer: rotary embedding, KV-cache store and paged attention of a fused q/k/v.
+    attention: Callable[..., torch.Tensor]
+    # Once per model and cache: describe the decoder stack to the kernels.
+    prepare_decoder: Callable[[DecoderWeights], DecoderWeights]
+    # Every decoder layer of a step (kernels.decoder).
+    decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _triton_importable() -> bool:
@@ -86,14 +100,17 @@ def _choose_backend(device: torch.device, requested: str | None, dtype: torch.dt
     return "triton"
 
 
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _why_cpu_cannot_run(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu":
         return f"device is {device}, not the CPU"
-    if dtype != torch.float32:
-        return f"dtype is {dtype}; the CPU kernels are float32 only"
-    from kernels import cpu
+    if dtype not in CPU_DTYPES:
+        return f"dtype is {dtype}; the CPU kernels run float32 and bfloat16"
+    from kernels import cpu_build
 
-    return cpu.why_unavailable()
+    return cpu_build.why_unavailable()
 
 
 def _choose_cpu(device: torch.device, requested: str | None, dtype: torch.dtype) -> str:
@@ -121,31 +138,51 @@ def _reference_backend() -> KernelBackend:
         rotary_embedding=reference.rotary_embedding,
         argmax=reference.argmax,
         linear=reference.linear,
+        linear_quantized=reference.linear_quantized,
+        silu_and_mul=reference.silu_and_mul,
+        prepare_attention=reference.prepare_attention,
+        attention=reference.attention,
+        prepare_decoder=reference.prepare_decoder,
+        decoder_layers=reference.decoder_layers,
     )
 
 
 def _cpu_backend() -> KernelBackend:
     """The reference kernels, with the ones kernels/cpu.py has in C replaced."""
-    from kernels import cpu
+    from kernels import cpu, cpu_attention, cpu_decoder, cpu_linear
 
     return dataclasses.replace(
         _reference_backend(),
         name="cpu",
         store_kvcache=cpu.store_kvcache,
-        paged_decode_attention=cpu.paged_decode_attention,
-        paged_prefill_attention=cpu.paged_prefill_attention,
+        paged_decode_attention=cpu_attention.paged_decode_attention,
+        paged_prefill_attention=cpu_attention.paged_prefill_attention,
         rotary_embedding=cpu.rotary_embedding,
         argmax=cpu.argmax,
         rms_norm=cpu.rms_norm,
-        linear=cpu.linear,
+        linear=cpu_linear.linear,
+        linear_quantized=cpu_linear.linear_quantized,
+        silu_and_mul=cpu.silu_and_mul,
+        prepare_attention=cpu_attention.prepare_attention,
+        attention=cpu_attention.attention,
+        prepare_decoder=cpu_decoder.prepare_decoder,
+        decoder_layers=cpu_decoder.decoder_layers,
     )
 
 
 def _triton_backend() -> KernelBackend:
     # Imported here: triton is optional, and TRITON_INTERPRET is read when kernels are defined.
-    # Argmax and linear stay the reference's (torch on the GPU).
-    from kernels import triton_attention, triton_cache, triton_norm
+    # Argmax and SiLU-and-multiply stay the reference's (torch on the GPU); dense linear layers
+    # are torch's too (kernels/cuda.py).
+    from kernels import cuda, reference, triton_attention, triton_cache, triton_norm, triton_quant
+    from kernels.decoder import decoder_layers_with
 
+    attention = reference.attention_with(
+        triton_norm.rotary_embedding,
+        triton_cache.store_kvcache,
+        triton_attention.paged_decode_attention,
+        triton_attention.paged_prefill_attention,
+    )
     return dataclasses.replace(
         _reference_backend(),
         name="triton",
@@ -154,6 +191,16 @@ def _triton_backend() -> KernelBackend:
         paged_prefill_attention=triton_attention.paged_prefill_attention,
         rms_norm=triton_norm.rms_norm,
         rotary_embedding=triton_norm.rotary_embedding,
+        linear=cuda.linear,
+        linear_quantized=triton_quant.linear_quantized,
+        attention=attention,
+        decoder_layers=decoder_layers_with(
+            cuda.linear,
+            triton_quant.linear_quantized,
+            triton_norm.rms_norm,
+            attention,
+            reference.silu_and_mul,
+        ),
     )
 
 
@@ -173,8 +220,8 @@ def get_kernels(
     Args:
         device: where the model and KV cache live.
         backend: "triton", "cpu" or "reference"; None reads KVGATE_KERNELS, and when that is
-            unset too, picks Triton on CUDA, the CPU kernels on the CPU (float32) and the
-            reference kernels where those cannot run.
+            unset too, picks Triton on CUDA, the CPU kernels on the CPU (float32, bfloat16)
+            and the reference kernels where those cannot run.
         dtype: the model's and KV cache's dtype.
 
     Returns:

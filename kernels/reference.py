@@ -1,18 +1,26 @@
-"""PyTorch reference kernels: the production path on CPU and the twin of every Triton kernel.
+"""PyTorch reference kernels: the twin of every Triton and C kernel.
 
-Attention accumulates in float32 whatever the input dtype and returns the input dtype.
+Attention accumulates in float32 whatever the input dtype and returns the input dtype; the KV
+cache may have another dtype than the activations (values are converted when stored).
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_step import AttentionStep
+from kernels.decoder import DecoderKernel, DecoderWeights, decoder_layers_with
+from kernels.quant import QuantizedWeight
 from kernels.validation import (
     check_argmax,
     check_decode,
     check_linear,
     check_prefill,
+    check_quantized_linear,
     check_rms_norm,
     check_rotary,
+    check_silu_and_mul,
     check_store_kvcache,
 )
 
@@ -29,15 +37,17 @@ def store_kvcache(
     Args:
         key: [N, Hkv, D] new keys.
         value: [N, Hkv, D] new values.
-        k_cache: [num_blocks, block_size, Hkv, D] key cache, written in place.
+        k_cache: [num_blocks, block_size, Hkv, D] key cache, written in place (converted to
+            its dtype).
         v_cache: [num_blocks, block_size, Hkv, D] value cache, written in place.
         slot_mapping: [N] int64, slot = block_id * block_size + offset; -1 skips the token.
     """
     check_store_kvcache(key, value, k_cache, v_cache, slot_mapping)
     stored = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping.index_select(0, stored)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.index_select(0, stored))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.index_select(0, stored))
+    for new, cache in ((key, k_cache), (value, v_cache)):
+        rows = new.index_select(0, stored).to(cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
 def _gather_context(
@@ -182,19 +192,67 @@ def paged_prefill_attention(
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x @ weight^T + bias, as torch.nn.functional.linear.
 
     Args:
         x: [N, in_features].
         weight: [out_features, in_features], same dtype and device as x.
         bias: [out_features] or None.
+        out_dtype: the result's dtype; None: x.dtype. Another dtype (float32 logits of a
+            bfloat16 model) is computed in float32 and not rounded to x.dtype on the way.
 
     Returns:
-        [N, out_features] in x.dtype (twins may return another memory layout).
+        [N, out_features] (twins may return another memory layout).
     """
     check_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    bias = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), bias).to(out_dtype)
+
+
+def linear_quantized(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x @ w^T + bias for a weight-only quantized w, computed in float32 from the dequantized
+    weight and rounded once to the result's dtype.
+
+    Args:
+        x: [N, in_features] floats.
+        weight: the int8 or int4 weight (kernels.quant).
+        bias: [out_features] in x.dtype, or None.
+        out_dtype: the result's dtype; None: x.dtype.
+
+    Returns:
+        [N, out_features] (twins may return another memory layout).
+    """
+    check_quantized_linear(x, weight, bias)
+    bias = None if bias is None else bias.float()
+    out = F.linear(x.float(), weight.dequantize(torch.float32), bias)
+    return out.to(out_dtype or x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a Llama MLP's fused gate/up projection.
+
+    Args:
+        x: [N, 2 * I], gate in the first I features and up in the last I.
+
+    Returns:
+        [N, I] in x.dtype (silu's result rounded to x.dtype before the product, as torch does).
+    """
+    check_silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -254,3 +312,101 @@ def rotary_embedding(
     check_rotary(positions, q, k, cos_sin_cache)
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def prepare_attention(step: AttentionStep, k_cache: torch.Tensor) -> AttentionStep:
+    """The step as every layer reads it; the reference kernels check their inputs per call."""
+    return step
+
+
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionStep], torch.Tensor]
+
+
+def attention_with(
+    rotary: Callable, store: Callable, decode: Callable, prefill: Callable
+) -> AttentionKernel:
+    """One layer's attention (rotary embedding, KV store, paged attention) from these kernels.
+
+    Args:
+        rotary, store, decode, prefill: kernels with the signatures of this module's
+            rotary_embedding, store_kvcache, paged_decode_attention and
+            paged_prefill_attention.
+
+    Returns:
+        A kernel with the signature of `attention`.
+    """
+
+    def attention(
+        qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: AttentionStep
+    ) -> torch.Tensor:
+        num_tokens, head_dim = qkv.shape[0], step.head_dim
+        q_size, kv_size = step.num_heads * head_dim, step.num_kv_heads * head_dim
+        # Rotary embedding and the KV-cache store read each token's heads contiguously.
+        q, k, v = qkv.contiguous().split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, step.num_heads, head_dim)
+        k = k.view(num_tokens, step.num_kv_heads, head_dim)
+        v = v.reshape(num_tokens, step.num_kv_heads, head_dim)
+        q, k = rotary(step.positions, q, k, step.cos_sin_cache)
+        store(k, v, k_cache, v_cache, step.slot_mapping)
+        out = _attend(q.contiguous(), k_cache, v_cache, step, decode, prefill)
+        return out.view(num_tokens, q_size)
+
+    return attention
+
+
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    step: AttentionStep,
+    decode: Callable,
+    prefill: Callable,
+) -> torch.Tensor:
+    """Decode attention of the one-token sequences, then prefill attention of the rest."""
+    num_decode = step.num_decode_tokens
+    decode_args = (k_cache, v_cache, step.decode_block_tables, step.decode_context_lens)
+    if step.num_prefill_seqs == 0:
+        return decode(q, *decode_args, step.scale)
+    prefilled = prefill(
+        q[num_decode:], k_cache, v_cache, step.prefill_block_tables, step.prefill_cu_seqlens_q,
+        step.prefill_context_lens, step.scale,
+    )  # fmt: skip
+    if num_decode == 0:
+        return prefilled
+    return torch.cat([decode(q[:num_decode], *decode_args, step.scale), prefilled])
+
+
+attention: AttentionKernel = attention_with(
+    rotary_embedding, store_kvcache, paged_decode_attention, paged_prefill_attention
+)
+attention.__doc__ = """One layer's attention for a whole step, with the reference kernels.
+
+Args:
+    qkv: [N, (num_heads + 2 * num_kv_heads) * head_dim] fused q/k/v projection (any layout).
+    k_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+    v_cache: the same.
+    step: the step's positions, slots and tables (AttentionStep).
+
+Returns:
+    [N, num_heads * head_dim] attention output in qkv.dtype, contiguous.
+"""
+
+
+def prepare_decoder(weights: DecoderWeights) -> DecoderWeights:
+    """The stack as every step reads it; the reference kernels check their inputs per call."""
+    return weights
+
+
+decoder_layers: DecoderKernel = decoder_layers_with(
+    linear, linear_quantized, rms_norm, attention, silu_and_mul
+)
+decoder_layers.__doc__ = """Every decoder layer of a step, one reference kernel call at a time.
+
+Args:
+    weights: the layers' weights and caches (kernels.decoder.DecoderWeights).
+    hidden: [N, hidden_size] the step's token embeddings.
+    step: the step's positions, slots and tables.
+
+Returns:
+    (hidden, residual): the last layer's output and the running residual sum, [N, hidden_size].
+"""

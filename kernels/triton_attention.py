@@ -177,9 +177,17 @@ def _num_warps(head_dim: int) -> int:
 
 
 def _check_triton_attention(
-    q: torch.Tensor, block_tables: torch.Tensor, int_tensors: dict[str, torch.Tensor]
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    int_tensors: dict[str, torch.Tensor],
 ) -> None:
     """Layout checks the Triton attention kernels need beyond the shared argument checks."""
+    if q.dtype != k_cache.dtype:
+        raise ValueError(
+            f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}; the Triton "
+            "attention kernels read a cache of the activations' dtype"
+        )
     if q.shape[2] > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {q.shape[2]}")
     expect_triton_device("q", q)
@@ -218,7 +226,7 @@ def paged_decode_attention(
         [B, Hq, D] contiguous attention output in q.dtype.
     """
     check_decode(q, k_cache, v_cache, block_tables, context_lens)
-    _check_triton_attention(q, block_tables, {"context_lens": context_lens})
+    _check_triton_attention(q, k_cache, block_tables, {"context_lens": context_lens})
     if partition_size < MIN_DOT_SIZE or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     num_seqs, num_heads, head_dim = q.shape
@@ -415,7 +423,7 @@ def paged_prefill_attention(
     """
     check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     int_tensors = {"cu_seqlens_q": cu_seqlens_q, "context_lens": context_lens}
-    _check_triton_attention(q, block_tables, int_tensors)
+    _check_triton_attention(q, k_cache, block_tables, int_tensors)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)

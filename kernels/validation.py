@@ -75,9 +75,9 @@ def check_store_kvcache(
             f"key heads/head_dim {tuple(key.shape[1:])} differ from the cache's "
             f"{tuple(k_cache.shape[2:])}"
         )
-    for name, t in (("key", key), ("value", value)):
-        if t.dtype != k_cache.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} differs from the cache dtype {k_cache.dtype}")
+    expect_dtype("key", key, FLOAT_DTYPES)
+    if value.dtype != key.dtype:
+        raise ValueError(f"value dtype {value.dtype} differs from key dtype {key.dtype}")
     expect_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
     expect_dtype("slot_mapping", slot_mapping, (torch.int64,))
     expect_size("slot_mapping", slot_mapping, 0, key.shape[0], "key.shape[0]")
@@ -89,8 +89,7 @@ def check_store_kvcache(
 def check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Check queries [tokens, Hq, D] against the cache: dtype, head_dim, GQA divisibility."""
     expect_ndim("q", q, 3, "[num_tokens, num_heads, head_dim]")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    expect_dtype("q", q, FLOAT_DTYPES)
     expect_size("q", q, 2, k_cache.shape[3], "the cache's head_dim")
     num_kv_heads = k_cache.shape[2]
     if q.shape[1] % num_kv_heads != 0:
@@ -163,6 +162,35 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if tensor.dtype != x.dtype:
             raise ValueError(f"{name} dtype {tensor.dtype} differs from x dtype {x.dtype}")
     expect_same_device(tensors)
+
+
+def check_quantized_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> None:
+    """Check the arguments of linear_quantized: x [N, in], a QuantizedWeight, bias [out]."""
+    expect_ndim("x", x, 2, "[num_tokens, in_features]")
+    expect_dtype("x", x, FLOAT_DTYPES)
+    if x.shape[1] != weight.in_features:
+        raise ValueError(
+            f"x.shape[1] must equal the weight's in_features ({weight.in_features}), got shape "
+            f"{tuple(x.shape)}"
+        )
+    tensors = {"x": x, "weight": weight.qweight}
+    if bias is not None:
+        expect_ndim("bias", bias, 1, "[out_features]")
+        expect_size("bias", bias, 0, weight.out_features, "the weight's out_features")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+        tensors["bias"] = bias
+    expect_same_device(tensors)
+
+
+def check_silu_and_mul(x: torch.Tensor) -> None:
+    """Check the argument of silu_and_mul: [N, 2 * I] floats."""
+    expect_ndim("x", x, 2, "[num_tokens, 2 * intermediate_size]")
+    expect_dtype("x", x, FLOAT_DTYPES)
+    if x.shape[1] % 2 != 0:
+        raise ValueError(
+            f"x must hold gate and up halves of equal width, got shape {tuple(x.shape)}"
+        )
 
 
 def check_argmax(logits: torch.Tensor) -> None:

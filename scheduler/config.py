@@ -20,7 +20,7 @@ from common.config import (
 from common.health import add_health_flags, check_health_port
 from common.metrics import add_metrics_flags, check_metrics_port
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "lpm")
 
 
 @dataclass(slots=True)
@@ -34,8 +34,9 @@ class SchedulerConfig:
     batch_window_ms: float = 2.0  # the oldest request waits at most this long for a batch
     max_batch_size: int = 64  # release early when this many requests wait
     max_batch_tokens: int = 8192  # release early when this many prompt tokens wait
-    policy: str = "fcfs"  # fcfs | priority
+    policy: str = "fcfs"  # fcfs | priority | lpm
     priority_aging_ms: float = 1000.0  # a waiting request gains one priority level per period
+    lpm_aging_ms: float = 1000.0  # lpm: a request waiting this long goes before younger ones
     load_cost_blocks: float = 2.0  # placement cost of one running or waiting request, in blocks
     lock_ttl_ms: int = 2000  # a dead leader's lock expires after this long
     registry_poll_ms: float = 100.0  # how often executor heartbeats are read
@@ -52,6 +53,7 @@ class SchedulerConfig:
         check_range("--max-batch-tokens", self.max_batch_tokens, min_value=1)
         check_choice("--policy", self.policy, POLICIES)
         check_range("--priority-aging-ms", self.priority_aging_ms, min_value=1)
+        check_range("--lpm-aging-ms", self.lpm_aging_ms, min_value=0)
         check_range("--load-cost-blocks", self.load_cost_blocks, min_value=0)
         check_range("--lock-ttl-ms", self.lock_ttl_ms, min_value=100)
         check_range("--registry-poll-ms", self.registry_poll_ms, min_value=1, max_value=1000)
@@ -74,8 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-window-ms", type=float, default=env_float("KVGATE_BATCH_WINDOW_MS", 2.0))
     add("--max-batch-size", type=int, default=env_int("KVGATE_MAX_BATCH_SIZE", 64))
     add("--max-batch-tokens", type=int, default=env_int("KVGATE_MAX_BATCH_TOKENS", 8192))
-    add("--policy", default=env_str("KVGATE_POLICY", "fcfs"), help="fcfs or priority")
+    add(
+        "--policy",
+        default=env_str("KVGATE_POLICY", "fcfs"),
+        help="fcfs, priority, or lpm (longest cached prefix first)",
+    )
     add("--priority-aging-ms", type=float, default=env_float("KVGATE_PRIORITY_AGING_MS", 1000.0))
+    add("--lpm-aging-ms", type=float, default=env_float("KVGATE_LPM_AGING_MS", 1000.0))
     add("--load-cost-blocks", type=float, default=env_float("KVGATE_LOAD_COST_BLOCKS", 2.0))
     add("--lock-ttl-ms", type=int, default=env_int("KVGATE_LOCK_TTL_MS", 2000))
     add("--registry-poll-ms", type=float, default=env_float("KVGATE_REGISTRY_POLL_MS", 100.0))

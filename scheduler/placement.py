@@ -108,6 +108,11 @@ class Placer:
         owned = [p for p in fitting if p.executor_id == session_owner]
         return owned[0] if owned else min(fitting, key=self._cost)
 
+    def cached_blocks(self, block_hashes: list[int]) -> int:
+        """Returns: the most leading blocks of the prompt any executor is believed to hold."""
+        views = self.executors.values()
+        return max((v.prefix_index.hit_blocks(block_hashes) for v in views), default=0)
+
     def _price(
         self, view: ExecutorView, num_prompt_tokens: int, block_hashes: list[int]
     ) -> Placement | None:

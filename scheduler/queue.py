@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,7 +32,7 @@ class PendingRequest:
 class OrderingPolicy(Protocol):
     """Decides which waiting request is released first."""
 
-    def sort_key(self, request: PendingRequest, now_s: float) -> tuple[float, float]:
+    def sort_key(self, request: PendingRequest, now_s: float) -> tuple[float, ...]:
         """Args: a waiting request and the current monotonic time.
 
         Returns: a key; the smallest key is released first.
@@ -42,8 +43,8 @@ class OrderingPolicy(Protocol):
 class FcfsPolicy:
     """First come, first served."""
 
-    def sort_key(self, request: PendingRequest, now_s: float) -> tuple[float, float]:
-        return (request.arrival_s, 0.0)
+    def sort_key(self, request: PendingRequest, now_s: float) -> tuple[float, ...]:
+        return (request.arrival_s,)
 
 
 @dataclass(slots=True)
@@ -56,21 +57,50 @@ class PriorityPolicy:
 
     aging_ms: float
 
-    def sort_key(self, request: PendingRequest, now_s: float) -> tuple[float, float]:
+    def sort_key(self, request: PendingRequest, now_s: float) -> tuple[float, ...]:
         effective = request.priority - request.waited_ms(now_s) / self.aging_ms
         return (effective, request.arrival_s)
 
 
-def make_policy(name: str, aging_ms: float) -> OrderingPolicy:
-    """Args: policy name (`fcfs` or `priority`) and the aging period of `priority`.
+# How many leading blocks of a prompt (its block hashes) the scheduler believes one executor
+# holds, the most over executors (`Placer.cached_blocks`).
+PrefixMatcher = Callable[[list[int]], int]
+
+
+@dataclass(slots=True)
+class LpmPolicy:
+    """Longest prefix match first (SGLang's `lpm`): the request with the most leading prompt
+    blocks cached on some executor, as far as the scheduler knows (heartbeat hashes and what it
+    assigned since), then the oldest.
+
+    Aging bounds starvation: a request that has waited `aging_ms` goes before every younger
+    one, oldest first, however long the prefixes of the requests that keep arriving.
+    """
+
+    aging_ms: float
+    cached_blocks: PrefixMatcher
+
+    def sort_key(self, request: PendingRequest, now_s: float) -> tuple[float, ...]:
+        if request.waited_ms(now_s) >= self.aging_ms:
+            return (0.0, 0.0, request.arrival_s)
+        return (1.0, -float(self.cached_blocks(request.block_hashes)), request.arrival_s)
+
+
+def make_policy(
+    name: str, priority_aging_ms: float, lpm_aging_ms: float, cached_blocks: PrefixMatcher
+) -> OrderingPolicy:
+    """Args: policy name (`fcfs`, `priority` or `lpm`), the aging periods of `priority` and
+    `lpm`, and what `lpm` measures a prompt's cached prefix with.
 
     Returns: the policy; ValueError for an unknown name.
     """
     if name == "fcfs":
         return FcfsPolicy()
     if name == "priority":
-        return PriorityPolicy(aging_ms=aging_ms)
-    raise ValueError(f"policy must be 'fcfs' or 'priority', got {name!r}")
+        return PriorityPolicy(aging_ms=priority_aging_ms)
+    if name == "lpm":
+        return LpmPolicy(aging_ms=lpm_aging_ms, cached_blocks=cached_blocks)
+    raise ValueError(f"policy must be 'fcfs', 'priority' or 'lpm', got {name!r}")
 
 
 @dataclass(slots=True)

@@ -45,7 +45,13 @@ class Scheduler:
         limits = WindowLimits(
             config.batch_window_ms, config.max_batch_size, config.max_batch_tokens
         )
-        self._batcher = WindowBatcher(limits, make_policy(config.policy, config.priority_aging_ms))
+        policy = make_policy(
+            config.policy,
+            config.priority_aging_ms,
+            config.lpm_aging_ms,
+            self._placer.cached_blocks,
+        )
+        self._batcher = WindowBatcher(limits, policy)
         self._intake = RequestIntake(self._stream, self._clock, self._batcher)
         self._next_poll_s = 0.0
         self._next_renew_s = 0.0

@@ -1,9 +1,15 @@
-"""GGUF checkpoints (llama.cpp's format): config from the metadata, weights dequantized.
+"""GGUF checkpoints (llama.cpp's format): config from the metadata, weights dequantized or
+kept in their blocks.
 
 The `gguf` package reads the file and dequantizes every tensor type it implements (F32, F16,
 BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, the IQ types, ...) to float32;
 the weights are then cast to the executor's dtype. The result is a Hugging Face state dict,
 so the rest of the loader is the one safetensors checkpoints use.
+
+With weight-only quantization, linear layers whose blocks are already kvgate's format are
+not dequantized: Q8_0 becomes int8 in groups of 32 (`--quantization int8` or `int4`), Q4_0
+and Q4_1 become int4 in groups of 32 (`int4`; not for the output layer, which kvgate keeps
+int8). Their bytes are copied as they are (kernels/quant.py).
 
 llama.cpp's converter reorders the rows of each head in the Q and K projections of Llama
 models (its rotary embedding pairs neighbouring dimensions, Hugging Face's pairs the two
@@ -22,6 +28,13 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, ReaderTensor,
 
 from common.gguf_metadata import GgufFile
 from executor.models.config import ModelConfig
+from kernels.quant import (
+    QuantizedWeight,
+    from_gguf_q4_0,
+    from_gguf_q4_1,
+    from_gguf_q8_0,
+    permute_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +56,19 @@ _LAYER_TENSORS = {
     MODEL_TENSOR.FFN_UP: "mlp.up_proj",
     MODEL_TENSOR.FFN_DOWN: "mlp.down_proj",
 }
+_BLOCK_READERS = {
+    GGMLQuantizationType.Q8_0: from_gguf_q8_0,
+    GGMLQuantizationType.Q4_0: from_gguf_q4_0,
+    GGMLQuantizationType.Q4_1: from_gguf_q4_1,
+}
+# Block types kept as they are, by --quantization: for the decoder's linear layers, and for
+# the output layer (or a tied token table, which is the output layer).
+_KEPT_LINEAR = {
+    "int8": {GGMLQuantizationType.Q8_0},
+    "int4": set(_BLOCK_READERS),
+}
+_KEPT_OUTPUT = {"int8": {GGMLQuantizationType.Q8_0}, "int4": {GGMLQuantizationType.Q8_0}}
+_LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
 
 
 def gguf_model_config(gguf: GgufFile) -> ModelConfig:
@@ -95,8 +121,12 @@ def _check_rope(gguf: GgufFile) -> None:
         )
 
 
-def read_gguf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and the Hugging Face-named float32 tensors of a GGUF file.
+def read_gguf_checkpoint(
+    path: str | Path, quantization: str = "none"
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """The config, the Hugging Face-named float32 tensors of a GGUF file, and the linear
+    weights kept in their blocks for `quantization` (Hugging Face module names; a tied token
+    table kept is the output layer, "lm_head").
 
     Raises:
         ValueError: not a GGUF file, an unsupported architecture, a tensor kvgate does not
@@ -107,18 +137,36 @@ def read_gguf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch
     config = gguf_model_config(gguf)
     hf_names = _hf_names(config.num_hidden_layers)
     tensors: dict[str, torch.Tensor] = {}
+    kept: dict[str, QuantizedWeight] = {}
     for tensor in gguf.reader.tensors:
         name = hf_names.get(tensor.name)
         if name is None:
             raise ValueError(f"--model {gguf.path}: unexpected tensor {tensor.name}")
+        if config.tie_word_embeddings and name == "model.embed_tokens.weight":
+            name = "lm_head.weight"  # read as the output layer when kept, renamed back if not
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        order = _rotary_order(name, config)
+        if qtype in _kept_types(name, quantization):
+            blocks = torch.from_numpy(np.array(tensor.data))  # copied out of the file mapping
+            weight = _BLOCK_READERS[qtype](blocks, int(tensor.shape[-1]))
+            kept[name.removesuffix(".weight")] = (
+                weight if order is None else permute_rows(weight, order)
+            )
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
         weight = torch.from_numpy(dequantize_tensor(tensor, gguf.path))
-        if name.endswith("q_proj.weight"):
-            weight = _unpermute_rotary_rows(weight, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
-        tensors[name] = weight
-    log.info("read %s in %.1f s", gguf.path.name, time.perf_counter() - start)
-    return config, tensors
+        tensors[name] = weight if order is None else weight[order]
+    log.info("read %s in %.1f s (%d linear layers kept in their blocks)",
+             gguf.path.name, time.perf_counter() - start, len(kept))  # fmt: skip
+    return config, tensors, kept
+
+
+def _kept_types(name: str, quantization: str) -> set[GGMLQuantizationType]:
+    if not name.endswith(_LINEAR_SUFFIXES):
+        return set()
+    table = _KEPT_OUTPUT if name == "lm_head.weight" else _KEPT_LINEAR
+    return table.get(quantization, set())
 
 
 def _hf_names(num_layers: int) -> dict[str, str]:
@@ -149,9 +197,20 @@ def dequantize_tensor(tensor: ReaderTensor, path: Path) -> np.ndarray:
     return np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]).reshape(shape)
 
 
-def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's reordering of each head's rows: within a head it interleaves the
-    first and second halves (row pairs 2i, 2i + 1 hold Hugging Face's rows i, i + head_dim/2)."""
-    rows = weight.shape[0]
-    half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(rows, -1)
+def _rotary_order(name: str, config: ModelConfig) -> torch.Tensor | None:
+    """The row order that undoes llama.cpp's reordering of each head's rows in the Q and K
+    projections (within a head it interleaves the first and second halves: row pairs 2i,
+    2i + 1 hold Hugging Face's rows i, i + head_dim/2); None for other tensors."""
+    if name.endswith("q_proj.weight"):
+        num_heads = config.num_attention_heads
+    elif name.endswith("k_proj.weight"):
+        num_heads = config.num_key_value_heads
+    else:
+        return None
+    half = config.head_dim // 2
+    return (
+        torch.arange(num_heads * config.head_dim)
+        .reshape(num_heads, half, 2)
+        .transpose(1, 2)
+        .flatten()
+    )

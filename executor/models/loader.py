@@ -14,6 +14,8 @@ from common.model_files import gguf_file
 from executor.models.config import ModelConfig, load_model_config
 from executor.models.gguf import read_gguf_checkpoint
 from executor.models.llama import LlamaForCausalLM
+from executor.models.quantize import apply_quantized, quantize_state
+from kernels.quant import QuantizedWeight, concat_rows
 
 _FUSED = {  # our fused parameter -> checkpoint parameters concatenated along dim 0
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -66,16 +68,19 @@ def to_kvgate_state_dict(config: ModelConfig, tensors: dict[str, torch.Tensor]) 
                     state[f"layers.{layer}.{fused}.{kind}"] = torch.cat(
                         [state.pop(n) for n in names]
                     )
-    if config.tie_word_embeddings or "lm_head.weight" not in state:
+    tied = config.tie_word_embeddings or "lm_head.weight" not in state
+    if tied and "embed_tokens.weight" in state:  # absent: read from a quantized output layer
         state["lm_head.weight"] = state["embed_tokens.weight"]
     return state
 
 
 def load_model(
-    model: str | Path, device: torch.device, dtype: torch.dtype
+    model: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model that `model` names (a checkpoint folder or a GGUF file) on `device`
-    in `dtype`.
+    in `dtype`, its linear layers weight-only quantized when `quantization` is "int8" or
+    "int4" (from the checkpoint's own weights before they are cast to `dtype`, or GGUF blocks
+    already in the format kept as they are).
 
     Raises:
         FileNotFoundError: config.json or the weights are missing.
@@ -83,20 +88,66 @@ def load_model(
             config.
     """
     gguf = gguf_file(model)
+    kept: dict[str, QuantizedWeight] = {}
     if gguf is not None:
-        config, tensors = read_gguf_checkpoint(gguf)
+        config, tensors, kept_hf = read_gguf_checkpoint(gguf, quantization)
+        kept = to_kvgate_quantized(config, kept_hf, tensors)
     else:
         config = load_model_config(model)
         tensors = read_checkpoint(Path(model))
     state = to_kvgate_state_dict(config, tensors)
     del tensors
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    quantized = quantize_state(state, config.num_hidden_layers, quantization, kept)
+    # Copied when quantized: a tensor still mapped from the checkpoint file would keep the
+    # whole file's pages resident (safetensors maps it), float weights included.
+    copy = bool(quantized)
+    state = {name: t.to(device=device, dtype=dtype, copy=copy) for name, t in state.items()}
     with torch.device("meta"):
         built = LlamaForCausalLM(config)
+    taken = {f"{name}.weight" for name in quantized}
+    if config.tie_word_embeddings and "lm_head" in quantized:
+        taken.add("embed_tokens.weight")  # read from the quantized output layer
+    _load_dense(built, state, taken, model)
+    if config.tie_word_embeddings and not quantized:
+        built.lm_head.weight = built.embed_tokens.weight
+    apply_quantized(built, quantized, device, config.tie_word_embeddings)
+    return built.eval().requires_grad_(False), config
+
+
+def _load_dense(built: LlamaForCausalLM, state: dict, quantized: set[str], model: object) -> None:
+    """Load every dense tensor; the quantized layers' weights are the only ones left out."""
     try:
-        built.load_state_dict(state, strict=True, assign=True)
+        result = built.load_state_dict(state, strict=not quantized, assign=True)
     except RuntimeError as e:
         raise ValueError(f"weights in {model} do not match its config: {e}") from e
-    if config.tie_word_embeddings:
-        built.lm_head.weight = built.embed_tokens.weight
-    return built.eval().requires_grad_(False), config
+    missing, unexpected = sorted(set(result.missing_keys) - quantized), result.unexpected_keys
+    if missing or unexpected:
+        raise ValueError(f"weights in {model} do not match its config: missing "
+                         f"{missing}, unexpected {sorted(unexpected)}")  # fmt: skip
+
+
+def to_kvgate_quantized(
+    config: ModelConfig, kept: dict[str, QuantizedWeight], tensors: dict[str, torch.Tensor]
+) -> dict[str, QuantizedWeight]:
+    """Rename quantized Hugging Face modules to ours and fuse q/k/v and gate/up, as
+    `to_kvgate_state_dict` does dense ones. A fused layer whose parts are not all kept in one
+    format gets its kept parts dequantized into `tensors` instead (fused and quantized there)."""
+    renamed = {}
+    for name, weight in kept.items():
+        match = _LAYER.match(f"{name}.weight")
+        renamed[name if match is None else f"layers.{match[1]}.{match[2]}"] = weight
+    for layer in range(config.num_hidden_layers):
+        for fused, parts in _FUSED.items():
+            names = [f"layers.{layer}.{p}" for p in parts]
+            weights = [renamed.pop(n) for n in names if n in renamed]
+            if len(weights) == len(parts) and _one_format(weights):
+                renamed[f"layers.{layer}.{fused}"] = concat_rows(weights)
+                continue
+            for part in parts:  # some parts dense already, or formats that differ
+                if (weight := kept.get(f"model.layers.{layer}.{part}")) is not None:
+                    tensors[f"model.layers.{layer}.{part}.weight"] = weight.dequantize()
+    return renamed
+
+
+def _one_format(weights: list[QuantizedWeight]) -> bool:
+    return len({(w.bits, w.group_size) for w in weights}) == 1

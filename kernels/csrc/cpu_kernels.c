@@ -1,20 +1,11 @@
 /*
- * CPU kernels: paged decode attention reading the block cache in place, rotary embedding, the
- * KV-cache store, greedy argmax and RMSNorm, each one pass in C where the PyTorch reference
- * runs several tensor ops.
+ * CPU kernels that touch each element once: rotary embedding, the KV-cache store, greedy
+ * argmax, RMSNorm with its residual add, and SiLU-and-multiply, each one pass in C where the
+ * PyTorch reference runs several tensor ops (and allocates a tensor for each).
  *
- * The PyTorch reference (kernels/reference.py, paged_decode_attention) gathers every
- * sequence's blocks into one padded tensor before attending: on a CPU that copy, repeated
- * each layer of each step, costs more than the attention itself. The decode kernel here walks
- * the block table instead, one sequence per work item, so each cached key and value is read
- * once per step and nothing is copied.
- *
- * Decode attention layouts (all contiguous, float32):
- *   q            [num_seqs, num_heads, head_dim]
- *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same
- *   block_tables [num_seqs, max_blocks] int32
- *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
- *   out          [num_seqs, num_heads, head_dim]
+ * Activations are float32 or bfloat16 (cpu_common.h); arithmetic is float32, and a result is
+ * rounded to the activation dtype exactly where the PyTorch reference rounds it, so the
+ * bfloat16 results equal the reference's up to the last bit of a sum taken in another order.
  * The caller (kernels/cpu.py) checks shapes, dtypes and strides before every call.
  */
 #include <math.h>
@@ -22,220 +13,121 @@
 #include <stdlib.h>
 #include <string.h>
 
-static float dot(const float *a, const float *b, int64_t n) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-    return sum;
-}
-
-static void axpy(float *y, float alpha, const float *x, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
-/* Softmax of one row of scores in place. */
-static void softmax_in_place(float *scores, int64_t n) {
-    float max_score = scores[0];
-    for (int64_t t = 1; t < n; ++t) max_score = scores[t] > max_score ? scores[t] : max_score;
-    float total = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-        scores[t] = expf(scores[t] - max_score);
-        total += scores[t];
-    }
-    const float inverse_total = 1.0f / total;
-    for (int64_t t = 0; t < n; ++t) scores[t] *= inverse_total;
-}
+#include "cpu_common.h"
 
 /*
- * Attention of all query heads of one sequence: scores block by block (each cached token's
- * row of all KV heads is read once, contiguously), a softmax per head, then the weighted sum
- * of values block by block. Query head h reads KV head h / group.
+ * out[:D/2] = x1 * cos - x2 * sin and out[D/2:] = x2 * cos + x1 * sin per head, with cos and
+ * sin the halves of a cos_sin row. Products and sums are rounded separately, as the PyTorch
+ * reference rounds them (no fused multiply-add), then to `dtype`.
  */
-static void attend_one_sequence(const float *q, const float *k_cache, const float *v_cache,
-                                const int32_t *block_table, int64_t context_len, float *out,
-                                float *scores, int64_t num_heads, int64_t group,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                float scale) {
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *keys = k_cache + block_table[start / block_size] * block_stride;
-        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
-        for (int64_t t = 0; t < count; ++t) {
-            const float *row = keys + t * token_stride;
-            for (int64_t h = 0; h < num_heads; ++h)
-                scores[h * context_len + start + t] =
-                    scale * dot(q + h * head_dim, row + (h / group) * head_dim, head_dim);
-        }
+/* Contiguous heads (stride 1), typed so the loops vectorize. */
+#define ROTATE_CONTIGUOUS(name, T, LOAD, ROUND)                                               \
+    __attribute__((optimize("fp-contract=off"))) static void name(                            \
+        const T *x, int64_t num_heads, int64_t head_dim, const float *cos, float *out) {      \
+        const int64_t half = head_dim / 2;                                                    \
+        const float *sin = cos + half;                                                        \
+        for (int64_t h = 0; h < num_heads; ++h) {                                             \
+            const T *x1 = x + h * head_dim, *x2 = x1 + half;                                  \
+            float *o1 = out + h * head_dim, *o2 = o1 + half;                                  \
+            for (int64_t i = 0; i < half; ++i) {                                              \
+                const float a = LOAD(x1[i]) * cos[i], b = LOAD(x2[i]) * sin[i];               \
+                const float c = LOAD(x2[i]) * cos[i], d = LOAD(x1[i]) * sin[i];               \
+                o1[i] = ROUND(a - b);                                                         \
+                o2[i] = ROUND(c + d);                                                         \
+            }                                                                                 \
+        }                                                                                     \
     }
+
+#define ROUND_F32(v) (v)
+#define ROUND_BF16(v) bf16_to_f32(f32_to_bf16(v))
+ROTATE_CONTIGUOUS(rotate_contiguous_f32, float, (float), ROUND_F32)
+ROTATE_CONTIGUOUS(rotate_contiguous_bf16, uint16_t, bf16_to_f32, ROUND_BF16)
+
+__attribute__((optimize("fp-contract=off"))) void
+kvgate_rotate_heads(const void *x, int dtype, int64_t stride, int64_t num_heads,
+                    int64_t head_dim, const float *cos_sin, float *out) {
+    if (stride == 1) {
+        if (dtype == KVGATE_BF16)
+            rotate_contiguous_bf16(x, num_heads, head_dim, cos_sin, out);
+        else
+            rotate_contiguous_f32(x, num_heads, head_dim, cos_sin, out);
+        return;
+    }
+    const int64_t half = head_dim / 2;
+    const float *cos = cos_sin, *sin = cos_sin + half;
     for (int64_t h = 0; h < num_heads; ++h) {
-        softmax_in_place(scores + h * context_len, context_len);
-        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
-    }
-    for (int64_t start = 0; start < context_len; start += block_size) {
-        const float *values = v_cache + block_table[start / block_size] * block_stride;
-        const int64_t count = context_len - start < block_size ? context_len - start : block_size;
-        for (int64_t t = 0; t < count; ++t) {
-            const float *row = values + t * token_stride;
-            for (int64_t h = 0; h < num_heads; ++h)
-                axpy(out + h * head_dim, scores[h * context_len + start + t],
-                     row + (h / group) * head_dim, head_dim);
+        float *o1 = out + h * head_dim, *o2 = o1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = load_elem(x, dtype, (h * head_dim + i) * stride);
+            const float x2 = load_elem(x, dtype, (h * head_dim + half + i) * stride);
+            const float a = x1 * cos[i], b = x2 * sin[i];
+            const float c = x2 * cos[i], d = x1 * sin[i];
+            o1[i] = round_to(dtype, a - b);
+            o2[i] = round_to(dtype, c + d);
         }
     }
 }
 
-static int64_t max_context_len(const int32_t *context_lens, int64_t num_seqs) {
-    int64_t longest = 0;
-    for (int64_t s = 0; s < num_seqs; ++s)
-        longest = context_lens[s] > longest ? context_lens[s] : longest;
-    return longest;
-}
-
 /*
- * Index of the first sequence whose context length or block table entries are out of range
- * (a context of 0 or beyond its table, or a block id outside the cache), or -1 when all are
- * valid. Only the entries a sequence's context uses are read; the rest may hold anything.
+ * Rotary embedding of x [num_tokens, num_heads, head_dim] (heads packed, tokens `token_stride`
+ * elements apart) into out (contiguous), both of `dtype`, at each token's position. Returns the
+ * index of the first token whose position is outside [0, max_position), or -1 (and then
+ * nothing was written).
  */
-int64_t kvgate_first_invalid_sequence(const int32_t *block_tables, const int32_t *context_lens,
-                                      int64_t num_seqs, int64_t max_blocks, int64_t block_size,
-                                      int64_t num_blocks) {
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t context_len = context_lens[s];
-        const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-        if (context_len < 1 || used_blocks > max_blocks) return s;
-        for (int64_t b = 0; b < used_blocks; ++b) {
-            const int32_t block = block_tables[s * max_blocks + b];
-            if (block < 0 || block >= num_blocks) return s;
-        }
-    }
-    return -1;
-}
-
-/*
- * Returns 0 on success, 1 when a scratch buffer could not be allocated. The caller has
- * checked the tables with kvgate_first_invalid_sequence.
- */
-int kvgate_paged_decode_attention_f32(const float *q, const float *k_cache,
-                                      const float *v_cache, const int32_t *block_tables,
-                                      const int32_t *context_lens, float *out, int64_t num_seqs,
-                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                      int64_t block_size, int64_t max_blocks, float scale,
-                                      int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t max_context = max_context_len(context_lens, num_seqs);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context));
-        if (scores == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t seq = 0; seq < num_seqs; ++seq) {
-            if (scores == NULL) continue;
-            attend_one_sequence(q + seq * num_heads * head_dim, k_cache, v_cache,
-                                block_tables + seq * max_blocks, context_lens[seq],
-                                out + seq * num_heads * head_dim, scores, num_heads, group,
-                                num_kv_heads, head_dim, block_size, scale);
-        }
-        free(scores);
-    }
-    return failed;
-}
-
-/*
- * Causal attention of packed new tokens over their sequences' cached tokens: query token i of
- * sequence s (q rows cu_seqlens[s] .. cu_seqlens[s + 1] - 1, the sequence's last tokens) attends
- * to keys 0 .. its own position, read in place through the block table like decode; one query
- * token per work item. q and out are [num_tokens, num_heads, head_dim], q's tokens q_stride
- * floats apart. Returns 0 on success, 1 when a scratch buffer could not be allocated. The
- * caller has checked the tables with kvgate_first_invalid_sequence and that no sequence has
- * more queries than context.
- */
-int kvgate_paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                                       const float *v_cache, const int32_t *block_tables,
-                                       const int32_t *cu_seqlens, const int32_t *context_lens,
-                                       float *out, int64_t num_seqs, int64_t num_heads,
-                                       int64_t num_kv_heads, int64_t head_dim,
-                                       int64_t block_size, int64_t max_blocks, float scale,
-                                       int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t num_tokens = cu_seqlens[num_seqs];
-    const int64_t max_context = max_context_len(context_lens, num_seqs);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context));
-        if (scores == NULL) failed = 1;
-        int64_t seq = 0;
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t token = 0; token < num_tokens; ++token) {
-            if (scores == NULL) continue;
-            while (cu_seqlens[seq + 1] <= token) ++seq;
-            while (cu_seqlens[seq] > token) --seq;
-            const int64_t context = context_lens[seq] - (cu_seqlens[seq + 1] - token) + 1;
-            attend_one_sequence(q + token * q_stride, k_cache, v_cache,
-                                block_tables + seq * max_blocks, context,
-                                out + token * num_heads * head_dim, scores, num_heads, group,
-                                num_kv_heads, head_dim, block_size, scale);
-        }
-        free(scores);
-    }
-    return failed;
-}
-
-/*
- * Rotary embedding, rotate_half style, of x [num_tokens, num_heads, head_dim] (head_dim
- * contiguous, heads packed, tokens `token_stride` floats apart) into out (contiguous):
- * out[:D/2] = x1 * cos - x2 * sin and out[D/2:] = x2 * cos + x1 * sin, with cos and sin the
- * halves of cos_sin's row at the token's position. Products and sums are rounded separately,
- * as the PyTorch reference rounds them (no fused multiply-add).
- * Returns the index of the first token whose position is outside [0, max_position), or -1
- * (and then nothing was written).
- */
-__attribute__((optimize("fp-contract=off"))) int64_t
-kvgate_rotary_f32(const int64_t *positions, const float *cos_sin, int64_t max_position,
-                  const float *x, int64_t token_stride, int64_t num_tokens, int64_t num_heads,
-                  int64_t head_dim, float *out, int num_threads) {
+int64_t kvgate_rotary(const int64_t *positions, const float *cos_sin, int64_t max_position,
+                      const void *x, int dtype, int64_t token_stride, int64_t num_tokens,
+                      int64_t num_heads, int64_t head_dim, void *out, int num_threads) {
     for (int64_t t = 0; t < num_tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return t;
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens > 64)
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        const float *cos = cos_sin + positions[t] * head_dim;
-        const float *sin = cos + half;
-        for (int64_t h = 0; h < num_heads; ++h) {
-            const float *x1 = x + t * token_stride + h * head_dim;
-            const float *x2 = x1 + half;
-            float *o1 = out + (t * num_heads + h) * head_dim;
-            float *o2 = o1 + half;
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x1[i] * cos[i], b = x2[i] * sin[i];
-                const float c = x2[i] * cos[i], d = x1[i] * sin[i];
-                o1[i] = a - b;
-                o2[i] = c + d;
-            }
+    const int64_t width = num_heads * head_dim, size = dtype_size(dtype);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_tokens > 64) reduction(| : failed)
+    {
+        float *rotated = malloc(sizeof(float) * (size_t)width);
+        if (rotated == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; ++t) {
+            if (rotated == NULL) continue;
+            kvgate_rotate_heads((const char *)x + t * token_stride * size, dtype, 1, num_heads,
+                                head_dim, cos_sin + positions[t] * head_dim, rotated);
+            store_row((char *)out + t * width * size, dtype, rotated, width);
         }
+        free(rotated);
     }
-    return -1;
+    return failed ? -2 : -1;
+}
+
+/* row_width elements of src_dtype into dst of dst_dtype (rounded when narrower). */
+static void convert_row(const void *src, int src_dtype, void *dst, int dst_dtype,
+                        int64_t row_width) {
+    if (src_dtype == dst_dtype) {
+        memcpy(dst, src, (size_t)(row_width * dtype_size(src_dtype)));
+        return;
+    }
+    for (int64_t i = 0; i < row_width; ++i)
+        store_elem(dst, dst_dtype, i, load_elem(src, src_dtype, i));
 }
 
 /*
- * Copy each token's key and value rows (num_kv_heads * head_dim floats, contiguous; tokens
- * key_stride / value_stride floats apart) into the cache slot slot_mapping[t]; -1 skips.
- * Returns the index of the first token whose slot is outside [-1, num_slots), or -1 (and
- * then every row was written; on an error nothing is).
+ * Copy each token's key and value rows (row_width elements of src_dtype, contiguous; tokens
+ * key_stride / value_stride elements apart) into the cache slot slot_mapping[t] as cache_dtype;
+ * -1 skips. Returns the index of the first token whose slot is outside [-1, num_slots), or -1
+ * (and then every row was written; on an error nothing is).
  */
-int64_t kvgate_store_kvcache_f32(const float *key, int64_t key_stride, const float *value,
-                                 int64_t value_stride, float *k_cache, float *v_cache,
-                                 const int64_t *slot_mapping, int64_t num_tokens, int64_t row,
-                                 int64_t num_slots) {
+int64_t kvgate_store_kvcache(const void *key, int64_t key_stride, const void *value,
+                             int64_t value_stride, int src_dtype, void *k_cache, void *v_cache,
+                             int cache_dtype, const int64_t *slot_mapping, int64_t num_tokens,
+                             int64_t row_width, int64_t num_slots) {
     for (int64_t t = 0; t < num_tokens; ++t)
         if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return t;
+    const int64_t src_size = dtype_size(src_dtype), row_bytes = row_width * dtype_size(cache_dtype);
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy(k_cache + slot * row, key + t * key_stride, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slot * row, value + t * value_stride, sizeof(float) * (size_t)row);
+        convert_row((const char *)key + t * key_stride * src_size, src_dtype,
+                    (char *)k_cache + slot * row_bytes, cache_dtype, row_width);
+        convert_row((const char *)value + t * value_stride * src_size, src_dtype,
+                    (char *)v_cache + slot * row_bytes, cache_dtype, row_width);
     }
     return -1;
 }
@@ -278,88 +170,225 @@ kvgate_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t row_stride
 }
 
 /*
- * RMSNorm with an optional residual add first, in Hugging Face's order: r = x + residual,
- * out = weight * (r * (1 / sqrt(mean(r^2) + eps))). Every [rows, hidden] operand has the same
- * layout: row-major (column_major 0; rows *_ld floats apart) or column-major (column_major 1;
- * columns *_ld floats apart), the layout of activations computed as weight @ hidden^T. out and
- * out_residual are dense (ld = hidden or rows). With residual NULL, r is x and out_residual
- * is not written. Each row's sum of squares runs in the same order whatever its batch mates.
+ * RMSNorm with an optional residual add first, in Hugging Face's order: r = x + residual
+ * (rounded to dtype), out = weight * (r * (1 / sqrt(mean(r^2) + eps))) (the product in
+ * parentheses rounded to dtype, then the whole). Every [rows, hidden] operand has one layout:
+ * row-major (column_major 0; rows *_ld elements apart) or column-major (column_major 1; columns
+ * *_ld elements apart), the layout of activations computed as weight @ hidden^T. out and
+ * out_residual are dense (ld = hidden or rows). With residual NULL, r is x and out_residual is
+ * not written. Each row's sum of squares runs in the same order whatever its batch mates.
  */
 #define RMS_ROW_BLOCK 16
+
+typedef struct {
+    const void *x, *residual, *weight;
+    void *out, *out_residual;
+    int64_t x_ld, res_ld, rows, hidden;
+    int dtype;
+    float eps;
+} rms_args;
 
 static float rms_scale(float sum_of_squares, int64_t hidden, float eps) {
     const float mean = sum_of_squares / (float)hidden;
     return (float)(1.0 / sqrt((double)(mean + eps)));
 }
 
-static void rms_norm_rows(const float *x, int64_t x_ld, const float *residual, int64_t res_ld,
-                          const float *weight, float *out, float *out_residual, int64_t row,
-                          int64_t hidden, float eps) {
-    const float *xr = x + row * x_ld;
-    const float *summed = xr;
-    float sum_of_squares = 0.0f;
-    if (residual != NULL) {
-        const float *rr = residual + row * res_ld;
-        float *sr = out_residual + row * hidden;
-        for (int64_t j = 0; j < hidden; ++j) {
-            const float value = xr[j] + rr[j];
-            sr[j] = value;
-            sum_of_squares += value * value;
-        }
-        summed = sr;
-    } else {
-        for (int64_t j = 0; j < hidden; ++j) sum_of_squares += xr[j] * xr[j];
+/*
+ * Column-major rows first .. first + count - 1 (count <= RMS_ROW_BLOCK): sums of squares in one
+ * pass down the features, then the outputs; the inner loops run along the rows, contiguous.
+ * T is the element type, LOAD/STORE convert it from/to float32 (STORE rounds as the dtype's).
+ */
+#define RMS_COLUMNS(name, T, LOAD, STORE)                                                     \
+    static void name(const rms_args *a, int64_t first, int64_t count) {                       \
+        const T *x = (const T *)a->x + first, *residual = a->residual;                        \
+        T *out = (T *)a->out + first;                                                         \
+        T *out_residual = a->residual != NULL ? (T *)a->out_residual + first : NULL;          \
+        const T *summed = residual != NULL ? out_residual : x;                                \
+        const int64_t summed_ld = residual != NULL ? a->rows : a->x_ld;                       \
+        float sum_of_squares[RMS_ROW_BLOCK] = {0.0f}, scale[RMS_ROW_BLOCK];                   \
+        for (int64_t j = 0; j < a->hidden; ++j) {                                             \
+            for (int64_t i = 0; i < count; ++i) {                                             \
+                float value = LOAD(x[j * a->x_ld + i]);                                       \
+                if (residual != NULL) {                                                       \
+                    value += LOAD(residual[j * a->res_ld + first + i]);                       \
+                    STORE(out_residual[j * a->rows + i], value);                              \
+                    value = LOAD(out_residual[j * a->rows + i]);                              \
+                }                                                                             \
+                sum_of_squares[i] += value * value;                                           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t i = 0; i < count; ++i)                                                   \
+            scale[i] = rms_scale(sum_of_squares[i], a->hidden, a->eps);                       \
+        for (int64_t j = 0; j < a->hidden; ++j) {                                             \
+            const float w = LOAD(((const T *)a->weight)[j]);                                  \
+            for (int64_t i = 0; i < count; ++i) {                                             \
+                T normed;                                                                     \
+                STORE(normed, LOAD(summed[j * summed_ld + i]) * scale[i]);                    \
+                STORE(out[j * a->rows + i], w * LOAD(normed));                                \
+            }                                                                                 \
+        }                                                                                     \
     }
-    const float scale = rms_scale(sum_of_squares, hidden, eps);
-    float *o = out + row * hidden;
-    for (int64_t j = 0; j < hidden; ++j) o[j] = weight[j] * (summed[j] * scale);
+
+/* Row-major row `row`: the sum of squares along it, then its outputs. */
+#define RMS_ROW(name, T, LOAD, STORE)                                                         \
+    static void name(const rms_args *a, int64_t row) {                                        \
+        const T *x = (const T *)a->x + row * a->x_ld;                                         \
+        T *out = (T *)a->out + row * a->hidden;                                               \
+        const T *summed = x;                                                                  \
+        float sum_of_squares = 0.0f;                                                          \
+        if (a->residual != NULL) {                                                            \
+            const T *residual = (const T *)a->residual + row * a->res_ld;                     \
+            T *sum = (T *)a->out_residual + row * a->hidden;                                  \
+            for (int64_t j = 0; j < a->hidden; ++j) STORE(sum[j], LOAD(x[j]) + LOAD(residual[j])); \
+            summed = sum;                                                                     \
+        }                                                                                     \
+        for (int64_t j = 0; j < a->hidden; ++j) sum_of_squares += LOAD(summed[j]) * LOAD(summed[j]); \
+        const float scale = rms_scale(sum_of_squares, a->hidden, a->eps);                     \
+        const T *weight = a->weight;                                                          \
+        for (int64_t j = 0; j < a->hidden; ++j) {                                             \
+            T normed;                                                                         \
+            STORE(normed, LOAD(summed[j]) * scale);                                           \
+            STORE(out[j], LOAD(weight[j]) * LOAD(normed));                                    \
+        }                                                                                     \
+    }
+
+#define LOAD_F32(v) (v)
+#define STORE_F32(dst, v) ((dst) = (v))
+#define LOAD_BF16(v) bf16_to_f32(v)
+#define STORE_BF16(dst, v) ((dst) = f32_to_bf16(v))
+
+RMS_COLUMNS(rms_columns_f32, float, LOAD_F32, STORE_F32)
+RMS_COLUMNS(rms_columns_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+RMS_ROW(rms_row_f32, float, LOAD_F32, STORE_F32)
+RMS_ROW(rms_row_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* count (<= 16) contiguous elements of `dtype` as float32 lanes, and back (rounded). */
+static inline __m512 load_lanes(const void *p, int dtype, __mmask16 mask) {
+    if (dtype == KVGATE_F32) return _mm512_maskz_loadu_ps(mask, p);
+    const __m256i half = _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-static void rms_norm_column_block(const float *x, int64_t x_ld, const float *residual,
-                                  int64_t res_ld, const float *weight, float *out,
-                                  float *out_residual, int64_t first, int64_t count,
-                                  int64_t rows, int64_t hidden, float eps) {
-    float sum_of_squares[RMS_ROW_BLOCK] = {0.0f};
-    float scale[RMS_ROW_BLOCK];
-    for (int64_t j = 0; j < hidden; ++j) {
-        const float *xc = x + j * x_ld + first;
-        if (residual != NULL) {
-            const float *rc = residual + j * res_ld + first;
-            float *sc = out_residual + j * rows + first;
-            for (int64_t i = 0; i < count; ++i) {
-                const float value = xc[i] + rc[i];
-                sc[i] = value;
-                sum_of_squares[i] += value * value;
-            }
-        } else {
-            for (int64_t i = 0; i < count; ++i) sum_of_squares[i] += xc[i] * xc[i];
-        }
+static inline __m512 store_lanes(void *p, int dtype, __mmask16 mask, __m512 value) {
+    if (dtype == KVGATE_F32) {
+        _mm512_mask_storeu_ps(p, mask, value);
+        return value;
     }
-    for (int64_t i = 0; i < count; ++i) scale[i] = rms_scale(sum_of_squares[i], hidden, eps);
-    for (int64_t j = 0; j < hidden; ++j) {
-        const float *summed = residual != NULL ? out_residual + j * rows + first
-                                               : x + j * x_ld + first;
-        float *o = out + j * rows + first;
-        for (int64_t i = 0; i < count; ++i) o[i] = weight[j] * (summed[i] * scale[i]);
-    }
+    /* Round to nearest even as f32_to_bf16 (no NaN reaches here from finite activations). */
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
 }
 
-void kvgate_rms_norm_f32(const float *x, int64_t x_ld, const float *residual, int64_t res_ld,
-                         const float *weight, float *out, float *out_residual, int64_t rows,
-                         int64_t hidden, int column_major, float eps, int num_threads) {
-    const int parallel = rows * hidden >= (1 << 16);
-    if (!column_major) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-        for (int64_t row = 0; row < rows; ++row)
-            rms_norm_rows(x, x_ld, residual, res_ld, weight, out, out_residual, row, hidden, eps);
+/* Column-major rows first .. first + count - 1 (count <= 16) in one vector of rows. */
+static void rms_columns_vector(const rms_args *a, int64_t first, int64_t count) {
+    const int dtype = a->dtype;
+    const int64_t size = dtype_size(dtype);
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
+    const char *x = (const char *)a->x + first * size;
+    char *out = (char *)a->out + first * size;
+    char *sum = a->residual != NULL ? (char *)a->out_residual + first * size : NULL;
+    const char *summed = sum != NULL ? sum : x;
+    const int64_t summed_ld = sum != NULL ? a->rows : a->x_ld;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t j = 0; j < a->hidden; ++j) {
+        __m512 value = load_lanes(x + j * a->x_ld * size, dtype, mask);
+        if (sum != NULL) {
+            const char *r = (const char *)a->residual + (j * a->res_ld + first) * size;
+            value = store_lanes(sum + j * a->rows * size, dtype, mask,
+                                _mm512_add_ps(value, load_lanes(r, dtype, mask)));
+        }
+        squares = _mm512_fmadd_ps(value, value, squares);
+    }
+    float sums[16], scales[16];
+    _mm512_storeu_ps(sums, squares);
+    for (int64_t i = 0; i < count; ++i) scales[i] = rms_scale(sums[i], a->hidden, a->eps);
+    const __m512 scale = _mm512_maskz_loadu_ps(mask, scales);
+    float normed_lanes[16];
+    for (int64_t j = 0; j < a->hidden; ++j) {
+        const float w = load_elem(a->weight, dtype, j);
+        const __m512 value = load_lanes(summed + j * summed_ld * size, dtype, mask);
+        /* normed rounded to the dtype before the weight multiplies it, as the reference. */
+        __m512 normed = _mm512_mul_ps(value, scale);
+        if (dtype != KVGATE_F32) normed = store_lanes(normed_lanes, dtype, mask, normed);
+        store_lanes(out + j * a->rows * size, dtype, mask, _mm512_mul_ps(_mm512_set1_ps(w), normed));
+    }
+}
+#define KVGATE_RMS_VECTOR 1
+#endif
+
+static void rms_norm_block(const rms_args *a, int column_major, int64_t first, int64_t count) {
+    const int bf16 = a->dtype == KVGATE_BF16;
+#ifdef KVGATE_RMS_VECTOR
+    if (column_major) {
+        rms_columns_vector(a, first, count);
         return;
     }
-    const int64_t blocks = (rows + RMS_ROW_BLOCK - 1) / RMS_ROW_BLOCK;
+#endif
+    if (column_major) {
+        (bf16 ? rms_columns_bf16 : rms_columns_f32)(a, first, count);
+        return;
+    }
+    for (int64_t row = first; row < first + count; ++row)
+        (bf16 ? rms_row_bf16 : rms_row_f32)(a, row);
+}
+
+void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t res_ld,
+                     const void *weight, void *out, void *out_residual, int64_t rows,
+                     int64_t hidden, int column_major, int dtype, float eps, int num_threads) {
+    const rms_args a = {x, residual, weight, out, out_residual, x_ld, res_ld, rows, hidden,
+                        dtype, eps};
+    /* A row-major block is one row: its elements are read in order. */
+    const int64_t block = column_major ? RMS_ROW_BLOCK : 1;
+    const int64_t blocks = (rows + block - 1) / block;
+    const int parallel = rows * hidden >= (1 << 16);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
     for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t first = b * RMS_ROW_BLOCK;
-        const int64_t count = rows - first < RMS_ROW_BLOCK ? rows - first : RMS_ROW_BLOCK;
-        rms_norm_column_block(x, x_ld, residual, res_ld, weight, out, out_residual, first,
-                              count, rows, hidden, eps);
+        const int64_t first = b * block;
+        rms_norm_block(&a, column_major, first, rows - first < block ? rows - first : block);
+    }
+}
+
+/*
+ * out = silu(gate) * up, the gated activation of a Llama MLP, with silu(g) = g / (1 + e^-g)
+ * rounded to dtype before the product (as torch rounds F.silu's result). The operands are
+ * `outer` runs of `inner` contiguous elements: run o of gate starts at x + o * x_stride, of up
+ * at x + o * x_stride + up_offset, of out at out + o * out_stride (row-major: a run is a token's
+ * features; column-major: a feature's tokens).
+ */
+/* One run of `inner` contiguous elements, typed so that the loop vectorizes (expf included). */
+#define SILU_RUN(name, T, LOAD, STORE)                                                  \
+    static void name(const T *gate, const T *up, T *out, int64_t inner) {               \
+        for (int64_t i = 0; i < inner; ++i) {                                           \
+            const float g = LOAD(gate[i]);                                              \
+            T activated;                                                                \
+            STORE(activated, g / (1.0f + expf(-g)));                                    \
+            STORE(out[i], LOAD(activated) * LOAD(up[i]));                               \
+        }                                                                               \
+    }
+
+SILU_RUN(silu_run_f32, float, LOAD_F32, STORE_F32)
+SILU_RUN(silu_run_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+
+void kvgate_silu_and_mul(const void *x, int64_t x_stride, int64_t up_offset, void *out,
+                         int64_t out_stride, int64_t outer, int64_t inner, int dtype,
+                         int num_threads) {
+    const int parallel = outer * inner >= (1 << 15);
+    const int64_t size = dtype_size(dtype);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
+    for (int64_t o = 0; o < outer; ++o) {
+        const char *gate = (const char *)x + o * x_stride * size;
+        const char *up = gate + up_offset * size;
+        char *dst = (char *)out + o * out_stride * size;
+        if (dtype == KVGATE_BF16)
+            silu_run_bf16((const uint16_t *)gate, (const uint16_t *)up, (uint16_t *)dst, inner);
+        else
+            silu_run_f32((const float *)gate, (const float *)up, (float *)dst, inner);
     }
 }

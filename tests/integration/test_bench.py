@@ -102,6 +102,29 @@ def test_bench_window_sweep_restarts_its_scheduler(tmp_path):
     assert_is_png(tmp_path / "windows_windows.png")
 
 
+def test_bench_policy_sweep_runs_the_same_requests_under_each_policy(tmp_path):
+    out = tmp_path / "policies.json"
+    log_dir = tmp_path / "logs"
+    kvgate_bench(
+        "--model", str(MODEL), "--sweep-policy", "fcfs,lpm", "--workload", "shared-prefix",
+        "--num-requests", "4", "--num-prefixes", "2", "--prefix-len", "40", "--input-len", "8",
+        "--output-len", "4", "--executor-flags", "--block-size 4 --max-num-seqs 1",
+        "--out", str(out), "--log-dir", str(log_dir),
+    )  # fmt: skip
+    points = json.loads(out.read_text())["points"]
+    assert [p["policy"] for p in points] == ["fcfs", "lpm"]
+    assert all(p["completed"] == 4 for p in points), [p["first_error"] for p in points]
+    assert points[0]["total_prompt_tokens"] == points[1]["total_prompt_tokens"], "same requests"
+    # one request at a time on a fresh cache: each prefix's later requests reuse at least
+    # its 9 full blocks, whichever the order
+    assert all(p["total_cached_prompt_tokens"] >= 2 * 36 for p in points), points
+    assert all(0 < p["prefix_cache_hit_rate"] < 1 for p in points), points
+    policies = re.findall(r"KV blocks, policy (\w+)", (log_dir / "executor-0.log").read_text())
+    assert policies[-2:] == ["fcfs", "lpm"], f"executors started with {policies}"
+    leaders = re.findall(r"policy (\w+)\)", (log_dir / "scheduler.log").read_text())
+    assert leaders[-2:] == ["fcfs", "lpm"], f"schedulers led with {leaders}"
+
+
 def test_the_grpc_floor_server_streams_a_token_to_the_bench_client():
     """bench_serve's do-nothing server: a real process answering Generate at once."""
     from bench.bench_serve import grpc_floor_ttft_ms

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from common.redis_conn import connect_sync
@@ -21,6 +23,7 @@ from executor.heartbeat import Heartbeat, StatusBoard
 from executor.streams import InboxEntry, InboxReader
 from protos.kvgate.v1 import internal_pb2
 from tests.helpers import REPO, STORIES_260K, redis_server, wait_for
+from tests.tiny_gguf import write_tiny_llama
 
 KEYS = RedisKeys()
 EXECUTOR = "e1"
@@ -249,3 +252,25 @@ def test_a_cuda_device_on_a_machine_without_one_is_a_flag_error():
     for device in ("cuda", "cuda:1"):
         with pytest.raises(ValueError, match=f"--device {device}: .* no CUDA device"):
             ExecutorConfig.from_args(["--model", str(STORIES_260K), "--device", device])
+
+
+@pytest.mark.parametrize("broken", ["tensor_type", "not_gguf"])
+def test_a_model_the_executor_cannot_load_is_one_line_naming_it(tmp_path: Path, broken: str):
+    path = tmp_path / "bad.gguf"
+    if broken == "tensor_type":
+        write_tiny_llama(path, {"blk.1.attn_v": Q.Q8_1})  # the gguf package has no Q8_1 reader
+        expected = r"tensor blk\.1\.attn_v\.weight has type Q8_1"
+    else:
+        path.write_bytes(b"not a gguf file at all")
+        expected = "not a readable GGUF file"
+    with redis_server(tmp_path) as url:
+        done = subprocess.run(
+            [sys.executable, "-m", "executor", "--model", str(path), "--redis-url", url,
+             "--num-gpu-blocks", "64", "--metrics-port", "-1"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"executor: --model {path}: "), done.stderr
+    assert re.search(expected, last), done.stderr

@@ -8,7 +8,7 @@ bit for bit); linear layers within 1e-5 of torch, in column-major layout.
 import pytest
 import torch
 
-from kernels import build_cos_sin_cache, cpu
+from kernels import build_cos_sin_cache, cpu, cpu_attention, cpu_linear
 from kernels import reference as ref
 from tests.kernels.paged_cases import (
     cu_seqlens,
@@ -55,7 +55,7 @@ def test_decode_matches_reference(head_dim, block_size, ratio):
     context_lens = random_context_lens(gen, block_size)
     case, args = decode_args(head_dim + ratio, context_lens, block_size, head_dim, ratio)
     args[-1] = head_dim**-0.5
-    out = cpu.paged_decode_attention(*args)
+    out = cpu_attention.paged_decode_attention(*args)
     assert out.dtype == torch.float32 and out.shape == args[0].shape
     assert_close(out, ref.paged_decode_attention(*args), ATTENTION_ATOL, "decode vs reference")
     expected = naive_decode(args[0], case, head_dim**-0.5)
@@ -64,14 +64,14 @@ def test_decode_matches_reference(head_dim, block_size, ratio):
 
 def test_decode_gives_the_same_result_on_one_and_on_two_threads():
     _, args = decode_args(5, [3, 70, 1, 33], block_size=16, head_dim=64, ratio=4)
-    one, two = on_one_and_two_threads(lambda: cpu.paged_decode_attention(*args))
+    one, two = on_one_and_two_threads(lambda: cpu_attention.paged_decode_attention(*args))
     assert torch.equal(one, two), "the result depends on the thread count"
 
 
 def test_empty_batch_returns_empty():
     _, args = decode_args(1, [5])
     args[0], args[3], args[4] = args[0][:0], args[3][:0], args[4][:0]
-    assert cpu.paged_decode_attention(*args).shape == (0, *args[0].shape[1:])
+    assert cpu_attention.paged_decode_attention(*args).shape == (0, *args[0].shape[1:])
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_bad_tables_are_refused_before_any_read(field, value, message):
         lens[1] = 400
     args[3], args[4] = tables, lens
     with pytest.raises(ValueError, match=message):
-        cpu.paged_decode_attention(*args)
+        cpu_attention.paged_decode_attention(*args)
 
 
 def test_a_zero_block_size_is_refused():
@@ -104,19 +104,21 @@ def test_a_zero_block_size_is_refused():
     empty_blocks = torch.zeros(4, 0, 2, 4)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="k_cache block_size must be at least 1"):
-        cpu.paged_decode_attention(q, empty_blocks, empty_blocks, tables, lens, 1.0)
+        cpu_attention.paged_decode_attention(q, empty_blocks, empty_blocks, tables, lens, 1.0)
 
 
 def test_wrong_dtype_and_layout_are_refused():
     _, args = decode_args(3, [3, 9])
-    with pytest.raises(ValueError, match="q must be float32 for the CPU kernels"):
+    with pytest.raises(
+        ValueError, match="q must be float32 or bfloat16 for the CPU kernels, got torch.float16"
+    ):
         half = [args[0].half(), args[1].half(), args[2].half(), *args[3:]]
-        cpu.paged_decode_attention(*half)
+        cpu_attention.paged_decode_attention(*half)
     strided = torch.randn(args[0].shape[0], args[0].shape[1] * 2, args[0].shape[2])[:, ::2]
     with pytest.raises(ValueError, match="q must be contiguous"):
-        cpu.paged_decode_attention(strided, *args[1:])
+        cpu_attention.paged_decode_attention(strided, *args[1:])
     with pytest.raises(ValueError, match="block_tables must have dtype torch.int32"):
-        cpu.paged_decode_attention(*args[:3], args[3].long(), *args[4:])
+        cpu_attention.paged_decode_attention(*args[:3], args[3].long(), *args[4:])
 
 
 def test_loading_the_library_leaves_float_denormals_alone():
@@ -233,7 +235,7 @@ def test_argmax_checks_its_input():
         cpu.argmax(torch.randn(5))
     with pytest.raises(ValueError, match="logits needs at least one column"):
         cpu.argmax(torch.empty(3, 0))
-    with pytest.raises(ValueError, match="logits must be float32 for the CPU kernels"):
+    with pytest.raises(ValueError, match="logits must be float32 for the CPU argmax"):
         cpu.argmax(torch.randn(2, 4).half())
 
 
@@ -313,7 +315,7 @@ def test_rms_norm_gives_the_same_rows_whatever_the_batch_and_threads():
 
 
 def test_rms_norm_checks_its_input():
-    with pytest.raises(ValueError, match="x must be float32 for the CPU kernels"):
+    with pytest.raises(ValueError, match="x must be float32 or bfloat16 for the CPU kernels"):
         cpu.rms_norm(torch.randn(2, 4).half(), torch.randn(4).half(), 1e-6)
     with pytest.raises(ValueError, match=r"weight.shape\[0\] must equal"):
         cpu.rms_norm(torch.randn(2, 4), torch.randn(5), 1e-6)
@@ -327,27 +329,27 @@ def test_linear_matches_torch_and_is_column_major(rows, bias):
     gen = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, 96, generator=gen), torch.randn(40, 96, generator=gen)
     b = torch.randn(40, generator=gen) if bias else None
-    out = cpu.linear(x, weight, b)
+    out = cpu_linear.linear(x, weight, b)
     torch.testing.assert_close(out, ref.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     assert out.t().is_contiguous(), "weight @ x^T gives the transposed view of [out, rows]"
-    again = cpu.linear(out, torch.randn(8, 40, generator=gen))  # reads the view in place
+    again = cpu_linear.linear(out, torch.randn(8, 40, generator=gen))  # reads the view in place
     assert again.shape == (rows, 8)
 
 
 def test_linear_checks_its_input():
     with pytest.raises(ValueError, match=r"weight.shape\[1\]"):
-        cpu.linear(torch.randn(2, 4), torch.randn(3, 5))
+        cpu_linear.linear(torch.randn(2, 4), torch.randn(3, 5))
     with pytest.raises(ValueError, match="bias"):
-        cpu.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
+        cpu_linear.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
     with pytest.raises(ValueError, match="weight dtype"):
-        cpu.linear(torch.randn(2, 4), torch.randn(3, 4).double())
+        cpu_linear.linear(torch.randn(2, 4), torch.randn(3, 4).double())
 
 
 @pytest.mark.parametrize(("head_dim", "block_size", "ratio"), SHAPES, ids=SHAPE_IDS)
 def test_prefill_matches_reference(head_dim, block_size, ratio):
     case, q, query_lens = mixed_prefill_case(head_dim, block_size, NUM_KV_HEADS, ratio)
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens(query_lens))
-    out = cpu.paged_prefill_attention(*args, case.context_lens, head_dim**-0.5)
+    out = cpu_attention.paged_prefill_attention(*args, case.context_lens, head_dim**-0.5)
     expected = ref.paged_prefill_attention(*args, case.context_lens, head_dim**-0.5)
     assert_close(out, expected, ATTENTION_ATOL, "prefill vs reference")
     naive = naive_prefill(q, case, query_lens, head_dim**-0.5)
@@ -358,7 +360,7 @@ def test_prefill_reads_strided_queries_and_is_thread_count_independent():
     case, q, cu = strided_prefill_case()
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu)
     one, two = on_one_and_two_threads(
-        lambda: cpu.paged_prefill_attention(*args, case.context_lens, 0.5)
+        lambda: cpu_attention.paged_prefill_attention(*args, case.context_lens, 0.5)
     )
     assert torch.equal(one, two), "the result depends on the thread count"
     expected = ref.paged_prefill_attention(*args, case.context_lens, 0.5)
@@ -382,7 +384,7 @@ def test_prefill_refuses_bad_offsets_and_lengths(cu, context_lens, message):
     cu_seqlens_q = torch.tensor(cu, dtype=torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
-        cpu.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables,
+        cpu_attention.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables,
                                     cu_seqlens_q, lens, 0.5)  # fmt: skip
 
 
@@ -398,10 +400,10 @@ def test_prefill_skips_sequences_without_queries_wherever_they_are():
     args = (q, case.k_cache, case.v_cache, case.block_tables, cu_seqlens(query_lens))
     expected = ref.paged_prefill_attention(*args, case.context_lens, 0.25)
     one, two = on_one_and_two_threads(
-        lambda: cpu.paged_prefill_attention(*args, case.context_lens, 0.25)
+        lambda: cpu_attention.paged_prefill_attention(*args, case.context_lens, 0.25)
     )
     assert torch.equal(one, two), "the result depends on the thread count"
     assert_close(one, expected, ATTENTION_ATOL, "zero-query sequences vs reference")
     case.block_tables[3, 0] = 10_000
     with pytest.raises(ValueError, match=r"block_tables\[3, 0\] = 10000"):
-        cpu.paged_prefill_attention(*args, case.context_lens, 0.25)
+        cpu_attention.paged_prefill_attention(*args, case.context_lens, 0.25)

@@ -61,20 +61,25 @@ def test_unknown_backend_names_the_variable_and_the_choices(monkeypatch):
 def test_cpu_defaults_to_the_cpu_kernels_even_with_the_interpreter(monkeypatch):
     monkeypatch.delenv("KVGATE_KERNELS", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    backend = get_kernels(torch.device("cpu"))
-    assert isinstance(backend, KernelBackend) and backend.name == "cpu"
-    assert backend.paged_decode_attention.__module__ == "kernels.cpu"
-    assert backend.rms_norm.__module__ == backend.linear.__module__ == "kernels.cpu"
-    assert backend.paged_prefill_attention.__module__ == "kernels.cpu"
+    for dtype in (torch.float32, torch.bfloat16):
+        backend = get_kernels(torch.device("cpu"), dtype=dtype)
+        assert isinstance(backend, KernelBackend) and backend.name == "cpu"
+        assert backend.paged_decode_attention.__module__ == "kernels.cpu_attention"
+        assert backend.paged_prefill_attention.__module__ == "kernels.cpu_attention"
+        assert backend.attention.__module__ == "kernels.cpu_attention"
+        assert backend.rms_norm.__module__ == backend.silu_and_mul.__module__ == "kernels.cpu"
+        assert backend.linear.__module__ == backend.linear_quantized.__module__
+        assert backend.linear.__module__ == "kernels.cpu_linear"
+        assert backend.decoder_layers.__module__ == "kernels.cpu_decoder"
 
 
 def test_cpu_with_another_dtype_runs_the_reference_and_says_why(monkeypatch, caplog):
     monkeypatch.delenv("KVGATE_KERNELS", raising=False)
-    backend = get_kernels(torch.device("cpu"), dtype=torch.bfloat16)
+    backend = get_kernels(torch.device("cpu"), dtype=torch.float16)
     assert backend.name == "reference"
-    assert "the CPU kernels are float32 only; using the reference kernels" in caplog.text
-    with pytest.raises(RuntimeError, match="KVGATE_KERNELS=cpu cannot run: dtype is torch.bf"):
-        get_kernels(torch.device("cpu"), "cpu", torch.bfloat16)
+    assert "the CPU kernels run float32 and bfloat16; using the reference kernels" in caplog.text
+    with pytest.raises(RuntimeError, match="KVGATE_KERNELS=cpu cannot run: dtype is torch.fl"):
+        get_kernels(torch.device("cpu"), "cpu", torch.float16)
 
 
 def test_cpu_without_a_compiler_runs_the_reference_or_refuses_when_asked(tmp_path):
@@ -98,4 +103,5 @@ def test_triton_runs_on_cpu_under_the_interpreter(monkeypatch):
     backend = get_kernels(torch.device("cpu"))
     assert backend.name == "triton"
     assert backend.rms_norm.__module__ == "kernels.triton_norm"
-    assert backend.linear.__module__ == "kernels.reference"
+    assert backend.linear.__module__ == "kernels.cuda"
+    assert backend.linear_quantized.__module__ == "kernels.triton_quant"

@@ -3,7 +3,7 @@ tests/integration/, with their fixtures.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -13,7 +13,7 @@ from scheduler.queue import PendingRequest
 @pytest.fixture
 def pending_request() -> Callable[..., PendingRequest]:
     """Builds a PendingRequest as the scheduler's intake makes one: pending_request(id,
-    arrival_s, num_prompt_tokens=10, priority=0, deadline_s=None)."""
+    arrival_s, num_prompt_tokens=10, priority=0, deadline_s=None, block_hashes=())."""
 
     def make(
         request_id: str,
@@ -21,12 +21,13 @@ def pending_request() -> Callable[..., PendingRequest]:
         num_prompt_tokens: int = 10,
         priority: int = 0,
         deadline_s: float | None = None,
+        block_hashes: Sequence[int] = (),
     ) -> PendingRequest:
         return PendingRequest(
             request_id=request_id,
             entry_id="0-1",
             num_prompt_tokens=num_prompt_tokens,
-            block_hashes=[],
+            block_hashes=list(block_hashes),
             priority=priority,
             session_id=None,
             session_executor_id=None,

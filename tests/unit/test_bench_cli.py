@@ -36,6 +36,8 @@ def bench_error(capsys: pytest.CaptureFixture[str], *flags: str) -> str:
         (("--sweep-window", "0,inf"), "--sweep-window"),
         (("--sweep-rates", ""), "--sweep-rates"),
         (("--sweep-rates", "1,fast"), "--sweep-rates"),
+        (("--sweep-policy", "fcfs,random"), "--sweep-policy"),
+        (("--sweep-policy", "fcfs,lpm", "--sweep-window", "0,5"), "--sweep-policy"),
         (("--target", "no-port"), "--target"),
         (("--prompt-words", "vocab", "--model", "/nonexistent"), "--prompt-words"),
         (("--compare-hf", "--model", "/nonexistent"), "--model"),

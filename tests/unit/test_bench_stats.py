@@ -56,6 +56,16 @@ def test_metrics_summaries_match_the_requests():
     assert metrics["goodput"] == metrics["request_throughput"], "no SLOs: every finished one"
 
 
+def test_the_prefix_cache_hit_rate_counts_finished_requests_only():
+    cached = RequestResult(100, 10, 0.1, 1.0, [0.1] * 9, cached_prompt_tokens=64)
+    cold = RequestResult(60, 10, 0.1, 1.0, [0.1] * 9)
+    failed = RequestResult(40, error="UNAVAILABLE: down", cached_prompt_tokens=32)
+    metrics = run_metrics([cached, cold, failed], duration_s=1.0, slos_ms={})
+    assert metrics["total_cached_prompt_tokens"] == 64
+    assert metrics["prefix_cache_hit_rate"] == pytest.approx(64 / 160)
+    assert run_metrics([failed], 1.0, {})["prefix_cache_hit_rate"] == 0.0, "no prompt tokens"
+
+
 def test_slo_bounds_are_inclusive():
     assert meets_slos(request(0.1, 1.0, 10), {"ttft_ms": 100.0, "e2e_ms": 1000.0})
     assert not meets_slos(request(0.1, 1.0, 10), {"e2e_ms": 999.0})

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,3 +99,24 @@ def test_stop_token_ends_generation_with_stop_reason(tokenizer):
     expected = free[: free.index(stop_id) + 1]
     assert got == expected, f"expected to stop after the first {stop_id}: {expected}, got {got}"
     assert outputs[-1].finished and outputs[-1].finish_reason == "stop", outputs[-1]
+
+
+def test_every_eos_id_of_generation_config_ends_generation(tokenizer, tmp_path: Path):
+    """generation_config.json's eos_token_id as a list (as SmolLM2's): each id stops."""
+    prompt = tokenizer("Once upon a time").input_ids
+    engine = make_engine()
+    engine.add_request("free", prompt, greedy(40))
+    free = run_to_completion(engine)["free"]
+    # A token the free run makes for the first time well into it, beside the file's EOS id 2.
+    step = next(k for k in range(8, len(free)) if free[k] not in free[:k])
+    model = tmp_path / "stories"
+    shutil.copytree(STORIES_260K, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    for eos_ids in ([2, free[step]], [free[step], 2]):
+        config["eos_token_id"] = eos_ids
+        (model / "generation_config.json").write_text(json.dumps(config))
+        engine = Engine(EngineConfig(model=str(model), kv_cache_gib=0.05))
+        engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0.0))
+        outputs = [out for _ in range(64) if engine.has_unfinished() for out in engine.step()]
+        assert [t for o in outputs for t in o.new_token_ids] == free[: step + 1], eos_ids
+        assert outputs[-1].finish_reason == "stop", outputs[-1]

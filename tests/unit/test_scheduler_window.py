@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from scheduler.queue import FcfsPolicy, PriorityPolicy, WindowBatcher, WindowLimits
+import math
+
+from common.prefix import block_hashes
+from scheduler.placement import ExecutorView, Placer, PrefixIndex
+from scheduler.queue import FcfsPolicy, LpmPolicy, PriorityPolicy, WindowBatcher, WindowLimits
 
 
 def batcher(window_ms=10.0, size=4, tokens=100, policy=None) -> WindowBatcher:
@@ -82,3 +86,44 @@ def test_expired_requests_leave_the_queue(pending_request):
     queue.add(pending_request("fine", 1.0))
     assert [r.request_id for r in queue.expired(2.5)] == ["late"]
     assert "fine" in queue and "late" not in queue
+
+
+def lpm_queue(cached_tokens: list[int], aging_ms: float) -> WindowBatcher:
+    """A one-request-per-batch queue ordered by lpm against a placer whose one executor is
+    believed to hold the blocks of `cached_tokens` (block size 4)."""
+    placer = Placer(load_cost_blocks=2.0)
+    view = ExecutorView("e1", 4, 100, 100, 0, 0, PrefixIndex(100))
+    view.prefix_index.record(block_hashes(cached_tokens, 4))
+    placer.executors["e1"] = view
+    return batcher(size=1, policy=LpmPolicy(aging_ms=aging_ms, cached_blocks=placer.cached_blocks))
+
+
+SHARED = list(range(100, 112))  # three blocks of 4
+
+
+def test_lpm_releases_the_longest_cached_prefix_first(pending_request):
+    queue = lpm_queue(SHARED, aging_ms=1000.0)
+    prompts = {"none": [1, 2, 3, 4, 5], "one": [*SHARED[:4], 9, 9, 9, 9], "three": [*SHARED, 7]}
+    for i, (request_id, tokens) in enumerate(prompts.items()):
+        queue.add(pending_request(request_id, 1.0 + i / 100, block_hashes=block_hashes(tokens, 4)))
+    released = [queue.release(1.05)[0].request_id for _ in prompts]
+    assert released == ["three", "one", "none"], (
+        f"expected the longest cached prefix first: {released}"
+    )
+
+
+def test_lpm_aging_bounds_the_wait_of_a_prompt_nobody_shares(pending_request):
+    """Every 100 ms a cached-prefix request arrives and one request is released."""
+
+    def lonely_released_at(aging_ms: float) -> float | None:
+        queue = lpm_queue(SHARED, aging_ms=aging_ms)
+        queue.add(pending_request("lonely", 1.0, block_hashes=block_hashes([1, 2, 3, 4], 4)))
+        for tick in range(20):
+            now = 1.0 + tick / 10
+            queue.add(pending_request(f"s{tick}", now, block_hashes=block_hashes(SHARED, 4)))
+            if queue.release(now)[0].request_id == "lonely":
+                return now
+        return None
+
+    assert lonely_released_at(500.0) == 1.5, "aged after 500 ms, it goes before younger ones"
+    assert lonely_released_at(math.inf) is None, "without aging the cached-prefix stream wins"

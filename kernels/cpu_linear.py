@@ -1,0 +1,143 @@
+"""CPU linear layers: dense float32 and bfloat16 weights, and weight-only int8 / int4.
+
+Results are column-major: the [N, out_features] transposed view of a contiguous
+[out_features, N], which the next layer's kernels read in place (elementwise ops keep the
+layout; RMSNorm, SiLU-and-multiply and attention read and write it).
+
+- At small batches (at most SMALL_BATCH_ROWS rows) every format goes through the C kernels of
+  kernels/csrc/cpu_linear.c, which read each weight once in its own format (torch's bfloat16
+  matrix-vector product and its packed int8/int4 kernels read these weights at half the speed
+  or less on this machine: bench/bench_linear.py measures them side by side).
+- At larger batches dense weights are multiplied by torch as weight @ x^T (MKL, 20-40% faster
+  than x @ weight^T on this kind of CPU; oneDNN with AMX for bfloat16 where the CPU has it),
+  and quantized ones are first dequantized into the activation dtype, a slice of rows at a
+  time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu import check_cpu
+from kernels.cpu_build import DTYPE_CODES, WEIGHT_KINDS, LinearWeightsStruct, library
+from kernels.quant import QuantizedWeight
+from kernels.validation import check_linear, check_quantized_linear
+
+# Largest batch the C small-batch kernels take; larger ones run a dense matmul.
+SMALL_BATCH_ROWS = 8
+# Elements of weight dequantized at a time for a dense matmul (a slice that stays in cache).
+DEQUANTIZE_CHUNK_ELEMENTS = 1 << 20
+
+
+def weights_struct(
+    weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None
+) -> LinearWeightsStruct:
+    """The C description of a linear layer's weight (dense float32/bfloat16, or quantized)."""
+    if isinstance(weight, QuantizedWeight):
+        kind = WEIGHT_KINDS["int8" if weight.bits == 8 else "int4"]
+        zeros = None if weight.zeros is None else weight.zeros.data_ptr()
+        return LinearWeightsStruct(
+            kind, weight.qweight.data_ptr(), weight.scales.data_ptr(), zeros, _pointer(bias),
+            weight.group_size, weight.out_features, weight.in_features,
+        )  # fmt: skip
+    kind = WEIGHT_KINDS[str(weight.dtype).removeprefix("torch.")]
+    return LinearWeightsStruct(kind, weight.data_ptr(), None, None, _pointer(bias), 0,
+                               weight.shape[0], weight.shape[1])  # fmt: skip
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The CPU twin of kernels.reference.linear, column-major (see the module)."""
+    check_linear(x, weight, bias)
+    out_dtype = out_dtype or x.dtype
+    if 0 < x.shape[0] <= SMALL_BATCH_ROWS:
+        _check_small_batch(x, weight, bias)
+        return _small_batch(x, weights_struct(weight, bias), weight.shape[0], out_dtype)
+    if bias is None:
+        out = torch.mm(weight, x.t())
+    else:
+        out = torch.addmm(bias.unsqueeze(1), weight, x.t())
+    return out.t().to(out_dtype)
+
+
+def linear_quantized(
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The CPU twin of kernels.reference.linear_quantized, column-major (see the module).
+
+    Small batches accumulate in float32 from the exact weights; larger ones multiply weights
+    dequantized to x.dtype (for bfloat16, rounded to it) with torch.
+    """
+    check_quantized_linear(x, weight, bias)
+    check_cpu({"x": x}, floats=("x",), inner_dims={"x": 0})
+    out_dtype = out_dtype or x.dtype
+    if x.shape[0] > SMALL_BATCH_ROWS:
+        return _dequantized_matmul(x, weight, bias).t().to(out_dtype)
+    if x.shape[0] == 0:
+        return torch.empty(weight.out_features, 0, dtype=out_dtype).t()
+    return _small_batch(x, weights_struct(weight, bias), weight.out_features, out_dtype)
+
+
+def _check_small_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    tensors = {"x": x, "weight": weight} | ({} if bias is None else {"bias": bias})
+    check_cpu(tensors, floats=tuple(tensors), inner_dims={"x": 0})
+
+
+def _small_batch(
+    x: torch.Tensor, weights: LinearWeightsStruct, out_features: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    out = torch.empty(out_features, x.shape[0], dtype=out_dtype)
+    failed = library().kvgate_linear(
+        ctypes.byref(weights), x.data_ptr(), DTYPE_CODES[x.dtype], x.stride(0), x.stride(1),
+        x.shape[0], out.data_ptr(), DTYPE_CODES[out_dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("linear could not allocate its scratch buffer")
+    return out.t()
+
+
+def dequantize(
+    weight: QuantizedWeight, dtype: torch.dtype, rows: slice = slice(None)
+) -> torch.Tensor:
+    """Rows of a quantized weight as a dense contiguous tensor of `dtype` (float32 or bfloat16),
+    computed by the C kernels (the twin of QuantizedWeight.dequantize)."""
+    start, stop, _ = rows.indices(weight.out_features)
+    count = max(stop - start, 0)
+    out = torch.empty(count, weight.in_features, dtype=dtype)
+    if count == 0:
+        return out
+    failed = library().kvgate_dequantize(
+        ctypes.byref(weights_struct(weight, None)), start, count, out.data_ptr(),
+        DTYPE_CODES[dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("dequantize could not allocate its scratch buffer")
+    return out
+
+
+def _dequantized_matmul(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """[out_features, N] = dequantized weight @ x^T (+ bias), a slice of rows at a time."""
+    out = torch.empty(weight.out_features, x.shape[0], dtype=x.dtype)
+    rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
+    x_t = x.t()
+    for start in range(0, weight.out_features, rows_per_chunk):
+        rows = slice(start, min(start + rows_per_chunk, weight.out_features))
+        torch.mm(dequantize(weight, x.dtype, rows), x_t, out=out[rows])
+    if bias is not None:
+        out += bias.unsqueeze(1)
+    return out
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

@@ -1,0 +1,505 @@
+/*
+ * Linear layers at small batch on the CPU: y = x @ w^T for a few rows of x, with w in float32,
+ * bfloat16, int8 or int4 (weight-only quantized), reading every weight once per call.
+ *
+ * At decode batch sizes a linear layer is a matrix-vector product whose time is the time to
+ * read the weights; these kernels keep the weights in their own format all the way into the
+ * registers and multiply there, in float32 (bfloat16: AVX512-BF16 dot products, exact products
+ * summed in float32). Four weight rows and up to four rows of x are done together, so each
+ * weight is loaded and converted once per four rows of x. For larger batches the caller
+ * multiplies with torch instead, quantized weights dequantized first (kvgate_dequantize).
+ *
+ * Quantized formats (kernels/quant.py):
+ *   int8  q [n, k] int8, scales [n, k / group_size] float32: w = q * scale (per-channel:
+ *         group_size = k).
+ *   int4  q [n, k / 2] uint8; within each block of 32 weights of a row, byte j holds weight j in
+ *         its low nibble and weight j + 16 in its high nibble (GGUF's Q4_0/Q4_1 layout);
+ *         scales and zeros [n, k / group_size] float16: w = q * scale + zero, q in 0..15.
+ *         group_size is a multiple of 32 and divides k.
+ * x [m, k] has any strides and the activation dtype; it is copied into a dense float32 (or
+ * bfloat16) scratch first. out is column-major: out[r * m + i] is row i's output r, of
+ * out_dtype (the activation dtype, or float32 for logits); the bias has the activation dtype.
+ * The caller (kernels/cpu_linear.py) checks shapes, dtypes and strides.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVGATE_AVX512 1
+#endif
+
+#define ROW_BLOCK 4 /* weight rows per work item */
+#define X_BLOCK 4   /* rows of x per pass over a work item's weights */
+
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        uint32_t e = 113u;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            --e;
+        }
+        bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Copy x (m rows, k columns, element (i, j) at x[i * row_stride + j * col_stride] of x_dtype)
+ * into dense row-major float32 (or bfloat16 when to_bf16) rows of `ld` elements, zero-padded. */
+static void pack_x(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride, int64_t m,
+                   int64_t k, int64_t ld, int to_bf16, void *packed) {
+    for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < ld; ++j) {
+            const float v = j < k ? load_elem(x, x_dtype, i * row_stride + j * col_stride) : 0.0f;
+            if (to_bf16)
+                ((uint16_t *)packed)[i * ld + j] = f32_to_bf16(v);
+            else
+                ((float *)packed)[i * ld + j] = v;
+        }
+    }
+}
+
+/* What every kernel below needs besides its weights. */
+typedef struct {
+    const void *x; /* packed: [m, ld] float32 or bfloat16 */
+    int64_t m, k, ld, n;
+    const void *bias;
+    int bias_dtype;
+    void *out;
+    int out_dtype;
+} linear_io;
+
+static void write_out(const linear_io *io, int64_t row, int64_t i, float value) {
+    if (io->bias != NULL) value += load_elem(io->bias, io->bias_dtype, row);
+    store_elem(io->out, io->out_dtype, row * io->m + i, value);
+}
+
+/* ---- portable versions: one weight row against every row of x ---- */
+
+static void row_generic(const linear_io *io, int64_t row, const float *w_row, float *xf) {
+    for (int64_t i = 0; i < io->m; ++i) {
+        const float *xi = xf + i * io->ld;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < io->k; ++j) sum += w_row[j] * xi[j];
+        write_out(io, row, i, sum);
+    }
+}
+
+#ifdef KVGATE_AVX512
+/* ---- AVX-512: ROW_BLOCK rows x up to X_BLOCK rows of x, 16 weights at a time ---- */
+
+static inline __mmask16 tail_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __m512 int8_weights(const int8_t *p, __mmask16 mask) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+}
+
+/*
+ * The kernels below keep ROW_BLOCK x X_BLOCK accumulators in named registers: a##r##i is
+ * weight row r against x row i. R (rows) and M (x rows) are constants at every call
+ * (vector_rows_of), so the unused ones and the branches on R and M compile away.
+ */
+#define DECLARE_ACCUMULATORS(r) \
+    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0
+
+/* a##r##i += w * x##i for the M rows of x. */
+#define ACCUMULATE(r, w, x)                                             \
+    do {                                                                \
+        a##r##0 = _mm512_fmadd_ps(w, x##0, a##r##0);                    \
+        if (M > 1) a##r##1 = _mm512_fmadd_ps(w, x##1, a##r##1);         \
+        if (M > 2) a##r##2 = _mm512_fmadd_ps(w, x##2, a##r##2);         \
+        if (M > 3) a##r##3 = _mm512_fmadd_ps(w, x##3, a##r##3);         \
+    } while (0)
+
+/* Loads of x rows 0..M-1 at column j into x##name##i. */
+#define LOAD_X(name, load, j)                                             \
+    const __m512 x##name##0 = load(x + (j));                              \
+    const __m512 x##name##1 = M > 1 ? load(x + io->ld + (j)) : x##name##0; \
+    const __m512 x##name##2 = M > 2 ? load(x + 2 * io->ld + (j)) : x##name##0; \
+    const __m512 x##name##3 = M > 3 ? load(x + 3 * io->ld + (j)) : x##name##0
+
+#define WRITE_ROW(r, scale)                                                                  \
+    do {                                                                                     \
+        write_out(io, row0 + (r), i0, (scale) * _mm512_reduce_add_ps(a##r##0));              \
+        if (M > 1) write_out(io, row0 + (r), i0 + 1, (scale) * _mm512_reduce_add_ps(a##r##1)); \
+        if (M > 2) write_out(io, row0 + (r), i0 + 2, (scale) * _mm512_reduce_add_ps(a##r##2)); \
+        if (M > 3) write_out(io, row0 + (r), i0 + 3, (scale) * _mm512_reduce_add_ps(a##r##3)); \
+    } while (0)
+
+#define DECLARE_ALL_ACCUMULATORS \
+    DECLARE_ACCUMULATORS(0);     \
+    DECLARE_ACCUMULATORS(1);     \
+    DECLARE_ACCUMULATORS(2);     \
+    DECLARE_ACCUMULATORS(3)
+
+/* Writes every row's outputs, unscaled. */
+#define UNSCALED_OUT(r) WRITE_ROW(r, 1.0f)
+
+#define FOR_ROWS(STEP) \
+    do {               \
+        STEP(0);       \
+        if (R > 1) {   \
+            STEP(1);   \
+            STEP(2);   \
+            STEP(3);   \
+        }              \
+    } while (0)
+
+/* int8 rows row0 .. row0 + R - 1 (R is 1 or ROW_BLOCK) against x rows i0 .. i0 + M - 1. */
+static inline __attribute__((always_inline)) void int8_block(
+    const linear_io *io, const int8_t *q, const float *scales, int64_t group_size, int64_t row0,
+    const int R, int64_t i0, const int M) {
+    const int64_t k = io->k, groups = k / group_size;
+    const int per_channel = group_size == k;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t j = 0; j < k; j += 16) {
+        const __mmask16 mask = tail_mask16(k - j);
+        LOAD_X(v, _mm512_loadu_ps, j);
+#define INT8_ROW(r)                                                                     \
+        do {                                                                            \
+            __m512 w = int8_weights(q + (row0 + (r)) * k + j, mask);                    \
+            if (!per_channel)                                                           \
+                w = _mm512_mul_ps(w, _mm512_set1_ps(scales[(row0 + (r)) * groups + j / group_size])); \
+            ACCUMULATE(r, w, xv);                                                       \
+        } while (0)
+        FOR_ROWS(INT8_ROW);
+#undef INT8_ROW
+    }
+#define INT8_OUT(r) WRITE_ROW(r, per_channel ? scales[row0 + (r)] : 1.0f)
+    FOR_ROWS(INT8_OUT);
+#undef INT8_OUT
+}
+
+/* float32 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1. */
+static inline __attribute__((always_inline)) void f32_block(
+    const linear_io *io, const float *w, int64_t row0, const int R, int64_t i0, const int M) {
+    const int64_t k = io->k;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t j = 0; j < k; j += 16) {
+        const __mmask16 mask = tail_mask16(k - j);
+        LOAD_X(v, _mm512_loadu_ps, j);
+#define F32_ROW(r)                                                                  \
+        do {                                                                        \
+            const __m512 wr = _mm512_maskz_loadu_ps(mask, w + (row0 + (r)) * k + j); \
+            ACCUMULATE(r, wr, xv);                                                  \
+        } while (0)
+        FOR_ROWS(F32_ROW);
+#undef F32_ROW
+    }
+    FOR_ROWS(UNSCALED_OUT);
+}
+
+/* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
+/* n float16 values as float32 (n <= INT4_GROUP_CHUNK). */
+static inline void f16_row(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mask = tail_mask16(n - i);
+        _mm512_mask_storeu_ps(dst + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + i)));
+    }
+}
+
+/* Groups whose float16 scales and zeros are converted at a time (so a broadcast in the inner
+ * loop is one load, not a conversion). */
+#define INT4_GROUP_CHUNK 256
+
+/* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
+static inline __attribute__((always_inline)) void int4_block(
+    const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+    int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
+    const int64_t k = io->k, groups = k / group_size, row_bytes = k / 2;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    const __m512i low_nibble = _mm512_set1_epi32(15);
+    float scale_f32[ROW_BLOCK][INT4_GROUP_CHUNK], zero_f32[ROW_BLOCK][INT4_GROUP_CHUNK];
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t g0 = 0; g0 < groups; g0 += INT4_GROUP_CHUNK) {
+        const int64_t count = groups - g0 < INT4_GROUP_CHUNK ? groups - g0 : INT4_GROUP_CHUNK;
+        for (int r = 0; r < R; ++r) {
+            f16_row(scales + (row0 + r) * groups + g0, count, scale_f32[r]);
+            f16_row(zeros + (row0 + r) * groups + g0, count, zero_f32[r]);
+        }
+        for (int64_t j = g0 * group_size; j < (g0 + count) * group_size; j += 32) {
+            const int64_t g = j / group_size - g0;
+            LOAD_X(lo, _mm512_loadu_ps, j);
+            LOAD_X(hi, _mm512_loadu_ps, j + 16);
+#define INT4_ROW(r)                                                                          \
+            do {                                                                             \
+                const __m512 scale = _mm512_set1_ps(scale_f32[r][g]);                        \
+                const __m512 zero = _mm512_set1_ps(zero_f32[r][g]);                          \
+                const __m512i bytes = _mm512_cvtepu8_epi32(                                  \
+                    _mm_loadu_si128((const __m128i *)(q + (row0 + (r)) * row_bytes + j / 2))); \
+                const __m512 w_lo = _mm512_fmadd_ps(                                         \
+                    _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), scale, zero);   \
+                const __m512 w_hi = _mm512_fmadd_ps(                                         \
+                    _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, zero);           \
+                ACCUMULATE(r, w_lo, xlo);                                                    \
+                ACCUMULATE(r, w_hi, xhi);                                                    \
+            } while (0)
+            FOR_ROWS(INT4_ROW);
+#undef INT4_ROW
+        }
+    }
+    FOR_ROWS(UNSCALED_OUT);
+}
+
+#ifdef __AVX512BF16__
+static inline __m512 bf16_pairs(const uint16_t *p) { return (__m512)_mm512_loadu_si512(p); }
+
+/* a##r##i += w . x##i over pairs of bfloat16 (exact products, float32 sums). */
+#define DOT_BF16(r, w, x)                                                                     \
+    do {                                                                                      \
+        a##r##0 = _mm512_dpbf16_ps(a##r##0, (__m512bh)(w), (__m512bh)x##0);                   \
+        if (M > 1) a##r##1 = _mm512_dpbf16_ps(a##r##1, (__m512bh)(w), (__m512bh)x##1);        \
+        if (M > 2) a##r##2 = _mm512_dpbf16_ps(a##r##2, (__m512bh)(w), (__m512bh)x##2);        \
+        if (M > 3) a##r##3 = _mm512_dpbf16_ps(a##r##3, (__m512bh)(w), (__m512bh)x##3);        \
+    } while (0)
+
+/* bfloat16 rows against bfloat16 x rows: pairs of exact products summed in float32. */
+static inline __attribute__((always_inline)) void bf16_block(
+    const linear_io *io, const uint16_t *w, int64_t row0, const int R, int64_t i0, const int M) {
+    const int64_t k = io->k;
+    const uint16_t *x = (const uint16_t *)io->x + i0 * io->ld;
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t j = 0; j < k; j += 32) {
+        const int64_t left = k - j;
+        const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+        LOAD_X(v, bf16_pairs, j);
+#define BF16_ROW(r)                                                                         \
+        do {                                                                                \
+            const __m512i wr = _mm512_maskz_loadu_epi16(mask, w + (row0 + (r)) * k + j);    \
+            DOT_BF16(r, wr, xv);                                                            \
+        } while (0)
+        FOR_ROWS(BF16_ROW);
+#undef BF16_ROW
+    }
+    FOR_ROWS(UNSCALED_OUT);
+}
+#define KVGATE_BF16_DOT 1
+#endif
+#endif
+
+typedef kvgate_linear_weights weights;
+
+/* Row `row` of the weights as float32 into w_row (the portable path and dequantization). */
+static void dequantize_row(const weights *wt, int64_t row, int64_t k, float *w_row) {
+    if (wt->kind == KVGATE_W_F32 || wt->kind == KVGATE_W_BF16) {
+        const int dtype = wt->kind == KVGATE_W_F32 ? KVGATE_F32 : KVGATE_BF16;
+        load_row((const char *)wt->q + row * k * dtype_size(dtype), dtype, k, w_row);
+        return;
+    }
+    const int64_t groups = k / wt->group_size;
+    for (int64_t j = 0; j < k; ++j) {
+        const int64_t g = row * groups + j / wt->group_size;
+        if (wt->kind == KVGATE_W_INT8) {
+            w_row[j] = (float)((const int8_t *)wt->q)[row * k + j] * ((const float *)wt->scales)[g];
+        } else {
+            const int64_t in_block = j % 32;
+            const uint8_t byte = ((const uint8_t *)wt->q)[row * (k / 2) + (j - in_block) / 2 + in_block % 16];
+            const int value = in_block < 16 ? byte & 15 : byte >> 4;
+            w_row[j] = (float)value * f16_to_f32(((const uint16_t *)wt->scales)[g]) +
+                       f16_to_f32(((const uint16_t *)wt->zeros)[g]);
+        }
+    }
+}
+
+#ifdef KVGATE_AVX512
+/* dequantize_row for int8 and int4, 16 weights at a time. */
+static void dequantize_row_vector(const weights *wt, int64_t row, int64_t k, float *w_row) {
+    const int64_t groups = k / wt->group_size;
+    if (wt->kind == KVGATE_W_INT8) {
+        const int8_t *q = (const int8_t *)wt->q + row * k;
+        const float *scales = (const float *)wt->scales + row * groups;
+        for (int64_t j = 0; j < k; j += 16) {
+            const __mmask16 mask = tail_mask16(k - j);
+            const __m512 scale = _mm512_set1_ps(scales[j / wt->group_size]);
+            _mm512_mask_storeu_ps(w_row + j, mask, _mm512_mul_ps(int8_weights(q + j, mask), scale));
+        }
+        return;
+    }
+    const uint8_t *q = (const uint8_t *)wt->q + row * (k / 2);
+    const uint16_t *scales = (const uint16_t *)wt->scales + row * groups;
+    const uint16_t *zeros = (const uint16_t *)wt->zeros + row * groups;
+    const __m512i low_nibble = _mm512_set1_epi32(15);
+    for (int64_t j = 0; j < k; j += 32) {
+        const int64_t g = j / wt->group_size;
+        const __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[g]));
+        const __m512 zero = _mm512_set1_ps(_cvtsh_ss(zeros[g]));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j / 2)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        _mm512_storeu_ps(w_row + j, _mm512_fmadd_ps(lo, scale, zero));
+        _mm512_storeu_ps(w_row + j + 16, _mm512_fmadd_ps(hi, scale, zero));
+    }
+}
+
+/* n float32 values into dst of `dtype`, bfloat16 rounded to nearest even as f32_to_bf16. */
+static void store_row_vector(const float *src, int64_t n, void *dst, int dtype) {
+    if (dtype == KVGATE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    const __m512i rounding = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), infinity = _mm512_set1_epi32(0x7f800000);
+    const __m512i quiet_nan = _mm512_set1_epi32(0x7fc0);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mask = tail_mask16(n - j);
+        const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, src + j));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+        __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(rounding, odd)), 16);
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, magnitude), infinity);
+        rounded = _mm512_mask_mov_epi32(rounded, nan, quiet_nan);
+        _mm256_mask_storeu_epi16((uint16_t *)dst + j, mask, _mm512_cvtepi32_epi16(rounded));
+    }
+}
+#endif
+
+/* Whether this build has a vector kernel for the weights' kind. */
+static int has_vector_kernel(int kind) {
+#ifdef KVGATE_BF16_DOT
+    (void)kind;
+    return 1;
+#elif defined(KVGATE_AVX512)
+    return kind != KVGATE_W_BF16;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
+#ifdef KVGATE_AVX512
+/* One (R, M) instance of the kernel of `wt`'s kind, with R and M constants. */
+#define KVGATE_BLOCK(R, M)                                                                  \
+    do {                                                                                    \
+        if (wt->kind == KVGATE_W_INT8)                                                      \
+            int8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);              \
+        else if (wt->kind == KVGATE_W_INT4)                                                 \
+            int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M);   \
+        else if (wt->kind == KVGATE_W_F32)                                                  \
+            f32_block(io, wt->q, row0, R, i0, M);                                           \
+        else                                                                                \
+            BF16_BLOCK(R, M);                                                               \
+    } while (0)
+#ifdef KVGATE_BF16_DOT
+#define BF16_BLOCK(R, M) bf16_block(io, wt->q, row0, R, i0, M)
+#else
+#define BF16_BLOCK(R, M) (void)0
+#endif
+
+static void vector_rows_of(const linear_io *io, const weights *wt, int64_t row0, int64_t i0,
+                           int R, int M) {
+    if (R == ROW_BLOCK) {
+        switch (M) {
+            case 1: KVGATE_BLOCK(ROW_BLOCK, 1); break;
+            case 2: KVGATE_BLOCK(ROW_BLOCK, 2); break;
+            case 3: KVGATE_BLOCK(ROW_BLOCK, 3); break;
+            default: KVGATE_BLOCK(ROW_BLOCK, 4); break;
+        }
+        return;
+    }
+    switch (M) {
+        case 1: KVGATE_BLOCK(1, 1); break;
+        case 2: KVGATE_BLOCK(1, 2); break;
+        case 3: KVGATE_BLOCK(1, 3); break;
+        default: KVGATE_BLOCK(1, 4); break;
+    }
+}
+
+static void vector_rows(const linear_io *io, const weights *wt, int64_t row0, int R) {
+    for (int64_t i0 = 0; i0 < io->m; i0 += X_BLOCK) {
+        const int M = io->m - i0 < X_BLOCK ? (int)(io->m - i0) : X_BLOCK;
+        vector_rows_of(io, wt, row0, i0, R, M);
+    }
+}
+#endif
+
+static void run_rows(const linear_io *io, const weights *wt, int64_t row0, int R, float *w_row) {
+#ifdef KVGATE_AVX512
+    if (has_vector_kernel(wt->kind)) {
+        vector_rows(io, wt, row0, R);
+        return;
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+        dequantize_row(wt, row0 + r, io->k, w_row);
+        row_generic(io, row0 + r, w_row, (float *)io->x);
+    }
+}
+
+/* Whether the bfloat16 kernel multiplies bfloat16 x directly (else x is packed as float32). */
+static int packs_bf16(int kind) { return kind == KVGATE_W_BF16 && has_vector_kernel(kind); }
+
+int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_stride,
+                  int64_t col_stride, int64_t m, void *out, int out_dtype, int num_threads) {
+    const int64_t k = wt->in_features, n = wt->out_features, ld = (k + 31) / 32 * 32;
+    const int to_bf16 = packs_bf16(wt->kind);
+    void *packed = malloc((size_t)(m * ld) * (to_bf16 ? 2 : 4) + 1);
+    if (packed == NULL) return 1;
+    pack_x(x, x_dtype, row_stride, col_stride, m, k, ld, to_bf16, packed);
+    const linear_io io = {packed, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
+    const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *w_row = malloc(sizeof(float) * (size_t)k);
+        if (w_row == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            if (w_row == NULL) continue;
+            const int64_t row0 = b * ROW_BLOCK;
+            const int R = n - row0 < ROW_BLOCK ? (int)(n - row0) : ROW_BLOCK;
+            if (R == ROW_BLOCK)
+                run_rows(&io, wt, row0, ROW_BLOCK, w_row);
+            else
+                for (int r = 0; r < R; ++r) run_rows(&io, wt, row0 + r, 1, w_row);
+        }
+        free(w_row);
+    }
+    free(packed);
+    return failed;
+}
+
+/* Rows row0 .. row0 + count - 1 of the weights as dense [count, in_features] of out_dtype.
+ * Returns 0, or 1 when out of memory. */
+int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out, int out_dtype,
+                      int num_threads) {
+    const int64_t k = wt->in_features;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *w_row = malloc(sizeof(float) * (size_t)k);
+        if (w_row == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < count; ++r) {
+            if (w_row == NULL) continue;
+            void *dst = (char *)out + r * k * dtype_size(out_dtype);
+#ifdef KVGATE_AVX512
+            if (wt->kind == KVGATE_W_INT8 || wt->kind == KVGATE_W_INT4) {
+                dequantize_row_vector(wt, row0 + r, k, w_row);
+                store_row_vector(w_row, k, dst, out_dtype);
+                continue;
+            }
+#endif
+            dequantize_row(wt, row0 + r, k, w_row);
+            store_row(dst, out_dtype, w_row, k);
+        }
+        free(w_row);
+    }
+    return failed;
+}

@@ -1,0 +1,177 @@
+"""Weight-only quantization: the int8 and int4 formats, GGUF blocks read into them, and the
+quantized (and bfloat16) linear kernels of the CPU and of Triton against the reference.
+
+The reference multiplies the dequantized weight in float32. The C small-batch kernels do the
+same sums in another order: within 1e-5 relative to the largest output for float32, and equal
+to the reference's rounding (one bfloat16 step) for bfloat16. Larger batches multiply weights
+dequantized to the activation dtype: for bfloat16 the weights are rounded too (a few steps).
+"""
+
+import struct
+
+import pytest
+import torch
+
+from kernels import cpu_linear, quant, triton_quant
+from kernels import reference as ref
+
+BF16_STEP = 2.0**-7
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.double().abs().max().item() or 1.0
+    return (actual.double() - expected.double()).abs().max().item() / scale
+
+
+def test_int8_and_int4_round_trips_stay_within_half_a_step():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 128, generator=gen)
+    for q in (quant.quantize_int8(weight), quant.quantize_int8(weight, 32)):
+        step = q.scales.repeat_interleave(q.group_size, dim=1)
+        assert ((q.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
+    q4 = quant.quantize_int4(weight, 64)
+    step = q4.scales.float().repeat_interleave(64, dim=1)
+    assert ((q4.dequantize() - weight).abs() <= step / 2 + 1e-3 * step).all()
+    assert q4.nbytes == 24 * 64 + 2 * 2 * 24 * 2  # nibbles + float16 scales and zeros
+    values = torch.randint(0, 16, (5, 64), dtype=torch.uint8, generator=gen)
+    assert torch.equal(quant.unpack_int4(quant.pack_int4(values)), values)
+
+
+def test_a_weight_of_the_wrong_shape_or_dtype_is_refused_naming_the_field():
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"scales must be torch.float32 \(4, 2\)"):
+        quant.QuantizedWeight(8, q, torch.ones(4, 3), None, 32)
+    with pytest.raises(ValueError, match="group_size must divide in_features 64"):
+        quant.QuantizedWeight(8, q, torch.ones(4, 1), None, 48)
+    packed = torch.zeros(4, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="int4 group_size must be a multiple of 32"):
+        quant.QuantizedWeight(4, packed, torch.ones(4, 4).half(), torch.ones(4, 4).half(), 16)
+    with pytest.raises(ValueError, match=r"zeros must be torch.float16 \(4, 2\), got None"):
+        quant.QuantizedWeight(4, packed, torch.ones(4, 2).half(), None, 32)
+
+
+def gguf_blocks(kind: str, rows: int, blocks: int, seed: int) -> tuple[bytes, torch.Tensor]:
+    """Random GGUF blocks of `kind` and the weights they stand for, by the format's definition:
+    Q8_0 (d, 32 x int8): d * q; Q4_0 (d, 16 bytes): d * (q - 8); Q4_1 (d, m, 16 bytes):
+    d * q + m; byte j of a 4-bit block holds weight j (low nibble) and j + 16 (high)."""
+    gen = torch.Generator().manual_seed(seed)
+    data, weights = bytearray(), torch.empty(rows, blocks * 32)
+    for r in range(rows):
+        for b in range(blocks):
+            d = float(torch.rand(1, generator=gen)) * 0.1
+            m = float(torch.randn(1, generator=gen)) * 0.1
+            if kind == "q8_0":
+                q = torch.randint(-128, 128, (32,), generator=gen)
+                data += struct.pack("<e", d) + bytes(v & 0xFF for v in q.tolist())
+                values = torch.tensor(struct.unpack("<e", struct.pack("<e", d))) * q
+            else:
+                q = torch.randint(0, 16, (32,), generator=gen)
+                nibbles = bytes(int(q[j]) | int(q[j + 16]) << 4 for j in range(16))
+                d16, m16 = (struct.unpack("<e", struct.pack("<e", v))[0] for v in (d, m))
+                if kind == "q4_0":
+                    data += struct.pack("<e", d) + nibbles
+                    values = d16 * (q.float() - 8)
+                else:
+                    data += struct.pack("<ee", d, m) + nibbles
+                    values = d16 * q.float() + m16
+            weights[r, b * 32 : (b + 1) * 32] = values
+    return bytes(data), weights
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
+def test_gguf_blocks_load_into_the_formats_exactly(kind):
+    data, expected = gguf_blocks(kind, 3, 4, seed=len(kind))
+    load = {"q8_0": quant.from_gguf_q8_0, "q4_0": quant.from_gguf_q4_0,
+            "q4_1": quant.from_gguf_q4_1}[kind]  # fmt: skip
+    weight = load(torch.frombuffer(bytearray(data), dtype=torch.uint8), 3)
+    assert weight.bits == (8 if kind == "q8_0" else 4) and weight.group_size == 32
+    assert torch.equal(weight.dequantize(), expected)
+
+
+def test_rows_move_and_stack_with_their_scales():
+    gen = torch.Generator().manual_seed(5)
+    q, k = (quant.quantize_int4(torch.randn(n, 64, generator=gen)) for n in (8, 4))
+    fused = quant.concat_rows([q, k])
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    order = torch.randperm(12, generator=gen)
+    assert torch.equal(quant.permute_rows(fused, order).dequantize(), fused.dequantize()[order])
+    with pytest.raises(ValueError, match="only weights of one format"):
+        quant.concat_rows([q, quant.quantize_int8(torch.randn(4, 64))])
+
+
+def make_weights(out_features: int, in_features: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(out_features, in_features, generator=gen)
+    kinds = {
+        "int8": quant.quantize_int8(dense),
+        "int8-g32": quant.quantize_int8(dense, 32) if in_features % 32 == 0 else None,
+        "int4": quant.quantize_int4(dense, 32) if in_features % 32 == 0 else None,
+    }
+    return gen, {name: w for name, w in kinds.items() if w is not None}
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
+@pytest.mark.parametrize("in_features", [96, 172])
+def test_cpu_quantized_linear_matches_the_reference(in_features, rows, dtype, layout):
+    gen, weights = make_weights(36, in_features, seed=in_features + rows)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    if layout == "column-major":
+        x = x.t().contiguous().t()
+    bias = torch.randn(36, generator=gen).to(dtype)
+    for name, weight in weights.items():
+        out = cpu_linear.linear_quantized(x, weight, bias)
+        expected = ref.linear_quantized(x, weight, bias)
+        assert out.shape == (rows, 36) and out.dtype == dtype, name
+        assert out.stride(0) == 1, f"{name}: the CPU result is column-major"
+        bound = 1e-5 if dtype == torch.float32 else BF16_STEP * (1 if rows <= 8 else 4)
+        assert relative_error(out, expected) <= bound, f"{name}, {rows} rows"
+        logits = cpu_linear.linear_quantized(x, weight, None, torch.float32)
+        expected_logits = ref.linear_quantized(x, weight, None, torch.float32)
+        assert logits.dtype == torch.float32
+        logit_bound = 1e-5 if rows <= 8 or dtype == torch.float32 else 4 * BF16_STEP
+        assert relative_error(logits, expected_logits) <= logit_bound, f"{name} logits"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 33])
+def test_cpu_bfloat16_linear_matches_the_reference(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 172, generator=gen).bfloat16()
+    weight, bias = torch.randn(44, 172, generator=gen).bfloat16(), torch.randn(44).bfloat16()
+    out = cpu_linear.linear(x, weight, bias)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, ref.linear(x, weight, bias)) <= BF16_STEP
+    logits = cpu_linear.linear(x, weight, None, torch.float32)
+    expected = ref.linear(x, weight, None, torch.float32)
+    assert relative_error(logits, expected) <= (1e-5 if rows <= 8 else BF16_STEP)
+
+
+def test_cpu_dequantize_equals_the_format_definition():
+    _, weights = make_weights(40, 64, seed=9)
+    for name, weight in weights.items():
+        assert torch.equal(cpu_linear.dequantize(weight, torch.float32), weight.dequantize()), name
+        rows = cpu_linear.dequantize(weight, torch.bfloat16, slice(5, 17))
+        assert torch.equal(rows, weight.dequantize(torch.bfloat16)[5:17]), name
+
+
+@pytest.mark.parametrize("rows", [1, 19])
+def test_triton_quantized_linear_matches_the_reference(rows):
+    gen, weights = make_weights(70, 96, seed=rows)
+    x = torch.randn(rows, 96, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    for name, weight in weights.items():
+        out = triton_quant.linear_quantized(x, weight, bias)
+        assert out.shape == (rows, 70) and out.is_contiguous(), name
+        assert relative_error(out, ref.linear_quantized(x, weight, bias)) <= 1e-5, name
+
+
+def test_quantized_linear_checks_its_input():
+    _, weights = make_weights(8, 64, seed=1)
+    weight = weights["int4"]
+    with pytest.raises(ValueError, match=r"x.shape\[1\] must equal the weight's in_features"):
+        cpu_linear.linear_quantized(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="x must be float32 or bfloat16 for the CPU kernels"):
+        cpu_linear.linear_quantized(torch.randn(2, 64).half(), weight)
+    with pytest.raises(ValueError, match="bias dtype torch.bfloat16 differs from x dtype"):
+        cpu_linear.linear_quantized(torch.randn(2, 64), weight, torch.zeros(8).bfloat16())
