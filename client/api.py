@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from client.retry import NO_RETRY, RetryPolicy, call_with_retries, stream_with_retries
 from common.finish_reason_pb import finish_reason_from_pb
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
@@ -144,6 +145,7 @@ class KvgateClient:
         target: str = DEFAULT_TARGET,
         timeout_s: float | None = None,
         *,
+        retry: bool = True,
         api_key: str = "",
         tls: TLSFiles | None = None,
     ) -> None:
@@ -151,6 +153,9 @@ class KvgateClient:
         Args:
             target: the gateway's HOST:PORT.
             timeout_s: deadline of each call; None: none.
+            retry: send a call again on UNAVAILABLE or ABORTED before its first response, up
+                to 4 tries within the deadline (client/retry.py); False: fail at once. Chat
+                streams are not retried.
             api_key: sent on every call as `authorization: Bearer <key>`; empty: none.
             tls: connect over TLS with these files; None: plaintext.
 
@@ -163,6 +168,7 @@ class KvgateClient:
             self.channel = grpc.secure_channel(target, tls.credentials())
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout_s = timeout_s
+        self.retry = RetryPolicy() if retry else NO_RETRY
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def __enter__(self) -> KvgateClient:
@@ -181,16 +187,26 @@ class KvgateClient:
         *,
         session_id: str = "",
         priority: int = 0,
+        request_id: str = "",
     ) -> Iterator[inference_pb2.GenerateResponse]:
-        """Stream the completion of `prompt` chunk by chunk.
+        """Stream the completion of `prompt` chunk by chunk (a retry is sent unchanged, under
+        the same `request_id`).
 
         Raises:
             grpc.RpcError: with the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...).
         """
         request = inference_pb2.GenerateRequest(
-            prompt=prompt, params=params, session_id=session_id, priority=priority
+            prompt=prompt,
+            params=params,
+            session_id=session_id,
+            priority=priority,
+            request_id=request_id,
         )
-        yield from self.stub.Generate(request, **self._call_options())
+        yield from stream_with_retries(
+            lambda timeout: self.stub.Generate(request, **self._call_options(timeout)),
+            self.retry,
+            self.timeout_s,
+        )
 
     def generate(self, prompt: str, *, priority: int = 0, **params: object) -> Completion:
         """The whole completion of `prompt`; keyword arguments as `sampling_params`."""
@@ -205,17 +221,32 @@ class KvgateClient:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self.stub.Tokenize(request, **self._call_options()).token_ids)
+        response = call_with_retries(
+            lambda timeout: self.stub.Tokenize(request, **self._call_options(timeout)),
+            self.retry,
+            self.timeout_s,
+        )
+        return list(response.token_ids)
 
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
-        return self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), **self._call_options())
+        request = inference_pb2.GetModelInfoRequest()
+        return call_with_retries(
+            lambda timeout: self.stub.GetModelInfo(request, **self._call_options(timeout)),
+            self.retry,
+            self.timeout_s,
+        )
 
     def end_session(self, session_id: str) -> bool:
         request = inference_pb2.EndSessionRequest(session_id=session_id)
-        return self.stub.EndSession(request, **self._call_options()).ended
+        return call_with_retries(
+            lambda timeout: self.stub.EndSession(request, **self._call_options(timeout)),
+            self.retry,
+            self.timeout_s,
+        ).ended
 
-    def _call_options(self) -> dict[str, object]:
-        return {"timeout": self.timeout_s, "metadata": self.metadata}
+    def _call_options(self, timeout_s: float | None) -> dict[str, object]:
+        """One attempt's options: what is left of the call's deadline, the credentials."""
+        return {"timeout": timeout_s, "metadata": self.metadata}
 
 
 class ChatSession:

@@ -14,6 +14,7 @@ import re
 from urllib.parse import urlparse
 
 from common.model_files import default_model
+from common.redis_conn import check_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # --model of gateway and executor: SmolLM2 (GGUF) when `make setup` has cached it, else
@@ -111,12 +112,13 @@ def redacted_url(url: str) -> str:
 
 
 def check_redis_url(flag: str, url: str) -> None:
-    """Raise a ValueError naming `flag` unless `url` is a redis://, rediss:// or unix:// URL
-    (the message shows the URL without its password)."""
-    if urlparse(url).scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(
-            f"{flag} must be a redis://, rediss:// or unix:// URL, got {redacted_url(url)!r}"
-        )
+    """Raise a ValueError naming `flag` unless `url` is a redis://, rediss://, unix:// or
+    redis+sentinel:// URL (common.redis_conn; the message shows the URL without its
+    password)."""
+    try:
+        check_url(url)
+    except ValueError as error:
+        raise ValueError(f"{flag} {error}".replace(url, redacted_url(url))) from None
 
 
 def check_host_port(flag: str, address: str) -> None:
@@ -131,7 +133,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url",
         default=env_str("KVGATE_REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (env KVGATE_REDIS_URL)",
+        help="Redis URL: redis://, rediss://, unix://, or "
+        "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB] (env KVGATE_REDIS_URL)",
     )
     parser.add_argument(
         "--redis-prefix",

@@ -85,6 +85,12 @@ METRICS = {
     "kvgate_gateway_requeues": MetricSpec(
         "counter", "requests re-queued because their executor went away"
     ),
+    "kvgate_gateway_refused": MetricSpec(
+        "counter",
+        "calls refused with RESOURCE_EXHAUSTED at a limit, by the limit's flag: "
+        "max_concurrent_streams, redis_max_connections, max_queue_len, max_queued_turns",
+        ("limit",),
+    ),
     # per tenant: the first --metrics-max-tenants tenants a gateway sees have a label of their
     # own, the others share the label "_other"
     "kvgate_gateway_tenant_requests": MetricSpec(

@@ -13,7 +13,7 @@ User text is text: a prompt or a message that holds a control token's string (`<
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -40,6 +40,10 @@ class ModelLimits:
     max_model_len: int
     bos_token_id: int
     eos_token_ids: tuple[int, ...]
+    # Characters beyond which text cannot fit max_model_len: max_model_len tokens of the
+    # vocabulary's longest string (a token covers at most as many characters as its string
+    # has: byte-level tokens spell each byte as one character, byte-fallback ones as six).
+    max_prompt_chars: int = 0
 
 
 def _read_json(path: Path) -> dict:
@@ -69,6 +73,10 @@ class ModelText:
         else:
             self.hf_tokenizer, self.limits = _from_folder(Path(model))
         self.tokenizer: Tokenizer = self.hf_tokenizer.backend_tokenizer
+        self.longest_token_chars = max(len(t) for t in self.tokenizer.get_vocab(True))
+        self.limits = replace(
+            self.limits, max_prompt_chars=self.limits.max_model_len * self.longest_token_chars
+        )
         self.chat_template = ChatTemplate(self.hf_tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

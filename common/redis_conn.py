@@ -1,24 +1,73 @@
-"""Redis connections that fail fast, and the backoff of the loops that wait Redis out.
+"""Redis clients, built in one place; what counts as an outage; the backoff of the loops
+that wait one out.
 
-Clients are created without redis-py's own retries so that a call fails within
-its socket timeout when Redis is down (the gateway turns that into UNAVAILABLE);
-each long-running loop catches REDIS_DOWN_ERRORS itself, logs once, and tries
-again after the next `Backoff` delay.
+URLs: redis://, rediss://, unix:// (redis-py's own forms) and, for Redis Sentinel,
+
+    redis+sentinel://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]
+
+(the sentinels' addresses and the name they know the master by; the password is the
+master's). redis-py's Sentinel support finds the master and follows a failover: a
+connection to a demoted master is dropped and the next one asks the sentinels again.
+
+Clients are created without redis-py's own retries, so that a call fails within its socket
+timeout when Redis is down (the gateway answers UNAVAILABLE); each long-running loop
+catches the error itself, logs once per outage, and tries again after the next `Backoff`
+delay. An asyncio client can be given a connection budget: at most `max_connections`, a
+call waiting at most `pool_wait_s` for one, after which ConnectionBudgetExhausted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.sentinel as aiosentinel
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-# The errors that mean "Redis is unreachable right now": retry, or answer UNAVAILABLE.
-REDIS_DOWN_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+SENTINEL_SCHEME = "redis+sentinel"
+URL_SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
+# Error replies that mean "this Redis cannot serve now" (a failover, a restart, a busy script,
+# memory or disk trouble), for those redis-py raises as a plain ResponseError. READONLY,
+# LOADING, OOM, MASTERDOWN and TRYAGAIN get classes of their own (OUTAGE_CLASSES).
+OUTAGE_REPLY_CODES = ("BUSY", "UNBLOCKED", "NOREPLICAS", "MISCONF", "MASTERDOWN", "CLUSTERDOWN")
+OUTAGE_CLASSES = (
+    redis.ConnectionError,  # connection lost or refused, LOADING, no master known to sentinels
+    redis.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ClusterDownError,  # MASTERDOWN
+    redis.exceptions.TryAgainError,
+)
+
+
+class ConnectionBudgetExhausted(redis.exceptions.MaxConnectionsError):
+    """Every connection of a client's budget stayed in use for the whole wait."""
+
+    def __init__(self, max_connections: int, wait_s: float) -> None:
+        super().__init__(
+            f"all {max_connections} Redis connections of this gateway's budget "
+            f"(--redis-max-connections) stayed busy for {wait_s * 1000:g} ms"
+        )
+        self.max_connections = max_connections
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether `error` means Redis cannot serve right now (wait and try again), as opposed
+    to a client's own limit (ConnectionBudgetExhausted) or a mistake in the command."""
+    if isinstance(error, redis.exceptions.MaxConnectionsError):
+        return False
+    if isinstance(error, OUTAGE_CLASSES):
+        return True
+    if isinstance(error, redis.ResponseError):
+        return str(error).split(" ", 1)[0] in OUTAGE_REPLY_CODES
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,30 +88,159 @@ class Backoff:
             ceiling = min(self.max_s, ceiling * 2)
 
 
-def connect(url: str, *, timeout_s: float = 1.0) -> aioredis.Redis:
-    """An asyncio Redis client that raises a REDIS_DOWN_ERRORS error within about `timeout_s`.
+class OutageLog:
+    """Logs the first error of an outage and the recovery, not every failed try in between."""
+
+    def __init__(self, logger, what: str) -> None:
+        self._log = logger
+        self._what = what
+        self.down = False
+
+    def failed(self, error: BaseException) -> None:
+        if not self.down:
+            kind = "unreachable" if is_outage(error) else "answered with an error"
+            self._log.warning("%s: redis %s (%s); retrying with backoff", self._what, kind, error)
+            self.down = True
+
+    def succeeded(self) -> None:
+        if self.down:
+            self._log.info("%s: redis reachable again", self._what)
+            self.down = False
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelUrl:
+    """A parsed redis+sentinel:// URL."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """Raises: ValueError saying what is wrong with the URL."""
+    form = f"{SENTINEL_SCHEME}://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]"
+    prefix = f"{SENTINEL_SCHEME}://"
+    if not url.startswith(prefix):
+        raise ValueError(f"expected {form}, got {url!r}")
+    netloc, _, path = url[len(prefix) :].partition("/")
+    auth, _, hosts = netloc.rpartition("@")
+    username, _, password = auth.partition(":") if ":" in auth else ("", "", auth)
+    sentinels = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"sentinel address {address!r} is not HOST:PORT; expected {form}")
+        sentinels.append((host.strip("[]"), int(port)))
+    master_name, _, db = path.partition("/")
+    if not master_name:
+        raise ValueError(f"no master name in {url!r}; expected {form}")
+    if db and not db.isdigit():
+        raise ValueError(f"database {db!r} of {url!r} is not a number; expected {form}")
+    return SentinelUrl(
+        tuple(sentinels),
+        unquote(master_name),
+        int(db or 0),
+        unquote(username) or None,
+        unquote(password) or None,
+    )
+
+
+def check_url(url: str) -> None:
+    """Raises: ValueError unless `url` is one of URL_SCHEMES' forms."""
+    scheme = url.partition("://")[0]
+    if scheme not in URL_SCHEMES:
+        raise ValueError(
+            f"must be a redis://, rediss://, unix:// or {SENTINEL_SCHEME}:// URL, got {url!r}"
+        )
+    if scheme == SENTINEL_SCHEME:
+        parse_sentinel_url(url)
+
+
+def _client_kwargs(timeout_s: float) -> dict[str, object]:
+    return {
+        "socket_connect_timeout": timeout_s,
+        "socket_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+class _BudgetMixin:
+    """A BlockingConnectionPool whose wait running out raises ConnectionBudgetExhausted."""
+
+    async def get_connection(self, *args, **kwargs):
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except redis.ConnectionError as error:
+            if isinstance(error.__cause__, asyncio.TimeoutError):
+                raise ConnectionBudgetExhausted(self.max_connections, self.timeout) from None
+            raise
+
+
+class BudgetedPool(_BudgetMixin, aioredis.BlockingConnectionPool):
+    pass
+
+
+class BudgetedSentinelPool(
+    _BudgetMixin, aiosentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool
+):
+    pass
+
+
+def connect(
+    url: str,
+    *,
+    timeout_s: float = 1.0,
+    max_connections: int = 64,
+    pool_wait_s: float = 0.1,
+) -> aioredis.Redis:
+    """An asyncio Redis client that fails within about `timeout_s` when Redis does not answer.
 
     Args:
-        url: redis://, rediss:// or unix:// URL.
+        url: one of URL_SCHEMES' forms.
         timeout_s: connect and socket timeout; blocking commands (XREAD BLOCK) must block less.
+        max_connections: the connection budget.
+        pool_wait_s: how long a call waits for a connection when all are busy.
 
     Returns:
         A client with no automatic retries; connections are made lazily.
     """
-    return aioredis.Redis.from_url(
-        url,
-        socket_connect_timeout=timeout_s,
-        socket_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
-    )
+    kwargs = _client_kwargs(timeout_s) | {
+        "max_connections": max_connections,
+        "timeout": pool_wait_s,
+        "health_check_interval": 0,
+    }
+    if url.startswith(f"{SENTINEL_SCHEME}://"):
+        parsed = parse_sentinel_url(url)
+        sentinel = aiosentinel.Sentinel(
+            list(parsed.sentinels),
+            sentinel_kwargs=_client_kwargs(timeout_s),
+        )
+        return sentinel.master_for(
+            parsed.master_name,
+            connection_pool_class=BudgetedSentinelPool,
+            db=parsed.db,
+            username=parsed.username,
+            password=parsed.password,
+            **kwargs,
+        )
+    return aioredis.Redis.from_pool(BudgetedPool.from_url(url, **kwargs))
 
 
 def connect_sync(url: str, *, timeout_s: float = 1.0) -> redis.Redis:
-    """A blocking Redis client; the same contract as `connect`."""
-    return redis.Redis.from_url(
-        url,
-        socket_connect_timeout=timeout_s,
-        socket_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-    )
+    """A blocking Redis client; the same contract as `connect`, without a budget."""
+    if url.startswith(f"{SENTINEL_SCHEME}://"):
+        parsed = parse_sentinel_url(url)
+        sentinel = redis.sentinel.Sentinel(
+            list(parsed.sentinels), sentinel_kwargs=_client_kwargs(timeout_s)
+        )
+        return sentinel.master_for(
+            parsed.master_name,
+            db=parsed.db,
+            username=parsed.username,
+            password=parsed.password,
+            **_client_kwargs(timeout_s),
+        )
+    return redis.Redis.from_url(url, **_client_kwargs(timeout_s))

@@ -40,21 +40,15 @@ def sampling_params_from_pb(
     )
 
 
-def resumed_sampling_params(
-    params: inference_pb2.SamplingParams, num_resumed: int
-) -> SamplingParams:
-    """The parameters for the tokens a request still has to generate after an earlier
-    attempt produced `num_resumed` (0 for a first attempt).
+def queued_sampling_params(params: inference_pb2.SamplingParams) -> SamplingParams:
+    """The parameters of a queued request, its whole output's: max_tokens and min_tokens
+    count the tokens an earlier attempt produced too (the engine counts them as output).
 
     Raises:
         SamplingParamError: naming the first field out of range.
     """
     max_tokens = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    return sampling_params_from_pb(
-        params,
-        max_tokens=max_tokens - num_resumed,
-        min_tokens=max(0, params.min_tokens - num_resumed),
-    )
+    return sampling_params_from_pb(params, max_tokens=max_tokens, min_tokens=params.min_tokens)
 
 
 def sampling_params_to_pb(sampling: SamplingParams) -> inference_pb2.SamplingParams:

@@ -25,6 +25,8 @@ import redis
 from common.config import env_str
 from common.health import probe
 from common.keys import RedisKeys
+from common.redis_conn import connect_sync
+from deploy.redis_ha import RedisHA, server_argv
 from protos.kvgate.v1 import internal_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +123,11 @@ class StackConfig:
     port: int = 50051  # public gateway port of the first gateway
     redis_port: int = 0  # 0: a free port
     log_dir: Path = DEFAULT_LOG_DIR
+    # Redis's data folder (its append-only file), emptied when the stack starts, kept when
+    # Redis alone restarts; None: log_dir/redis.
+    redis_dir: Path | None = None
+    # 0: one redis-server; N: a master, a replica and N sentinels (deploy/redis_ha.py)
+    redis_sentinels: int = 0
     redis_prefix: str = "kvgate:"
     executor_flags: list[str] = field(default_factory=list)
     scheduler_flags: list[str] = field(default_factory=list)
@@ -141,16 +148,23 @@ class Stack:
         self.config = config
         self.procs: dict[str, subprocess.Popen] = {}
         self.argvs: dict[str, list[str]] = {}  # the command each process was started with
+        self.envs: dict[str, dict[str, str]] = {}  # environment variables it got besides
         self.redis_port = config.redis_port or free_port()
         if config.redis_security is None:
             self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         else:
             self.redis_url = config.redis_security.url(self.redis_port)
+        self.ha: RedisHA | None = None
         self.keys = RedisKeys(config.redis_prefix)
         self.gateway_ports: dict[str, int] = {}
         self.metrics_ports: dict[str, int] = {}  # /metrics port of each process by name
         self.health_addresses: dict[str, str] = {}  # grpc.health.v1 of each process by name
         config.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis_dir = config.redis_dir or config.log_dir / "redis"
+        if config.redis_sentinels:
+            sentinel_ports = [free_port() for _ in range(config.redis_sentinels)]
+            self.ha = RedisHA(self.redis_dir, self.redis_port, free_port(), sentinel_ports)
+            self.redis_url = self.ha.url
 
     @property
     def address(self) -> str:
@@ -158,10 +172,15 @@ class Stack:
         return f"{self.config.host}:{self.config.port}"
 
     def redis(self) -> redis.Redis:
+        """A client of the stack's Redis (its master now, with sentinels)."""
+        if self.ha is not None:
+            return connect_sync(self.redis_url, timeout_s=5.0)
         return redis.Redis.from_url(self.redis_url, socket_timeout=5.0)
 
     def start_all(self, num_executors: int = 1) -> None:
-        """Starts redis, the scheduler, executors and the gateway, and waits until all serve."""
+        """Starts redis (on an empty data folder), the scheduler, executors and the gateway,
+        and waits until all serve."""
+        shutil.rmtree(self.redis_dir, ignore_errors=True)
         self.start_redis()
         self.start_scheduler("scheduler")
         for index in range(num_executors):
@@ -177,7 +196,9 @@ class Stack:
         """Where the child process `name` logs."""
         return self.config.log_dir / f"{name}.log"
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def spawn(
+        self, name: str, argv: list[str], extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """Starts one child process logging to log_dir/NAME.log."""
         log_file = open(self.log_path(name), "ab")
         env = {
@@ -186,6 +207,7 @@ class Stack:
             "KVGATE_REDIS_URL": self.redis_url,
             "KVGATE_REDIS_PREFIX": self.config.redis_prefix,
             "KVGATE_LOG_FORMAT": self.config.log_format,
+            **(extra_env or {}),
         }
         proc = subprocess.Popen(
             argv,
@@ -200,37 +222,44 @@ class Stack:
         log_file.close()
         self.procs[name] = proc
         self.argvs[name] = argv
+        self.envs[name] = dict(extra_env or {})
         return proc
 
     def respawn(self, name: str) -> subprocess.Popen:
-        """Starts `name` again with the command it was last started with; does not wait."""
-        return self.spawn(name, self.argvs[name])
+        """Starts `name` again with the command (and environment) it was last started with,
+        a Redis server of a Sentinel setup in the role the sentinels give it now
+        (RedisHA.restart_argv); does not wait."""
+        argv = self.argvs[name]
+        if self.ha is not None and name in self.ha.ports():
+            argv = self.ha.restart_argv(name, argv[0])
+        return self.spawn(name, argv, self.envs.get(name))
 
     def start_redis(self) -> None:
-        security = self.config.redis_security
+        """Starts redis-server with an append-only file in redis_dir, fsynced every second
+        (what a Redis crash can lose: about the last second of writes); a restart on the same
+        folder reloads it. With sentinels: the master, its replica and the sentinels. Waits
+        until it answers."""
+        if self.ha is not None:
+            self.ha.start(self, find_redis_server())
+            return
+        binary, _, _, *rest = server_argv(find_redis_server(), self.redis_port, self.redis_dir)
         ports = ["--port", str(self.redis_port)]
-        if security is not None:
-            ports = security.server_args(self.redis_port)
-        argv = [
-            find_redis_server(),
-            *ports,
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        proc = self.spawn("redis", argv)
-        wait_until(self._redis_answers, 10.0, "redis-server", proc)
+        if self.config.redis_security is not None:
+            ports = self.config.redis_security.server_args(self.redis_port)
+        proc = self.spawn("redis", [binary, *ports, *rest])
+        wait_until(self._redis_answers, 30.0, "redis-server", proc)
 
     def _redis_answers(self) -> bool:
         try:
             return bool(self.redis().ping())
-        except redis.ConnectionError:
+        except (redis.ConnectionError, redis.exceptions.BusyLoadingError):
             return False
 
-    def start_scheduler(self, name: str, wait: bool = True) -> None:
+    def start_scheduler(
+        self, name: str, wait: bool = True, extra_flags: list[str] | None = None
+    ) -> None:
+        """Starts a scheduler with the stack's scheduler flags, then `extra_flags`; waits
+        until a leader holds the lock unless told not to."""
         argv = [
             sys.executable,
             "-m",
@@ -240,13 +269,16 @@ class Stack:
             *self._metrics_flags(name),
             *self._health_flags(name),
             *self.config.scheduler_flags,
+            *(extra_flags or []),
         ]
         proc = self.spawn(name, argv)
         if wait:
             leader = self.keys.scheduler_leader
             wait_until(lambda: self.redis().exists(leader) == 1, 30.0, name, proc)
 
-    def start_executor(self, executor_id: str, wait: bool = True) -> None:
+    def start_executor(
+        self, executor_id: str, wait: bool = True, extra_env: dict[str, str] | None = None
+    ) -> None:
         argv = [
             sys.executable,
             "-m",
@@ -261,7 +293,7 @@ class Stack:
             *self._health_flags(executor_id),
             *self.config.executor_flags,
         ]
-        self.spawn(executor_id, argv)
+        self.spawn(executor_id, argv, extra_env)
         if wait:
             self.wait_executor(executor_id)
 
@@ -329,7 +361,10 @@ class Stack:
 
     def stop_all(self) -> None:
         """Stops gateways, executors, schedulers, then redis."""
-        order = sorted(self.procs, key=lambda n: (n == "redis", n.startswith("scheduler")))
+        order = sorted(
+            self.procs,
+            key=lambda n: (n.startswith(("redis", "sentinel")), n.startswith("scheduler")),
+        )
         for name in order:
             self.stop(name)
 

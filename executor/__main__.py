@@ -16,6 +16,7 @@ from common.startup import start_process
 from common.tls import TLSFileError
 from executor.config import ExecutorConfig
 from executor.engine import Engine
+from executor.faults import install_faults
 from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
 from executor.metrics import ExecutorMetrics
@@ -67,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"executor: {error}", file=sys.stderr)
         health.stop()
         return 2
+    install_faults(engine)
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
     health.remove_check("model")
     health.add_check("draining", service.draining_check)
+    health.add_check("step_loop", service.step_loop_check)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: (service.drain(), health.recheck()))
     try:

@@ -165,6 +165,9 @@ class ExecutorConfig:
     torch_threads: int = 0  # CPU threads for the model; 0: torch's default (all cores)
     health_host: str = "127.0.0.1"
     health_port: int = 0  # grpc.health.v1 for probes; 0: a free port, -1: none
+    # A step loop that has not gone round for this long is stuck: the heartbeat is withdrawn
+    # (its requests resume elsewhere) and health is NOT_SERVING; must exceed the longest step.
+    step_stall_s: float = 5.0
     sink_tls_ca: str = ""  # TokenSink over TLS: the CA of the gateways' certificates
     sink_tls_cert: str = ""  # this executor's client certificate (mutual TLS)
     sink_tls_key: str = ""
@@ -173,6 +176,7 @@ class ExecutorConfig:
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
+        check_range("--step-stall-s", self.step_stall_s, min_value=0.5)
         check_metrics_port(self.metrics_port)
         check_health_port(self.health_port)
         check_range("--torch-threads", self.torch_threads, min_value=0, max_value=1024)
@@ -223,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=env_int("KVGATE_TORCH_THREADS", 0),
         help="CPU threads for the model (0: all cores)",
+    )
+    add(
+        "--step-stall-s",
+        type=float,
+        default=env_float("KVGATE_STEP_STALL_S", 5.0),
+        help="a step loop stuck this long withdraws the heartbeat (its requests move)",
     )
     add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
     add_health_flags(parser, default_port=0)

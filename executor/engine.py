@@ -30,8 +30,10 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens produced this step
     logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
     finished: bool
-    finish_reason: FinishReason | None  # STOP or LENGTH once finished (aborts produce no output)
+    # STOP, LENGTH, or ERROR (its model step failed) once finished; aborts produce no output
+    finish_reason: FinishReason | None
     num_cached_tokens: int  # prompt tokens served from the prefix or session cache
+    error_message: str = ""  # what failed, with FinishReason.ERROR
 
 
 @dataclass(slots=True)
@@ -81,16 +83,30 @@ class Engine:
         priority: int = 0,
         session_id: str | None = None,
         cache_salt: str | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request; it runs from the next `step()`.
+
+        Args:
+            resume_token_ids: output an earlier run of the request produced (on an executor
+                that went away): prefilled after the prompt and counted as output, so
+                max_tokens, min_tokens and the penalties see them, and a seeded request's
+                generator continues past their draws: the whole output equals one
+                undisturbed run.
 
         Raises:
             ValueError: a field is invalid (the message names it), or the id is in use.
         """
         self._validate(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
+        resumed = list(resume_token_ids or [])
+        tokens = list(prompt_token_ids) + resumed
+        if resumed:
+            self._validate_prompt(tokens)
         generator = None
         if params.seed is not None:
             generator = Sampler.make_generator(params.seed, self.runner.device)
+            if not params.is_greedy:
+                self.sampler.skip_draws(generator, len(resumed), self.model_config.vocab_size)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -100,6 +116,7 @@ class Engine:
             session_id=session_id,
             cache_salt=cache_salt,
             generator=generator,
+            all_token_ids=tokens,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -126,7 +143,10 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        logits = self.runner.execute(out)
+        try:
+            logits = self.runner.execute(out)
+        except Exception as error:  # noqa: BLE001 (any failure of the model: isolate it)
+            return self._run_each_alone(out, error)
         return self._update(out, logits)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -217,6 +237,39 @@ class Engine:
                     num_cached_tokens=req.num_cached_tokens or 0,
                 )
             )
+        return outputs
+
+    def _run_each_alone(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """After a failed forward pass, runs each of its requests alone, once: those that
+        fail alone too finish with FinishReason.ERROR, the others go on as if the step had
+        worked (their K/V is written again at the same slots)."""
+        if len(out.scheduled) == 1:
+            return self._fail([out.scheduled[0].request], error)
+        passed, rows, failed = [], [], []
+        for scheduled in out.scheduled:
+            alone = SchedulerOutput([scheduled], scheduled.num_new_tokens)
+            try:
+                rows.append(self.runner.execute(alone))
+                passed.append(scheduled)
+            except Exception as alone_error:  # noqa: BLE001
+                failed.append((scheduled.request, alone_error))
+        outputs = [o for req, e in failed for o in self._fail([req], e)]
+        if passed:
+            batch = SchedulerOutput(passed, sum(s.num_new_tokens for s in passed))
+            outputs += self._update(batch, torch.cat(rows))
+        return outputs
+
+    def _fail(self, reqs: list[Request], error: Exception) -> list[RequestOutput]:
+        """Finishes `reqs` with FinishReason.ERROR and a message naming the error."""
+        message = f"the model step failed: {type(error).__name__}: {error}"
+        outputs = []
+        for req in reqs:
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, FinishReason.ERROR)
+            outputs.append(
+                RequestOutput(req.request_id, [], None, True, FinishReason.ERROR,
+                              req.num_cached_tokens or 0, message)
+            )  # fmt: skip
         return outputs
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:

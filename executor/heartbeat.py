@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import redis
 
 from common.keys import EXECUTOR_STATUS_TTL_MS, HEARTBEAT_INTERVAL_S, RedisKeys
-from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
+from common.redis_conn import Backoff, OutageLog
 from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -19,10 +19,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StatusBoard:
-    """The latest ExecutorStatus, written by the step loop, published by the heartbeat."""
+    """The latest ExecutorStatus, written by the step loop, published by the heartbeat, and
+    when the step loop last went round (the heartbeat stops while it is stuck)."""
 
     status: internal_pb2.ExecutorStatus = field(default_factory=internal_pb2.ExecutorStatus)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    progressed_s: float = field(default_factory=time.monotonic)
 
     def post(self, status: internal_pb2.ExecutorStatus) -> None:
         with self.lock:
@@ -32,18 +34,34 @@ class StatusBoard:
         with self.lock:
             return self.status
 
+    def progress(self) -> None:
+        """The step loop went round once (a float store: no lock needed)."""
+        self.progressed_s = time.monotonic()
+
+    def stalled_s(self) -> float:
+        """Seconds since the step loop last went round."""
+        return time.monotonic() - self.progressed_s
+
 
 class Heartbeat:
     """Publishes the executor's status every HEARTBEAT_INTERVAL_S, with a TTL.
 
-    Redis down is logged once; beats are then retried with backoff until it answers.
+    Redis down is logged once; beats are then retried with backoff until it answers. While
+    the step loop has not gone round for `step_stall_s` (a wedged step), the heartbeat
+    withdraws the status instead: to the scheduler and the gateways the executor is gone, so
+    nothing more is placed on it and its requests resume elsewhere; once the loop goes round
+    again it beats again and rejoins.
     """
 
-    def __init__(self, client: redis.Redis, keys: RedisKeys, board: StatusBoard) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: RedisKeys, board: StatusBoard, step_stall_s: float = 5.0
+    ) -> None:
         self._client = client
         self._keys = keys
         self._board = board
-        self._redis_down = False
+        self._step_stall_s = step_stall_s
+        self._withdrawn = False
+        self._outage = OutageLog(log, "heartbeat")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -62,8 +80,38 @@ class Heartbeat:
             pipe.delete(self._keys.executor_status(status.executor_id))
             pipe.srem(self._keys.executors, status.executor_id)
             pipe.execute()
-        except REDIS_DOWN_ERRORS as error:
+        except redis.RedisError as error:
             log.warning("could not remove the executor status: %s", error)
+
+    def stuck_check(self) -> str | None:
+        """The health condition of the step loop: None while it goes round."""
+        stalled_s = self._board.stalled_s()
+        if stalled_s >= self._step_stall_s:
+            return f"the step loop has been stuck for {stalled_s:.0f} s"
+        return None
+
+    def _beat_or_withdraw(self) -> bool:
+        """A beat, or the status withdrawn while the step loop is stuck.
+
+        Returns: False when Redis failed.
+        """
+        stuck = self.stuck_check()
+        if stuck is None:
+            if self._withdrawn:
+                log.warning("heartbeat: the step loop goes round again; beating again")
+                self._withdrawn = False
+            return self.try_beat()
+        if self._withdrawn:
+            return True
+        executor_id = self._board.read().executor_id
+        try:
+            self._client.delete(self._keys.executor_status(executor_id))
+        except redis.RedisError as error:
+            self._outage.failed(error)
+            return False
+        log.error("heartbeat: %s; status withdrawn (its requests resume elsewhere)", stuck)
+        self._withdrawn = True
+        return True
 
     def beat(self) -> None:
         """Writes the current status once."""
@@ -80,24 +128,21 @@ class Heartbeat:
         pipe.execute()
 
     def try_beat(self) -> bool:
-        """Writes the current status once. Returns: False when Redis is unreachable."""
+        """Writes the current status once. Returns: False when Redis failed (down, or an
+        error reply such as READONLY during a failover); logged once per outage."""
         try:
             self.beat()
-        except REDIS_DOWN_ERRORS as error:
-            if not self._redis_down:
-                log.warning("heartbeat: redis unreachable (%s); retrying with backoff", error)
-                self._redis_down = True
+        except redis.RedisError as error:
+            self._outage.failed(error)
             return False
-        if self._redis_down:
-            log.info("heartbeat: redis reachable again")
-            self._redis_down = False
+        self._outage.succeeded()
         return True
 
     def _run(self) -> None:
         delays = Backoff(max_s=HEARTBEAT_INTERVAL_S).delays()
-        wait_s = HEARTBEAT_INTERVAL_S if not self._redis_down else next(delays)
+        wait_s = HEARTBEAT_INTERVAL_S if not self._outage.down else next(delays)
         while not self._stop.wait(wait_s):
-            if self.try_beat():
+            if self._beat_or_withdraw():
                 delays = Backoff(max_s=HEARTBEAT_INTERVAL_S).delays()
                 wait_s = HEARTBEAT_INTERVAL_S
             else:

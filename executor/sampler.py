@@ -112,6 +112,15 @@ class Sampler:
         generator.manual_seed(seed)
         return generator
 
+    def skip_draws(self, generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+        """Advance a seeded request's generator past the draws of `num_tokens` sampled
+        tokens (one row of vocab_size Exp(1) numbers each, as `_exponentials` draws them), so
+        that a request resumed after that many tokens samples what one undisturbed run
+        would have."""
+        row = torch.empty(vocab_size, device=self.device)
+        for _ in range(num_tokens):
+            row.exponential_(generator=generator)
+
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         token_ids = self.argmax(logits)
         rows = [i for i, params in enumerate(batch.params) if not params.is_greedy]

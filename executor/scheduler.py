@@ -167,7 +167,7 @@ class StepScheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        if req.session_id is not None and reason is not FinishReason.ABORT:
+        if req.session_id is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.kv_cache.pin_session(req)
         else:
             self.kv_cache.free(req)

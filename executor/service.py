@@ -22,7 +22,8 @@ from common.finish_reason_pb import finish_reason_to_pb
 from common.keys import RedisKeys
 from common.logs import request_fields
 from common.model_files import model_id
-from common.sampling_pb import resumed_sampling_params
+from common.requeue import attempts_used_up
+from common.sampling_pb import queued_sampling_params
 from executor.config import ExecutorConfig
 from executor.engine import Engine, RequestOutput
 from executor.gateway_link import (
@@ -57,6 +58,8 @@ class Tracked:
     tenant: str
     prompt_token_ids: list[int]
     session_id: str = ""  # empty: no session
+    attempt: int = 0  # QueuedRequest.attempt, echoed in its output
+    entry_id: str = ""  # its assignment's inbox entry, deleted once the request is done here
 
 
 def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
@@ -90,7 +93,7 @@ class ExecutorService:
         self._events: queue.SimpleQueue[InboxEntry | GatewayEvent] = queue.SimpleQueue()
         self._inbox = InboxReader(client, keys, config.executor_id, self._events)
         self._board = StatusBoard()
-        self._heartbeat = Heartbeat(client, keys, self._board)
+        self._heartbeat = Heartbeat(client, keys, self._board, config.step_stall_s)
         self._links: dict[str, GatewayLink] = {}
         self._tracked: dict[str, Tracked] = {}
         self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
@@ -101,6 +104,10 @@ class ExecutorService:
     def drain(self) -> None:
         """Finish running work and take no more; safe from a signal handler."""
         self._drain_requested.set()
+
+    def step_loop_check(self) -> str | None:
+        """The health condition of the step loop: None while it goes round."""
+        return self._heartbeat.stuck_check()
 
     def draining_check(self) -> str | None:
         """The health condition of a drain: None until one was asked for."""
@@ -120,13 +127,15 @@ class ExecutorService:
             self._config.engine.policy,
         )
         while self._taking_work or self._engine.has_unfinished() or not self._events.empty():
+            self._board.progress()
             self._stop_taking_work_if_draining()
             self._handle_events()
             if self._taking_work and not self._engine.has_unfinished():
                 self._flush()  # answers due already (a request refused) do not wait for it
                 self._inbox.read_while_idle(IDLE_WAIT_MS)
                 self._handle_events()
-            self._flush()  # "accepted" entries go out before the step: queue_ms ends here
+            if self._flush():  # "accepted" entries go out before the step: queue_ms ends here
+                time.sleep(0)  # and before a step that might never end (see _step)
             if self._engine.has_unfinished():
                 self._inbox.read_on_thread()
                 self._step()
@@ -179,40 +188,58 @@ class ExecutorService:
         elif isinstance(event, GatewayGone):
             self._gateway_gone(event.address)
         elif event.message.HasField("assignment"):
-            self._admit(event.message.assignment.request)
-            self._inbox.handled(event.entry_id)
+            self._admit(event.message.assignment.request, event.entry_id)
         else:
             release = event.message.release_session
             self._engine.release_session(release.session_id, release.tenant or None)
             self._inbox.handled(event.entry_id)
 
-    def _admit(self, queued: internal_pb2.QueuedRequest) -> None:
+    def _admit(self, queued: internal_pb2.QueuedRequest, entry_id: str) -> None:
+        """Runs an assignment. Its inbox entry stays until the request is done here
+        (finished, refused or aborted), so that if this executor dies, the scheduler hands
+        every request it owed back to the queue, also one whose gateway never heard of it."""
         if queued.request_id in self._tracked:
+            self._inbox.handled(entry_id)  # a second assignment of a request it runs
+            return
+        used_up = attempts_used_up(queued)
+        if used_up is not None:
+            self._reject(queued, used_up)
+            self._inbox.handled(entry_id)
             return
         resumed = list(queued.resume_token_ids)
-        prompt = list(queued.prompt_token_ids) + resumed
+        prompt = list(queued.prompt_token_ids)
         if resumed and len(resumed) >= queued.params.max_tokens:
             self._finish_at_once(queued, FinishReason.LENGTH, "")
+            self._inbox.handled(entry_id)
             return
         try:
-            params = resumed_sampling_params(queued.params, len(resumed))
             self._engine.add_request(
                 queued.request_id,
                 prompt,
-                params,
+                queued_sampling_params(queued.params),
                 priority=queued.priority,
                 session_id=queued.session_id or None,
                 cache_salt=queued.tenant or None,
+                resume_token_ids=resumed,
             )
         except ValueError as error:
             self._reject(queued, str(error))
+            self._inbox.handled(entry_id)
             return
-        tracked = Tracked(queued.reply_to, len(resumed), queued.tenant, prompt, queued.session_id)
+        tracked = Tracked(
+            queued.reply_to,
+            len(resumed),
+            queued.tenant,
+            prompt,
+            queued.session_id,
+            queued.attempt,
+            entry_id,
+        )
         self._tracked[queued.request_id] = tracked
         self._entry(queued.request_id, tracked).accepted = True
         log.info(
             "request admitted: %d prompt tokens (%d resumed), attempt %d",
-            len(prompt),
+            len(prompt) + len(resumed),
             len(resumed),
             queued.attempt,
             extra=request_fields(queued.request_id, queued.session_id),
@@ -231,7 +258,8 @@ class ExecutorService:
         self, queued: internal_pb2.QueuedRequest, finish_reason: FinishReason, error_message: str
     ) -> None:
         offset = len(queued.resume_token_ids)
-        entry = self._entry(queued.request_id, Tracked(queued.reply_to, offset, queued.tenant, []))
+        tracked = Tracked(queued.reply_to, offset, queued.tenant, [], attempt=queued.attempt)
+        entry = self._entry(queued.request_id, tracked)
         entry.finished = True
         entry.finish_reason = finish_reason_to_pb(finish_reason)
         entry.error_message = error_message
@@ -243,6 +271,7 @@ class ExecutorService:
                 continue
             self._engine.abort(request_id)
             del self._tracked[request_id]
+            self._inbox.handled(tracked.entry_id)
             log.info(
                 "request aborted by its gateway",
                 extra=request_fields(request_id, tracked.session_id),
@@ -265,7 +294,9 @@ class ExecutorService:
         entries = self._outbox.setdefault(tracked.reply_to, {})
         entry = entries.get(request_id)
         if entry is None:
-            entry = internal_pb2.RequestTokens(request_id=request_id, offset=tracked.offset)
+            entry = internal_pb2.RequestTokens(
+                request_id=request_id, offset=tracked.offset, attempt=tracked.attempt
+            )
             entries[request_id] = entry
         return entry
 
@@ -282,11 +313,15 @@ class ExecutorService:
             if output.finished:
                 entry.finished = True
                 entry.finish_reason = finish_reason_to_pb(output.finish_reason)
+                entry.error_message = output.error_message
                 del self._tracked[output.request_id]
-                log.info(
-                    "request finished: %s, %d cached prompt tokens",
+                self._inbox.handled(tracked.entry_id)
+                log.log(
+                    logging.WARNING if output.error_message else logging.INFO,
+                    "request finished: %s, %d cached prompt tokens%s",
                     output.finish_reason,
                     output.num_cached_tokens,
+                    f" ({output.error_message})" if output.error_message else "",
                     extra=request_fields(output.request_id, tracked.session_id),
                 )
 

@@ -16,7 +16,8 @@ from google.protobuf.message import DecodeError
 
 from common.keys import PAYLOAD_FIELD, RedisKeys, stream_id
 from common.logs import request_fields
-from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
+from common.redis_conn import Backoff, OutageLog
+from common.requeue import stream_fields
 from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,11 @@ class InboxReader:
     step's start with the hand-off, 0.43 ms without).
     Around a switch both may read the same entry; each is delivered once, in stream order.
 
-    Entries stay in the stream until the step loop handled them (`handled`);
-    they are XDEL'd then, so the scheduler re-queues whatever a dead executor
-    left unread. Once the executor drains (`hand_back_assignments`), the reader
-    moves each assignment it reads back to the request stream instead, and
-    `stop` hands back whatever is still unread.
+    Entries stay in the stream until the step loop is done with them (`handled`: an
+    assignment once its request finished, was refused or aborted here); they are XDEL'd
+    then, so the scheduler re-queues whatever a dead executor owed. Once the executor
+    drains (`hand_back_assignments`), the reader moves each assignment it reads back to the
+    request stream instead, and `stop` hands back whatever is still unread.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class InboxReader:
         self._thread_reads = threading.Event()
         self._thread_reads.set()
         self._idle_read_delays: Iterator[float] | None = None  # while the idle read fails
+        self._outage = OutageLog(log, "inbox")  # one log line per outage, for both readers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inbox", daemon=True)
 
@@ -107,14 +109,13 @@ class InboxReader:
         try:
             self._read(None if queued else block_ms, after_id)
         except redis.RedisError as error:
+            self._outage.failed(error)
             if self._idle_read_delays is None:
-                log.warning("inbox: redis failed (%s); retrying with backoff", error)
                 self._idle_read_delays = Backoff(initial_s=block_ms / 1000.0).delays()
             time.sleep(next(self._idle_read_delays))
             return
-        if self._idle_read_delays is not None:
-            log.info("inbox: redis reachable again")
-            self._idle_read_delays = None
+        self._idle_read_delays = None
+        self._outage.succeeded()
 
     def stop(self) -> None:
         """Stops reading (if started), then hands back the assignments left unread.
@@ -128,8 +129,8 @@ class InboxReader:
         try:
             self._delete_handled()
             self._sweep_unread()
-        except REDIS_DOWN_ERRORS as error:
-            log.warning("inbox: redis unreachable at exit (%s); the scheduler re-queues it", error)
+        except redis.RedisError as error:
+            log.warning("inbox: redis failed at exit (%s); the scheduler re-queues it", error)
 
     def handled(self, entry_id: str) -> None:
         """Marks an entry as handled; the reader deletes it from the stream."""
@@ -137,7 +138,6 @@ class InboxReader:
 
     def _run(self) -> None:
         delays = Backoff().delays()
-        redis_down = False
         while not self._stop.is_set():
             try:
                 self._delete_handled()
@@ -146,13 +146,9 @@ class InboxReader:
                     self._read(INBOX_BLOCK_MS, self._last_id)
                 self._hand_back_pending()
                 delays = Backoff().delays()
-                if redis_down:
-                    log.info("inbox: redis reachable again")
-                    redis_down = False
+                self._outage.succeeded()
             except redis.RedisError as error:  # down, or an error reply such as BUSY
-                if not redis_down:
-                    log.warning("inbox: redis failed (%s); retrying with backoff", error)
-                    redis_down = True
+                self._outage.failed(error)
                 self._stop.wait(next(delays))
 
     def _read(self, block_ms: int | None, after_id: str) -> None:
@@ -210,7 +206,8 @@ class InboxReader:
     def _hand_back_pending(self) -> None:
         """Moves the assignments a draining executor will not run back to the request stream.
 
-        Same request_id, attempt + 1, and the gateway's queue deadline kept: the gateway
+        The same request: the same id and attempt (it never ran here: nothing of it can
+        come late), and the gateway's queue deadline kept: the gateway
         enforces that deadline itself, so a later one here would not help the client, and
         a hand-back within one inbox read of the drain costs the request well under a second.
         One MULTI/EXEC: an entry leaves the inbox only with its request re-queued.
@@ -224,17 +221,14 @@ class InboxReader:
         pipe = self._client.pipeline(transaction=True)
         for _, request in self._to_hand_back:
             if request is not None:
-                requeued = internal_pb2.QueuedRequest()
-                requeued.CopyFrom(request)
-                requeued.attempt += 1
-                pipe.xadd(self._requests_key, {PAYLOAD_FIELD: requeued.SerializeToString()})
+                pipe.xadd(self._requests_key, stream_fields(request))
         pipe.xdel(self._inbox_key, *(entry_id for entry_id, _ in self._to_hand_back))
         pipe.execute()
         for _, request in self._to_hand_back:
             if request is not None:
                 log.info(
                     "draining: assignment handed back to the request stream (attempt %d)",
-                    request.attempt + 1,
+                    request.attempt,
                     extra=request_fields(request.request_id, request.session_id),
                 )
         self._to_hand_back.clear()

@@ -36,8 +36,18 @@ class GatewayConfig:
     advertise_host: str = ""  # host put in reply_to; empty: internal_host
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "kvgate:"
-    redis_timeout_s: float = 0.5  # a Redis call fails after this: UNAVAILABLE well within 2 s
-    max_queue_len: int = 1024  # queued (not yet placed) requests before RESOURCE_EXHAUSTED
+    redis_timeout_s: float = 1.5  # a Redis call fails after this: UNAVAILABLE within 2 s
+    # Redis connections this gateway may hold; a call that finds them all busy for
+    # REDIS_POOL_WAIT_S is refused with RESOURCE_EXHAUSTED
+    redis_max_connections: int = 128
+    max_queue_len: int = 4096  # queued (not yet placed) requests before RESOURCE_EXHAUSTED
+    # Generate and Chat calls open at once; one more is refused with RESOURCE_EXHAUSTED
+    max_concurrent_streams: int = 4096
+    max_receive_message_bytes: int = 4 << 20  # a bigger request message: RESOURCE_EXHAUSTED
+    tokenizer_threads: int = 2  # threads that tokenize and template long inputs
+    max_stop_token_ids: int = 64  # params.stop_token_ids per request
+    max_queued_turns: int = 4  # Chat turns sent while one runs, waiting their turn
+    max_attempts: int = 3  # runs of a request whose executor was lost, before it fails
     queue_timeout_s: float = 30.0  # not accepted by an executor by then: DEADLINE_EXCEEDED
     session_ttl_s: float = 600.0  # idle sessions expire after this
     default_max_tokens: int = 256  # max_tokens when a request sets none
@@ -66,7 +76,14 @@ class GatewayConfig:
         check_range("--port", self.port, min_value=0, max_value=65535)
         check_range("--internal-port", self.internal_port, min_value=0, max_value=65535)
         check_positive("--redis-timeout-s", self.redis_timeout_s)
+        check_range("--redis-max-connections", self.redis_max_connections, min_value=1)
         check_range("--max-queue-len", self.max_queue_len, min_value=1)
+        check_range("--max-concurrent-streams", self.max_concurrent_streams, min_value=1)
+        check_range("--max-receive-message-bytes", self.max_receive_message_bytes, min_value=1024)
+        check_range("--tokenizer-threads", self.tokenizer_threads, min_value=1, max_value=64)
+        check_range("--max-stop-token-ids", self.max_stop_token_ids, min_value=0)
+        check_range("--max-queued-turns", self.max_queued_turns, min_value=0)
+        check_range("--max-attempts", self.max_attempts, min_value=1)
         check_positive("--queue-timeout-s", self.queue_timeout_s)
         check_positive("--session-ttl-s", self.session_ttl_s)
         check_range("--default-max-tokens", self.default_max_tokens, min_value=1)
@@ -124,8 +141,35 @@ def build_parser() -> argparse.ArgumentParser:
     add("--internal-host", default=env_str("KVGATE_INTERNAL_HOST", "127.0.0.1"))
     add("--internal-port", type=int, default=env_int("KVGATE_INTERNAL_PORT", 0))
     add("--advertise-host", default=env_str("KVGATE_ADVERTISE_HOST", ""))
-    add("--redis-timeout-s", type=float, default=env_float("KVGATE_REDIS_TIMEOUT_S", 0.5))
-    add("--max-queue-len", type=int, default=env_int("KVGATE_MAX_QUEUE_LEN", 1024))
+    add("--redis-timeout-s", type=float, default=env_float("KVGATE_REDIS_TIMEOUT_S", 1.5))
+    add(
+        "--redis-max-connections",
+        type=int,
+        default=env_int("KVGATE_REDIS_MAX_CONNECTIONS", 128),
+        help="Redis connections this gateway may hold (its budget)",
+    )
+    add("--max-queue-len", type=int, default=env_int("KVGATE_MAX_QUEUE_LEN", 4096))
+    add(
+        "--max-concurrent-streams",
+        type=int,
+        default=env_int("KVGATE_MAX_CONCURRENT_STREAMS", 4096),
+        help="Generate and Chat calls open at once; more are refused (RESOURCE_EXHAUSTED)",
+    )
+    add(
+        "--max-receive-message-bytes",
+        type=int,
+        default=env_int("KVGATE_MAX_RECEIVE_MESSAGE_BYTES", 4 << 20),
+        help="largest request message accepted",
+    )
+    add("--tokenizer-threads", type=int, default=env_int("KVGATE_TOKENIZER_THREADS", 2))
+    add("--max-stop-token-ids", type=int, default=64)
+    add("--max-queued-turns", type=int, default=4, help="Chat turns waiting behind a running one")
+    add(
+        "--max-attempts",
+        type=int,
+        default=env_int("KVGATE_MAX_ATTEMPTS", 3),
+        help="runs of a request whose executor was lost, before it fails",
+    )
     add("--queue-timeout-s", type=float, default=env_float("KVGATE_QUEUE_TIMEOUT_S", 30.0))
     add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
     add("--default-max-tokens", type=int, default=env_int("KVGATE_DEFAULT_MAX_TOKENS", 256))

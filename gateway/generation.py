@@ -12,16 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+
+import redis
 
 from common.finish_reason import FinishReason
 from common.logs import request_fields
 from common.model_text import ModelText
+from common.requeue import attempts_used_up
 from common.sampling_pb import sampling_params_to_pb
 from gateway.accounting import Accounting
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import DeadlineExceeded, Unavailable
+from gateway.errors import DeadlineExceeded, ServiceError, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.request_queue import RequestQueue
 from gateway.stops import StopStringMatcher
@@ -38,9 +42,18 @@ from protos.kvgate.v1 import inference_pb2, internal_pb2
 log = logging.getLogger(__name__)
 
 # A request no executor runs yet checks every LIVENESS_CHECK_S that one is alive, and fails
-# with UNAVAILABLE once none has been for NO_EXECUTOR_GRACE_S (a heartbeat lives 2 s).
+# with UNAVAILABLE once none has been for NO_EXECUTOR_GRACE_S (a heartbeat lives 2 s), or
+# once Redis has not answered for REDIS_DOWN_GRACE_S.
 LIVENESS_CHECK_S = 0.5
 NO_EXECUTOR_GRACE_S = 1.0
+REDIS_DOWN_GRACE_S = 4.0
+
+
+def internal_request_id(tenant: str, request_id: str) -> str:
+    """The id a call's request has between the processes: the client's id scoped to its
+    tenant and made unique to this call, so that no two clients (and no retry and the
+    attempt it replaces) ever share one. "/" is in no client id (validation.ID_PATTERN)."""
+    return f"{tenant}/{request_id}/{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +113,7 @@ class GenerationDeps:
     reply_to: str  # this gateway's TokenSink address
     queue_timeout_s: float
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    max_attempts: int = 3  # runs of a request whose executor was lost, before it fails
     accounting: Accounting | None = None  # None: usage is not recorded
 
 
@@ -112,6 +126,7 @@ class Generation:
         self.spec = spec
         self.deps = deps
         self.tenant = tenant
+        self.request_id = internal_request_id(tenant, spec.request_id)
         self.session_executor_id = session_executor_id
         self.tokens: list[int] = []
         self.detokenizer = IncrementalDetokenizer(deps.model_text.tokenizer, spec.prompt_token_ids)
@@ -123,18 +138,20 @@ class Generation:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.num_cached_tokens = 0
-        self.attempt = 0
+        self.attempt = 0  # of the QueuedRequest now queued or running
         self.executor_id = ""  # the executor that last reported this request
         self.waiting_for_executor = True
         self.no_executor_since: float | None = None  # first seen with no executor alive
+        self.redis_down_since: float | None = None  # first seen with Redis not answering
+        self.maybe_queued = False  # false until enqueue, and after a refusal by it
         self.finished = False
-        self.log_fields = request_fields(spec.request_id, spec.session_id)
+        self.log_fields = request_fields(self.request_id, spec.session_id)
 
     def queued_request(self) -> internal_pb2.QueuedRequest:
         """The QueuedRequest of the current attempt."""
         deadline_unix_ms = int(time.time() * 1000 + (self.queue_deadline - time.monotonic()) * 1000)
         return internal_pb2.QueuedRequest(
-            request_id=self.spec.request_id,
+            request_id=self.request_id,
             reply_to=self.deps.reply_to,
             tenant=self.tenant,
             session_id=self.spec.session_id,
@@ -146,6 +163,7 @@ class Generation:
             arrival_unix_ms=self.arrival_unix_ms,
             queue_deadline_unix_ms=deadline_unix_ms,
             attempt=self.attempt,
+            max_attempts=self.deps.max_attempts,
         )
 
     async def stream(self) -> AsyncIterator[Chunk]:
@@ -156,9 +174,9 @@ class Generation:
             DeadlineExceeded: no executor accepted it within queue_timeout_s.
         """
         router = self.deps.router
-        inbox = router.track(self.spec.request_id)
+        inbox = router.track(self.request_id, (self.tenant, self.spec.request_id))
         try:
-            await self.deps.queue.enqueue(self.queued_request())
+            await self._enqueue()
             self._log_queued()
             while not self.finished:
                 chunk = await self._handle(await self._next_event(inbox))
@@ -171,7 +189,17 @@ class Generation:
                     extra=self.log_fields,
                 )
                 self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
-            router.untrack(self.spec.request_id)
+            router.untrack(self.request_id)
+
+    async def _enqueue(self) -> None:
+        """Queues the request; a refusal (no executor, queue full) leaves nothing to cancel,
+        so nothing outlives the call, and the client may retry under the same request_id."""
+        self.maybe_queued = True
+        try:
+            await self.deps.queue.enqueue(self.queued_request())
+        except ServiceError:
+            self.maybe_queued = False
+            raise
 
     def _log_queued(self) -> None:
         num_prompt_tokens = len(self.spec.prompt_token_ids)
@@ -201,15 +229,46 @@ class Generation:
 
     async def _check_an_executor_is_alive(self) -> None:
         alive = await self.deps.queue.any_executor_alive()
-        if alive is not False:  # alive, or Redis cannot tell now: keep waiting
+        now = time.monotonic()
+        if alive is None:
+            self._redis_did_not_answer(now)
+            return
+        if self.redis_down_since is not None:
+            await self._queue_again_after_outage()
+        if alive:
             self.no_executor_since = None
             return
-        now = time.monotonic()
         if self.no_executor_since is None:
             self.no_executor_since = now
         elif now - self.no_executor_since >= NO_EXECUTOR_GRACE_S:
             self._stop_waiting(internal_pb2.ABORT_REASON_NO_EXECUTOR, "no executor is alive")
             raise Unavailable("no executor is alive; try again later")
+
+    def _redis_did_not_answer(self, now: float) -> None:
+        """Keeps waiting through a Redis outage (a failover, a restart) for a while: the
+        executors go on without Redis, and the request is queued again once it answers."""
+        self.no_executor_since = None
+        if self.redis_down_since is None:
+            self.redis_down_since = now
+        elif now - self.redis_down_since >= REDIS_DOWN_GRACE_S:
+            self._stop_waiting(internal_pb2.ABORT_REASON_NO_EXECUTOR, "redis unreachable")
+            raise Unavailable(
+                f"redis has not answered for {REDIS_DOWN_GRACE_S:g} s while the request "
+                "waited for an executor; try again later"
+            )
+
+    async def _queue_again_after_outage(self) -> None:
+        """Queues the waiting request again once Redis answers after an outage: a failover
+        may have lost its entry (replication lag), or a restart without persistence. A copy
+        that survived is harmless: processes are idempotent by request_id (the scheduler
+        keeps one, an executor runs an id once, and this gateway takes tokens from one)."""
+        try:
+            await self.deps.queue.requeue(self.queued_request())
+        except redis.RedisError as error:
+            log.warning("could not queue the request again: %s", error, extra=self.log_fields)
+            return
+        self.redis_down_since = None
+        log.info("request queued again after a redis outage", extra=self.log_fields)
 
     def _stop_waiting(self, reason: internal_pb2.AbortReason, why: str) -> None:
         self._cancel(reason)
@@ -218,37 +277,49 @@ class Generation:
 
     def _cancel(self, reason: internal_pb2.AbortReason) -> None:
         """Stop the request wherever it is: on its executor, or still in the queue."""
-        self.deps.router.abort(self.spec.request_id, reason)
-        if self.waiting_for_executor:
+        self.deps.router.abort(self.request_id, reason)
+        if self.waiting_for_executor and self.maybe_queued:
             self.deps.background.spawn(
-                self.deps.queue.mark_cancelled(self.spec.request_id), "marking a request cancelled"
+                self.deps.queue.mark_cancelled(self.request_id), "marking a request cancelled"
             )
 
     async def _handle(self, event: RequestEvent) -> Chunk | None:
         if isinstance(event, ExecutorLost):
-            await self._requeue(event.executor_id)
-            return None
+            return await self._requeue(event)
         if isinstance(event, ClientCancelled):
             self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
             return self._last_chunk(Chunk(self.stops.flush(), []), FinishReason.ABORT)
         return self._apply(event)
 
-    async def _requeue(self, executor_id: str) -> None:
-        self.attempt += 1
+    async def _requeue(self, lost: ExecutorLost) -> Chunk | None:
+        """Runs the request again, from the tokens already streamed, after its executor was
+        lost; the last chunk (FINISH_REASON_ERROR) once it was lost max_attempts times."""
+        executor_id = lost.executor_id
+        self.attempt = lost.attempt
+        used_up = attempts_used_up(self.queued_request())
+        if used_up is not None:
+            log.warning("%s (last %s)", used_up, executor_id, extra=self.log_fields)
+            chunk = Chunk(self._flush_text()[0], [], error_message=used_up)
+            return self._last_chunk(chunk, FinishReason.ERROR)
+        self.deps.router.resume_from(self.request_id, len(self.tokens))
         self.waiting_for_executor = True
         self.no_executor_since = None  # the grace starts anew for this attempt
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
         self.session_executor_id = ""
         self.deps.metrics.requeues.inc()
         log.warning(
-            "request %s lost its executor %s after %d tokens; re-queued (attempt %d)",
-            self.spec.request_id,
+            "request lost its executor %s after %d tokens; re-queued (attempt %d)",
             executor_id,
             len(self.tokens),
             self.attempt,
             extra=self.log_fields,
         )
-        await self.deps.queue.requeue(self.queued_request())
+        try:
+            await self.deps.queue.requeue(self.queued_request())
+        except redis.RedisError as error:  # queued again once Redis answers
+            log.warning("could not re-queue the request: %s", error, extra=self.log_fields)
+            self.redis_down_since = time.monotonic()
+        return None
 
     def _apply(self, update: TokenUpdate) -> Chunk | None:
         now = time.monotonic()
@@ -256,12 +327,13 @@ class Generation:
             self.accepted_at = now
         self.waiting_for_executor = False
         self.executor_id = update.executor_id
+        self.attempt = max(self.attempt, update.attempt)
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         new_ids, new_logprobs = self._unseen(update)
         chunk = self._text_of(new_ids, new_logprobs, now)
         if chunk.finish_reason is not None:
             if not update.finished:
-                self.deps.router.abort(self.spec.request_id, internal_pb2.ABORT_REASON_STOP_STRING)
+                self.deps.router.abort(self.request_id, internal_pb2.ABORT_REASON_STOP_STRING)
             return self._last_chunk(chunk, chunk.finish_reason)
         if update.finished:
             tail, stopped = self._flush_text()
@@ -276,8 +348,7 @@ class Generation:
         skip = len(self.tokens) - update.offset
         if skip < 0:
             log.warning(
-                "request %s: tokens from offset %d but only %d streamed; dropped",
-                self.spec.request_id,
+                "tokens from offset %d but only %d streamed; dropped",
                 update.offset,
                 len(self.tokens),
                 extra=self.log_fields,

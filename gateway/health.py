@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import redis
 from grpc_health.v1 import health
@@ -39,8 +40,15 @@ class GatewayHealth:
         queue: RequestQueue,
         services: tuple[str, ...],
         registry: CollectorRegistry | None = None,
+        on_live_executors: Callable[[set[str], float], None] = lambda ids, now: None,
     ) -> None:
+        """
+        Args:
+            on_live_executors: called with the live executors' ids and the monotonic time
+                at each check Redis answers (the token router follows heartbeats with it).
+        """
         self.conditions = HealthConditions("gateway", registry)
+        self._on_live_executors = on_live_executors
         self._servicer = servicer
         self._queue = queue
         self._services = services
@@ -61,12 +69,13 @@ class GatewayHealth:
     async def check_once(self) -> None:
         """Reads Redis once and sets every service's status from what it saw."""
         try:
-            alive = bool(await self._queue.live_executor_ids())
+            live = set(await self._queue.live_executor_ids())
         except redis.RedisError as error:
             self.conditions.update(REDIS_CONDITION, f"redis unreachable: {error}")
         else:
             self.conditions.update(REDIS_CONDITION, None)
-            self.conditions.update("executors", self._executor_condition(alive))
+            self.conditions.update("executors", self._executor_condition(bool(live)))
+            self._on_live_executors(live, time.monotonic())
         status = SERVING if self.conditions.serving else NOT_SERVING
         for service in self._services:
             await self._servicer.set(service, status)

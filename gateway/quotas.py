@@ -22,10 +22,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import redis
 import redis.asyncio as aioredis
 
 from common.keys import RedisKeys
-from common.redis_conn import REDIS_DOWN_ERRORS
 from common.tenants import TenantLimits
 from gateway.errors import QuotaExceeded
 
@@ -199,8 +199,8 @@ class Quotas:
                 for tenant, members in list(self._held.items()):
                     keys = [self.keys.tenant_streams(tenant)]
                     await self._renew(keys=keys, args=[self.lease_ms, *members])
-            except REDIS_DOWN_ERRORS as error:
-                log.warning("stream leases not renewed (Redis unreachable): %s", error)
+            except redis.RedisError as error:  # an outage, a failover's READONLY, ...
+                log.warning("stream leases not renewed (Redis unavailable): %s", error)
 
 
 def _exceeded(tenant: str, limits: TenantLimits, limit: str, retry_ms: int) -> QuotaExceeded:

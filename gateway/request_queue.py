@@ -1,7 +1,7 @@
 """The gateway's side of the Redis queue: enqueue with a limit, cancel, re-queue, registry.
 
 Every call is bounded by the client's socket timeout (config.redis_timeout_s),
-so a Redis outage surfaces as a REDIS_DOWN_ERRORS error (UNAVAILABLE) quickly.
+so a Redis outage surfaces as a redis.RedisError (UNAVAILABLE) quickly.
 """
 
 from __future__ import annotations
@@ -9,21 +9,20 @@ from __future__ import annotations
 import asyncio
 import time
 
+import redis
 import redis.asyncio as aioredis
 
 from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, RedisKeys
-from common.redis_conn import REDIS_DOWN_ERRORS
-from gateway.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from common.requeue import stream_fields
+from gateway.errors import Refused, Unavailable
 from protos.kvgate.v1 import internal_pb2
 
-# KEYS: requests stream, executors set, the request id's cancel marker.
+# KEYS: requests stream, executors set.
 # ARGV: payload, max_queue_len, status key head, tail, payload field, queued-at field.
 # The entry also holds the server's time now (unix microseconds), where the scheduler's window
-# for the request starts. Returns -3 when the id was cancelled within the queue timeout (its
-# marker would drop the new request), -2 when no executor is alive, -1 when the queue is full,
+# for the request starts. Returns -2 when no executor is alive, -1 when the queue is full,
 # else the new length.
 ENQUEUE_SCRIPT = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
 local alive = 0
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if redis.call('EXISTS', ARGV[3] .. id .. ARGV[4]) == 1 then
@@ -39,14 +38,18 @@ local queued_us = now[1] .. string.format('%06d', now[2])
 redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[1], ARGV[6], queued_us)
 return queued + 1
 """
-CANCELLED_ID = -3
 NO_EXECUTOR = -2
 QUEUE_FULL = -1
 LIVENESS_MAX_AGE_S = 0.25
 
 
 class RequestQueue:
-    """Puts requests on the requests stream and talks to executors through Redis."""
+    """Puts requests on the requests stream and talks to executors through Redis.
+
+    New requests are queued in groups: the requests that arrive while one group is on its
+    way to Redis go together in the next, as one pipeline (one connection, one round
+    trip), so a burst of thousands of calls needs a handful of connections, not one each.
+    """
 
     def __init__(
         self, client: aioredis.Redis, keys: RedisKeys, max_queue_len: int, cancel_ttl_s: float
@@ -67,39 +70,70 @@ class RequestQueue:
         self._liveness: bool | None = True
         self._liveness_read_at = -LIVENESS_MAX_AGE_S
         self._liveness_read: asyncio.Future[None] | None = None
+        self._to_enqueue: list[tuple[internal_pb2.QueuedRequest, asyncio.Future[int]]] = []
+        self._enqueuing: asyncio.Task[None] | None = None
 
     async def enqueue(self, request: internal_pb2.QueuedRequest) -> None:
         """Queue a new request.
 
         Raises:
-            FailedPrecondition: a request with this id was cancelled within the queue timeout.
             Unavailable: no executor is alive.
-            ResourceExhausted: max_queue_len requests already wait.
+            Refused: max_queue_len requests already wait.
+            redis.RedisError: Redis failed (the request may or may not be queued).
         """
-        result = await self._enqueue(
-            keys=[self.keys.requests, self.keys.executors, self.keys.cancelled(request.request_id)],
-            args=[
-                request.SerializeToString(),
-                self.max_queue_len,
-                self._status_head,
-                self._status_tail,
-                PAYLOAD_FIELD,
-                QUEUED_AT_FIELD,
-            ],
-        )
-        if result == CANCELLED_ID:
-            raise FailedPrecondition(
-                f"request_id {request.request_id!r} was cancelled less than queue_timeout_s "
-                "ago; send the new request under another request_id"
-            )
+        done = asyncio.get_running_loop().create_future()
+        self._to_enqueue.append((request, done))
+        if self._enqueuing is None or self._enqueuing.done():
+            self._enqueuing = asyncio.create_task(self._enqueue_groups())
+        result = await done
         if result == NO_EXECUTOR:
             raise Unavailable("no executor is alive; try again later")
         if result == QUEUE_FULL:
-            raise ResourceExhausted(f"the queue is full ({self.max_queue_len} requests wait)")
+            raise Refused(
+                "max_queue_len",
+                f"the queue is full: {self.max_queue_len} requests wait (--max-queue-len); "
+                "try again later",
+            )
+
+    async def _enqueue_groups(self) -> None:
+        """Sends what waits to be queued, one group at a time, until nothing waits."""
+        while self._to_enqueue:
+            group, self._to_enqueue = self._to_enqueue, []
+            try:
+                results = await self._enqueue_group([request for request, _ in group])
+            except redis.RedisError as error:
+                results = [error] * len(group)
+            for (_, done), result in zip(group, results, strict=True):
+                if done.done():
+                    continue  # its caller went away
+                if isinstance(result, Exception):
+                    done.set_exception(result)
+                else:
+                    done.set_result(result)
+
+    async def _enqueue_group(self, requests: list[internal_pb2.QueuedRequest]) -> list:
+        """One enqueue script call per request, pipelined. Returns: each one's result or
+        error."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request in requests:
+                await self._enqueue(
+                    keys=[self.keys.requests, self.keys.executors],
+                    args=[
+                        request.SerializeToString(),
+                        self.max_queue_len,
+                        self._status_head,
+                        self._status_tail,
+                        PAYLOAD_FIELD,
+                        QUEUED_AT_FIELD,
+                    ],
+                    client=pipe,
+                )
+            return await pipe.execute(raise_on_error=False)
 
     async def requeue(self, request: internal_pb2.QueuedRequest) -> None:
-        """Queue a request again after its executor died (no queue limit: it was admitted)."""
-        await self.client.xadd(self.keys.requests, {PAYLOAD_FIELD: request.SerializeToString()})
+        """Queue a request again (its executor was lost, or Redis may have lost its entry):
+        no queue limit, it was admitted already."""
+        await self.client.xadd(self.keys.requests, stream_fields(request))
 
     async def mark_cancelled(self, request_id: str) -> None:
         """Tell the scheduler to drop this request if it is still queued."""
@@ -127,7 +161,7 @@ class RequestQueue:
     async def _read_liveness(self) -> None:
         try:
             self._liveness = bool(await self.live_executor_ids())
-        except REDIS_DOWN_ERRORS:
+        except redis.RedisError:
             self._liveness = None
         self._liveness_read_at = time.monotonic()
 

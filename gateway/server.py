@@ -23,13 +23,16 @@ from gateway.config import GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
+from gateway.limits import StreamLimitInterceptor, public_server_options
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from gateway.quotas import Quotas
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer
 from gateway.sessions import SessionStore
+from gateway.text_work import TextWork
 from gateway.token_sink import TokenRouter, TokenSinkServicer
 from gateway.validation import StopLimits
+from gateway.wire import RequestParsingInterceptor
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class RunningGateway:
     grace_s: float
     quotas: Quotas
     tls: list[ReloadableServerCredentials]  # of the public and internal ports that use TLS
+    text_work: TextWork | None = None
 
     def reload_tls(self) -> None:
         """Read every TLS port's certificate files again (SIGHUP): new connections get them."""
@@ -70,6 +74,8 @@ class RunningGateway:
         if self.health_server is not None:
             await self.health_server.stop(0)
         await self.quotas.stop()
+        if self.text_work is not None:
+            self.text_work.close()
         await self.redis.aclose()
 
 
@@ -80,6 +86,9 @@ SINK_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# How long a Redis call waits for a connection of the gateway's budget when all are busy;
+# then the call is refused (RESOURCE_EXHAUSTED naming --redis-max-connections).
+REDIS_POOL_WAIT_S = 0.1
 # gRPC binds with SO_REUSEPORT by default: a second gateway (or anything else that sets it)
 # on a taken port would start and silently take half of its connections.
 EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
@@ -176,8 +185,20 @@ def _public_server(
     authenticator: Authenticator,
     tls: ReloadableServerCredentials | None,
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
-    interceptors = [MetricsInterceptor(metrics), ErrorInterceptor(), AuthInterceptor(authenticator)]
-    server = aio.server(interceptors=interceptors, options=EXCLUSIVE_PORT)
+    def refused(limit: str) -> None:
+        metrics.refused.labels(limit).inc()
+
+    limits = public_server_options(config.max_concurrent_streams, config.max_receive_message_bytes)
+    server = aio.server(
+        interceptors=[
+            MetricsInterceptor(metrics),
+            StreamLimitInterceptor(INFERENCE_SERVICE, config.max_concurrent_streams, refused),
+            ErrorInterceptor(refused),
+            AuthInterceptor(authenticator),
+            RequestParsingInterceptor(),
+        ],
+        options=EXCLUSIVE_PORT + limits,
+    )
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -202,7 +223,12 @@ async def start_gateway(
     """
     model_text = ModelText(config.model)
     security = PortSecurity.from_config(config)
-    client = connect(config.redis_url, timeout_s=config.redis_timeout_s)
+    client = connect(
+        config.redis_url,
+        timeout_s=config.redis_timeout_s,
+        max_connections=config.redis_max_connections,
+        pool_wait_s=REDIS_POOL_WAIT_S,
+    )
     keys = RedisKeys(config.redis_prefix)
     router = TokenRouter()
     internal, reply_to = _internal_server(config, router, security)
@@ -218,14 +244,18 @@ async def start_gateway(
         reply_to,
         config.queue_timeout_s,
         metrics,
+        config.max_attempts,
         accounting,
     )
+    text = TextWork(model_text, config.tokenizer_threads)
     servicer = InferenceServicer(
         deps,
         SessionStore(client, keys, config.session_ttl_s),
         quotas,
         config.default_max_tokens,
-        StopLimits(config.max_stop_strings, config.max_stop_len),
+        StopLimits(config.max_stop_strings, config.max_stop_len, config.max_stop_token_ids),
+        text,
+        config.max_queued_turns,
     )
     api_keys = ApiKeys(client, keys, config.auth_cache_s) if config.auth == "keys" else None
     authenticator = Authenticator(config.auth, api_keys)
@@ -246,7 +276,9 @@ async def start_gateway(
     if health_server is not None:
         await health_server.start()
     services = ("", INFERENCE_SERVICE)
-    health_watch = GatewayHealth(health_servicer, queue, services, metrics.registry)
+    health_watch = GatewayHealth(
+        health_servicer, queue, services, metrics.registry, router.observe_heartbeats
+    )
     await health_watch.start()
     quotas.start()
     _log_security(config, address, reply_to, model_text.model_id)
@@ -262,6 +294,7 @@ async def start_gateway(
         config.grace_s,
         quotas,
         security.reloadable,
+        text,
     )
 
 

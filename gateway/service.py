@@ -12,11 +12,12 @@ from common.finish_reason_pb import finish_reason_to_pb
 from common.templates import ROLES, ChatTemplateError, Message
 from common.tenants import TenantLimits
 from gateway.auth import tenant_of
-from gateway.errors import InvalidArgument, NotFound, QuotaExceeded
+from gateway.errors import InvalidArgument, NotFound, QuotaExceeded, Refused, ServiceError
 from gateway.generation import Chunk, Generation, GenerationDeps
 from gateway.quotas import Quotas, StreamSlot, clamp_priority
 from gateway.request_queue import RequestQueue
 from gateway.sessions import Session, SessionStore
+from gateway.text_work import TextWork
 from gateway.token_sink import ClientCancelled
 from gateway.validation import (
     GenerationSpec,
@@ -76,6 +77,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         quotas: Quotas,
         default_max_tokens: int,
         stop_limits: StopLimits,
+        text: TextWork,
+        max_queued_turns: int = 4,
     ) -> None:
         self.deps = deps
         self.quotas = quotas
@@ -84,6 +87,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.sessions = sessions
         self.default_max_tokens = default_max_tokens
         self.stop_limits = stop_limits
+        self.text = text
+        self.max_queued_turns = max_queued_turns
 
     def _spec(
         self,
@@ -102,7 +107,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sampling=checked_sampling_params(
                 params, len(prompt_token_ids), limits, self.default_max_tokens
             ),
-            stop=check_stop(list(params.stop), self.stop_limits),
+            stop=check_stop(list(params.stop), list(params.stop_token_ids), self.stop_limits),
             priority=priority,
             session_id=session_id,
             priority_clamped=clamped,
@@ -125,11 +130,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if slot is not None:
             self.deps.background.spawn(self.quotas.close_stream(slot), "closing a stream's lease")
 
-    def _prompt_of(self, request: inference_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_of(self, request: inference_pb2.GenerateRequest) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_token_ids):
             raise InvalidArgument("prompt", "set exactly one of prompt or prompt_token_ids")
         if request.prompt:
-            token_ids = self.model_text.encode(request.prompt)
+            token_ids = await self.text.encode("prompt", request.prompt)
             check_prompt_len("prompt", len(token_ids), self.model_text.limits.max_model_len)
             return token_ids
         token_ids = list(request.prompt_token_ids)
@@ -148,7 +153,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if request.session_id:
                 check_id("session_id", request.session_id)
             spec = self._spec(
-                self._prompt_of(request),
+                await self._prompt_of(request),
                 request.params,
                 request.priority,
                 request.session_id,
@@ -181,7 +186,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant = tenant_of(context)
         limits = await self.quotas.limits(tenant)
         slot = await self._admit(tenant, limits, take_request=False, open_stream=True)
-        conversation = ChatConversation(tenant)
+        conversation = ChatConversation(tenant, self.max_queued_turns)
         reader = asyncio.create_task(conversation.read(request_iterator, self.deps))
         try:
             while (turn := await conversation.next_turn()) is not None:
@@ -204,9 +209,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         session.messages.extend(messages)
         return session
 
-    def _chat_prompt(self, messages: list[Message]) -> list[int]:
+    async def _chat_prompt(self, messages: list[Message]) -> list[int]:
         try:
-            token_ids = self.model_text.encode_chat(messages)
+            token_ids = await self.text.encode_chat("turn.content", messages)
         except ChatTemplateError as error:
             raise InvalidArgument("turn.content", str(error)) from error
         check_prompt_len("turn.content", len(token_ids), self.model_text.limits.max_model_len)
@@ -223,7 +228,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         user = Message("user", turn.content)
         limits = await self.quotas.limits(conversation.tenant)
         await self._admit(conversation.tenant, limits, take_request=True, open_stream=False)
-        prompt = self._chat_prompt([*history, user])
+        prompt = await self._chat_prompt([*history, user])
         spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
         if conversation.session is None:
             conversation.session = await self._new_session(conversation.tenant, system)
@@ -232,7 +237,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         generation = Generation(spec, self.deps, conversation.tenant, session.executor_id)
         reply: list[str] = []
         turn_index = session.num_turns
-        conversation.running_request_id = spec.request_id
+        conversation.running_request_id = generation.request_id
         async for chunk in generation.stream():
             reply.append(chunk.text)
             if chunk.finish_reason is not None and chunk.finish_reason != FinishReason.ERROR:
@@ -253,13 +258,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if request.messages:
             messages = messages_from_pb("messages", list(request.messages))
             try:
-                text = self.model_text.render_chat(messages)
-                token_ids = self.model_text.encode_chat(messages)
+                text = await self.text.render_chat("messages", messages)
+                token_ids = await self.text.encode_chat("messages", messages)
             except ChatTemplateError as error:
                 raise InvalidArgument("messages", str(error)) from error
         else:
             text = request.text
-            token_ids = self.model_text.encode(text, request.add_special_tokens)
+            token_ids = await self.text.encode("text", text, request.add_special_tokens)
         return inference_pb2.TokenizeResponse(
             token_ids=token_ids,
             tokens=self.model_text.token_strings(token_ids),
@@ -297,10 +302,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 class ChatConversation:
     """The state of one Chat stream: its session, the turns to run, the running turn."""
 
-    def __init__(self, tenant: str) -> None:
+    def __init__(self, tenant: str, max_queued_turns: int = 4) -> None:
         self.tenant = tenant
         self.session: Session | None = None
         self.running_request_id: str | None = None
+        self.max_queued_turns = max_queued_turns
+        self.too_many_turns = False  # more than max_queued_turns waited: the call ends
+        self.error: ServiceError | None = None  # a bad message: the call ends with it
         self._turns: asyncio.Queue[inference_pb2.ChatTurn | None] = asyncio.Queue()
 
     async def read(
@@ -310,12 +318,30 @@ class ChatConversation:
         try:
             async for request in request_iterator:
                 if request.HasField("turn"):
+                    if self._turns.qsize() >= self.max_queued_turns:
+                        self.too_many_turns = True  # read no more: the client waits on us
+                        return
                     self._turns.put_nowait(request.turn)
                 elif request.HasField("cancel") and self.running_request_id is not None:
                     deps.router.post(self.running_request_id, ClientCancelled())
+        except ServiceError as error:  # a message that does not parse
+            self.error = error
         finally:
             self._turns.put_nowait(None)
 
     async def next_turn(self) -> inference_pb2.ChatTurn | None:
-        """The next turn, or None when the client has closed its side."""
-        return await self._turns.get()
+        """The next turn, or None when the client has closed its side.
+
+        Raises:
+            Refused: the client sent more than max_queued_turns turns ahead.
+        """
+        turn = await self._turns.get()
+        if self.error is not None:
+            raise self.error
+        if self.too_many_turns:
+            raise Refused(
+                "max_queued_turns",
+                f"turn: more than {self.max_queued_turns} turns were sent while one ran "
+                "(--max-queued-turns); send the next turn once a reply has ended",
+            )
+        return turn

@@ -37,6 +37,7 @@ class TokenUpdate:
     finish_reason: FinishReason | None  # set when finished
     num_cached_tokens: int
     error_message: str = ""
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class ExecutorLost:
     """The executor running the request went away before finishing it."""
 
     executor_id: str
+    attempt: int  # the attempt to run next: output of earlier ones is refused from now on
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,7 @@ class ExecutorConnection:
 
     executor_id: str
     outbox: asyncio.Queue[internal_pb2.ConnectResponse] = field(default_factory=asyncio.Queue)
+    heartbeat_gone_since: float | None = None  # monotonic time its heartbeat was first missed
 
     def send_abort(self, request_ids: list[str], reason: internal_pb2.AbortReason) -> None:
         abort = internal_pb2.Abort(request_ids=request_ids, reason=reason)
@@ -70,8 +73,29 @@ class ExecutorConnection:
 class TrackedRequest:
     """A request this gateway streams: its event inbox and the stream that owns it."""
 
+    client_key: tuple[str, str]  # (tenant, the client's request_id)
     inbox: asyncio.Queue[RequestEvent] = field(default_factory=asyncio.Queue)
     owner: ExecutorConnection | None = None
+    attempt: int = 0  # the attempt whose output it takes (or a later one: a hand-back)
+    resume_offset: int = 0  # tokens streamed when its executor was lost: a run resumes there
+
+    def takes(self, connection: ExecutorConnection, entry: internal_pb2.RequestTokens) -> bool:
+        """Whether `entry` from `connection` is this request's output.
+
+        It is when it comes from the executor that runs the request, or, while none does,
+        when it starts a run (its accepted entry) of the current attempt or a later one (an
+        inbox hand-back) from the tokens already streamed, or when it refuses the request.
+        Not taken, and aborted: output of an attempt taken from a lost executor, a run that
+        starts over instead of resuming, and a second run of one attempt (a request queued
+        twice across a failover, or assigned twice by a scheduler that lost its lock).
+        """
+        if entry.attempt < self.attempt:
+            return False
+        if self.owner is not None:
+            return self.owner is connection
+        if entry.accepted:
+            return entry.offset >= self.resume_offset
+        return entry.finished and not entry.token_ids
 
 
 def update_from_pb(executor_id: str, entry: internal_pb2.RequestTokens) -> TokenUpdate:
@@ -86,7 +110,14 @@ def update_from_pb(executor_id: str, entry: internal_pb2.RequestTokens) -> Token
         finish_reason=finish_reason_from_pb(entry.finish_reason) if entry.finished else None,
         num_cached_tokens=entry.num_cached_tokens,
         error_message=entry.error_message,
+        attempt=entry.attempt,
     )
+
+
+# An executor whose heartbeat stays gone this long while Redis answers is lost (crashed,
+# wedged, or cut off): its requests are re-queued (a heartbeat lives 2 s; the grace covers a
+# Redis restart, after which heartbeats come back within their 0.5 s interval).
+HEARTBEAT_GONE_GRACE_S = 1.0
 
 
 class TokenRouter:
@@ -94,23 +125,30 @@ class TokenRouter:
 
     def __init__(self) -> None:
         self._requests: dict[str, TrackedRequest] = {}
+        self._client_ids: set[tuple[str, str]] = set()
         self._connections: set[ExecutorConnection] = set()
 
-    def track(self, request_id: str) -> asyncio.Queue[RequestEvent]:
-        """Start receiving events for `request_id`.
+    def track(self, request_id: str, client_key: tuple[str, str]) -> asyncio.Queue[RequestEvent]:
+        """Start receiving events for `request_id` (the internal id).
+
+        Args:
+            client_key: (tenant, the client's request_id): one call at a time per key.
 
         Raises:
-            FailedPrecondition: the request id is already streaming here.
+            FailedPrecondition: the client's request id is already streaming here.
         """
-        if request_id in self._requests:
-            raise FailedPrecondition(f"request_id: {request_id!r} is already running")
-        tracked = TrackedRequest()
+        if client_key in self._client_ids:
+            raise FailedPrecondition(f"request_id: {client_key[1]!r} is already running")
+        tracked = TrackedRequest(client_key)
         self._requests[request_id] = tracked
+        self._client_ids.add(client_key)
         return tracked.inbox
 
     def untrack(self, request_id: str) -> None:
         """Stop receiving events; later output for the id is answered with an abort."""
-        self._requests.pop(request_id, None)
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self._client_ids.discard(tracked.client_key)
 
     def post(self, request_id: str, event: RequestEvent) -> None:
         """Put an event in a tracked request's inbox (ignored for unknown ids)."""
@@ -135,24 +173,65 @@ class TokenRouter:
     def disconnect(self, connection: ExecutorConnection) -> None:
         """The stream ended: its unfinished requests get ExecutorLost."""
         self._connections.discard(connection)
-        lost = [t for t in self._requests.values() if t.owner is connection]
-        for tracked in lost:
-            tracked.owner = None
-            tracked.inbox.put_nowait(ExecutorLost(connection.executor_id))
+        lost = self._take_requests_of(connection)
         log.info(
             "executor %s token stream closed; %d requests lost", connection.executor_id, len(lost)
         )
+
+    def _take_requests_of(self, connection: ExecutorConnection) -> list[str]:
+        """Every request `connection` owns gets ExecutorLost, and no more of its output.
+
+        Returns: their ids.
+        """
+        lost = [rid for rid, t in self._requests.items() if t.owner is connection]
+        for request_id in lost:
+            tracked = self._requests[request_id]
+            tracked.owner = None
+            tracked.attempt += 1
+            tracked.inbox.put_nowait(ExecutorLost(connection.executor_id, tracked.attempt))
+        return lost
+
+    def resume_from(self, request_id: str, offset: int) -> None:
+        """The request's next run must resume after `offset` tokens (those streamed)."""
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            tracked.resume_offset = offset
+
+    def observe_heartbeats(self, live_executor_ids: set[str], now: float) -> None:
+        """Takes the requests away from an executor whose heartbeat has been gone for
+        HEARTBEAT_GONE_GRACE_S (its process hung, its step loop is stuck, or its host is cut
+        off, while its token stream stays open); they are re-queued, and it is told to abort
+        them. Called with what Redis says now, only when Redis answers."""
+        for connection in list(self._connections):
+            if connection.executor_id in live_executor_ids:
+                connection.heartbeat_gone_since = None
+                continue
+            if connection.heartbeat_gone_since is None:
+                connection.heartbeat_gone_since = now
+                continue
+            if now - connection.heartbeat_gone_since < HEARTBEAT_GONE_GRACE_S:
+                continue
+            lost = self._take_requests_of(connection)
+            if lost:
+                connection.send_abort(lost, internal_pb2.ABORT_REASON_UNKNOWN_REQUEST)
+                log.warning(
+                    "executor %s: no heartbeat for %.1f s; its %d requests are re-queued",
+                    connection.executor_id,
+                    now - connection.heartbeat_gone_since,
+                    len(lost),
+                )
 
     def deliver(self, connection: ExecutorConnection, batch: internal_pb2.TokenBatch) -> None:
         """Hand a TokenBatch's entries to their requests; abort entries nobody waits for."""
         unknown: list[str] = []
         for entry in batch.requests:
             tracked = self._requests.get(entry.request_id)
-            if tracked is None:
+            if tracked is None or not tracked.takes(connection, entry):
                 if not entry.finished:
                     unknown.append(entry.request_id)
                 continue
             tracked.owner = None if entry.finished else connection
+            tracked.attempt = entry.attempt
             tracked.inbox.put_nowait(update_from_pb(connection.executor_id, entry))
         if unknown:
             connection.send_abort(unknown, internal_pb2.ABORT_REASON_UNKNOWN_REQUEST)

@@ -23,10 +23,11 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
 
 @dataclass(slots=True)
 class StopLimits:
-    """How many stop strings a request may have, and how long."""
+    """How many stop strings a request may have and how long, and how many stop token ids."""
 
     max_count: int
     max_len: int
+    max_token_ids: int = 64
 
 
 @dataclass(slots=True)
@@ -89,8 +90,16 @@ def _max_tokens(params: inference_pb2.SamplingParams, room: int, default: int) -
     return params.max_tokens
 
 
-def check_stop(stop: list[str], limits: StopLimits) -> list[str]:
-    """Stop strings: at most limits.max_count, each 1 to limits.max_len characters."""
+def check_stop(stop: list[str], stop_token_ids: list[int], limits: StopLimits) -> list[str]:
+    """Stop strings: at most limits.max_count, each 1 to limits.max_len characters; at most
+    limits.max_token_ids stop token ids (their values are checked with the sampling ones).
+
+    Returns: the stop strings.
+    """
+    if len(stop_token_ids) > limits.max_token_ids:
+        raise InvalidArgument(
+            "params.stop_token_ids", f"at most {limits.max_token_ids}, got {len(stop_token_ids)}"
+        )
     if len(stop) > limits.max_count:
         raise InvalidArgument("params.stop", f"at most {limits.max_count} strings, got {len(stop)}")
     for index, text in enumerate(stop):

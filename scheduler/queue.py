@@ -154,6 +154,10 @@ class WindowBatcher:
     def requests(self) -> list[PendingRequest]:
         return list(self._waiting.values())
 
+    def entry_ids(self) -> set[str]:
+        """The stream entry ids of the waiting requests."""
+        return {r.entry_id for r in self._waiting.values()}
+
     def release_reason(self, now_s: float) -> str | None:
         """Returns: why a batch is due (one of RELEASE_REASONS), None when it is not."""
         if not self._waiting:

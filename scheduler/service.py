@@ -10,7 +10,7 @@ import redis
 
 from common.keys import RedisKeys
 from common.logs import request_fields
-from common.redis_conn import REDIS_DOWN_ERRORS, Backoff
+from common.redis_conn import Backoff, OutageLog
 from scheduler.clock import RedisClock
 from scheduler.config import SchedulerConfig
 from scheduler.intake import RequestIntake
@@ -19,7 +19,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.placement import Placer
 from scheduler.queue import PendingRequest, WindowBatcher, WindowLimits, make_policy
 from scheduler.registry import ExecutorRegistry
-from scheduler.streams import DEFAULT_BLOCK_SIZE, ExecutorDirectory, RequestStream
+from scheduler.streams import DEFAULT_BLOCK_SIZE, ExecutorDirectory, NotLeader, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Scheduler:
         self._config = config
         self._metrics = metrics or SchedulerMetrics()
         self._stream = RequestStream(client, keys, config.scheduler_id)
-        self._directory = ExecutorDirectory(client, keys)
+        self._directory = ExecutorDirectory(client, keys, config.scheduler_id)
         self._clock = RedisClock(client)
         self._lock = LeaderLock(
             client, keys.scheduler_leader, config.scheduler_id, config.lock_ttl_ms
@@ -55,31 +55,38 @@ class Scheduler:
         self._intake = RequestIntake(self._stream, self._clock, self._batcher)
         self._next_poll_s = 0.0
         self._next_renew_s = 0.0
+        self._next_reclaim_s = 0.0
         self._stalled = False  # nothing could be placed: wait for the next heartbeats
+        self._outage = OutageLog(log, "scheduler")
 
     def stop(self) -> None:
         """Asks `run` to return; safe from a signal handler."""
         self._stop.set()
 
     def run(self) -> None:
-        """Waits for the leader lock, then schedules until stopped; a lost lock: wait again."""
-        backoff = Backoff()
-        delays = backoff.delays()
+        """Waits for the leader lock, then schedules until stopped; a lost lock: wait again.
+
+        Any Redis error (down, READONLY during a failover, LOADING, BUSY, ...) ends the turn:
+        the window is forgotten (its entries stay pending in the stream, and are reclaimed),
+        and the scheduler tries again after a backoff delay, logging once per outage.
+        """
+        delays = Backoff().delays()
         while not self._stop.is_set():
             try:
                 self._serve_once()
-                delays = backoff.delays()
-            except REDIS_DOWN_ERRORS as error:
-                delay_s = next(delays)
-                log.warning("redis unreachable (%s); retrying in %.2fs", error, delay_s)
+            except redis.RedisError as error:
+                if not self._outage.down:  # a new outage: back off from the shortest delay
+                    delays = Backoff().delays()
+                self._outage.failed(error)
                 self._batcher.clear()
-                self._stop.wait(delay_s)
+                self._stop.wait(next(delays))
         self._release_lock()
 
     def _serve_once(self) -> None:
         poll_s = self._config.lock_ttl_ms / 4000.0
         if not self._lock.wait(poll_s, self._stop.is_set):
             return
+        self._outage.succeeded()
         log.info(
             "scheduler %s is the leader (batch_window_ms=%g, policy %s)",
             self._config.scheduler_id,
@@ -93,9 +100,12 @@ class Scheduler:
         if reclaimed:
             log.info("reclaimed %d queued requests of an earlier scheduler", len(reclaimed))
         self._intake.admit(reclaimed, time.monotonic(), self._block_size())
+        self._next_reclaim_s = time.monotonic() + self._config.lock_ttl_ms / 1000.0
         try:
             while not self._stop.is_set() and self._keep_lock():
                 self.tick()
+        except NotLeader:
+            log.warning("another scheduler took the leader lock: waiting as a standby")
         finally:
             self._metrics.is_leader.set(0)
             self._metrics.queue_length.set(0)
@@ -104,8 +114,8 @@ class Scheduler:
     def _release_lock(self) -> None:
         try:
             self._lock.release()
-        except REDIS_DOWN_ERRORS:
-            log.warning("could not release the leader lock: redis unreachable")
+        except redis.RedisError as error:
+            log.warning("could not release the leader lock: %s", error)
 
     def _keep_lock(self) -> bool:
         now = time.monotonic()
@@ -122,6 +132,8 @@ class Scheduler:
         now = time.monotonic()
         if now >= self._next_poll_s:
             self._poll_executors(now)
+        if now >= self._next_reclaim_s:
+            self._reclaim_idle(now)
         self._drop_expired(now)
         entries = self._intake.read(self._next_poll_s, self._stalled)
         self._intake.admit(entries, time.monotonic(), self._block_size())
@@ -144,6 +156,17 @@ class Scheduler:
         self._metrics.executors_alive.set(len(self._registry.live_ids()))
         self._stalled = False
         self._drop_cancelled([r.request_id for r in self._batcher.requests()])
+
+    def _reclaim_idle(self, now: float) -> None:
+        """Takes over the entries a former leader read after losing the lock: it cannot
+        assign them (fenced), and they would stay pending under its name."""
+        lock_ttl_ms = self._config.lock_ttl_ms
+        self._next_reclaim_s = now + lock_ttl_ms / 1000.0
+        reclaimed = self._stream.reclaim(min_idle_ms=lock_ttl_ms)
+        fresh = [e for e in reclaimed if e.entry_id not in self._batcher.entry_ids()]
+        if fresh:
+            log.info("reclaimed %d requests another scheduler had read", len(fresh))
+            self._intake.admit(fresh, time.monotonic(), self._block_size())
 
     def _block_size(self) -> int:
         views = list(self._placer.executors.values())

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, SCHEDULER_GROUP, RedisKeys, stream_id
 from common.prefix import block_hashes
+from common.requeue import next_attempt
 from protos.kvgate.v1 import internal_pb2
 from scheduler.queue import PendingRequest
 from scheduler.registry import ExecutorReport
@@ -26,21 +27,66 @@ DEFAULT_BLOCK_SIZE = 16
 # enqueue script writes both from one clock, so a value beyond this is malformed and ignored.
 MAX_QUEUED_AT_SKEW_US = 1_000_000
 
-# KEYS: the request's cancel marker, the request stream, the executor's inbox.
-# ARGV: consumer group, entry id, payload field, inbox message.
+# Every write of the scheduler to the request stream and the inboxes is one script that first
+# checks that the writer holds the leader lock (a fencing check): a leader that was paused
+# past its lock's life (SIGSTOP, a long GC, a partition) and wakes up cannot assign, drop or
+# re-queue what its successor now owns; the script returns NOT_LEADER and writes nothing.
+NOT_LEADER = -1
+FENCE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+"""
+# KEYS: the leader lock, the request's cancel marker, the request stream, the executor's inbox.
+# ARGV: scheduler id, consumer group, entry id, payload field, inbox message.
 # Writes the assignment unless the request was cancelled, then acknowledges and deletes the
 # entry, atomically. Returns 1 when assigned, 0 when it was cancelled (and only dropped). The
 # marker stays until it expires: another entry of the same request (a re-queue) may follow.
-ASSIGN_SCRIPT = """
-local cancelled = redis.call('EXISTS', KEYS[1]) == 1
+ASSIGN_SCRIPT = (
+    FENCE
+    + """
+local cancelled = redis.call('EXISTS', KEYS[2]) == 1
 if not cancelled then
-  redis.call('XADD', KEYS[3], '*', ARGV[3], ARGV[4])
+  redis.call('XADD', KEYS[4], '*', ARGV[4], ARGV[5])
 end
-redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[2], ARGV[2])
+redis.call('XACK', KEYS[3], ARGV[2], ARGV[3])
+redis.call('XDEL', KEYS[3], ARGV[3])
 if cancelled then return 0 end
 return 1
 """
+)
+# KEYS: the leader lock, the request stream. ARGV: scheduler id, consumer group, entry ids...
+DROP_SCRIPT = (
+    FENCE
+    + """
+for i = 3, #ARGV do
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[i])
+  redis.call('XDEL', KEYS[2], ARGV[i])
+end
+return 1
+"""
+)
+# KEYS: the leader lock, the request stream, the executor's inbox, the executors set.
+# ARGV: scheduler id, executor id, payload field, then each re-queued request's payload.
+REQUEUE_SCRIPT = (
+    FENCE
+    + """
+for i = 4, #ARGV do
+  redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[i])
+end
+redis.call('DEL', KEYS[3])
+redis.call('SREM', KEYS[4], ARGV[2])
+return 1
+"""
+)
+
+
+class NotLeader(Exception):
+    """A fenced write found another scheduler holding the leader lock."""
+
+
+def _fenced(result: int) -> int:
+    if result == NOT_LEADER:
+        raise NotLeader("another scheduler holds the leader lock")
+    return result
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,10 +104,16 @@ class RequestStream:
     """The requests stream, read through the schedulers' consumer group."""
 
     def __init__(self, client: redis.Redis, keys: RedisKeys, consumer: str) -> None:
+        """
+        Args:
+            consumer: the scheduler's id: its consumer name, and the leader lock's value
+                while it leads (every write checks it).
+        """
         self._client = client
         self._keys = keys
         self._consumer = consumer
         self._assign = client.register_script(ASSIGN_SCRIPT)
+        self._drop = client.register_script(DROP_SCRIPT)
 
     def ensure_group(self) -> None:
         """Creates the consumer group (and the stream) unless it exists."""
@@ -71,8 +123,10 @@ class RequestStream:
             if "BUSYGROUP" not in str(error):
                 raise
 
-    def reclaim(self) -> list[StreamEntry]:
-        """Takes over every pending entry of earlier schedulers (XAUTOCLAIM).
+    def reclaim(self, min_idle_ms: int = 0) -> list[StreamEntry]:
+        """Takes over the pending entries of other schedulers (XAUTOCLAIM): at a takeover all
+        of them; later, those idle for `min_idle_ms` (read by a former leader after it lost
+        the lock, which it can no longer assign).
 
         Returns: each reclaimed entry, this consumer's own included.
         """
@@ -80,7 +134,12 @@ class RequestStream:
         start = "0-0"
         while True:
             reply = self._client.xautoclaim(
-                self._keys.requests, SCHEDULER_GROUP, self._consumer, 0, start_id=start, count=500
+                self._keys.requests,
+                SCHEDULER_GROUP,
+                self._consumer,
+                min_idle_ms,
+                start_id=start,
+                count=500,
             )
             start, claimed = reply[0], reply[1]
             entries.extend(_entries(claimed))
@@ -98,12 +157,14 @@ class RequestStream:
         return [entry for _, entries in reply or [] for entry in _entries(entries)]
 
     def drop(self, entry_ids: list[str]) -> None:
-        """Acknowledges and deletes entries that will not be assigned."""
+        """Acknowledges and deletes entries that will not be assigned.
+
+        Raises:
+            NotLeader: another scheduler leads now (nothing was dropped).
+        """
         if entry_ids:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.xack(self._keys.requests, SCHEDULER_GROUP, *entry_ids)
-            pipe.xdel(self._keys.requests, *entry_ids)
-            pipe.execute()
+            keys = [self._keys.scheduler_leader, self._keys.requests]
+            _fenced(self._drop(keys=keys, args=[self._consumer, SCHEDULER_GROUP, *entry_ids]))
 
     def assign(self, request: PendingRequest, executor_id: str, scheduler_id: str) -> bool:
         """Writes the assignment to the executor's inbox, then acknowledges the request.
@@ -112,6 +173,9 @@ class RequestStream:
         written, or, when its gateway marked it cancelled meanwhile, without one.
 
         Returns: True when assigned, False when it was cancelled and has been dropped.
+
+        Raises:
+            NotLeader: another scheduler leads now (nothing was written).
         """
         message = internal_pb2.InboxMessage()
         message.assignment.request.ParseFromString(request.payload)
@@ -119,12 +183,19 @@ class RequestStream:
         message.assignment.assigned_unix_ms = int(time.time() * 1000)
         message.assignment.scheduler_id = scheduler_id
         keys = [
+            self._keys.scheduler_leader,
             self._keys.cancelled(request.request_id),
             self._keys.requests,
             self._keys.executor_inbox(executor_id),
         ]
-        args = [SCHEDULER_GROUP, request.entry_id, PAYLOAD_FIELD, message.SerializeToString()]
-        return self._assign(keys=keys, args=args) == 1
+        args = [
+            scheduler_id,
+            SCHEDULER_GROUP,
+            request.entry_id,
+            PAYLOAD_FIELD,
+            message.SerializeToString(),
+        ]
+        return _fenced(self._assign(keys=keys, args=args)) == 1
 
     def cancelled(self, request_ids: list[str]) -> set[str]:
         """Returns: the ids among `request_ids` whose gateway marked them cancelled."""
@@ -139,9 +210,11 @@ class RequestStream:
 class ExecutorDirectory:
     """Executor heartbeats and inboxes in Redis."""
 
-    def __init__(self, client: redis.Redis, keys: RedisKeys) -> None:
+    def __init__(self, client: redis.Redis, keys: RedisKeys, scheduler_id: str) -> None:
         self._client = client
         self._keys = keys
+        self._scheduler_id = scheduler_id
+        self._requeue = client.register_script(REQUEUE_SCRIPT)
 
     def read(self) -> tuple[list[ExecutorReport], list[str]]:
         """Returns: reports of live executors, and registered ids whose heartbeat expired."""
@@ -154,25 +227,25 @@ class ExecutorDirectory:
         return reports, dead
 
     def requeue_inbox(self, executor_id: str) -> int:
-        """Moves the assignments left in a dead executor's inbox back to the request stream.
+        """Moves the assignments left in a dead executor's inbox back to the request stream
+        (next attempt), deletes the inbox and forgets the executor, in one fenced script.
 
         Returns: how many requests were re-queued.
+
+        Raises:
+            NotLeader: another scheduler leads now (nothing was written).
         """
         inbox = self._keys.executor_inbox(executor_id)
-        pipe = self._client.pipeline(transaction=True)
-        count = 0
+        payloads = []
         for entry in _entries(self._client.xrange(inbox)):
             message = _inbox_message(entry.payload)
-            if message is None or not message.HasField("assignment"):
-                continue
-            queued = message.assignment.request
-            queued.attempt += 1
-            pipe.xadd(self._keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
-            count += 1
-        pipe.delete(inbox)
-        pipe.srem(self._keys.executors, executor_id)
-        pipe.execute()
-        return count
+            if message is not None and message.HasField("assignment"):
+                requeued = next_attempt(message.assignment.request)
+                payloads.append(requeued.SerializeToString())
+        keys = [self._keys.scheduler_leader, self._keys.requests, inbox, self._keys.executors]
+        args = [self._scheduler_id, executor_id, PAYLOAD_FIELD, *payloads]
+        _fenced(self._requeue(keys=keys, args=args))
+        return len(payloads)
 
 
 def to_pending(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -95,14 +96,22 @@ def stack_factory(tmp_path_factory) -> Iterator[Callable[..., Stack]]:
 def generate(
     address: str, prompt: str, timeout_s: float = 120.0, session_id: str = "", **params
 ) -> Completion:
-    """The whole greedy completion of `prompt` (keyword arguments as client.sampling_params)."""
+    """The whole greedy completion of `prompt` (keyword arguments as client.sampling_params);
+    a failure is the gateway's own answer (the client does not retry it)."""
     params.setdefault("temperature", 0.0)
     completion = Completion()
-    with KvgateClient(address, timeout_s=timeout_s) as client:
+    with KvgateClient(address, timeout_s=timeout_s, retry=False) as client:
         stream = client.generate_stream(prompt, sampling_params(**params), session_id=session_id)
         for chunk in stream:
             completion.add(chunk)
     return completion
+
+
+def scrape(stack: Stack, name: str) -> str:
+    """The /metrics text of one process of the stack."""
+    url = f"http://127.0.0.1:{stack.metrics_ports[name]}/metrics"
+    with urllib.request.urlopen(url, timeout=10.0) as reply:
+        return reply.read().decode()
 
 
 def session_executor(stack: Stack, session_id: str, tenant: str = DEFAULT_TENANT) -> str:

@@ -60,6 +60,14 @@ class GatewayThread:
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WAIT_S)
 
+    def calls(self, method: str, code: str) -> float:
+        """How many `method` calls ended with status `code`, by the gateway's metrics."""
+        value = self.metrics.registry.get_sample_value(
+            "kvgate_gateway_requests_total",
+            {"service": "kvgate.v1.Inference", "method": method, "code": code},
+        )
+        return value or 0.0
+
     def stop(self) -> None:
         self.channel.close()
         self._run(self.gateway.stop())
@@ -77,6 +85,7 @@ class ExecutorPeer:
         self.executor_id = executor_id
         self.events: queue.Queue[GatewayEvent] = queue.Queue()
         self.link: GatewayLink | None = None
+        self._started: set[tuple[str, int]] = set()  # (request id, attempt) sent to so far
 
     @classmethod
     def attached(cls, client: redis.Redis, gateway: GatewayThread) -> ExecutorPeer:
@@ -107,6 +116,12 @@ class ExecutorPeer:
         return self.link
 
     def send(self, request_id: str, offset: int, token_ids: list[int], **fields) -> None:
+        """Sends one RequestTokens entry; the first of each attempt is marked accepted, as a
+        real executor's is."""
+        run = (request_id, fields.get("attempt", 0))
+        if run not in self._started:
+            self._started.add(run)
+            fields.setdefault("accepted", True)
         entry = internal_pb2.RequestTokens(
             request_id=request_id, offset=offset, token_ids=token_ids, **fields
         )

@@ -5,6 +5,8 @@ statuses, and a request's tokens streamed back."""
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -12,6 +14,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.api import KvgateClient
 from common.keys import RedisKeys
 from common.model_text import ModelText
 from common.redis_conn import connect
@@ -73,6 +76,7 @@ def test_redis_down_is_unavailable_before_the_clients_deadline(tmp_path: Path):
         ({"params": pb.SamplingParams(frequency_penalty=-3.0)}, "params.frequency_penalty"),
         ({"params": pb.SamplingParams(max_tokens=4, min_tokens=5)}, "params.min_tokens"),
         ({"params": pb.SamplingParams(stop_token_ids=[512])}, "params.stop_token_ids"),
+        ({"params": pb.SamplingParams(stop_token_ids=[7] * 65)}, "params.stop_token_ids"),
         ({"params": pb.SamplingParams(stop=["ok", ""])}, "params.stop[1]"),
         ({"params": pb.SamplingParams(stop=["s"] * 17)}, "params.stop"),
         ({"params": pb.SamplingParams(logprobs=21)}, "params.logprobs"),
@@ -134,10 +138,7 @@ def test_a_queued_request_is_unavailable_once_no_executor_is_alive(
         code, details = status_of(call)
         assert code == grpc.StatusCode.UNAVAILABLE, f"{code}: {details}"
         assert "no executor is alive" in details, details
-        wait_for(
-            lambda: redis_client.exists("kvgate:cancel:orphan-1"),
-            "the cancel marker for the scheduler",
-        )
+        wait_for(lambda: cancel_markers(redis_client, "orphan-1"), "the cancel marker")
     finally:
         gateway.stop()
 
@@ -150,33 +151,102 @@ def test_a_request_queued_past_queue_timeout_is_deadline_exceeded(
     try:
         code, details = status_of(generate(gateway, request_id="slow-1"))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED, f"{code}: {details}"
-        wait_for(
-            lambda: redis_client.exists("kvgate:cancel:slow-1"),
-            "the cancel marker for the scheduler",
-        )
+        wait_for(lambda: cancel_markers(redis_client, "slow-1"), "the cancel marker")
     finally:
         gateway.stop()
 
 
-def test_reusing_a_just_cancelled_request_id_is_failed_precondition(
-    redis_url: str, redis_client: redis.Redis
+def test_a_retry_under_a_just_cancelled_request_id_runs(
+    redis_url: str, redis_client: redis.Redis, model_text: ModelText
 ):
-    """The scheduler drops queued entries whose id has a cancel marker (until it expires, as
-    a re-queued copy may follow); a new request under that id is refused at once, not
-    silently dropped and left to time out."""
+    """Ids are scoped to the tenant and the call: the first call's cancel marker (kept while a
+    re-queued copy of it may follow) is not the retry's, so the retry is queued and runs."""
     gateway = make_gateway(redis_url, queue_timeout_s=0.3)
-    ExecutorPeer(redis_client, RedisKeys()).register()
+    peer = ExecutorPeer(redis_client, RedisKeys())
+    peer.register()
     try:
         code, _ = status_of(generate(gateway, request_id="reused-1"))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: redis_client.exists("kvgate:cancel:reused-1"), "the marker")
-        code, details = status_of(generate(gateway, request_id="reused-1"))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION, f"{code}: {details}"
-        assert "request_id 'reused-1'" in details, details
-        info = gateway.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S)
-        assert info.model_id == "stories260K", "the service must still answer"
+        wait_for(lambda: cancel_markers(redis_client, "reused-1"), "the marker")
+        peer.take_request()  # the first call's entry, left by the scheduler nobody runs
+        retry = gateway.stub.Generate(pb.GenerateRequest(prompt=PROMPT, request_id="reused-1"))
+        assert_streams_a_story(peer, retry, model_text, "the retry under the same id")
+    finally:
+        peer.link and peer.link.close()
+        gateway.stop()
+
+
+def test_a_request_refused_before_queueing_leaves_no_marker_and_its_retry_runs(
+    redis_url: str, redis_client: redis.Redis, model_text: ModelText
+):
+    """UNAVAILABLE (no executor) at enqueue, then a retry under the same request_id once an
+    executor is there: the retry runs (it used to get FAILED_PRECONDITION for
+    queue_timeout_s, the life of a marker the refused call left)."""
+    gateway = make_gateway(redis_url, queue_timeout_s=30.0)
+    try:
+        code, details = status_of(generate(gateway, request_id="retried-1"))
+        assert code == grpc.StatusCode.UNAVAILABLE, f"{code}: {details}"
+        time.sleep(0.2)  # the marker was written in the background, when there was one
+        assert not cancel_markers(redis_client, "retried-1"), "a refused call left a marker"
+        peer = ExecutorPeer(redis_client, RedisKeys())
+        peer.register()
+        retry = generate(gateway, request_id="retried-1")
+        assert_streams_a_story(peer, retry, model_text, "the retry")
     finally:
         gateway.stop()
+
+
+def test_the_client_retries_unavailable_and_the_retry_runs(
+    redis_url: str, redis_client: redis.Redis, model_text: ModelText
+):
+    """KvgateClient retries UNAVAILABLE: refused while no executor is alive, the call is sent
+    again (same request_id) once one is, and streams its completion."""
+    gateway = make_gateway(redis_url, queue_timeout_s=30.0)
+    peer = ExecutorPeer(redis_client, RedisKeys())
+    try:
+        with ThreadPoolExecutor(1) as pool, KvgateClient(gateway.gateway.address, 30.0) as client:
+            stream = client.generate_stream(PROMPT, request_id="retried-by-the-client")
+            call = pool.submit(lambda: collect(stream))
+            wait_for(lambda: gateway.calls("Generate", "UNAVAILABLE") >= 1, "a first refusal")
+            peer.register()
+            queued = peer.take_request()
+            peer.connect(queued.reply_to)
+            peer.send(queued.request_id, 0, story_ids(model_text), finished=True,
+                      finish_reason=pb.FINISH_REASON_LENGTH)  # fmt: skip
+            text, chunks = call.result(timeout=30)
+        assert text == STORY and chunks[-1].request_id == "retried-by-the-client", text
+        assert gateway.calls("Generate", "OK") == 1
+    finally:
+        if peer.link is not None:
+            peer.link.close()
+        gateway.stop()
+
+
+def test_without_retries_the_client_sees_each_refusal(gateway: GatewayThread):
+    with KvgateClient(gateway.gateway.address, 10.0, retry=False) as client:
+        with pytest.raises(grpc.RpcError) as raised:
+            client.generate(PROMPT)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+    # The gateway counts a call once its status is sent: the client may read it first.
+    wait_for(lambda: gateway.calls("Generate", "UNAVAILABLE") >= 1, "the refusal counted")
+    assert gateway.calls("Generate", "UNAVAILABLE") == 1, "one call, not retried"
+
+
+def cancel_markers(client: redis.Redis, request_id: str) -> list[bytes]:
+    """The cancel markers of the calls made under the client's `request_id` (tenant default)."""
+    return client.keys(f"kvgate:cancel:default/{request_id}/*")
+
+
+def assert_streams_a_story(peer: ExecutorPeer, call, model_text: ModelText, what: str) -> None:
+    """Plays the executor of the next queued request, and checks `call` streams its text."""
+    queued = peer.take_request()
+    if peer.link is None:
+        peer.connect(queued.reply_to)
+    peer.send(queued.request_id, 0, [], accepted=True)
+    story = story_ids(model_text)
+    peer.send(queued.request_id, 0, story, finished=True, finish_reason=pb.FINISH_REASON_LENGTH)
+    text, _ = collect(call)
+    assert text == STORY, f"{what}: expected {STORY!r}, got {text!r}"
 
 
 def test_tokens_stream_as_text_with_usage_and_timings(
@@ -278,14 +348,17 @@ def test_a_broken_executor_stream_requeues_with_the_streamed_tokens(
     call = generate(gateway, request_id="survivor")
     first = executor.take_request()
     tokens = story_ids(model_text)
-    executor.send("survivor", 0, tokens[:4])
+    executor.send(first.request_id, 0, tokens[:4])
     executor.link.close()
     second = executor.take_request()
-    assert (second.request_id, second.attempt) == ("survivor", 1)
+    assert (second.request_id, second.attempt) == (first.request_id, 1)
     assert list(second.resume_token_ids) == tokens[:4]
     assert second.prompt_token_ids == first.prompt_token_ids
     executor.connect(gateway.gateway.reply_to)
-    executor.send("survivor", 4, tokens[4:], finished=True, finish_reason=pb.FINISH_REASON_STOP)
+    executor.send(
+        second.request_id, 4, tokens[4:], attempt=1, finished=True,
+        finish_reason=pb.FINISH_REASON_STOP,
+    )  # fmt: skip
     text, _ = collect(call)
     assert text == STORY, "the stream must go on without a gap or a repeat"
 
@@ -294,11 +367,11 @@ def test_client_cancel_aborts_the_executors_work(
     gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
 ):
     call = generate(gateway, request_id="cancel-me")
-    executor.take_request()
-    executor.send("cancel-me", 0, story_ids(model_text)[:2])
+    queued = executor.take_request()
+    executor.send(queued.request_id, 0, story_ids(model_text)[:2])
     next(call)
     call.cancel()
-    wait_for(lambda: "cancel-me" in executor.aborted_ids(), "an abort after cancel")
+    wait_for(lambda: queued.request_id in executor.aborted_ids(), "an abort after cancel")
 
 
 def test_waiting_requests_share_one_liveness_read(redis_url: str, monkeypatch):

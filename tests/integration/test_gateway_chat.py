@@ -71,6 +71,26 @@ def test_chat_cancel_ends_the_turn_with_abort_and_keeps_the_stream(
     turns.close()
 
 
+def test_chat_turns_sent_past_max_queued_turns_are_refused_naming_it(
+    gateway: GatewayThread, executor: ExecutorPeer
+):
+    """Six turns sent at once: one runs, at most --max-queued-turns (4) wait behind it, and
+    the call ends RESOURCE_EXHAUSTED naming the flag once the running turn is done."""
+    turn = pb.ChatTurn(content="hi", params=pb.SamplingParams(max_tokens=8))
+    requests = iter([pb.ChatRequest(turn=turn)] * 6)
+    responses = gateway.stub.Chat(requests, timeout=CALL_TIMEOUT_S)
+    first = executor.take_request()
+    executor.send(first.request_id, 0, [2], finished=True, finish_reason=pb.FINISH_REASON_STOP)
+    assert read_turn(responses)[-1].turn_index == 0
+    code, details = status_of(responses)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code}: {details}"
+    assert "--max-queued-turns" in details, details
+    refused = gateway.metrics.registry.get_sample_value(
+        "kvgate_gateway_refused_total", {"limit": "max_queued_turns"}
+    )
+    assert refused == 1.0, f"the refusal must be counted: {refused}"
+
+
 def test_a_bad_first_chat_turn_leaves_no_session_behind(
     gateway: GatewayThread, redis_client: redis.Redis
 ):

@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import threading
-import urllib.request
 import uuid
 
 import grpc
@@ -18,7 +17,7 @@ from client.api import KvgateClient, sampling_params
 from deploy.stack import Stack
 from protos.kvgate.v1 import inference_pb2
 from tests.helpers import wait_for
-from tests.integration.conftest import generate
+from tests.integration.conftest import generate, scrape
 
 PROCESSES = ("gateway", "scheduler", "executor-0")
 NUM_REQUESTS = 3
@@ -60,13 +59,6 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 @pytest.fixture(scope="module")
 def stack(stack_factory) -> Stack:
     return stack_factory(log_format="json")
-
-
-def scrape(stack: Stack, name: str) -> str:
-    """The /metrics text of one process of the stack."""
-    url = f"http://127.0.0.1:{stack.metrics_ports[name]}/metrics"
-    with urllib.request.urlopen(url, timeout=10.0) as reply:
-        return reply.read().decode()
 
 
 def parse(text: str) -> Samples:
@@ -259,8 +251,19 @@ def test_a_request_is_followed_through_every_log_by_its_id(stack: Stack) -> None
         chunks = list(client.stub.Generate(request, timeout=60.0))
     assert chunks[-1].request_id == request_id
 
+    # Between the processes a request's id is the client's scoped to its tenant and its call
+    # (gateway.generation.internal_request_id): one id in every process's lines.
+    scoped = {
+        line["request_id"]
+        for line in log_lines(stack, "gateway")
+        if line.get("request_id", "").startswith(f"default/{request_id}/")
+    }
+    assert len(scoped) == 1, (
+        f"expected one scoped id of {request_id} in the gateway's log: {scoped}"
+    )
+
     def mentions(name: str) -> list[dict]:
-        return [line for line in log_lines(stack, name) if line.get("request_id") == request_id]
+        return [line for line in log_lines(stack, name) if line.get("request_id") in scoped]
 
     for name in PROCESSES:
         wait_for(

@@ -20,7 +20,7 @@ from scheduler.intake import RequestIntake
 from scheduler.leader import LeaderLock
 from scheduler.queue import FcfsPolicy, WindowBatcher, WindowLimits
 from scheduler.service import Scheduler
-from scheduler.streams import RequestStream, to_pending
+from scheduler.streams import ExecutorDirectory, NotLeader, RequestStream, to_pending
 from tests.helpers import wait_for
 
 TTL_MS = 300
@@ -100,6 +100,7 @@ def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_clien
     client, keys = redis_client, RedisKeys("kvgate-test:")
     stream = RequestStream(client, keys, "scheduler-a")
     stream.ensure_group()
+    client.set(keys.scheduler_leader, "scheduler-a")
     queued = internal_pb2.QueuedRequest(request_id="r1", prompt_token_ids=[5, 6, 7])
     client.xadd(keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
     [entry] = stream.read_new(None, 10)
@@ -116,6 +117,33 @@ def test_assignment_checks_the_cancel_marker_in_the_same_atomic_step(redis_clien
         assert message.assignment.executor_id == "exec-1"
     assert client.xlen(keys.requests) == 0, "the request entry should be deleted"
     assert client.xpending(keys.requests, SCHEDULER_GROUP)["pending"] == 0, "not acknowledged"
+
+
+def test_a_scheduler_that_lost_the_leader_lock_writes_nothing(redis_client):
+    """A leader paused past its lock's life wakes up holding requests its successor now owns:
+    its assignment, drop and re-queue are refused (NotLeader) and change nothing."""
+    client, keys = redis_client, RedisKeys("kvgate-test:")
+    stream = RequestStream(client, keys, "old-leader")
+    stream.ensure_group()
+    client.xadd(keys.requests, {PAYLOAD_FIELD: b"x"})
+    queued = internal_pb2.QueuedRequest(request_id="r1", prompt_token_ids=[5, 6, 7])
+    client.xadd(keys.requests, {PAYLOAD_FIELD: queued.SerializeToString()})
+    first, entry = stream.read_new(None, 10)
+    assignment = internal_pb2.InboxMessage()
+    assignment.assignment.request.CopyFrom(queued)
+    client.xadd(keys.executor_inbox("gone"), {PAYLOAD_FIELD: assignment.SerializeToString()})
+    client.set(keys.scheduler_leader, "new-leader")
+    now = time.monotonic()
+    with pytest.raises(NotLeader):
+        stream.assign(to_pending(entry, 16, now, now), "exec-1", "old-leader")
+    with pytest.raises(NotLeader):
+        stream.drop([first.entry_id])
+    with pytest.raises(NotLeader):
+        ExecutorDirectory(client, keys, "old-leader").requeue_inbox("gone")
+    assert client.xlen(keys.requests) == 2, "nothing may leave the request stream"
+    assert client.xlen(keys.executor_inbox("exec-1")) == 0, "nothing may be assigned"
+    assert client.xlen(keys.executor_inbox("gone")) == 1, "the inbox must stay for the leader"
+    assert client.xpending(keys.requests, SCHEDULER_GROUP)["pending"] == 2, "nothing acked"
 
 
 def redis_time_us(client: redis.Redis) -> int:

@@ -60,7 +60,7 @@ def completion(stack: Stack, ca: CertificateAuthority, api_key: str) -> pb.Gener
         request = pb.GenerateRequest(
             prompt_token_ids=PROMPT_IDS, params=sampling_params(max_tokens=2, temperature=0)
         )
-        return list(client.stub.Generate(request, **client._call_options()))[-1]
+        return list(client.stub.Generate(request, **client._call_options(60.0)))[-1]
 
 
 def test_the_stack_serves_through_tls_redis_as_an_acl_user(secure) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from common.sampling_params import SamplingParamError, SamplingParams
 from common.sampling_pb import (
-    resumed_sampling_params,
+    queued_sampling_params,
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
@@ -146,15 +146,11 @@ def test_has_penalties(kwargs: dict, penalized: bool) -> None:
     assert got is penalized, f"expected has_penalties={penalized} for {kwargs}, got {got}"
 
 
-@pytest.mark.parametrize(
-    ("num_resumed", "max_tokens", "min_tokens"), [(0, 10, 6), (4, 6, 2), (8, 2, 0)]
-)
-def test_a_resumed_request_asks_only_for_the_tokens_still_due(
-    num_resumed: int, max_tokens: int, min_tokens: int
-) -> None:
+def test_a_queued_request_keeps_its_whole_outputs_limits() -> None:
+    """The engine counts resumed tokens as output, so max_tokens and min_tokens stay whole."""
     message = pb.SamplingParams(max_tokens=10, min_tokens=6, temperature=0.5)
-    params = resumed_sampling_params(message, num_resumed)
-    assert (params.max_tokens, params.min_tokens) == (max_tokens, min_tokens), params
+    params = queued_sampling_params(message)
+    assert (params.max_tokens, params.min_tokens) == (10, 6), params
     assert params.temperature == 0.5 and params.top_p == 1.0, params
 
 

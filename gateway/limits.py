@@ -1,0 +1,77 @@
+"""The gateway's explicit limits on its public server: concurrent streams, the size of a
+request message, and the gRPC core's queue of calls not yet picked up.
+
+gRPC core holds calls that arrived but that the server has not asked for yet; past
+`grpc.server.max_pending_requests` (default 1000) it drops them at random, and past
+`grpc.server.max_pending_requests_hard_limit` (default 3000) all of them, and a dropped call
+ends CANCELLED without reaching the servicer (no log line, no metric). A burst of streams
+on an asyncio server, which picks calls up one at a time on its event loop, reaches those
+numbers. So they are raised above --max-concurrent-streams: every call reaches the servicer,
+and one past the limit is refused there, at once, with RESOURCE_EXHAUSTED naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from gateway.errors import OnRefused, wrap_handler
+
+# How far gRPC core's queue of calls not yet picked up may grow, in multiples of
+# --max-concurrent-streams: the random drops start at the first, all are dropped at the second.
+PENDING_SOFT_FACTOR = 1
+PENDING_HARD_FACTOR = 2
+
+
+def public_server_options(max_concurrent_streams: int, max_receive_message_bytes: int) -> list:
+    """gRPC channel arguments of the public server for these limits."""
+    return [
+        ("grpc.max_receive_message_length", max_receive_message_bytes),
+        ("grpc.server.max_pending_requests", PENDING_SOFT_FACTOR * max_concurrent_streams),
+        (
+            "grpc.server.max_pending_requests_hard_limit",
+            PENDING_HARD_FACTOR * max_concurrent_streams,
+        ),
+    ]
+
+
+class StreamLimitInterceptor(aio.ServerInterceptor):
+    """Refuses a server-streaming call of `service` (Generate, Chat) while `max_streams` are
+    open (health Watch streams are not counted)."""
+
+    def __init__(self, service: str, max_streams: int, on_refused: OnRefused) -> None:
+        self.method_prefix = f"/{service}/"
+        self.max_streams = max_streams
+        self.open_streams = 0
+        self._on_refused = on_refused
+
+    def _wrap(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator]:
+        async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
+            if self.open_streams >= self.max_streams:
+                self._on_refused("max_concurrent_streams")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the gateway has {self.max_streams} streams open, its limit "
+                    "(--max-concurrent-streams); try again later or another gateway",
+                )
+            self.open_streams += 1
+            try:
+                async for response in behavior(request_or_iterator, context):
+                    yield response
+            finally:
+                self.open_streams -= 1
+
+        return wrapper
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if not handler_call_details.method.startswith(self.method_prefix):
+            return handler
+        return wrap_handler(handler, None, self._wrap)

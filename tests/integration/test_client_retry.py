@@ -1,0 +1,68 @@
+"""KvgateClient's retries against a real gateway process that is killed and started again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import grpc
+import redis
+
+from client.api import KvgateClient
+from common.keys import RedisKeys
+from deploy.stack import free_port
+from tests.helpers import STORIES_260K, wait_for
+from tests.integration.gateway_harness import ExecutorPeer
+
+CALL_TIMEOUT_S = 60.0
+
+
+def start_gateway(redis_url: str, port: int) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--model", str(STORIES_260K), "--redis-url", redis_url,
+         "--port", str(port), "--log-format", "json", "--auth", "off"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    for line in process.stderr:
+        if "gateway serving on" in line:
+            return process
+    raise AssertionError(f"the gateway exited with status {process.wait()} before serving")
+
+
+def test_a_call_whose_gateway_is_killed_ends_with_a_status_within_its_deadline(
+    redis_url: str, redis_client: redis.Redis
+):
+    """A stream waits in the queue (an executor is alive but takes nothing), its gateway is
+    killed (kill -9) and started again on the same port with no executor alive: the client's
+    retries end the call UNAVAILABLE. Under gRPC's own retry policy (a service config) such
+    a call never ended, not even at its deadline."""
+    keys = RedisKeys()
+    peer = ExecutorPeer(redis_client, keys)
+    peer.register()
+    port = free_port()
+    gateway = start_gateway(redis_url, port)
+    outcome: list[str] = []
+
+    def call() -> None:
+        try:
+            with KvgateClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S) as client:
+                list(client.generate_stream("Once upon a time"))
+            outcome.append("OK")
+        except grpc.RpcError as error:
+            outcome.append(error.code().name)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: redis_client.xlen(keys.requests) == 1, "the call queued")
+        gateway.kill()
+        gateway.wait()
+        redis_client.delete(keys.executor_status(peer.executor_id))
+        gateway = start_gateway(redis_url, port)
+        thread.join(2 * CALL_TIMEOUT_S)
+        assert not thread.is_alive(), f"the call did not end, past its {CALL_TIMEOUT_S} s deadline"
+        assert outcome == ["UNAVAILABLE"], outcome
+    finally:
+        gateway.kill()
+        gateway.wait()

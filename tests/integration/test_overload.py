@@ -1,0 +1,237 @@
+"""Overload is refused, never dropped: thousands of concurrent streams all complete; past a
+gateway's explicit limits a call is refused at once with RESOURCE_EXHAUSTED naming the limit,
+and counted; prompts too long to serve are refused before tokenizing, off the event loop's
+back, while a running stream keeps flowing."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import redis
+
+from client.api import KvgateClient, sampling_params
+from common.model_text import ModelText
+from deploy.stack import free_port
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
+from tests.helpers import REPO, STORIES_260K, wait_for
+from tests.integration.conftest import scrape
+from tests.integration.huge_prompts_client import huge_prompt
+
+NUM_STREAMS = 3000
+HUGE_PROMPT_CHARS = 3_900_000
+NUM_HUGE_PROMPTS = 20
+# A Redis script that keeps the server busy for ARGV[1] microseconds (every client waits).
+BUSY_SCRIPT = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > tonumber(ARGV[1])
+return 1
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    return stack_factory(num_executors=2)
+
+
+async def _one_stream(stub, index: int, outcomes: collections.Counter) -> None:
+    params = sampling_params(max_tokens=8, temperature=0.0, ignore_eos=True)
+    request = inference_pb2.GenerateRequest(prompt=f"Once upon a time {index}", params=params)
+    try:
+        tokens = [t async for chunk in stub.Generate(request, timeout=600) for t in chunk.token_ids]
+        outcomes["complete" if len(tokens) == 8 else f"{len(tokens)} tokens"] += 1
+    except grpc.aio.AioRpcError as error:
+        outcomes[f"{error.code().name}: {error.details()[:80]}"] += 1
+
+
+async def _streams(address: str, count: int) -> collections.Counter:
+    outcomes: collections.Counter = collections.Counter()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        await asyncio.gather(*(_one_stream(stub, i, outcomes) for i in range(count)))
+    return outcomes
+
+
+def test_3000_concurrent_streams_all_complete_with_the_defaults(stack):
+    """Before, gRPC core dropped calls past 1000 not yet picked up (CANCELLED, unseen by the
+    servicer) and redis-py's pool ran out ('Too many connections', UNAVAILABLE)."""
+    outcomes = asyncio.run(_streams(stack.address, NUM_STREAMS))
+    assert outcomes == {"complete": NUM_STREAMS}, f"expected every stream to complete: {outcomes}"
+
+
+def refused_count(stack, gateway: str, limit: str) -> float:
+    prefix = f'kvgate_gateway_refused_total{{limit="{limit}"}} '
+    lines = [line for line in scrape(stack, gateway).splitlines() if line.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def first_token_s(address: str) -> float:
+    """Seconds to the first token of a small greedy request."""
+    with KvgateClient(address, timeout_s=60.0) as client:
+        start = time.monotonic()
+        stream = client.generate_stream("Once upon a time", sampling_params(max_tokens=4))
+        next(c for c in stream if c.token_ids)
+        elapsed = time.monotonic() - start
+        list(stream)
+    return elapsed
+
+
+def refusal(call) -> tuple[grpc.StatusCode, str, float]:
+    """(code, details, seconds) of a call expected to fail; `call` starts it."""
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as raised:
+        list(call())
+    return raised.value.code(), raised.value.details(), time.monotonic() - start
+
+
+def test_a_stream_past_max_concurrent_streams_is_refused_at_once_and_counted(stack):
+    port = free_port()
+    stack.start_gateway("gateway-3-streams", port, ["--max-concurrent-streams", "3"])
+    address = f"127.0.0.1:{port}"
+    held: list[queue.Queue] = []
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        chats = []
+        for _ in range(3):  # Chat streams with no turn yet: open, and cheap
+            turns: queue.Queue = queue.Queue()
+            held.append(turns)
+            chats.append(stub.Chat(iter(turns.get, None), timeout=120))
+        wait_for(
+            lambda: (
+                'kvgate_gateway_active_streams{method="Chat"} 3.0'
+                in scrape(stack, "gateway-3-streams")
+            ),
+            "three open Chat streams",
+        )
+        request = inference_pb2.GenerateRequest(prompt="Once upon a time")
+        code, details, refused_s = refusal(lambda: stub.Generate(request, timeout=60))
+        served_s = first_token_s(stack.address)
+        for turns in held:
+            turns.put(None)
+        for chat in chats:
+            list(chat)
+        with KvgateClient(address, timeout_s=60.0) as client:
+            after = client.generate("Once upon a time", max_tokens=4, temperature=0.0)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code}: {details}"
+    assert "--max-concurrent-streams" in details, details
+    assert refused_s < served_s, (
+        f"refused after {refused_s * 1000:.1f} ms, later than a request's first token "
+        f"({served_s * 1000:.1f} ms): not at once"
+    )
+    assert refused_count(stack, "gateway-3-streams", "max_concurrent_streams") == 1
+    assert len(after.token_ids) == 4, "below the limit again, a stream is served"
+
+
+def outcome(call) -> tuple[str, str]:
+    """(status code name, details) of a call; `call` runs it to its end."""
+    try:
+        call()
+    except grpc.RpcError as error:
+        return error.code().name, error.details()
+    return "OK", ""
+
+
+def test_a_call_past_the_redis_connection_budget_is_refused_naming_it(stack):
+    """With a budget of one connection and Redis busy for a second, calls that find the
+    connection taken wait 100 ms for it, then are refused by name; none fails otherwise, and
+    once Redis is free again the gateway serves."""
+    port = free_port()
+    stack.start_gateway("gateway-1-connection", port, ["--redis-max-connections", "1"])
+    address = f"127.0.0.1:{port}"
+    busy = threading.Thread(
+        target=lambda: redis.Redis(port=stack.redis_port).eval(BUSY_SCRIPT, 0, 1_000_000)
+    )
+    request = inference_pb2.GenerateRequest(
+        prompt="Once upon a time", params=sampling_params(max_tokens=4)
+    )
+    with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(6) as pool:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        busy.start()
+        time.sleep(0.1)  # the script runs: every Redis call waits for it
+        calls = [lambda: list(stub.Generate(request, timeout=60))] * 2
+        calls += [lambda: stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=10)] * 4
+        outcomes = list(pool.map(outcome, calls))
+        busy.join()
+        after = outcome(lambda: list(stub.Generate(request, timeout=60)))
+    refused = [details for code, details in outcomes if code == "RESOURCE_EXHAUSTED"]
+    assert refused, f"expected a refusal while the only connection was busy: {outcomes}"
+    assert all("--redis-max-connections" in details for details in refused), refused
+    assert {code for code, _ in outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+    assert after == ("OK", ""), f"once Redis is free the gateway must serve: {after}"
+    assert refused_count(stack, "gateway-1-connection", "redis_max_connections") == len(refused)
+
+
+def chunk_times(
+    address: str, started: threading.Event, stop: threading.Event, times: list[float]
+) -> None:
+    """Runs 400-token streams one after another until `stop`, appending each chunk's arrival
+    time (a gap across two streams holds the next one's time to first token)."""
+    params = sampling_params(max_tokens=400, temperature=0.0, ignore_eos=True)
+    with KvgateClient(address, timeout_s=120.0) as client:
+        while not stop.is_set():
+            for chunk in client.generate_stream("Once upon a time", params):
+                if chunk.token_ids:
+                    times.append(time.monotonic())
+                    started.set()
+
+
+def huge_refusals(address: str, clients: int) -> list[dict]:
+    """Each client's {code, details, seconds}, sending one huge prompt each, at once."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integration.huge_prompts_client", "--target", address,
+         "--chars", str(HUGE_PROMPT_CHARS), "--clients", str(clients)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def test_huge_prompts_are_refused_before_tokenizing_while_a_stream_keeps_flowing(stack):
+    """20 clients send prompts of 3.9 MB beside a running stream. Each is refused before any
+    tokenizing: sooner than one such prompt tokenizes here, and the stream's longest gap
+    between chunks while they arrive stays below that too (before, each prompt was tokenized
+    on the event loop: seconds each, and every stream stood still meanwhile)."""
+    start = time.monotonic()
+    ModelText(STORIES_260K).encode(huge_prompt(HUGE_PROMPT_CHARS // 10))
+    tokenized_s = 10 * (time.monotonic() - start)  # a lower bound: it grows faster than length
+    [alone] = huge_refusals(stack.address, 1)
+    started, stop, times = threading.Event(), threading.Event(), []
+    streamer = threading.Thread(target=chunk_times, args=(stack.address, started, stop, times))
+    streamer.start()
+    assert started.wait(60), "the running stream produced no token"
+    time.sleep(0.2)
+    flood_start = time.monotonic()
+    results = huge_refusals(stack.address, NUM_HUGE_PROMPTS)
+    flood_end = time.monotonic()
+    stop.set()
+    streamer.join()
+    codes = {r["code"] for r in results}
+    assert codes <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, results
+    invalid = [r["details"] for r in results if r["code"] == "INVALID_ARGUMENT"]
+    assert all(d.startswith("prompt: ") and "characters; at most" in d for d in invalid), invalid
+    slowest_s = max(r["seconds"] for r in results)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if flood_start <= b <= flood_end]
+    assert slowest_s < tokenized_s, (
+        f"slowest refusal {slowest_s * 1000:.0f} ms; the prompt tokenizes in "
+        f"{tokenized_s * 1000:.0f} ms"
+    )
+    assert len(gaps) >= 10, f"the stream must run while the prompts arrive: {len(gaps)} chunks"
+    longest_gap_s = max(gaps)
+    assert longest_gap_s < tokenized_s, (
+        f"the running stream waited {longest_gap_s * 1000:.0f} ms between chunks while the "
+        f"prompts arrived (gaps {sorted(gaps)[-5:]})"
+    )
+    print(
+        f"huge prompts: tokenizing one >= {tokenized_s * 1000:.0f} ms; one refused alone in "
+        f"{alone['seconds'] * 1000:.1f} ms, slowest of {NUM_HUGE_PROMPTS} "
+        f"{slowest_s * 1000:.1f} ms, longest gap {longest_gap_s * 1000:.1f} ms"
+    )
