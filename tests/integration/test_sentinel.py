@@ -97,7 +97,13 @@ def test_a_killed_server_comes_back_in_the_role_the_sentinels_give_it(stack):
     other's replica, with no master, for good)."""
     assert stack.ha.master_name_now() == "redis-replica"
     stack.respawn("redis")
-    wait_for(lambda: replica_in_sync(stack, "redis-replica"), "the former master as a replica")
+    # Sentinels re-point a server they find in the wrong role at their next INFO poll (every
+    # 10 s), and the first sync is a full one: 10 s was too short for a CI run.
+    wait_for(
+        lambda: replica_in_sync(stack, "redis-replica"),
+        "the former master as a replica",
+        timeout_s=40.0,
+    )
     stack.stop("redis-replica", sig=signal.SIGKILL)
     stack.respawn("redis-replica")
     wait_for(lambda: master_answers(stack), "a master again", timeout_s=60.0)
