@@ -135,8 +135,14 @@ def model_text() -> ModelText:
 
 
 @pytest.fixture
-def gateway(redis_url: str, redis_client: redis.Redis):
-    running = make_gateway(redis_url)
+def gateway_overrides() -> dict:
+    """GatewayConfig fields the `gateway` fixture sets; a module overrides it (auth on...)."""
+    return {}
+
+
+@pytest.fixture
+def gateway(redis_url: str, redis_client: redis.Redis, gateway_overrides: dict):
+    running = make_gateway(redis_url, **gateway_overrides)
     yield running
     running.stop()
 

@@ -23,22 +23,16 @@ CALL_TIMEOUT_S = 20
 KEYS = RedisKeys()
 
 
+AUTH_ON = {"auth": "keys"}
+
+
 def make_gateway(redis_url: str, **overrides) -> GatewayThread:
-    return GatewayThread(gateway_config(redis_url, **({"auth": "keys"} | overrides)))
+    return GatewayThread(gateway_config(redis_url, **(AUTH_ON | overrides)))
 
 
 @pytest.fixture
-def gateway(redis_url: str, redis_client: redis.Redis):
-    running = make_gateway(redis_url)
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def executor(redis_client: redis.Redis, gateway: GatewayThread):
-    peer = ExecutorPeer.attached(redis_client, gateway)
-    yield peer
-    peer.link.close()
+def gateway_overrides() -> dict:
+    return AUTH_ON
 
 
 def new_key(client: redis.Redis, tenant: str) -> tuple[tuple[str, str]]:
