@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,11 +37,41 @@ _PR_SET_PDEATHSIG = 1
 DEFAULT_LOG_DIR = ROOT / ".run" / "logs"
 
 
+# Ports handed out by free_port in this process, never handed out twice.
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """Returns: the lowest port the kernel gives outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """Returns: a TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """Returns: a TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range.
+
+    A port from bind(("127.0.0.1", 0)) lies in the range the kernel also gives every
+    outgoing connection as its source port, so between this call and the child's bind
+    another process's connection may take it (the child then exits: "could not
+    listen"). Ports below that range are only ever taken by a listener on purpose.
+    """
+    low, high = 20000, _ephemeral_low()
+    if high - low < 1000:
+        low, high = 1024, high
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 in {low}..{high - 1}")
 
 
 def find_redis_server() -> str:
