@@ -271,6 +271,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help=MODEL_HELP,
     )
     add("--device", default=env_str("KVGATE_DEVICE", "cpu"))
+    _add_memory_flags(add)
+    _add_format_flags(add)
+    _add_scheduling_flags(add)
+
+
+def _add_memory_flags(add) -> None:
+    """Batch and KV cache sizes."""
     add("--block-size", type=int, default=env_int("KVGATE_BLOCK_SIZE", 16))
     add("--max-num-seqs", type=int, default=env_int("KVGATE_MAX_NUM_SEQS", 64))
     add(
@@ -297,6 +304,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
     )
     add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+
+
+def _add_format_flags(add) -> None:
+    """Number formats and the speed switches."""
     add(
         "--dtype",
         choices=("auto", "float32", "float16", "bfloat16"),
@@ -309,19 +320,6 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=env_bool("KVGATE_ENABLE_PREFIX_CACHING", True),
         help="reuse the K/V of cached prompt prefixes across requests",
-    )
-    add(
-        "--policy",
-        choices=POLICIES,
-        default=env_str("KVGATE_EXECUTOR_POLICY", "fcfs"),
-        help="order of waiting requests within a priority: fcfs, or lpm (longest cached "
-        "prefix first, with aging)",
-    )
-    add(
-        "--lpm-aging-steps",
-        type=int,
-        default=env_int("KVGATE_LPM_AGING_STEPS", 64),
-        help="lpm: a request waiting this many steps goes before every younger one",
     )
     add(
         "--retain-freed-memory",
@@ -339,6 +337,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=env_bool("KVGATE_ENFORCE_EAGER", False),
         help="CUDA: run decode steps without CUDA graphs",
+    )
+
+
+def _add_scheduling_flags(add) -> None:
+    """Prefix reuse and the waiting queue's order."""
+    add(
+        "--policy",
+        choices=POLICIES,
+        default=env_str("KVGATE_EXECUTOR_POLICY", "fcfs"),
+        help="order of waiting requests within a priority: fcfs, or lpm (longest cached "
+        "prefix first, with aging)",
+    )
+    add(
+        "--lpm-aging-steps",
+        type=int,
+        default=env_int("KVGATE_LPM_AGING_STEPS", 64),
+        help="lpm: a request waiting this many steps goes before every younger one",
     )
 
 

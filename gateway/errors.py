@@ -110,16 +110,17 @@ def refused_limit(error: Exception) -> str | None:
 
 class WrappingInterceptor(aio.ServerInterceptor):
     """An interceptor that wraps the behaviour of the handlers of the methods it `wraps`:
-    with `wrap_unary` when the server answers with one message, `wrap_stream` when it streams."""
+    with `wrap_unary` when the server answers with one message, `wrap_stream` when it streams
+    (each leaves the behaviour as it is unless a subclass overrides it)."""
 
     def wraps(self, method: str) -> bool:
         return True
 
     def wrap_unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-        raise NotImplementedError
+        return behavior
 
     def wrap_stream(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-        raise NotImplementedError
+        return behavior
 
     async def intercept_service(
         self,
@@ -203,28 +204,6 @@ def _wrap_stream(
             await _abort_with(context, error, on_refused)
 
     return wrapper
-
-
-Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
-
-
-def wrap_handler(
-    handler: grpc.RpcMethodHandler | None, wrap_unary: Wrap | None, wrap_stream: Wrap | None
-) -> grpc.RpcMethodHandler | None:
-    """`handler` with its behavior wrapped: by `wrap_unary` when the response is one message,
-    by `wrap_stream` when it is a stream (None: left as it is). The interceptors' one way in."""
-    if handler is None:
-        return None
-    for kind, wrap in (
-        ("unary_unary", wrap_unary),
-        ("stream_unary", wrap_unary),
-        ("unary_stream", wrap_stream),
-        ("stream_stream", wrap_stream),
-    ):
-        behavior = getattr(handler, kind)
-        if behavior is not None:
-            return handler if wrap is None else handler._replace(**{kind: wrap(behavior)})
-    return handler
 
 
 class ErrorInterceptor(WrappingInterceptor):

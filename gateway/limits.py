@@ -12,13 +12,13 @@ and one past the limit is refused there, at once, with RESOURCE_EXHAUSTED naming
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from grpc import aio
 
-from gateway.errors import OnRefused, wrap_handler
+from gateway.errors import OnRefused, WrappingInterceptor
 
 # How far gRPC core's queue of calls not yet picked up may grow, in multiples of
 # --max-concurrent-streams: the random drops start at the first, all are dropped at the second.
@@ -38,7 +38,7 @@ def public_server_options(max_concurrent_streams: int, max_receive_message_bytes
     ]
 
 
-class StreamLimitInterceptor(aio.ServerInterceptor):
+class StreamLimitInterceptor(WrappingInterceptor):
     """Refuses a server-streaming call of `service` (Generate, Chat) while `max_streams` are
     open (health Watch streams are not counted)."""
 
@@ -48,7 +48,10 @@ class StreamLimitInterceptor(aio.ServerInterceptor):
         self.open_streams = 0
         self._on_refused = on_refused
 
-    def _wrap(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator]:
+    def wraps(self, method: str) -> bool:
+        return method.startswith(self.method_prefix)
+
+    def wrap_stream(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
             if self.open_streams >= self.max_streams:
                 self._on_refused("max_concurrent_streams")
@@ -65,13 +68,3 @@ class StreamLimitInterceptor(aio.ServerInterceptor):
                 self.open_streams -= 1
 
         return wrapper
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if not handler_call_details.method.startswith(self.method_prefix):
-            return handler
-        return wrap_handler(handler, None, self._wrap)

@@ -232,31 +232,9 @@ async def start_gateway(
     keys = RedisKeys(config.redis_prefix)
     router = TokenRouter()
     internal, reply_to = _internal_server(config, router, security)
-    queue = RequestQueue(client, keys, config.max_queue_len, config.queue_timeout_s)
     metrics = metrics or GatewayMetrics()
-    quotas = Quotas(client, keys, config.auth_cache_s)
-    accounting = Accounting(client, keys, quotas, metrics, config.metrics_max_tenants)
-    deps = GenerationDeps(
-        router,
-        queue,
-        model_text,
-        BackgroundTasks(),
-        reply_to,
-        config.queue_timeout_s,
-        metrics,
-        config.max_attempts,
-        accounting,
-    )
-    text = TextWork(model_text, config.tokenizer_threads)
-    servicer = InferenceServicer(
-        deps,
-        SessionStore(client, keys, config.session_ttl_s),
-        quotas,
-        config.default_max_tokens,
-        StopLimits(config.max_stop_strings, config.max_stop_len, config.max_stop_token_ids),
-        text,
-        config.max_queued_turns,
-    )
+    inference = _inference(config, client, keys, router, reply_to, model_text, metrics)
+    servicer, queue, quotas = inference
     api_keys = ApiKeys(client, keys, config.auth_cache_s) if config.auth == "keys" else None
     authenticator = Authenticator(config.auth, api_keys)
     bound = [internal]
@@ -294,8 +272,44 @@ async def start_gateway(
         config.grace_s,
         quotas,
         security.reloadable,
-        text,
+        servicer.text,
     )
+
+
+def _inference(
+    config: GatewayConfig,
+    client,
+    keys: RedisKeys,
+    router: TokenRouter,
+    reply_to: str,
+    model_text: ModelText,
+    metrics: GatewayMetrics,
+) -> tuple[InferenceServicer, RequestQueue, Quotas]:
+    """The public Inference service and the queue and quotas it shares with the gateway."""
+    queue = RequestQueue(client, keys, config.max_queue_len, config.queue_timeout_s)
+    quotas = Quotas(client, keys, config.auth_cache_s)
+    accounting = Accounting(client, keys, quotas, metrics, config.metrics_max_tenants)
+    deps = GenerationDeps(
+        router,
+        queue,
+        model_text,
+        BackgroundTasks(),
+        reply_to,
+        config.queue_timeout_s,
+        metrics,
+        config.max_attempts,
+        accounting,
+    )
+    servicer = InferenceServicer(
+        deps,
+        SessionStore(client, keys, config.session_ttl_s),
+        quotas,
+        config.default_max_tokens,
+        StopLimits(config.max_stop_strings, config.max_stop_len, config.max_stop_token_ids),
+        TextWork(model_text, config.tokenizer_threads),
+        config.max_queued_turns,
+    )
+    return servicer, queue, quotas
 
 
 def _log_security(config: GatewayConfig, address: str, reply_to: str, model_id: str) -> None:
