@@ -369,6 +369,8 @@ class ExecutorService:
             session_ids=self._engine.session_ids(),
             cached_block_hashes=self._engine.cached_block_hashes(MAX_REPORTED_HASHES),
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            num_host_blocks_total=stats.num_host_blocks_total,
+            num_host_blocks_used=stats.num_host_blocks_used,
             draining=not self._taking_work,
         )
         self._board.post(status)
