@@ -3,10 +3,13 @@ against no preemption at all, sessions offloaded and brought back, and its flags
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from bench import bench_swap
 from common.sampling_params import SamplingParams
 from executor import generate
 from executor.config import EngineConfig, build_parser, pop_engine_config
@@ -220,3 +223,31 @@ def test_preemption_mode_defaults_to_swap_with_a_host_tier():
         config("--swap-space-gib", "1", "--preemption-mode", "recompute").swaps_on_preemption
         is False
     )
+
+
+def test_the_swap_benchmark_runs_and_finds_the_sessions_on_the_host(tmp_path):
+    out = tmp_path / "swap.json"
+    argv = [
+        "--model",
+        str(STORIES_260K),
+        "--device-sessions",
+        "2",
+        "--prompt-len",
+        "24",
+        "--reply-len",
+        "8",
+        "--new-len",
+        "4",
+        "--block-size",
+        "4",
+        "--out",
+        str(out),
+    ]
+    bench_swap.main(argv)
+    result = json.loads(out.read_text())
+    assert result["turn2_replies_identical"] is True
+    with_tier, without = result["host_tier"], result["no_host_tier"]
+    assert with_tier["offloaded_sessions"] >= 2 and without["offloaded_sessions"] == 0
+    # each turn 2 prefills its new message and its reply's last token, nothing more
+    assert with_tier["turn2_prefill_tokens"] == result["sessions"] * (4 + 1)
+    assert without["turn2_prefill_tokens"] > with_tier["turn2_prefill_tokens"]
