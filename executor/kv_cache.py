@@ -291,14 +291,18 @@ class KVCacheManager:
         assert req.session_id is not None
         self.release_session(req.session_id)
         num_kv_tokens = req.num_computed_tokens
-        self.sessions[req.session_id] = Session(
+        session = Session(
             session_id=req.session_id,
             cache_salt=req.cache_salt,
             token_ids=req.all_token_ids[:num_kv_tokens],
             block_ids=req.block_table,
             last_used_s=self._clock(),
+            host_block_ids=req.host_block_table,
         )
+        # a request that finished while swapped out starts its session in the host tier
+        (self.host_sessions if req.host_block_table else self.sessions)[req.session_id] = session
         req.block_table = []
+        req.host_block_table = []
         req.num_computed_tokens = 0
 
     def release_session(self, session_id: str, cache_salt: str | None = None, *,
