@@ -191,6 +191,10 @@ class Engine:
         """
         return self.kv_cache.release_session(session_id, cache_salt, any_tenant=False)
 
+    def num_available_blocks(self) -> int:
+        """KV blocks free now or held only by idle sessions, which give them up on demand."""
+        return self.kv_cache.num_available_blocks()
+
     def session_ids(self) -> list[str]:
         """Sessions whose blocks this engine holds now (on the device or in the host tier)."""
         return self.kv_cache.session_ids()

@@ -401,6 +401,11 @@ class KVCacheManager:
         newest = reversed(self._hash_to_block)
         return [h for h, _ in zip(newest, range(limit), strict=False)]
 
+    def num_available_blocks(self) -> int:
+        """Blocks a request could get now: the free ones and those only idle sessions hold
+        (evicted, or moved to the host tier, on demand)."""
+        return self.num_free_blocks + self._num_session_only_blocks()
+
     def num_session_blocks(self) -> int:
         """Device blocks held by sessions (a block shared by two sessions counts twice)."""
         return sum(len(s.block_ids) for s in self.sessions.values())

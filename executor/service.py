@@ -360,7 +360,7 @@ class ExecutorService:
             executor_id=self._config.executor_id,
             model_id=model_id(engine_config.model),
             block_size=engine_config.block_size,
-            num_free_blocks=stats.num_free_blocks,
+            num_free_blocks=self._engine.num_available_blocks(),
             num_total_blocks=stats.num_total_blocks,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,

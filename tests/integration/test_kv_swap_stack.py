@@ -11,7 +11,7 @@ from tests.integration.conftest import scrape
 NUM_SESSIONS = 4
 # 24 blocks of 4 tokens: two sessions' turns (about 9 blocks each) fit, not four.
 TIGHT_FLAGS = ["--num-gpu-blocks", "24", "--block-size", "4"]
-TURNS = ("Tell me a story.", "What happened next?")
+SUBJECTS = ("a cat", "a red ball", "the sea", "a big tree")  # one per session: no shared history
 
 
 def take_turns(address: str) -> list[list[tuple[list[int], int, int]]]:
@@ -23,9 +23,10 @@ def take_turns(address: str) -> list[list[tuple[list[int], int, int]]]:
     results: list[list[tuple[list[int], int, int]]] = []
     with KvgateClient(address, timeout_s=60) as client:
         chats = [client.chat() for _ in range(NUM_SESSIONS)]
-        for content in TURNS:
+        for turn_text in ("Tell me a story about {}.", "What did {} do next?"):
             turn = []
-            for chat in chats:
+            for chat, subject in zip(chats, SUBJECTS, strict=True):
+                content = turn_text.format(subject)
                 reply = chat.ask(content, max_tokens=12, temperature=0.0, ignore_eos=True)
                 usage = reply.usage
                 turn.append((reply.token_ids, usage.prompt_tokens, usage.cached_prompt_tokens))
