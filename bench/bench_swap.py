@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> dict:
         for name in ENGINES:
             reply, _, _ = run_turn(engines[name], f"s{i}-1", f"s{i}", prompt, args.reply_len)
             replies[name].append(reply)
+        print(f"session {i}: turn 1 done", file=sys.stderr, flush=True)
     if replies["host_tier"] != replies["no_host_tier"]:
         raise SystemExit("turn 1 replies differ between the engines")
     turn2 = {name: [] for name in ENGINES}
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace) -> dict:
         prompt = turn1[i] + replies["host_tier"][i] + news[i]
         for name in ENGINES:
             turn2[name].append(run_turn(engines[name], f"s{i}-2", f"s{i}", prompt, args.reply_len))
+        print(f"session {i}: turn 2 done", file=sys.stderr, flush=True)
     same = turn2["host_tier"] and all(
         a[0] == b[0] for a, b in zip(turn2["host_tier"], turn2["no_host_tier"], strict=True)
     )
