@@ -139,14 +139,17 @@ class RequestQueue:
         """Tell the scheduler to drop this request if it is still queued."""
         await self.client.set(self.keys.cancelled(request_id), b"1", px=self.cancel_ttl_ms)
 
-    async def release_session(self, executor_id: str, session_id: str, tenant: str) -> None:
-        """Ask an executor to unpin a session's KV cache."""
+    async def release_session(self, executor_ids: set[str], session_id: str, tenant: str) -> None:
+        """Ask executors to unpin a session's KV cache (and to let its turns still running
+        there free their blocks when they finish), in one round trip."""
         message = internal_pb2.InboxMessage(
             release_session=internal_pb2.ReleaseSession(session_id=session_id, tenant=tenant)
         )
-        await self.client.xadd(
-            self.keys.executor_inbox(executor_id), {PAYLOAD_FIELD: message.SerializeToString()}
-        )
+        fields = {PAYLOAD_FIELD: message.SerializeToString()}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for executor_id in sorted(executor_ids):
+                pipe.xadd(self.keys.executor_inbox(executor_id), fields)
+            await pipe.execute()
 
     async def any_executor_alive(self) -> bool | None:
         """Whether an executor's heartbeat is live, as read at most LIVENESS_MAX_AGE_S ago;
