@@ -1,0 +1,132 @@
+"""Tensor parallelism (--tensor-parallel-size): two ranks on the CPU (gloo) give the greedy
+tokens of one, for stories260K and for a seeded random Llama with biases; head counts the
+size does not divide, and the combinations that cannot run, are clear errors; the follower
+ranks exit with the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from common.sampling_params import SamplingParams
+from executor import generate as generate_command
+from executor.config import EngineConfig, EngineConfigError, build_parser, pop_engine_config
+from executor.engine import Engine
+from tests.helpers import (
+    STORIES_260K,
+    assert_greedy_matches,
+    hf_greedy,
+    randomize_weights,
+    run_to_completion,
+)
+
+MAX_TOKENS = 24
+# Lengths that mix decode rows with prefill chunks in one step (block_size 4, 16-token budget).
+PROMPT_LENGTHS = [1, 5, 9, 23, 40]
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def _greedy_tokens(model: str, prompts: list[list[int]], tp: int) -> tuple[dict, list[int]]:
+    """Every prompt's greedy tokens, run concurrently; and the follower ranks' pids."""
+    config = EngineConfig(model=model, kv_cache_gib=0.01, block_size=4,
+                          max_num_batched_tokens=16, tensor_parallel_size=tp)  # fmt: skip
+    engine = Engine(config)
+    group = engine.runner.group
+    pids = [] if group is None else [p.pid for p in group.followers]
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        return run_to_completion(engine), pids
+    finally:
+        engine.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_stories260k_two_ranks_give_the_tokens_of_one_and_exit_on_close():
+    prompts = _prompts(512, seed=1)
+    one, _ = _greedy_tokens(str(STORIES_260K), prompts, tp=1)
+    two, pids = _greedy_tokens(str(STORIES_260K), prompts, tp=2)
+    assert len(pids) == 1, f"expected one follower rank, got pids {pids}"
+    assert two == one, f"tensor-parallel tokens differ:\none rank  {one}\ntwo ranks {two}"
+    assert all(_gone(pid) for pid in pids), f"follower ranks {pids} outlived Engine.close()"
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory):
+    """Seeded random weights, 4 query and 2 key/value heads, biases on every projection."""
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=112,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False,
+                         attention_bias=True, mlp_bias=True)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    randomize_weights(model, seed=16)
+    path = tmp_path_factory.mktemp("random-llama")
+    model.eval().save_pretrained(path)
+    return path, model
+
+
+def test_random_llama_two_ranks_give_the_tokens_of_one_and_of_transformers(random_llama):
+    path, hf_model = random_llama
+    prompts = _prompts(256, seed=2)
+    one, _ = _greedy_tokens(str(path), prompts, tp=1)
+    two, _ = _greedy_tokens(str(path), prompts, tp=2)
+    assert two == one, f"tensor-parallel tokens differ:\none rank  {one}\ntwo ranks {two}"
+    for i, prompt in enumerate(prompts):
+        reference = hf_greedy(hf_model, prompt, MAX_TOKENS)
+        assert_greedy_matches(two[f"p{i}"], reference, f"two ranks, prompt {i}")
+
+
+def test_a_head_count_the_size_does_not_divide_is_a_start_up_error_naming_both():
+    with pytest.raises(ValueError) as error:
+        Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.01, tensor_parallel_size=3))
+    message = str(error.value)
+    assert "--tensor-parallel-size 3" in message, message
+    assert "8 query heads" in message and "4 key/value heads" in message, message
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+        (dict(tensor_parallel_size=2, quantization="int8"), "quantization"),
+        (dict(tensor_parallel_size=2, device="cuda"), "enforce_eager"),
+    ],
+    ids=["zero", "quantized", "cuda-graphs"],
+)
+def test_combinations_that_cannot_run_are_config_errors(fields, field):
+    with pytest.raises(EngineConfigError) as error:
+        EngineConfig(model=str(STORIES_260K), **fields)
+    assert error.value.field == field, str(error.value)
+
+
+def test_the_executor_flag_reaches_the_engine_config_and_errors_name_the_flag():
+    argv = ["--model", str(STORIES_260K), "--tensor-parallel-size", "2"]
+    assert pop_engine_config(vars(build_parser().parse_args(argv))).tensor_parallel_size == 2
+    flags = vars(build_parser().parse_args([*argv, "--quantization", "int4"]))
+    with pytest.raises(ValueError, match="^--quantization must be none with tensor_parallel"):
+        pop_engine_config(flags)
+
+
+def test_generate_command_with_two_ranks_prints_the_text_of_one(capsys):
+    argv = ["--model", str(STORIES_260K), "--prompt", "Once upon a time", "--prompt"]
+    argv += ["The little dog", "--max-tokens", "16", "--ignore-eos", "--kv-cache-gib", "0.01"]
+    assert generate_command.main(argv) == 0
+    one = capsys.readouterr().out
+    assert generate_command.main([*argv, "--tensor-parallel-size", "2"]) == 0
+    two = capsys.readouterr().out
+    assert two == one and one.strip(), f"one rank printed {one!r}, two ranks {two!r}"
+    assert generate_command.main([*argv, "--tensor-parallel-size", "3"]) == 2
+    assert "--tensor-parallel-size 3 does not divide" in capsys.readouterr().err
