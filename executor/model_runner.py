@@ -13,7 +13,7 @@ from executor.host_memory import release_freed_memory, retain_freed_memory
 from executor.models.config import ModelConfig
 from executor.models.llama import ForwardContext
 from executor.models.loader import load_model
-from executor.ranks import RankGroup, with_all_reduce
+from executor.ranks import RankGroup, rank_device, with_all_reduce
 from executor.scheduler import ScheduledRequest, SchedulerOutput
 from kernels import AttentionStep, build_cos_sin_cache, get_kernels
 
@@ -34,7 +34,9 @@ class ModelRunner:
         self.group = group
         self.rank = 0 if group is None else group.rank
         num_ranks = config.tensor_parallel_size
-        self.device = torch.device(config.device) if group is None else group.device
+        self.device = (
+            rank_device(config, self.rank) if num_ranks > 1 else torch.device(config.device)
+        )
         self.dtype = _DTYPES[
             config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         ]
@@ -52,8 +54,18 @@ class ModelRunner:
             if config.retain_freed_memory:
                 retain_freed_memory()
         if num_ranks > 1:
-            self.group = RankGroup.start(config) if group is None else group.ready(config)
+            self.group = RankGroup.start(config) if group is None else group.ready()
             self.kernels = with_all_reduce(self.kernels, self.group)
+        try:
+            self._allocate(config)
+        except BaseException:
+            if self.group is not None:
+                self.group.abort()
+            raise
+
+    def _allocate(self, config: EngineConfig) -> None:
+        """Size and allocate the KV cache (the same block count on every rank), then prepare
+        the kernels' view of the model and, on CUDA, capture the decode graphs."""
         self.num_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(config)
         if self.group is not None:
             self.num_blocks = self.group.min(self.num_blocks)
@@ -143,8 +155,8 @@ class ModelRunner:
         if self.group is None:
             hidden = self.forward(input_ids, step)
         else:
-            self.group.send_step(input_ids, step)
             try:
+                self.group.send_step(input_ids, step)
                 hidden = self.forward(input_ids, step)
             except Exception as error:
                 self.group.fail(error)

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+class RankStartError(RuntimeError):
+    """A follower rank exited, or did not get ready, while the executor started."""
+
+
 class RankGroup:
     """This process's place among the ranks, and the collectives the model runner uses."""
 
@@ -66,6 +71,8 @@ class RankGroup:
         self.rank, self.size, self.device, self.store = rank, size, device, store
         self.followers: list[subprocess.Popen] = []  # rank 0: the other ranks' processes
         self.failure: str | None = None  # rank 0: why the ranks are out of step, once they are
+        # Rank 0: called once they are (the executor process exits, so its work moves on).
+        self.on_failure: Callable[[str], None] | None = None
         self._threads_before = torch.get_num_threads()
 
     @classmethod
@@ -73,7 +80,7 @@ class RankGroup:
         """Rank 0: start ranks 1..N-1 and return once every one has loaded its share.
 
         Raises:
-            RuntimeError: a rank exited or did not get ready (its error is on stderr).
+            RankStartError: a rank exited or did not get ready (its error is on stderr).
         """
         size = config.tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
@@ -90,9 +97,9 @@ class RankGroup:
             group.followers.append(subprocess.Popen(argv, env=env, cwd=_ROOT))
         try:
             group._wait_followers_ready()
-            group._init_process_group(config)
+            group._init_process_group()
         except BaseException:
-            group.close()
+            group.abort()
             raise
         logger.info("tensor parallel: %d ranks, followers' pids %s", size,
                     [p.pid for p in group.followers])  # fmt: skip
@@ -105,10 +112,10 @@ class RankGroup:
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timeout)
         return cls(rank, config.tensor_parallel_size, rank_device(config, rank), store)
 
-    def ready(self, config: EngineConfig) -> RankGroup:
+    def ready(self) -> RankGroup:
         """A follower: say it has loaded its share, then join the process group."""
         self.store.set(f"ready/{self.rank}", "1")
-        self._init_process_group(config)
+        self._init_process_group()
         return self
 
     def _share_threads(self, threads: int) -> int:
@@ -125,15 +132,15 @@ class RankGroup:
         while not self.store.check(keys):
             for rank, proc in enumerate(self.followers, start=1):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited with status "
+                    raise RankStartError(f"tensor-parallel rank {rank} exited with status "
                                        f"{proc.returncode} while loading the model")  # fmt: skip
             if time.monotonic() > deadline:
-                raise RuntimeError(
+                raise RankStartError(
                     f"tensor-parallel ranks not ready after {_STARTUP_TIMEOUT_S:.0f} s"
                 )
             time.sleep(0.05)
 
-    def _init_process_group(self, config: EngineConfig) -> None:
+    def _init_process_group(self) -> None:
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group: one "
                                "tensor-parallel engine per process")  # fmt: skip
@@ -200,20 +207,36 @@ class RankGroup:
         )  # fmt: skip
 
     def fail(self, error: BaseException) -> None:
-        """Rank 0: a forward pass failed after its inputs went out, so the ranks' collectives
-        no longer pair up: stop the followers; every later step raises."""
-        self.failure = f"a forward pass failed midway ({type(error).__name__}: {error})"
+        """Rank 0: a step failed once its inputs went out (a rank died, or a kernel raised
+        midway), so the ranks' collectives no longer pair up: stop the followers; every later
+        step raises, and `on_failure` is called."""
+        if self.failure is not None:
+            return
+        self.failure = f"a step failed on the ranks ({type(error).__name__}: {error})"
         logger.error("tensor parallel: %s; the other ranks are stopped", self.failure)
         for proc in self.followers:
             proc.kill()
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def close(self) -> None:
-        """Rank 0: stop the followers (they exit), leave the process group."""
-        if self.rank == 0 and self.failure is None and dist.is_initialized():
-            dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER_LEN - 1)), src=0)
+        """Rank 0: stop the followers between steps (they exit), leave the process group."""
+        if self.failure is None and dist.is_initialized():
+            try:
+                dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER_LEN - 1)), src=0)
+            except RuntimeError as error:  # a rank already gone: the others are killed below
+                logger.warning("tensor parallel: stopping the ranks: %s", error)
+                return self._leave(wait_s=0.0)
+        self._leave(wait_s=10.0)
+
+    def abort(self) -> None:
+        """Rank 0: kill the followers wherever they are (start-up failed), leave the group."""
+        self._leave(wait_s=0.0)
+
+    def _leave(self, wait_s: float) -> None:
         for proc in self.followers:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from executor import generate as generate_command
 from executor.config import EngineConfig, EngineConfigError, build_parser, pop_engine_config
@@ -130,3 +131,24 @@ def test_generate_command_with_two_ranks_prints_the_text_of_one(capsys):
     assert two == one and one.strip(), f"one rank printed {one!r}, two ranks {two!r}"
     assert generate_command.main([*argv, "--tensor-parallel-size", "3"]) == 2
     assert "--tensor-parallel-size 3 does not divide" in capsys.readouterr().err
+
+
+def test_a_dead_follower_fails_the_running_requests_at_once_naming_the_ranks():
+    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.01,
+                                 tensor_parallel_size=2))  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(_prompts(512, seed=3)[:3]):
+            engine.add_request(f"p{i}", prompt, params)
+        engine.step()
+        follower = engine.runner.group.followers[0]
+        follower.kill()
+        follower.wait()
+        outputs = engine.step()
+    finally:
+        engine.close()
+    assert {o.request_id for o in outputs} == {"p0", "p1", "p2"}, outputs
+    for out in outputs:
+        assert out.finish_reason == FinishReason.ERROR, out
+        assert "tensor-parallel ranks stopped" in out.error_message, out.error_message
+    assert not engine.has_unfinished()
