@@ -133,12 +133,6 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         _require(isinstance(tp, int) and 1 <= tp <= 64, "tensor_parallel_size", "in [1, 64]", tp)
         _require(
-            tp == 1 or self.quantization == "none",
-            "quantization",
-            "none with tensor_parallel_size above 1 (quantized weights are not split across ranks)",
-            self.quantization,
-        )
-        _require(
             tp == 1 or self.device == "cpu" or self.enforce_eager,
             "enforce_eager",
             "set with tensor_parallel_size above 1 on CUDA (decode CUDA graphs are not "

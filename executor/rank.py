@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(**json.loads(args.engine_config))
     group = RankGroup.join(config, args.rank, args.store_port)
     ModelRunner(config, group).follow()
+    group.leave()
     return 0
 
 

@@ -226,14 +226,15 @@ class RankGroup:
                 dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER_LEN - 1)), src=0)
             except RuntimeError as error:  # a rank already gone: the others are killed below
                 logger.warning("tensor parallel: stopping the ranks: %s", error)
-                return self._leave(wait_s=0.0)
-        self._leave(wait_s=10.0)
+                return self.leave(wait_s=0.0)
+        self.leave(wait_s=10.0)
 
     def abort(self) -> None:
         """Rank 0: kill the followers wherever they are (start-up failed), leave the group."""
-        self._leave(wait_s=0.0)
+        self.leave(wait_s=0.0)
 
-    def _leave(self, wait_s: float) -> None:
+    def leave(self, wait_s: float = 0.0) -> None:
+        """Leave the process group (rank 0: once its followers exited, killed after wait_s)."""
         for proc in self.followers:
             try:
                 proc.wait(timeout=wait_s)

@@ -1,12 +1,13 @@
 """Tensor parallelism (--tensor-parallel-size): two ranks on the CPU (gloo) give the greedy
-tokens of one, for stories260K and for a seeded random Llama with biases; head counts the
-size does not divide, and the combinations that cannot run, are clear errors; the follower
-ranks exit with the engine."""
+tokens of one, for stories260K and for a seeded random Llama with biases, dense and weight-only
+quantized; head counts the size does not divide, and the combinations that cannot run, are
+clear errors; the follower ranks exit with the engine, and a dead one fails the requests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.finish_reason import FinishReason
@@ -14,6 +15,8 @@ from common.sampling_params import SamplingParams
 from executor import generate as generate_command
 from executor.config import EngineConfig, EngineConfigError, build_parser, pop_engine_config
 from executor.engine import Engine
+from executor.models.shard import shard_columns
+from kernels.quant import quantize_int4
 from tests.helpers import (
     STORIES_260K,
     assert_greedy_matches,
@@ -21,8 +24,17 @@ from tests.helpers import (
     randomize_weights,
     run_to_completion,
 )
+from tests.tiny_gguf import vocabulary, write_tiny_llama
 
 MAX_TOKENS = 24
+# Layer 0 as the default model's file (Q4_1); layer 1 mixes Q4_0, Q4_1 and Q8_0 (int8 groups).
+KEPT_TYPES = {
+    "token_embd": Q.Q8_0,
+    **{f"blk.0.{n}": Q.Q4_1 for n in ("attn_q", "attn_k", "attn_v", "attn_output")},
+    **{f"blk.0.{n}": Q.Q4_1 for n in ("ffn_gate", "ffn_up", "ffn_down")},
+    **{f"blk.1.{n}": Q.Q4_0 for n in ("attn_q", "attn_k", "attn_v", "attn_output")},
+    **{f"blk.1.{n}": Q.Q8_0 for n in ("ffn_gate", "ffn_up", "ffn_down")},
+}
 # Lengths that mix decode rows with prefill chunks in one step (block_size 4, 16-token budget).
 PROMPT_LENGTHS = [1, 5, 9, 23, 40]
 
@@ -32,9 +44,11 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def _greedy_tokens(model: str, prompts: list[list[int]], tp: int) -> tuple[dict, list[int]]:
+def _greedy_tokens(
+    model: str, prompts: list[list[int]], tp: int, quantization: str = "none"
+) -> tuple[dict, list[int]]:
     """Every prompt's greedy tokens, run concurrently; and the follower ranks' pids."""
-    config = EngineConfig(model=model, kv_cache_gib=0.01, block_size=4,
+    config = EngineConfig(model=model, kv_cache_gib=0.02, block_size=4, quantization=quantization,
                           max_num_batched_tokens=16, tensor_parallel_size=tp)  # fmt: skip
     engine = Engine(config)
     group = engine.runner.group
@@ -90,6 +104,21 @@ def test_random_llama_two_ranks_give_the_tokens_of_one_and_of_transformers(rando
         assert_greedy_matches(two[f"p{i}"], reference, f"two ranks, prompt {i}")
 
 
+def test_quantized_layers_split_into_two_ranks_give_the_tokens_of_one(tmp_path):
+    """int8 per channel (stories260K), and a GGUF file's Q4_1, Q4_0 and Q8_0 blocks kept as
+    int4 and group-wise int8: each rank serves its rows, or its columns at group bounds."""
+    gguf_path = tmp_path / "tiny-q4.gguf"
+    write_tiny_llama(gguf_path, KEPT_TYPES)
+    for model, quantization, vocab in (
+        (STORIES_260K, "int8", 512),
+        (gguf_path, "int4", len(vocabulary())),
+    ):
+        prompts = _prompts(vocab, seed=4)[:3]
+        one, _ = _greedy_tokens(str(model), prompts, tp=1, quantization=quantization)
+        two, _ = _greedy_tokens(str(model), prompts, tp=2, quantization=quantization)
+        assert two == one, f"{model.name} {quantization}: one rank {one}, two ranks {two}"
+
+
 def test_a_head_count_the_size_does_not_divide_is_a_start_up_error_naming_both():
     with pytest.raises(ValueError) as error:
         Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.01, tensor_parallel_size=3))
@@ -102,10 +131,9 @@ def test_a_head_count_the_size_does_not_divide_is_a_start_up_error_naming_both()
     ("fields", "field"),
     [
         (dict(tensor_parallel_size=0), "tensor_parallel_size"),
-        (dict(tensor_parallel_size=2, quantization="int8"), "quantization"),
         (dict(tensor_parallel_size=2, device="cuda"), "enforce_eager"),
     ],
-    ids=["zero", "quantized", "cuda-graphs"],
+    ids=["zero", "cuda-graphs"],
 )
 def test_combinations_that_cannot_run_are_config_errors(fields, field):
     with pytest.raises(EngineConfigError) as error:
@@ -116,8 +144,8 @@ def test_combinations_that_cannot_run_are_config_errors(fields, field):
 def test_the_executor_flag_reaches_the_engine_config_and_errors_name_the_flag():
     argv = ["--model", str(STORIES_260K), "--tensor-parallel-size", "2"]
     assert pop_engine_config(vars(build_parser().parse_args(argv))).tensor_parallel_size == 2
-    flags = vars(build_parser().parse_args([*argv, "--quantization", "int4"]))
-    with pytest.raises(ValueError, match="^--quantization must be none with tensor_parallel"):
+    flags = vars(build_parser().parse_args([*argv, "--device", "cuda"]))
+    with pytest.raises(ValueError, match="^--enforce-eager must be set with tensor_parallel"):
         pop_engine_config(flags)
 
 
@@ -152,3 +180,9 @@ def test_a_dead_follower_fails_the_running_requests_at_once_naming_the_ranks():
         assert out.finish_reason == FinishReason.ERROR, out
         assert "tensor-parallel ranks stopped" in out.error_message, out.error_message
     assert not engine.has_unfinished()
+
+
+def test_a_share_that_cuts_quantized_groups_is_an_error_naming_the_flag():
+    weight = quantize_int4(torch.randn(8, 64), group_size=32)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4 splits o's 64 input columns"):
+        shard_columns("o", weight, rank=0, num_ranks=4)
