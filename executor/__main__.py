@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         service.run()
     finally:
         health.stop()
+        engine.close()
     return 0
 
 

@@ -94,7 +94,8 @@ class RankGroup:
             argv = [sys.executable, "-m", "executor.rank", "--rank", str(rank),
                     "--store-port", str(store.port), "--parent-pid", str(os.getpid()),
                     "--torch-threads", str(threads), "--engine-config", spec]  # fmt: skip
-            group.followers.append(subprocess.Popen(argv, env=env, cwd=_ROOT))
+            proc = subprocess.Popen(argv, env=env, cwd=_ROOT, stdin=subprocess.DEVNULL)
+            group.followers.append(proc)
         try:
             group._wait_followers_ready()
             group._init_process_group()
