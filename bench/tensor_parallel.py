@@ -120,8 +120,9 @@ def main() -> int:
             torch.cuda.empty_cache()
             result = measure(folder, "cuda", vocab, prompt_len=128)
         result["device"] = f"cuda, {count} x {torch.cuda.get_device_name()}"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
     return 0
 
