@@ -34,9 +34,10 @@ class ModelRunner:
         self.group = group
         self.rank = 0 if group is None else group.rank
         num_ranks = config.tensor_parallel_size
-        self.device = (
-            rank_device(config, self.rank) if num_ranks > 1 else torch.device(config.device)
-        )
+        self.device = torch.device(config.device)
+        if num_ranks > 1:
+            rank_device(config, num_ranks - 1)  # every rank has its device, or a clear error
+            self.device = rank_device(config, self.rank)
         self.dtype = _DTYPES[
             config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         ]

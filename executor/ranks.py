@@ -37,7 +37,7 @@ from kernels.decoder import decoder_layers_with
 logger = logging.getLogger("kvgate.executor")
 
 _PR_SET_PDEATHSIG = 1
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[1]  # on the followers' PYTHONPATH
 _STARTUP_TIMEOUT_S = 600.0  # a follower loads the whole checkpoint before it is ready
 # Followers wait for rank 0's next step for as long as the executor idles.
 _IDLE_TIMEOUT = timedelta(days=365)
@@ -94,7 +94,7 @@ class RankGroup:
             argv = [sys.executable, "-m", "executor.rank", "--rank", str(rank),
                     "--store-port", str(store.port), "--parent-pid", str(os.getpid()),
                     "--torch-threads", str(threads), "--engine-config", spec]  # fmt: skip
-            proc = subprocess.Popen(argv, env=env, cwd=_ROOT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)  # cwd: ours
             group.followers.append(proc)
         try:
             group._wait_followers_ready()
