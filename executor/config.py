@@ -69,6 +69,8 @@ class EngineConfig:
     lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones
     swap_space_gib: float = 0.0  # host memory for KV blocks leaving the device; 0: no host tier
     preemption_mode: str | None = None  # swap or recompute; None: swap when there is a host tier
+    # Ranks (processes, one device each on CUDA) splitting the heads and MLP columns.
+    tensor_parallel_size: int = 1
 
     @property
     def swaps_on_preemption(self) -> bool:
@@ -120,6 +122,12 @@ class EngineConfig:
         _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
         _require(self.swap_space_gib >= 0, "swap_space_gib", ">= 0", self.swap_space_gib)
         _require(
+            self.swap_space_gib == 0 or self.tensor_parallel_size == 1,
+            "swap_space_gib",
+            "0 with tensor_parallel_size > 1 (the host tier holds one rank's KV)",
+            self.swap_space_gib,
+        )
+        _require(
             self.preemption_mode in (None, *PREEMPTION_MODES),
             "preemption_mode",
             "one of " + ", ".join(PREEMPTION_MODES),
@@ -148,6 +156,18 @@ class EngineConfig:
             "device",
             "'cpu' or 'cuda[:N]'",
             self.device,
+        )
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        _require(isinstance(tp, int) and 1 <= tp <= 64, "tensor_parallel_size", "in [1, 64]", tp)
+        _require(
+            tp == 1 or self.device == "cpu" or self.enforce_eager,
+            "enforce_eager",
+            "set with tensor_parallel_size above 1 on CUDA (decode CUDA graphs are not "
+            "captured across ranks)",
+            self.enforce_eager,
         )
 
 
@@ -298,6 +318,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _add_memory_flags(add)
     _add_format_flags(add)
     _add_scheduling_flags(add)
+    add(
+        "--tensor-parallel-size",
+        type=int,
+        default=env_int("KVGATE_TENSOR_PARALLEL_SIZE", 1),
+        help="ranks splitting the attention heads and MLP columns (one process, and on CUDA "
+        "one device, each); the model's head counts must divide by it",
+    )
 
 
 def _add_memory_flags(add) -> None:

@@ -191,6 +191,7 @@ def test_metrics_show_the_host_tier(tokenizer):
         (["--swap-space-gib", "-1"], "--swap-space-gib"),
         (["--preemption-mode", "swap"], "--preemption-mode"),
         (["--swap-space-gib", "1e-9"], "--swap-space-gib"),
+        (["--swap-space-gib", "1", "--tensor-parallel-size", "2"], "--swap-space-gib"),
     ],
 )
 def test_bad_swap_flags_are_named(capsys, argv, flag):
