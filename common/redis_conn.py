@@ -13,12 +13,15 @@ Clients are created without redis-py's own retries, so that a call fails within 
 timeout when Redis is down (the gateway answers UNAVAILABLE); each long-running loop
 catches the error itself, logs once per outage, and tries again after the next `Backoff`
 delay. An asyncio client can be given a connection budget: at most `max_connections`, a
-call waiting at most `pool_wait_s` for one, after which ConnectionBudgetExhausted.
+call waiting at most `pool_wait_s` for one, after which ConnectionBudgetExhausted. Its read
+timeout counts only the time its event loop was free to read (LoopFreeReads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,6 +182,84 @@ class _BudgetMixin:
             raise
 
 
+# How often a read's timer checks whether the event loop was late (busy elsewhere).
+LAG_TICK_S = 0.05
+
+
+class _LagTick:
+    """Moves `deadline` later by however late the event loop came back to it each tick."""
+
+    def __init__(self, deadline: asyncio.Timeout) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._deadline = deadline
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._due = self._loop.time() + LAG_TICK_S
+        self._handle = self._loop.call_at(self._due, self._run)
+
+    def _run(self) -> None:
+        late_s = self._loop.time() - self._due
+        when = self._deadline.when()
+        if late_s > 0 and when is not None:
+            self._deadline.reschedule(when + late_s)
+        self._schedule()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+@contextlib.asynccontextmanager
+async def loop_free_timeout(timeout_s: float):
+    """asyncio.timeout, but counting only the time the event loop was free: a loop busy for
+    seconds elsewhere (thousands of streams on a loaded host) does not use the time up.
+
+    Raises:
+        TimeoutError: as asyncio.timeout.
+    """
+    async with asyncio.timeout(timeout_s) as deadline:
+        tick = _LagTick(deadline)
+        try:
+            yield
+        finally:
+            tick.cancel()
+
+
+class LoopFreeReads:
+    """A redis.asyncio connection mixin: its socket timeout on reads is a loop_free_timeout.
+    A plain one fails a call whose reply came in time when the loop turned to it late (the
+    timer and the reply are handled in the same turn of the loop, the timer first)."""
+
+    async def read_response(
+        self, disable_decoding=False, timeout=None, *, disconnect_on_error=True, push_request=False
+    ):
+        read = super().read_response
+        if timeout is not None or self.socket_timeout is None:
+            return await read(
+                disable_decoding,
+                timeout,
+                disconnect_on_error=disconnect_on_error,
+                push_request=push_request,
+            )
+        try:
+            async with loop_free_timeout(self.socket_timeout):
+                return await read(
+                    disable_decoding,
+                    math.inf,  # no timer of its own
+                    disconnect_on_error=disconnect_on_error,
+                    push_request=push_request,
+                )
+        except TimeoutError:
+            raise redis.TimeoutError(f"Timeout reading from {self._host_error()}") from None
+
+
+def _with_loop_free_reads(client: aioredis.Redis) -> aioredis.Redis:
+    pool = client.connection_pool
+    base = pool.connection_class
+    pool.connection_class = type(f"LoopFree{base.__name__}", (LoopFreeReads, base), {})
+    return client
+
+
 class BudgetedPool(_BudgetMixin, aioredis.BlockingConnectionPool):
     pass
 
@@ -218,15 +299,17 @@ def connect(
             list(parsed.sentinels),
             sentinel_kwargs=_client_kwargs(timeout_s),
         )
-        return sentinel.master_for(
-            parsed.master_name,
-            connection_pool_class=BudgetedSentinelPool,
-            db=parsed.db,
-            username=parsed.username,
-            password=parsed.password,
-            **kwargs,
+        return _with_loop_free_reads(
+            sentinel.master_for(
+                parsed.master_name,
+                connection_pool_class=BudgetedSentinelPool,
+                db=parsed.db,
+                username=parsed.username,
+                password=parsed.password,
+                **kwargs,
+            )
         )
-    return aioredis.Redis.from_pool(BudgetedPool.from_url(url, **kwargs))
+    return _with_loop_free_reads(aioredis.Redis.from_pool(BudgetedPool.from_url(url, **kwargs)))
 
 
 def connect_sync(url: str, *, timeout_s: float = 1.0) -> redis.Redis:

@@ -171,16 +171,26 @@ class Engine:
         finally:
             self.kv_cache.free(req)
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (with one rank there is nothing to
+        stop); the engine cannot step afterwards."""
+        self.runner.close()
+
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
         return bool(self.requests)
 
     def release_session(self, session_id: str, cache_salt: str | None = None) -> bool:
-        """Unpin the session's blocks if they belong to the tenant `cache_salt`.
+        """End the session of the tenant `cache_salt` here: unpin its blocks, and have its
+        requests still waiting or running free theirs when they finish instead of pinning
+        them (a turn that finishes after its session ended must not bring it back).
 
         Returns:
             False when the engine holds no such session for that tenant.
         """
+        for req in self.requests.values():
+            if req.session_id == session_id and req.cache_salt == cache_salt:
+                req.pins_session = False
         return self.kv_cache.release_session(session_id, cache_salt, any_tenant=False)
 
     def session_ids(self) -> list[str]:

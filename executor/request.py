@@ -31,6 +31,8 @@ class Request:
     arrival_seq: int  # FCFS order among requests of one priority
     priority: int = 0  # lower runs first
     session_id: str | None = None
+    # False once its session was ended while it ran: its blocks are freed, not pinned
+    pins_session: bool = True
     cache_salt: str | None = None
     generator: torch.Generator | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt followed by output

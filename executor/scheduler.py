@@ -167,7 +167,8 @@ class StepScheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        if req.session_id is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if req.session_id is not None and req.pins_session and completed:
             self.kv_cache.pin_session(req)
         else:
             self.kv_cache.free(req)

@@ -3,20 +3,30 @@
 Each finished generation adds to its tenant's counters (requests, prompt, cached prompt and
 generated tokens) in Prometheus and in the tenant's usage hash of the day, which
 `kvgate admin usage` reports; its generated tokens are taken from the tenant's tokens-per-
-minute bucket. The Redis writes run after the client has its last chunk.
+minute bucket. The Redis writes run after the client has its last chunk: the usage of all
+generations that finished within USAGE_WRITE_DELAY_S goes in one pipeline, summed per tenant,
+not one round trip each (under thousands of streams those would take the gateway's Redis
+connections from the calls that need them). A failed write keeps its counts for the next.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Protocol
 
+import redis
 import redis.asyncio as aioredis
 
 from common.keys import RedisKeys
+from common.redis_conn import OutageLog
 from common.tenants import OTHER_TENANTS, USAGE_FIELDS, USAGE_TTL_DAYS, utc_day
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
+
+log = logging.getLogger(__name__)
+USAGE_WRITE_DELAY_S = 0.25
 
 
 class Usage(Protocol):
@@ -58,6 +68,9 @@ class Accounting:
         self.quotas = quotas
         self.metrics = metrics
         self.label = TenantLabels(max_tenants)
+        self._unwritten: dict[str, list[int]] = {}  # tenant -> counts, USAGE_FIELDS order
+        self._writer: asyncio.Task[None] | None = None
+        self._outage = OutageLog(log, "usage accounting")
 
     def count(self, tenant: str, usage: Usage) -> None:
         """Add a finished generation to the tenant's Prometheus counters."""
@@ -72,14 +85,45 @@ class Accounting:
         """Count a call refused over one of the tenant's limits."""
         self.metrics.tenant_refused.labels(self.label(tenant), limit).inc()
 
-    async def record(self, tenant: str, usage: Usage) -> None:
+    def record(self, tenant: str, usage: Usage) -> None:
         """Add a finished generation to the tenant's usage of the day and take its tokens
-        from the tenant's bucket."""
-        key = self.keys.tenant_usage(tenant, utc_day(time.time()))
+        from the tenant's bucket, in Redis within USAGE_WRITE_DELAY_S."""
         counts = (1, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
-        async with self.client.pipeline(transaction=False) as pipe:
-            for name, count in zip(USAGE_FIELDS, counts, strict=True):
-                pipe.hincrby(key, name, count)
-            pipe.expire(key, USAGE_TTL_DAYS * 86400)
-            await pipe.execute()
-        await self.quotas.charge_tokens(tenant, usage.completion_tokens)
+        self._add(tenant, counts)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_soon())
+
+    def _add(self, tenant: str, counts: tuple[int, ...] | list[int]) -> None:
+        total = self._unwritten.setdefault(tenant, [0] * len(USAGE_FIELDS))
+        for index, count in enumerate(counts):
+            total[index] += count
+
+    async def _write_soon(self) -> None:
+        await asyncio.sleep(USAGE_WRITE_DELAY_S)
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Write the usage recorded so far (in one pipeline) and charge its tokens."""
+        unwritten, self._unwritten = self._unwritten, {}
+        if not unwritten:
+            return
+        day = utc_day(time.time())
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for tenant, counts in unwritten.items():
+                    key = self.keys.tenant_usage(tenant, day)
+                    for name, count in zip(USAGE_FIELDS, counts, strict=True):
+                        pipe.hincrby(key, name, count)
+                    pipe.expire(key, USAGE_TTL_DAYS * 86400)
+                await pipe.execute()
+        except redis.RedisError as error:
+            self._outage.failed(error)
+            for tenant, counts in unwritten.items():
+                self._add(tenant, counts)
+            return
+        self._outage.succeeded()
+        try:
+            for tenant, counts in unwritten.items():
+                await self.quotas.charge_tokens(tenant, counts[-1])
+        except redis.RedisError as error:  # the tokens go uncharged, the usage is written
+            self._outage.failed(error)

@@ -233,7 +233,10 @@ class Generation:
         while self.waiting_for_executor:
             wait_s = min(self.queue_deadline - time.monotonic(), LIVENESS_CHECK_S)
             try:
-                return await asyncio.wait_for(inbox.get(), max(0.0, wait_s))
+                # a timer, not wait_for: that wraps every wait in a task of its own, and
+                # thousands of waiting requests wake twice a second
+                async with asyncio.timeout(max(0.0, wait_s)):
+                    return await inbox.get()
             except TimeoutError:
                 pass
             if time.monotonic() >= self.queue_deadline:
@@ -429,9 +432,7 @@ class Generation:
         accounting = self.deps.accounting
         if accounting is not None:
             accounting.count(self.tenant, chunk.usage)
-            self.deps.background.spawn(
-                accounting.record(self.tenant, chunk.usage), "recording a tenant's usage"
-            )
+            accounting.record(self.tenant, chunk.usage)
         metrics = self.deps.metrics
         metrics.finished_requests.labels(chunk.finish_reason).inc()
         metrics.e2e_seconds.observe(chunk.timings.total_ms / 1000.0)

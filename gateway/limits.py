@@ -8,6 +8,11 @@ ends CANCELLED without reaching the servicer (no log line, no metric). A burst o
 on an asyncio server, which picks calls up one at a time on its event loop, reaches those
 numbers. So they are raised above --max-concurrent-streams: every call reaches the servicer,
 and one past the limit is refused there, at once, with RESOURCE_EXHAUSTED naming it.
+
+gRPC core also cancels a call left unrequested for `grpc.server_max_unrequested_time_in_server`
+(default 30 s), again CANCELLED and unseen. A loaded event loop picks a burst of thousands
+of calls up more slowly than that (one per turn of the loop), so it is raised to
+UNREQUESTED_LIMIT_S: such a call waits its turn, bounded by the client's deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from gateway.errors import OnRefused, WrappingInterceptor
 # --max-concurrent-streams: the random drops start at the first, all are dropped at the second.
 PENDING_SOFT_FACTOR = 1
 PENDING_HARD_FACTOR = 2
+UNREQUESTED_LIMIT_S = 3600
 
 
 def public_server_options(max_concurrent_streams: int, max_receive_message_bytes: int) -> list:
@@ -35,6 +41,7 @@ def public_server_options(max_concurrent_streams: int, max_receive_message_bytes
             "grpc.server.max_pending_requests_hard_limit",
             PENDING_HARD_FACTOR * max_concurrent_streams,
         ),
+        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_LIMIT_S),
     ]
 
 

@@ -171,16 +171,26 @@ class Quotas:
         self._script = client.register_script(QUOTA_SCRIPT)
         self._renew = client.register_script(RENEW_SCRIPT)
         self._limits: dict[str, tuple[TenantLimits, float]] = {}
+        self._reads: dict[str, asyncio.Future[TenantLimits]] = {}  # reads under way
         self._held: dict[str, set[str]] = {}  # tenant -> members of its streams held here
         self._gateway_id = uuid.uuid4().hex[:12]
         self._refusals = RefusalMemory(cache_s)
         self._renewer: asyncio.Task[None] | None = None
 
     async def limits(self, tenant: str) -> TenantLimits:
-        """The tenant's limits, read at most cache_s ago."""
+        """The tenant's limits, read at most cache_s ago. The calls that find them stale
+        together share one read (thousands arriving at once cost one round trip)."""
         cached = self._limits.get(tenant)
         if cached is not None and time.monotonic() - cached[1] <= self.cache_s:
             return cached[0]
+        reading = self._reads.get(tenant)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read_limits(tenant))
+            self._reads[tenant] = reading
+            reading.add_done_callback(lambda _: self._reads.pop(tenant, None))
+        return await asyncio.shield(reading)
+
+    async def _read_limits(self, tenant: str) -> TenantLimits:
         limits = TenantLimits.from_redis(await self.client.hgetall(self.keys.tenant_limits(tenant)))
         self._limits[tenant] = (limits, time.monotonic())
         return limits

@@ -57,9 +57,10 @@ LIVENESS_MAX_AGE_S = 0.25
 class RequestQueue:
     """Puts requests on the requests stream and talks to executors through Redis.
 
-    New requests are queued in groups: the requests that arrive while one group is on its
-    way to Redis go together in the next, as one pipeline (one connection, one round
-    trip), so a burst of thousands of calls needs a handful of connections, not one each.
+    Requests are queued in groups: the requests (new, or queued again) that arrive while one
+    group is on its way to Redis go together in the next, as one pipeline (one connection,
+    one round trip), so a burst of thousands of calls needs a handful of connections, not
+    one each.
     """
 
     def __init__(
@@ -81,8 +82,10 @@ class RequestQueue:
         self._liveness: bool | None = True
         self._liveness_read_at = -LIVENESS_MAX_AGE_S
         self._liveness_read: asyncio.Future[None] | None = None
+        # (request, whether it is new: checked against the limits, the admission it takes,
+        # the future of its result)
         self._to_enqueue: list[
-            tuple[internal_pb2.QueuedRequest, Admission | None, asyncio.Future[int | list]]
+            tuple[internal_pb2.QueuedRequest, bool, Admission | None, asyncio.Future]
         ] = []
         self._enqueuing: asyncio.Task[None] | None = None
 
@@ -97,11 +100,7 @@ class RequestQueue:
             QuotaExceeded: the admission was refused.
             redis.RedisError: Redis failed (the request may or may not be queued).
         """
-        done = asyncio.get_running_loop().create_future()
-        self._to_enqueue.append((request, admission, done))
-        if self._enqueuing is None or self._enqueuing.done():
-            self._enqueuing = asyncio.create_task(self._enqueue_groups())
-        result = await done
+        result = await self._send(request, True, admission)
         if isinstance(result, list):
             raise admission.refusal(*result)
         if admission is not None and result in (NO_EXECUTOR, QUEUE_FULL):
@@ -115,15 +114,34 @@ class RequestQueue:
                 "try again later",
             )
 
+    async def requeue(self, request: internal_pb2.QueuedRequest) -> None:
+        """Queue a request again (its executor was lost, or Redis may have lost its entry):
+        no queue limit, it was admitted already.
+
+        Raises:
+            redis.RedisError: Redis failed (the request may or may not be queued).
+        """
+        await self._send(request, is_new=False)
+
+    async def _send(
+        self, request: internal_pb2.QueuedRequest, is_new: bool, admission: Admission | None = None
+    ) -> object:
+        """Queues the request with the next group. Returns: its pipeline reply."""
+        done = asyncio.get_running_loop().create_future()
+        self._to_enqueue.append((request, is_new, admission, done))
+        if self._enqueuing is None or self._enqueuing.done():
+            self._enqueuing = asyncio.create_task(self._enqueue_groups())
+        return await done
+
     async def _enqueue_groups(self) -> None:
         """Sends what waits to be queued, one group at a time, until nothing waits."""
         while self._to_enqueue:
             group, self._to_enqueue = self._to_enqueue, []
             try:
-                results = await self._enqueue_group([entry[:2] for entry in group])
+                results = await self._enqueue_group([entry[:3] for entry in group])
             except redis.RedisError as error:
                 results = [error] * len(group)
-            for (_, _, done), result in zip(group, results, strict=True):
+            for (*_, done), result in zip(group, results, strict=True):
                 if done.done():
                     continue  # its caller went away
                 if isinstance(result, Exception):
@@ -132,17 +150,20 @@ class RequestQueue:
                     done.set_result(result)
 
     async def _enqueue_group(
-        self, requests: list[tuple[internal_pb2.QueuedRequest, Admission | None]]
+        self, requests: list[tuple[internal_pb2.QueuedRequest, bool, Admission | None]]
     ) -> list:
-        """One enqueue script call per request, pipelined. Returns: each one's result or
-        error.
+        """One enqueue script call per new request, one XADD per request queued again,
+        pipelined. Returns: each one's result or error.
 
         The calls are plain EVALSHAs: redis-py's pipelined Script asks SCRIPT EXISTS first,
         a round trip of its own on every group. A Redis without the script (restarted, or a
         replica promoted) answers NOSCRIPT to each call, which then did nothing: the script
         is loaded and those calls sent again.
         """
-        calls = [self._enqueue_call(request, admission) for request, admission in requests]
+        calls = [
+            self._enqueue_call(request, admission) if is_new else stream_fields(request)
+            for request, is_new, admission in requests
+        ]
         results = await self._evalsha_pipelined(calls)
         missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if missing:
@@ -171,29 +192,30 @@ class RequestQueue:
             args.extend(admission.args)
         return [len(keys), *keys, *args]
 
-    async def _evalsha_pipelined(self, calls: list[list[object]]) -> list:
+    async def _evalsha_pipelined(self, calls: list[list[object] | dict]) -> list:
         async with self.client.pipeline(transaction=False) as pipe:
             for call in calls:
-                pipe.evalsha(self._enqueue_sha, *call)
+                if isinstance(call, dict):  # a request queued again
+                    pipe.xadd(self.keys.requests, call)
+                else:
+                    pipe.evalsha(self._enqueue_sha, *call)
             return await pipe.execute(raise_on_error=False)
-
-    async def requeue(self, request: internal_pb2.QueuedRequest) -> None:
-        """Queue a request again (its executor was lost, or Redis may have lost its entry):
-        no queue limit, it was admitted already."""
-        await self.client.xadd(self.keys.requests, stream_fields(request))
 
     async def mark_cancelled(self, request_id: str) -> None:
         """Tell the scheduler to drop this request if it is still queued."""
         await self.client.set(self.keys.cancelled(request_id), b"1", px=self.cancel_ttl_ms)
 
-    async def release_session(self, executor_id: str, session_id: str, tenant: str) -> None:
-        """Ask an executor to unpin a session's KV cache."""
+    async def release_session(self, executor_ids: set[str], session_id: str, tenant: str) -> None:
+        """Ask executors to unpin a session's KV cache (and to let its turns still running
+        there free their blocks when they finish), in one round trip."""
         message = internal_pb2.InboxMessage(
             release_session=internal_pb2.ReleaseSession(session_id=session_id, tenant=tenant)
         )
-        await self.client.xadd(
-            self.keys.executor_inbox(executor_id), {PAYLOAD_FIELD: message.SerializeToString()}
-        )
+        fields = {PAYLOAD_FIELD: message.SerializeToString()}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for executor_id in sorted(executor_ids):
+                pipe.xadd(self.keys.executor_inbox(executor_id), fields)
+            await pipe.execute()
 
     async def any_executor_alive(self) -> bool | None:
         """Whether an executor's heartbeat is live, as read at most LIVENESS_MAX_AGE_S ago;

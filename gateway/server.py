@@ -55,6 +55,7 @@ class RunningGateway:
     quotas: Quotas
     tls: list[ReloadableServerCredentials]  # of the public and internal ports that use TLS
     text_work: TextWork | None = None
+    accounting: Accounting | None = None  # its usage not yet written is written at stop
 
     def reload_tls(self) -> None:
         """Read every TLS port's certificate files again (SIGHUP): new connections get them."""
@@ -74,6 +75,8 @@ class RunningGateway:
         if self.health_server is not None:
             await self.health_server.stop(0)
         await self.quotas.stop()
+        if self.accounting is not None:
+            await self.accounting.flush()
         if self.text_work is not None:
             self.text_work.close()
         await self.redis.aclose()
@@ -273,6 +276,7 @@ async def start_gateway(
         quotas,
         security.reloadable,
         servicer.text,
+        servicer.deps.accounting,
     )
 
 

@@ -191,7 +191,44 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _record_turn(
         self, session: Session, generation: Generation, new_messages: list[Message]
     ) -> None:
-        await self.sessions.record_turn(session, new_messages, generation.executor_id)
+        """Record a finished turn; if its session ended meanwhile, the executor that ran the
+        turn may have pinned it after the end's release: release it there again."""
+        executor_id = generation.executor_id
+        if not await self.sessions.record_turn(session, new_messages, executor_id) and executor_id:
+            self.deps.background.spawn(
+                self.queue.release_session({executor_id}, session.session_id, session.tenant),
+                "releasing an ended session's last turn",
+            )
+
+    async def _end_session(self, session_id: str, tenant: str) -> bool:
+        """Delete the session and release its KV cache on every live executor, not only the
+        one it names, and also when the session is gone from Redis already: a turn whose
+        call ended before the turn was recorded (the client hung up as it finished) may
+        have left it pinned anywhere, after an earlier end too.
+
+        Returns:
+            False when the tenant had no such session.
+        """
+        try:
+            session = await self.sessions.end(session_id, tenant)
+        except NotFound:
+            session = None
+        executor_ids = set(await self.queue.live_executor_ids())
+        if session is not None and session.executor_id:
+            executor_ids.add(session.executor_id)
+        await self.queue.release_session(executor_ids, session_id, tenant)
+        return session is not None
+
+    def _end_unused_session(self, conversation: ChatConversation) -> None:
+        """Ends the session a failed Chat call opened, if no turn completed in it: the client
+        may never have been told its id, and nobody else would end it before its TTL."""
+        session = conversation.session
+        if session is None or not conversation.opened_session or session.num_turns > 0:
+            return
+        self.deps.background.spawn(
+            self._end_session(session.session_id, conversation.tenant),
+            "ending the unused session of a failed Chat call",
+        )
 
     async def Chat(  # noqa: N802 (gRPC method name)
         self,
@@ -203,16 +240,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         admission = self._admission(tenant, limits, take_request=False, open_stream=True)
         conversation = ChatConversation(tenant, self.max_queued_turns)
         reader = None
+        ended_cleanly = False
         try:
             await self._admit(admission)
             reader = asyncio.create_task(conversation.read(request_iterator, self.deps))
             while (turn := await conversation.next_turn()) is not None:
                 async for response in self._chat_turn(conversation, turn):
                     yield response
+            ended_cleanly = True
         finally:
             if reader is not None:
                 reader.cancel()
             self._close(admission)
+            if not ended_cleanly:
+                self._end_unused_session(conversation)
 
     async def _resume_session(
         self, conversation: ChatConversation, turn: inference_pb2.ChatTurn
@@ -254,6 +295,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
         if conversation.session is None:
             conversation.session = await self._new_session(conversation.tenant, system)
+            conversation.opened_session = True
         session = conversation.session
         spec.session_id = session.session_id
         generation = Generation(
@@ -313,14 +355,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.EndSessionRequest, context: aio.ServicerContext
     ) -> inference_pb2.EndSessionResponse:
         check_id("session_id", request.session_id)
-        tenant = tenant_of(context)
-        try:
-            session = await self.sessions.end(request.session_id, tenant)
-        except NotFound:
-            return inference_pb2.EndSessionResponse(ended=False)
-        if session.executor_id:
-            await self.queue.release_session(session.executor_id, session.session_id, tenant)
-        return inference_pb2.EndSessionResponse(ended=True)
+        ended = await self._end_session(request.session_id, tenant_of(context))
+        return inference_pb2.EndSessionResponse(ended=ended)
 
 
 class ChatConversation:
@@ -329,6 +365,7 @@ class ChatConversation:
     def __init__(self, tenant: str, max_queued_turns: int = 4) -> None:
         self.tenant = tenant
         self.session: Session | None = None
+        self.opened_session = False  # the session was created by this call
         self.running_request_id: str | None = None
         self.max_queued_turns = max_queued_turns
         self.too_many_turns = False  # more than max_queued_turns waited: the call ends

@@ -101,7 +101,7 @@ class SessionStore:
 
     async def record_turn(
         self, session: Session, new_messages: list[Message], executor_id: str
-    ) -> None:
+    ) -> bool:
         """Append a finished turn to the stored session, renew its TTL, and bring `session` up
         to date with what is stored.
 
@@ -115,6 +115,9 @@ class SessionStore:
             session: the caller's copy; updated in place.
             new_messages: the turn's messages (none for a Generate turn).
             executor_id: the executor that ran the turn (empty: keep the stored one).
+
+        Returns:
+            False when the session no longer exists (the turn is not recorded).
 
         Raises:
             Aborted: the session changed under every one of MAX_TURN_WRITES attempts.
@@ -142,10 +145,12 @@ class SessionStore:
             return stored
 
         stored = await self.client.transaction(append_turn, key, value_from_callable=True)
-        if stored is not None:
-            session.messages = stored.messages
-            session.executor_id = stored.executor_id
-            session.num_turns = stored.num_turns
+        if stored is None:
+            return False
+        session.messages = stored.messages
+        session.executor_id = stored.executor_id
+        session.num_turns = stored.num_turns
+        return True
 
     async def end(self, session_id: str, tenant: str) -> Session:
         """Delete a session and return its last state.

@@ -260,6 +260,25 @@ def test_release_session_is_scoped_to_its_tenant(tokenizer):
     assert engine.release_session("s", "t-a") is True
 
 
+@pytest.mark.parametrize("state", ["running", "waiting"])
+def test_a_turn_that_finishes_after_its_session_ended_frees_its_blocks(tokenizer, state):
+    """The session's end (EndSession) can reach the executor while its turn still runs: the
+    turn must not pin the session again when it finishes."""
+    engine = make_engine(max_num_seqs=1)
+    prompt = tokenizer("Once upon a time").input_ids
+    engine.add_request("other", prompt, greedy(4))
+    engine.add_request("turn", prompt, greedy(6), session_id="s", cache_salt="t-a")
+    engine.add_request("kept", prompt, greedy(3), session_id="k", cache_salt="t-a")
+    engine.step()
+    while state == "running" and "turn" not in [r.request_id for r in engine.scheduler.running]:
+        engine.step()
+    assert engine.release_session("s", "t-a") is False, "no pin yet: the turn had not finished"
+    run_to_completion(engine)
+    assert engine.session_ids() == ["k"], f"ended session pinned again: {engine.session_ids()}"
+    engine.release_session("k", "t-a")
+    assert_all_blocks_free(engine)
+
+
 def test_decodes_keep_running_beside_a_higher_priority_long_prompt(tokenizer):
     engine = make_engine(max_num_batched_tokens=6)
     engine.add_request("short", tokenizer("Once").input_ids, greedy(30), priority=5)
