@@ -10,7 +10,8 @@
  *
  * Layouts (contiguous unless a stride is passed):
  *   q            [num_tokens, num_heads, head_dim]        (activation dtype: float32, bfloat16)
- *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype)
+ *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype:
+ *                float32, bfloat16, or int8 rows of head_dim + 4 bytes, cpu_common.h)
  *   block_tables [num_seqs, max_blocks] int32
  *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
@@ -61,14 +62,13 @@ typedef struct {
 } paged_kv;
 
 /* Head `kv_head` of the cached token in slot `slot` of one cache (k or v) as float32: a pointer
- * into the cache itself when it is float32, else converted into `row`. */
+ * into the cache itself when it is float32, else converted (or dequantized) into `row`. */
 static inline const float *cached_row(const paged_kv *kv, const void *cache, int64_t slot,
                                       int64_t kv_head, float *row) {
-    const int64_t offset = (slot * kv->num_kv_heads + kv_head) * kv->head_dim;
-    if (kv->cache_dtype == KVGATE_F32) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
-#pragma omp simd
-    for (int64_t i = 0; i < kv->head_dim; ++i) row[i] = bf16_to_f32(src[i]);
+    const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, kv->head_dim);
+    const char *src = (const char *)cache + (slot * kv->num_kv_heads + kv_head) * row_bytes;
+    if (kv->cache_dtype == KVGATE_F32) return (const float *)src;
+    load_cache_row(src, kv->cache_dtype, kv->head_dim, row);
     return row;
 }
 
@@ -169,7 +169,7 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
                          float *row, float *out) {
     const int64_t head_dim = kv->head_dim;
 #ifdef KVGATE_ATTEND_HEAD
-    if (head_dim == 64 || head_dim == 128) {
+    if ((head_dim == 64 || head_dim == 128) && kv->cache_dtype != KVGATE_I8) {
         const int64_t row_elems = kv->num_kv_heads * head_dim, size = dtype_size(kv->cache_dtype);
         const char *k = (const char *)kv->k_cache + kv_head * head_dim * size;
         const char *v = (const char *)kv->v_cache + kv_head * head_dim * size;
@@ -382,14 +382,13 @@ static void rotate_and_store(const kvgate_attention_step *st, const char *row, i
                         q_rotated + t * q_width);
     const int64_t slot = st->slot_mapping[t];
     if (slot < 0) return;
+    const int64_t slot_bytes = st->num_kv_heads * cache_row_bytes(cache_dtype, d);
     kvgate_rotate_heads(row + q_width * element, act_dtype, feature_stride, st->num_kv_heads, d,
                         cos_sin, key);
-    store_row((char *)k_cache + slot * kv_width * dtype_size(cache_dtype), cache_dtype, key,
-              kv_width);
+    store_cache_rows((char *)k_cache + slot * slot_bytes, cache_dtype, key, st->num_kv_heads, d);
     const char *value = row + (q_width + kv_width) * element;
-    for (int64_t i = 0; i < kv_width; ++i)
-        store_elem((char *)v_cache + slot * kv_width * dtype_size(cache_dtype), cache_dtype, i,
-                   load_elem(value, act_dtype, i * feature_stride));
+    for (int64_t i = 0; i < kv_width; ++i) key[i] = load_elem(value, act_dtype, i * feature_stride);
+    store_cache_rows((char *)v_cache + slot * slot_bytes, cache_dtype, key, st->num_kv_heads, d);
 }
 
 /*
