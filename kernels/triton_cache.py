@@ -21,7 +21,7 @@ def _store_row(src_ptr, cache_ptr, scale_ptr, row, dims, mask,
     if QUANTIZED:
         x = x.to(tl.float32)
         scale = tl.max(tl.abs(x), axis=0) / 127.0
-        scaled = tl.where(scale > 0, x / scale, 0.0)
+        scaled = x / tl.where(scale > 0, scale, 1.0)  # scale 0: every value is 0
         rounded = (scaled + _ROUNDER) - _ROUNDER
         tl.store(cache_ptr + row + dims, rounded.to(tl.int8), mask=mask)
         tl.store(scale_ptr + (row + HEAD_DIM) // 4, scale)
