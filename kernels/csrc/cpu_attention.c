@@ -86,11 +86,25 @@ static void sequence_slots(const paged_kv *kv, int64_t context_len, int64_t *slo
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-/* 16 cached elements at `offset` (elements) of a float32 or bfloat16 cache, as float32. */
+/* 16 cached elements at `offset` (elements) of a float32, bfloat16 or int8 cache, as float32
+ * (int8: unscaled; the caller multiplies by the row's scale). */
 static inline __m512 load16(const void *base, int dtype, int64_t offset) {
     if (dtype == KVGATE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    if (dtype == KVGATE_I8) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)((const int8_t *)base + offset));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    }
     const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* The scale of the cached row at `offset` (elements) of head_dim values: an int8 row's own,
+ * 1 for a float row. */
+static inline float row_scale(const void *base, int dtype, int64_t offset, int64_t head_dim) {
+    if (dtype != KVGATE_I8) return 1.0f;
+    float scale;
+    memcpy(&scale, (const int8_t *)base + offset + head_dim, sizeof scale);
+    return scale;
 }
 
 #define R4(X) X(0) X(1) X(2) X(3)
@@ -100,9 +114,10 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset) {
  * One query head over a sequence's cached tokens, head_dim = 16 * (4 or 8) in registers: the
  * query and the output accumulators stay in registers, scores are taken four tokens at a time
  * (independent sums), values are summed into two sets of accumulators (even and odd tokens).
- * k and v point at the head's first element in slot 0; slots are `row` elements apart.
+ * k and v point at the head's first element in slot 0; slots are `row` elements apart. An int8
+ * row's scale multiplies its key's dot product and its value's softmax weight.
  */
-#define ATTEND_HEAD(name, REP)                                                                \
+#define ATTEND_HEAD(name, REP, DIM)                                                           \
     static void name(const float *q, const void *k, const void *v, int dtype, int64_t row,     \
                      int64_t context_len, const int64_t *slots, float scale, float *scores,   \
                      float *out) {                                                             \
@@ -114,27 +129,28 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset) {
             const int64_t o2 = slots[t + 2] * row, o3 = slots[t + 3] * row;                   \
             __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;                                \
             REP(DOT4)                                                                         \
-            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
-            scores[t + 1] = scale * _mm512_reduce_add_ps(a1);                                 \
-            scores[t + 2] = scale * _mm512_reduce_add_ps(a2);                                 \
-            scores[t + 3] = scale * _mm512_reduce_add_ps(a3);                                 \
+            scores[t] = scale * row_scale(k, dtype, o0, DIM) * _mm512_reduce_add_ps(a0);      \
+            scores[t + 1] = scale * row_scale(k, dtype, o1, DIM) * _mm512_reduce_add_ps(a1);  \
+            scores[t + 2] = scale * row_scale(k, dtype, o2, DIM) * _mm512_reduce_add_ps(a2);  \
+            scores[t + 3] = scale * row_scale(k, dtype, o3, DIM) * _mm512_reduce_add_ps(a3);  \
         }                                                                                     \
         for (; t < context_len; ++t) {                                                        \
             const int64_t o0 = slots[t] * row;                                                \
             __m512 a0 = zero;                                                                 \
             REP(DOT1)                                                                         \
-            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
+            scores[t] = scale * row_scale(k, dtype, o0, DIM) * _mm512_reduce_add_ps(a0);      \
         }                                                                                     \
         softmax_in_place(scores, context_len);                                                \
         REP(DECLARE_OUT)                                                                      \
         for (t = 0; t + 2 <= context_len; t += 2) {                                           \
-            const __m512 p0 = _mm512_set1_ps(scores[t]), p1 = _mm512_set1_ps(scores[t + 1]);  \
             const int64_t o0 = slots[t] * row, o1 = slots[t + 1] * row;                       \
+            const __m512 p0 = _mm512_set1_ps(scores[t] * row_scale(v, dtype, o0, DIM));       \
+            const __m512 p1 = _mm512_set1_ps(scores[t + 1] * row_scale(v, dtype, o1, DIM));   \
             REP(AXPY2)                                                                        \
         }                                                                                     \
         if (t < context_len) {                                                                \
-            const __m512 p0 = _mm512_set1_ps(scores[t]);                                      \
             const int64_t o0 = slots[t] * row;                                                \
+            const __m512 p0 = _mm512_set1_ps(scores[t] * row_scale(v, dtype, o0, DIM));       \
             REP(AXPY1)                                                                        \
         }                                                                                     \
         REP(STORE_OUT)                                                                        \
@@ -154,8 +170,8 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset) {
 #define AXPY1(i) even##i = _mm512_fmadd_ps(p0, load16(v, dtype, o0 + 16 * (i)), even##i);
 #define STORE_OUT(i) _mm512_storeu_ps(out + 16 * (i), _mm512_add_ps(even##i, odd##i));
 
-ATTEND_HEAD(attend_head_64, R4)
-ATTEND_HEAD(attend_head_128, R8)
+ATTEND_HEAD(attend_head_64, R4, 64)
+ATTEND_HEAD(attend_head_128, R8, 128)
 #define KVGATE_ATTEND_HEAD 1
 #endif
 
@@ -169,10 +185,11 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
                          float *row, float *out) {
     const int64_t head_dim = kv->head_dim;
 #ifdef KVGATE_ATTEND_HEAD
-    if ((head_dim == 64 || head_dim == 128) && kv->cache_dtype != KVGATE_I8) {
-        const int64_t row_elems = kv->num_kv_heads * head_dim, size = dtype_size(kv->cache_dtype);
-        const char *k = (const char *)kv->k_cache + kv_head * head_dim * size;
-        const char *v = (const char *)kv->v_cache + kv_head * head_dim * size;
+    if (head_dim == 64 || head_dim == 128) {
+        const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, head_dim);
+        const int64_t row_elems = kv->num_kv_heads * row_bytes / dtype_size(kv->cache_dtype);
+        const char *k = (const char *)kv->k_cache + kv_head * row_bytes;
+        const char *v = (const char *)kv->v_cache + kv_head * row_bytes;
         for (int64_t h = 0; h < group; ++h)
             (head_dim == 64 ? attend_head_64 : attend_head_128)(
                 q + h * head_dim, k, v, kv->cache_dtype, row_elems, context_len, slots, scale,
