@@ -61,15 +61,47 @@ typedef struct {
     int64_t num_kv_heads, head_dim, block_size;
 } paged_kv;
 
-/* Head `kv_head` of the cached token in slot `slot` of one cache (k or v) as float32: a pointer
- * into the cache itself when it is float32, else converted (or dequantized) into `row`. */
-static inline const float *cached_row(const paged_kv *kv, const void *cache, int64_t slot,
-                                      int64_t kv_head, float *row) {
+/* Head `kv_head` of the cached token in slot `slot` of one cache (k or v): its row. */
+static inline const void *cached_row(const paged_kv *kv, const void *cache, int64_t slot,
+                                     int64_t kv_head) {
     const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, kv->head_dim);
-    const char *src = (const char *)cache + (slot * kv->num_kv_heads + kv_head) * row_bytes;
-    if (kv->cache_dtype == KVGATE_F32) return (const float *)src;
-    load_cache_row(src, kv->cache_dtype, kv->head_dim, row);
-    return row;
+    return (const char *)cache + (slot * kv->num_kv_heads + kv_head) * row_bytes;
+}
+
+/* q . the cached row of n values of `dtype` (int8: times the row's scale), in float32. */
+static inline __attribute__((always_inline)) float dot_cached(const float *q, const void *row, int dtype, int64_t n) {
+    if (dtype == KVGATE_F32) return dot(q, row, n);
+    float sum = 0.0f;
+    if (dtype == KVGATE_BF16) {
+        const uint16_t *r = row;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) sum += q[i] * bf16_to_f32(r[i]);
+        return sum;
+    }
+    const int8_t *r = row;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += q[i] * (float)r[i];
+    float scale;
+    memcpy(&scale, r + n, sizeof scale);
+    return sum * scale;
+}
+
+/* y += alpha * the cached row of n values of `dtype` (int8: times the row's scale). */
+static inline __attribute__((always_inline)) void axpy_cached(float *y, float alpha, const void *row, int dtype, int64_t n) {
+    if (dtype == KVGATE_F32) {
+        axpy(y, alpha, row, n);
+    } else if (dtype == KVGATE_BF16) {
+        const uint16_t *r = row;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) y[i] += alpha * bf16_to_f32(r[i]);
+    } else {
+        const int8_t *r = row;
+        float scale;
+        memcpy(&scale, r + n, sizeof scale);
+        alpha *= scale;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) y[i] += alpha * (float)r[i];
+    }
 }
 
 /* The cache slot of each of a sequence's first context_len tokens (walking its block table
@@ -175,14 +207,63 @@ ATTEND_HEAD(attend_head_128, R8, 128)
 #define KVGATE_ATTEND_HEAD 1
 #endif
 
+/* attend_group's loops over one cached row at a time, for any head_dim and cache format. */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
+    const int64_t *slots, int64_t group, float scale, float *scores, float *out,
+    int64_t head_dim, int dtype) {
+    for (int64_t t = 0; t < context_len; ++t) {
+        const void *key = cached_row(kv, kv->k_cache, slots[t], kv_head);
+        for (int64_t h = 0; h < group; ++h)
+            scores[h * context_len + t] = scale * dot_cached(q + h * head_dim, key, dtype, head_dim);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+        softmax_in_place(scores + h * context_len, context_len);
+        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
+    }
+    for (int64_t t = 0; t < context_len; ++t) {
+        const void *value = cached_row(kv, kv->v_cache, slots[t], kv_head);
+        for (int64_t h = 0; h < group; ++h)
+            axpy_cached(out + h * head_dim, scores[h * context_len + t], value, dtype, head_dim);
+    }
+}
+
+/* Heads up to this wide take attend_small: their narrow rows are converted to float32 once per
+ * work item, into kv_rows, rather than once per query head in each dot product. */
+#define SMALL_HEAD_DIM 32
+
+/* attend_rows for a constant head_dim: a float32 cache read in place; another format's rows of
+ * this sequence and KV head converted into kv_rows (2 * context_len * head_dim floats) first,
+ * the slots then rewritten to index them. */
+static inline __attribute__((always_inline)) void attend_small(
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len, int64_t *slots,
+    int64_t group, float scale, float *scores, float *out, float *kv_rows, int64_t head_dim) {
+    if (kv->cache_dtype == KVGATE_F32) {
+        attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                    KVGATE_F32);
+        return;
+    }
+    float *keys = kv_rows, *values = kv_rows + context_len * head_dim;
+    for (int64_t t = 0; t < context_len; ++t) {
+        load_cache_row(cached_row(kv, kv->k_cache, slots[t], kv_head), kv->cache_dtype, head_dim,
+                       keys + t * head_dim);
+        load_cache_row(cached_row(kv, kv->v_cache, slots[t], kv_head), kv->cache_dtype, head_dim,
+                       values + t * head_dim);
+        slots[t] = t;
+    }
+    const paged_kv dense = {keys, values, KVGATE_F32, NULL, 1, head_dim, kv->block_size};
+    attend_rows(q, &dense, 0, context_len, slots, group, scale, scores, out, head_dim, KVGATE_F32);
+}
+
 /*
  * Attention of `group` query heads (q: group * head_dim floats) that share KV head `kv_head`,
  * over a sequence's first `context_len` cached tokens (in `slots`), into out (group * head_dim
- * floats). scores: group * context_len floats of scratch; row: head_dim floats of scratch.
+ * floats). scores: group * context_len floats of scratch; kv_rows: 2 * context_len * head_dim
+ * floats of scratch when head_dim <= SMALL_HEAD_DIM (slots is rewritten then).
  */
 static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
-                         const int64_t *slots, int64_t group, float scale, float *scores,
-                         float *row, float *out) {
+                         int64_t *slots, int64_t group, float scale, float *scores, float *out,
+                         float *kv_rows) {
     const int64_t head_dim = kv->head_dim;
 #ifdef KVGATE_ATTEND_HEAD
     if (head_dim == 64 || head_dim == 128) {
@@ -197,19 +278,19 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
         return;
     }
 #endif
-    for (int64_t t = 0; t < context_len; ++t) {
-        const float *key = cached_row(kv, kv->k_cache, slots[t], kv_head, row);
-        for (int64_t h = 0; h < group; ++h)
-            scores[h * context_len + t] = scale * dot(q + h * head_dim, key, head_dim);
-    }
-    for (int64_t h = 0; h < group; ++h) {
-        softmax_in_place(scores + h * context_len, context_len);
-        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
-    }
-    for (int64_t t = 0; t < context_len; ++t) {
-        const float *value = cached_row(kv, kv->v_cache, slots[t], kv_head, row);
-        for (int64_t h = 0; h < group; ++h)
-            axpy(out + h * head_dim, scores[h * context_len + t], value, head_dim);
+    /* Constant widths let the compiler unroll the row loops of small heads. */
+    switch (head_dim) {
+    case 8: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 8);
+        break;
+    case 16:
+        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 16);
+        break;
+    case 32:
+        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 32);
+        break;
+    default:
+        attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                    kv->cache_dtype);
     }
 }
 
@@ -247,21 +328,23 @@ int64_t kvgate_first_out_of_range(const int64_t *values, int64_t n, int64_t low,
     return -1;
 }
 
-/* Per-thread scratch of the attention loops: scores, one cached row, a query group and its
- * output (float32), and a sequence's cache slots. scores is NULL when malloc failed. */
+/* Per-thread scratch of the attention loops: scores, a query group and its output, and small
+ * heads' converted K/V rows (float32), and a sequence's cache slots. scores is NULL when malloc
+ * failed. */
 typedef struct {
-    float *scores, *row, *q, *out;
+    float *scores, *q, *out, *kv_rows;
     int64_t *slots;
 } attention_scratch;
 
 static attention_scratch scratch_alloc(int64_t group, int64_t head_dim, int64_t max_context) {
     attention_scratch s;
-    const int64_t floats = group * max_context + head_dim + 2 * group * head_dim;
+    const int64_t rows = head_dim <= SMALL_HEAD_DIM ? 2 * max_context * head_dim : 0;
+    const int64_t floats = group * max_context + 2 * group * head_dim + rows;
     s.slots = malloc(sizeof(int64_t) * (size_t)(max_context > 0 ? max_context : 1));
     s.scores = s.slots == NULL ? NULL : malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
-    s.row = s.scores + group * max_context;
-    s.q = s.row + head_dim;
+    s.q = s.scores + group * max_context;
     s.out = s.q + group * head_dim;
+    s.kv_rows = s.out + group * head_dim;
     return s;
 }
 
@@ -283,8 +366,8 @@ static void attend_item(const void *q, int q_dtype, int64_t q_stride, int64_t q_
     const int64_t q_offset = q_row * q_stride + kv_head * width;
     load_row((const char *)q + q_offset * dtype_size(q_dtype), q_dtype, width, s->q);
     sequence_slots(kv, context_len, s->slots);
-    attend_group(s->q, kv, kv_head, context_len, s->slots, group, scale, s->scores, s->row,
-                 s->out);
+    attend_group(s->q, kv, kv_head, context_len, s->slots, group, scale, s->scores, s->out,
+                 s->kv_rows);
     const int64_t out_offset = (out_row * kv->num_kv_heads + kv_head) * width;
     store_row((char *)out + out_offset * dtype_size(out_dtype), out_dtype, s->out, width);
 }
