@@ -69,7 +69,8 @@ static inline const void *cached_row(const paged_kv *kv, const void *cache, int6
 }
 
 /* q . the cached row of n values of `dtype` (int8: times the row's scale), in float32. */
-static inline __attribute__((always_inline)) float dot_cached(const float *q, const void *row, int dtype, int64_t n) {
+static inline __attribute__((always_inline)) float dot_cached(const float *q, const void *row,
+                                                              int dtype, int64_t n) {
     if (dtype == KVGATE_F32) return dot(q, row, n);
     float sum = 0.0f;
     if (dtype == KVGATE_BF16) {
@@ -87,7 +88,9 @@ static inline __attribute__((always_inline)) float dot_cached(const float *q, co
 }
 
 /* y += alpha * the cached row of n values of `dtype` (int8: times the row's scale). */
-static inline __attribute__((always_inline)) void axpy_cached(float *y, float alpha, const void *row, int dtype, int64_t n) {
+static inline __attribute__((always_inline)) void axpy_cached(float *y, float alpha,
+                                                              const void *row, int dtype,
+                                                              int64_t n) {
     if (dtype == KVGATE_F32) {
         axpy(y, alpha, row, n);
     } else if (dtype == KVGATE_BF16) {
@@ -215,7 +218,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int64_t t = 0; t < context_len; ++t) {
         const void *key = cached_row(kv, kv->k_cache, slots[t], kv_head);
         for (int64_t h = 0; h < group; ++h)
-            scores[h * context_len + t] = scale * dot_cached(q + h * head_dim, key, dtype, head_dim);
+            scores[h * context_len + t] =
+                scale * dot_cached(q + h * head_dim, key, dtype, head_dim);
     }
     for (int64_t h = 0; h < group; ++h) {
         softmax_in_place(scores + h * context_len, context_len);
