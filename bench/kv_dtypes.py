@@ -117,12 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     retain_freed_memory()
     result: dict = {"batch": args.batch, "context": args.context, "repeats": args.repeats,
                     "torch_threads": torch.get_num_threads(), "models": {}}  # fmt: skip
-    for name in args.models:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for name in args.models:  # the file is written after each model
         result["models"][name] = measure_model(name, args.formats, args)
         print_model(name, result["models"][name])
-    result["load_average_at_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result["load_average_at_end"] = os.getloadavg()
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
