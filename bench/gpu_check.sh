@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks for kvgate on one CUDA machine (sized for an H200, well under 8 minutes).
+# GPU checks for kvgate on one CUDA machine (sized for an H200, well under 8 minutes; with two
+# or more GPUs the tensor-parallel section adds up to 5).
 # Installs nothing: the machine is offline and must already have torch with CUDA and triton.
 #
 #   bash bench/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
@@ -8,6 +9,8 @@
 # paged decode/prefill attention timings next to PyTorch SDPA, then the engine benchmark
 # (bench/gpu_engine.py): tokens/s at 1 and 64 concurrent requests against transformers
 # generate_batch, and the batch-1 decode step (CUDA graphs and eager) against the bandwidth bound.
+# With two or more GPUs, tensor parallelism last (bench/tensor_parallel.py): two ranks' greedy
+# tokens against one rank's and their tokens/s; with one GPU it says why it is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,5 +50,13 @@ timeout 420 "$PYTHON" -m bench.gpu_kernels || status=$?
 
 # The engine on a random model shaped like Llama-3.2-1B, against transformers generate_batch.
 timeout 240 "$PYTHON" -m bench.gpu_engine || status=$?
+
+# Tensor parallelism: two ranks on two GPUs (NCCL) against one.
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+if (( gpus > 1 )); then
+    timeout 300 "$PYTHON" -m bench.tensor_parallel --device cuda || status=$?
+else
+    echo "gpu_check: tensor parallelism skipped: $gpus CUDA device, two ranks need two GPUs"
+fi
 
 exit "$status"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 
@@ -20,8 +21,11 @@ from executor.faults import install_faults
 from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
 from executor.metrics import ExecutorMetrics
+from executor.ranks import RankStartError
 from executor.service import ExecutorService
 
+# Exit status when the tensor-parallel ranks fall out of step (a rank died): as a crash.
+RANKS_LOST_STATUS = 70
 # Longest time a thread holding the GIL keeps it while another thread asks for it, in seconds.
 GIL_SWITCH_INTERVAL_S = 0.0002
 
@@ -64,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         engine = Engine(config.engine)
-    except (ValueError, FileNotFoundError) as error:  # a model kvgate cannot load, named
+    except (ValueError, FileNotFoundError, RankStartError) as error:  # named for the user
         print(f"executor: {error}", file=sys.stderr)
         health.stop()
         return 2
+    if engine.runner.group is not None:
+        engine.runner.group.on_failure = _exit_ranks_lost
     install_faults(engine)
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
     health.remove_check("model")
@@ -79,7 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         service.run()
     finally:
         health.stop()
+        engine.close()
     return 0
+
+
+def _exit_ranks_lost(reason: str) -> None:
+    """The executor cannot run steps any more: exit, so its requests resume elsewhere."""
+    print(f"executor: tensor parallel: {reason}; exiting", file=sys.stderr, flush=True)
+    os._exit(RANKS_LOST_STATUS)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     policy: str = "fcfs"  # order of the waiting queue within a priority: fcfs or lpm
     lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones
+    # Ranks (processes, one device each on CUDA) splitting the heads and MLP columns.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(
@@ -141,6 +143,18 @@ class EngineConfig:
             "device",
             "'cpu' or 'cuda[:N]'",
             self.device,
+        )
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        _require(isinstance(tp, int) and 1 <= tp <= 64, "tensor_parallel_size", "in [1, 64]", tp)
+        _require(
+            tp == 1 or self.device == "cpu" or self.enforce_eager,
+            "enforce_eager",
+            "set with tensor_parallel_size above 1 on CUDA (decode CUDA graphs are not "
+            "captured across ranks)",
+            self.enforce_eager,
         )
 
 
@@ -291,6 +305,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     _add_memory_flags(add)
     _add_format_flags(add)
     _add_scheduling_flags(add)
+    add(
+        "--tensor-parallel-size",
+        type=int,
+        default=env_int("KVGATE_TENSOR_PARALLEL_SIZE", 1),
+        help="ranks splitting the attention heads and MLP columns (one process, and on CUDA "
+        "one device, each); the model's head counts must divide by it",
+    )
 
 
 def _add_memory_flags(add) -> None:

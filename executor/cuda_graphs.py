@@ -96,7 +96,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         runner = self.runner
-        mc = runner.model_config
+        mc = runner.rank_config
         step = AttentionStep(
             self.positions[:size], self.slot_mapping[:size], runner.cos_sin_cache, size,
             self.block_tables[:size], self.context_lens[:size], *self._no_prefill,

@@ -171,6 +171,11 @@ class Engine:
         finally:
             self.kv_cache.free(req)
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (with one rank there is nothing to
+        stop); the engine cannot step afterwards."""
+        self.runner.close()
+
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
         return bool(self.requests)

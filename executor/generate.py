@@ -65,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(**flags)
         model_text = ModelText(config.model)
         engine = Engine(config)
-        prompts = [model_text.encode(p) for p in prompts_text]
-        completions = generate(engine, prompts, params)
+        try:
+            prompts = [model_text.encode(p) for p in prompts_text]
+            completions = generate(engine, prompts, params)
+        finally:
+            engine.close()
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

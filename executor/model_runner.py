@@ -1,4 +1,5 @@
-"""Owns the model, its KV cache tensors and the per-step input tensors."""
+"""Owns the model, its KV cache tensors and the per-step input tensors; with tensor
+parallelism, this rank's share of them (executor/ranks.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from executor.host_memory import release_freed_memory, retain_freed_memory
 from executor.models.config import ModelConfig
 from executor.models.llama import ForwardContext
 from executor.models.loader import load_model
+from executor.ranks import RankGroup, rank_device, with_all_reduce
 from executor.scheduler import ScheduledRequest, SchedulerOutput
 from kernels import AttentionStep, build_cos_sin_cache, get_kernels
 from kernels.kv_format import KV_CACHE_DTYPES, bytes_per_token_head, cache_row_width
@@ -23,10 +25,20 @@ _CUDA_ACTIVATION_RESERVE_BYTES = 1 << 30  # headroom for activations and the all
 
 
 class ModelRunner:
-    """Loads the model, sizes and allocates the KV cache, and runs one step's forward pass."""
+    """Loads the model, sizes and allocates the KV cache, and runs one step's forward pass.
 
-    def __init__(self, config: EngineConfig) -> None:
+    With config.tensor_parallel_size > 1 the runner made with no `group` is rank 0: it starts
+    the other ranks once its own share has loaded (a follower is made with its `group`).
+    """
+
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
+        self.group = group
+        self.rank = 0 if group is None else group.rank
+        num_ranks = config.tensor_parallel_size
         self.device = torch.device(config.device)
+        if num_ranks > 1:
+            rank_device(config, num_ranks - 1)  # every rank has its device, or a clear error
+            self.device = rank_device(config, self.rank)
         self.dtype = _DTYPES[
             config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         ]
@@ -35,8 +47,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kernels = get_kernels(self.device, config.kernels, self.dtype)
         self.model, self.model_config = load_model(
-            config.model, self.device, self.dtype, config.quantization
+            config.model, self.device, self.dtype, config.quantization, self.rank, num_ranks
         )
+        self.rank_config: ModelConfig = self.model.config  # this rank's heads and columns
         head_dim = self.model_config.head_dim
         if self.kv_cache_dtype == torch.int8 and head_dim % 4:
             raise ValueError(f"--kv-cache-dtype int8 needs a head_dim divisible by 4; this "
@@ -46,7 +59,22 @@ class ModelRunner:
             release_freed_memory()
             if config.retain_freed_memory:
                 retain_freed_memory()
+        if num_ranks > 1:
+            self.group = RankGroup.start(config) if group is None else group.ready()
+            self.kernels = with_all_reduce(self.kernels, self.group)
+        try:
+            self._allocate(config)
+        except BaseException:
+            if self.group is not None:
+                self.group.abort()
+            raise
+
+    def _allocate(self, config: EngineConfig) -> None:
+        """Size and allocate the KV cache (the same block count on every rank), then prepare
+        the kernels' view of the model and, on CUDA, capture the decode graphs."""
         self.num_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(config)
+        if self.group is not None:
+            self.num_blocks = self.group.min(self.num_blocks)
         self.kv_caches = self._allocate_kv_caches()
         self.max_model_len = self._max_model_len(config)
         mc = self.model_config
@@ -61,8 +89,9 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block over every layer, K and V (an int8 cache's scales included)."""
-        mc = self.model_config
+        """Bytes of one KV block on this rank (its key/value heads) over every layer, K and V
+        (an int8 cache's scales included)."""
+        mc = self.rank_config
         per_head = bytes_per_token_head(mc.head_dim, self.kv_cache_dtype)
         return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head * self.block_size
 
@@ -83,7 +112,7 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        mc = self.model_config
+        mc = self.rank_config
         row = cache_row_width(mc.head_dim, self.kv_cache_dtype)
         shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, row)
         caches = []
@@ -132,10 +161,35 @@ class ModelRunner:
         if every_row:
             sample_rows = None
         step = self.kernels.prepare_attention(step, self.kv_caches[0][0])
-        hidden = self.model(input_ids, ForwardContext(step, self.decoder, self.kernels))
+        if self.group is None:
+            hidden = self.forward(input_ids, step)
+        else:
+            try:
+                self.group.send_step(input_ids, step)
+                hidden = self.forward(input_ids, step)
+            except Exception as error:
+                self.group.fail(error)
+                raise
         if sample_rows is not None:
             hidden = hidden[sample_rows]
         return self.model.compute_logits(hidden, self.kernels)
+
+    def forward(self, input_ids: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        """Hidden states of a step prepared by the kernels (every rank runs this)."""
+        return self.model(input_ids, ForwardContext(step, self.decoder, self.kernels))
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A follower rank: run rank 0's steps on this rank's share until rank 0 stops."""
+        template = self._attention_step([], [], [])
+        while (received := self.group.receive_step(template)) is not None:
+            input_ids, step = received
+            self.forward(input_ids, self.kernels.prepare_attention(step, self.kv_caches[0][0]))
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; nothing to do with one rank)."""
+        if self.group is not None and self.rank == 0:
+            self.group.close()
 
     def _prepare(
         self, scheduled: list[ScheduledRequest]
@@ -169,7 +223,7 @@ class ModelRunner:
         cu_seqlens = [0]
         for s in prefill:
             cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
-        mc = self.model_config
+        mc = self.rank_config
         return AttentionStep(
             positions=self._tensor(positions, torch.int64),
             slot_mapping=self._tensor(slots, torch.int64),

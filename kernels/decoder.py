@@ -57,12 +57,14 @@ def decoder_layers_with(
     rms_norm: Callable,
     attention: Callable,
     silu_and_mul: Callable,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> DecoderKernel:
     """The decoder stack from these kernels (signatures of kernels.reference's).
 
     The returned kernel takes (weights, hidden [N, hidden] embeddings, step) and returns
     (hidden, residual): the last layer's output and the running residual sum, which the final
-    norm adds.
+    norm adds. With `all_reduce` (tensor parallelism: each rank holds some heads and MLP
+    columns) the output and down projections' partial sums are summed across the ranks by it.
     """
 
     def project(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -79,9 +81,13 @@ def decoder_layers_with(
             qkv = project(normed, layer.qkv, layer.qkv_bias)
             out = attention(qkv, layer.k_cache, layer.v_cache, step)
             hidden = project(out, layer.o, layer.o_bias)
+            if all_reduce is not None:
+                hidden = all_reduce(hidden)
             normed, residual = rms_norm(hidden, layer.post_norm, weights.eps, residual)
             gate_up = project(normed, layer.gate_up, layer.gate_up_bias)
             hidden = project(silu_and_mul(gate_up), layer.down, layer.down_bias)
+            if all_reduce is not None:
+                hidden = all_reduce(hidden)
         return hidden, residual
 
     return decoder_layers

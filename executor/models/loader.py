@@ -15,6 +15,7 @@ from executor.models.config import ModelConfig, load_model_config
 from executor.models.gguf import read_gguf_checkpoint
 from executor.models.llama import LlamaForCausalLM
 from executor.models.quantize import apply_quantized, quantize_state
+from executor.models.shard import shard_config, shard_quantized, shard_state
 from kernels.quant import QuantizedWeight, concat_rows
 
 _FUSED = {  # our fused parameter -> checkpoint parameters concatenated along dim 0
@@ -75,12 +76,19 @@ def to_kvgate_state_dict(config: ModelConfig, tensors: dict[str, torch.Tensor]) 
 
 
 def load_model(
-    model: str | Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"
+    model: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    rank: int = 0,
+    num_ranks: int = 1,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model that `model` names (a checkpoint folder or a GGUF file) on `device`
     in `dtype`, its linear layers weight-only quantized when `quantization` is "int8" or
     "int4" (from the checkpoint's own weights before they are cast to `dtype`, or GGUF blocks
-    already in the format kept as they are).
+    already in the format kept as they are). With `num_ranks` > 1 the module holds tensor
+    parallel rank `rank`'s share (executor/models/shard.py), and its
+    `config` is that share's; the config returned is the whole model's.
 
     Raises:
         FileNotFoundError: config.json or the weights are missing.
@@ -98,12 +106,17 @@ def load_model(
     state = to_kvgate_state_dict(config, tensors)
     del tensors
     quantized = quantize_state(state, config.num_hidden_layers, quantization, kept)
+    built_config = config
+    if num_ranks > 1:
+        state = shard_state(state, config, rank, num_ranks)
+        quantized = shard_quantized(quantized, config, rank, num_ranks)
+        built_config = shard_config(config, num_ranks)
     # Copied when quantized: a tensor still mapped from the checkpoint file would keep the
     # whole file's pages resident (safetensors maps it), float weights included.
     copy = bool(quantized)
     state = {name: t.to(device=device, dtype=dtype, copy=copy) for name, t in state.items()}
     with torch.device("meta"):
-        built = LlamaForCausalLM(config)
+        built = LlamaForCausalLM(built_config)
     taken = {f"{name}.weight" for name in quantized}
     if config.tie_word_embeddings and "lm_head" in quantized:
         taken.add("embed_tokens.weight")  # read from the quantized output layer

@@ -1,0 +1,110 @@
+"""A real executor process with --tensor-parallel-size 2 behind a real gateway and Redis: the
+streams carry the greedy tokens of a one-rank engine; killing the executor with SIGKILL leaves
+no follower rank behind; a follower that dies makes its executor exit (status 70, like a
+crash), so the gateway moves its requests elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from client.api import KvgateClient
+from common.sampling_params import SamplingParams
+from executor.config import EngineConfig
+from executor.engine import Engine
+from tests.helpers import run_to_completion, wait_for
+from tests.integration.conftest import MODEL, generate
+
+EXECUTOR = "executor-0"
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went", "One day, a bird"]
+MAX_TOKENS = 24
+
+
+def one_rank_tokens(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of an in-process one-rank engine, the prompts run concurrently."""
+    engine = Engine(EngineConfig(model=str(MODEL), num_gpu_blocks=512, block_size=16))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(str(i), ids, params)
+    tokens = run_to_completion(engine)
+    return [tokens[str(i)] for i in range(len(prompt_ids))]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of process `pid` (every thread's)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is alive (a zombie no parent has reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory):
+    return stack_factory(executor_flags=["--tensor-parallel-size", "2"])
+
+
+def followers_of(proc: subprocess.Popen) -> list[int]:
+    followers = [p for p in child_pids(proc.pid) if "executor.rank" in command_line(p)]
+    assert len(followers) == 1, f"expected one follower rank under the executor, got {followers}"
+    return followers
+
+
+def test_two_ranks_serve_one_ranks_greedy_tokens_and_die_with_the_executor(stack):
+    with KvgateClient(stack.address, timeout_s=60) as client:
+        prompt_ids = [client.tokenize(p) for p in PROMPTS]
+    expected = one_rank_tokens(prompt_ids)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        completions = list(
+            pool.map(lambda p: generate(stack.address, p, max_tokens=MAX_TOKENS), PROMPTS)
+        )
+    got = [c.token_ids for c in completions]
+    assert got == expected, f"two ranks through the stack gave {got}, one rank {expected}"
+
+    followers = followers_of(stack.procs[EXECUTOR])
+    stack.stop(EXECUTOR, signal.SIGKILL)
+    wait_for(
+        lambda: not any(running(p) for p in followers),
+        f"follower ranks {followers} to exit after the executor's SIGKILL",
+    )
+
+
+def send_unanswered(address: str) -> None:
+    """A request that makes the executor step; no executor is left to answer it."""
+    try:
+        generate(address, PROMPTS[0], timeout_s=30.0, max_tokens=4)
+    except grpc.RpcError:
+        pass
+
+
+def test_a_dead_follower_makes_its_executor_exit_as_a_crash(stack):
+    if EXECUTOR in stack.procs:
+        stack.stop(EXECUTOR)  # the request below must reach the executor under test
+    stack.start_executor("executor-1")
+    executor = stack.procs["executor-1"]
+    (follower,) = followers_of(executor)
+    os.kill(follower, signal.SIGKILL)
+    threading.Thread(target=send_unanswered, args=(stack.address,), daemon=True).start()
+    status = executor.wait(timeout=30)
+    log = stack.log_path("executor-1").read_text()
+    assert status == 70, f"expected exit status 70, got {status}; log tail: {log[-2000:]}"
+    assert "tensor parallel: a step failed on the ranks" in log, log[-2000:]
