@@ -1,4 +1,5 @@
-"""Quality of a model in bfloat16 and weight-only int8 / int4 against the same model in float32.
+"""Quality of a model in bfloat16, with weight-only int8 / int4, or with a 16-bit or int8 KV
+cache (`kv-bfloat16`, `kv-int8`, `kv-float16` on CUDA) against the same model in float32.
 
     python -m bench.quality --model PATH [--prompts chat|story|random] [--num-prompts 16]
         [--new-tokens 128] [--variants bfloat16 int8 int4] [--out FILE.json]
@@ -11,7 +12,9 @@ variant, along that continuation:
 - mean log-probability gap: the mean over those positions of log p_float32(token) minus
   log p_variant(token) (positive: the variant is less sure of float32's choice);
 - identical greedy prefix: run freely, how many of the variant's own greedy tokens equal
-  float32's before the first difference (mean and minimum over the prompts).
+  float32's before the first difference (mean and minimum over the prompts);
+- token agreement: run freely, the fraction of all positions where the variant's greedy token
+  equals float32's.
 
 `float32` itself is measured too: its teacher-forced agreement with its own greedy decode is
 not always 1.0 (a one-pass prefill sums in another order than step-by-step decode), which shows
@@ -37,6 +40,9 @@ VARIANTS = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    "kv-float16": {"kv_cache_dtype": "float16"},
+    "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
+    "kv-int8": {"kv_cache_dtype": "int8"},
 }
 CHAT_QUESTIONS = (
     "What is the capital of France?",
@@ -105,7 +111,10 @@ def compare(
         picked = torch.arange(len(tokens))
         gaps.extend((ref_lp[picked, target] - var_lp[picked, target]).tolist())
     prefixes = [_common_prefix(a, b) for a, b in zip(continuations, free_runs, strict=True)]
+    same = sum(x == y for a, b in zip(continuations, free_runs, strict=True)
+               for x, y in zip(a, b, strict=True))  # fmt: skip
     return {
+        "token_agreement": same / total,
         "top1_agreement": agree / total,
         "mean_logprob_gap": statistics.fmean(gaps),
         "identical_prefix_mean": statistics.fmean(prefixes),
@@ -187,10 +196,12 @@ def smollm2_quality(model: str, new_tokens: int = 128) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"{result['num_prompts']} prompts x {result['new_tokens']} tokens, against float32")
-    print(f"{'variant':<10}{'top-1 agreement':>17}{'mean logprob gap':>18}{'identical prefix':>26}")
+    print(f"{'variant':<12}{'top-1 agreement':>17}{'mean logprob gap':>18}{'token agreement':>17}"
+          f"{'identical prefix':>26}")  # fmt: skip
     for name, m in result["variants"].items():
         prefix = f"{m['identical_prefix_mean']:.1f} mean, {m['identical_prefix_min']} min"
-        print(f"{name:<10}{m['top1_agreement']:>17.3f}{m['mean_logprob_gap']:>18.4f}{prefix:>26}")
+        print(f"{name:<12}{m['top1_agreement']:>17.3f}{m['mean_logprob_gap']:>18.4f}"
+              f"{m['token_agreement']:>17.3f}{prefix:>26}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,9 @@ POLICIES = ("fcfs", "lpm")
 # What happens to a running request whose KV blocks are taken back: its blocks are copied to
 # the host tier and back when it resumes (swap), or dropped and recomputed (recompute).
 PREEMPTION_MODES = ("swap", "recompute")
+# Formats of the KV cache: auto (the model's dtype), 16-bit floats, or int8 with a float32 scale
+# per cached token and KV head (kernels/kv_format.py). float16 needs CUDA.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 class EngineConfigError(ValueError):
@@ -61,6 +64,7 @@ class EngineConfig:
     session_ttl_s: float = 600.0
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; float32, float16, bfloat16, int8
     quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
@@ -117,6 +121,19 @@ class EngineConfig:
             "dtype",
             "one of float32, float16, bfloat16",
             self.dtype,
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            "one of " + ", ".join(KV_CACHE_DTYPES),
+            self.kv_cache_dtype,
+        )
+        _require(
+            not (self.device == "cpu" and self.kv_cache_dtype == "float16"),
+            "kv_cache_dtype",
+            "auto, float32, bfloat16 or int8 on the CPU (the CPU kernels have no float16; "
+            "bfloat16 takes the same memory)",
+            self.kv_cache_dtype,
         )
         _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
         _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
@@ -379,6 +396,12 @@ def _add_format_flags(add) -> None:
         default=env_str("KVGATE_DTYPE", "auto"),
         help="weights and KV cache: auto (float32 on CPU, bfloat16 on CUDA), float32, "
         "float16 or bfloat16",
+    )
+    add(
+        "--kv-cache-dtype",
+        default=env_str("KVGATE_KV_CACHE_DTYPE", "auto"),
+        help="KV cache format: auto (the model's dtype), float32, float16 (CUDA), bfloat16, "
+        "or int8 (a float32 scale per token and head)",
     )
     add(
         "--enable-prefix-caching",

@@ -17,6 +17,7 @@ from executor.models.loader import load_model
 from executor.ranks import RankGroup, rank_device, with_all_reduce
 from executor.scheduler import ScheduledRequest, SchedulerOutput
 from kernels import AttentionStep, build_cos_sin_cache, get_kernels
+from kernels.kv_format import KV_CACHE_DTYPES, bytes_per_token_head, cache_row_width
 
 logger = logging.getLogger("kvgate.executor")
 
@@ -43,13 +44,17 @@ class ModelRunner:
             config.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         ]
         # The KV cache's own dtype: the kernels take it apart from the activations' dtype.
-        self.kv_cache_dtype = self.dtype
+        self.kv_cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.kernels = get_kernels(self.device, config.kernels, self.dtype)
         self.model, self.model_config = load_model(
             config.model, self.device, self.dtype, config.quantization, self.rank, num_ranks
         )
         self.rank_config: ModelConfig = self.model.config  # this rank's heads and columns
+        head_dim = self.model_config.head_dim
+        if self.kv_cache_dtype == torch.int8 and head_dim % 4:
+            raise ValueError(f"--kv-cache-dtype int8 needs a head_dim divisible by 4; this "
+                             f"model's is {head_dim}")  # fmt: skip
         if self.device.type == "cpu":
             # The checkpoint's float tensors are freed by now: hand their pages back first.
             release_freed_memory()
@@ -89,10 +94,11 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block on this rank (its key/value heads)."""
+        """Bytes of one KV block on this rank (its key/value heads) over every layer, K and V
+        (an int8 cache's scales included)."""
         mc = self.rank_config
-        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
-        return per_token * self.block_size * self.kv_cache_dtype.itemsize
+        per_head = bytes_per_token_head(mc.head_dim, self.kv_cache_dtype)
+        return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head * self.block_size
 
     def _num_blocks_from_memory(self, config: EngineConfig) -> int:
         if self.device.type == "cpu":
@@ -129,12 +135,14 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.rank_config
-        shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        row = cache_row_width(mc.head_dim, self.kv_cache_dtype)
+        shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, row)
         caches = []
         for _ in range(mc.num_hidden_layers):
             kv = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             caches.append((kv[0], kv[1]))
-        logger.info("kv cache: %d blocks of %d tokens", self.num_blocks, self.block_size)
+        logger.info("kv cache: %d blocks of %d tokens, %s", self.num_blocks, self.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."))  # fmt: skip
         return caches
 
     def _max_model_len(self, config: EngineConfig) -> int:

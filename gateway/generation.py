@@ -25,8 +25,9 @@ from common.requeue import attempts_used_up
 from common.sampling_pb import sampling_params_to_pb
 from gateway.accounting import Accounting
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import DeadlineExceeded, ServiceError, Unavailable
+from gateway.errors import DeadlineExceeded, QuotaExceeded, ServiceError, Unavailable
 from gateway.metrics import GatewayMetrics
+from gateway.quotas import Admission
 from gateway.request_queue import RequestQueue
 from gateway.stops import StopStringMatcher
 from gateway.token_sink import (
@@ -116,14 +117,29 @@ class GenerationDeps:
     max_attempts: int = 3  # runs of a request whose executor was lost, before it fails
     accounting: Accounting | None = None  # None: usage is not recorded
 
+    def count_refusal(self, tenant: str, refusal: QuotaExceeded) -> None:
+        if self.accounting is not None:
+            self.accounting.refused(tenant, refusal.limit)
+
 
 class Generation:
     """Streams one validated request."""
 
     def __init__(
-        self, spec: GenerationSpec, deps: GenerationDeps, tenant: str, session_executor_id: str = ""
+        self,
+        spec: GenerationSpec,
+        deps: GenerationDeps,
+        tenant: str,
+        session_executor_id: str = "",
+        admission: Admission | None = None,
     ) -> None:
+        """
+        Args:
+            admission: what the call takes from its tenant's quotas, when not taken yet: it
+                is taken in the round trip that queues the request.
+        """
         self.spec = spec
+        self.admission = admission
         self.deps = deps
         self.tenant = tenant
         self.request_id = internal_request_id(tenant, spec.request_id)
@@ -196,7 +212,11 @@ class Generation:
         so nothing outlives the call, and the client may retry under the same request_id."""
         self.maybe_queued = True
         try:
-            await self.deps.queue.enqueue(self.queued_request())
+            await self.deps.queue.enqueue(self.queued_request(), self.admission)
+        except QuotaExceeded as refusal:
+            self.maybe_queued = False
+            self.deps.count_refusal(self.tenant, refusal)
+            raise
         except ServiceError:
             self.maybe_queued = False
             raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,44 +35,48 @@ STREAM_LEASE_S = 30.0
 # Retry hint of a refusal for open streams: a stream's end cannot be foreseen.
 STREAMS_RETRY_MS = 1000
 
-# KEYS: the tenant's buckets hash, its streams sorted set.
-# ARGV: requests_per_s, tokens_per_min, max_streams, take a request (1/0), stream member to
-# add ('' none), lease ms, generated tokens to take.
-# Returns {0, 0} when admitted (and everything taken), else {limit, retry after ms} with limit
-# 1 = requests per second, 2 = tokens per minute, 3 = open streams; nothing is taken then.
-QUOTA_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rps, tpm, max_streams = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local take, member = ARGV[4] == '1', ARGV[5]
-local lease_ms, charge = tonumber(ARGV[6]), tonumber(ARGV[7])
-local b = redis.call('HMGET', KEYS[1], 'requests', 'tokens', 'at_ms')
-local elapsed = math.max(0, now - (tonumber(b[3]) or now))
-local req_cap = math.max(1, rps)
-local requests = math.min(req_cap, (tonumber(b[1]) or req_cap) + elapsed * rps / 1000)
-local tokens = math.min(tpm, (tonumber(b[2]) or tpm) + elapsed * tpm / 60000)
-if take and rps > 0 and requests < 1 then
-  return {1, math.ceil((1 - requests) * 1000 / rps)}
+# take_quota(buckets hash key, streams sorted set key, args): args are requests_per_s,
+# tokens_per_min, max_streams, take a request (1/0), stream member to add ('' none), lease ms,
+# generated tokens to take. Returns {0, 0} when admitted (and everything taken), else
+# {limit, retry after ms} with limit 1 = requests per second, 2 = tokens per minute, 3 = open
+# streams; nothing is taken then. A Lua function, so that the enqueue script can run it too.
+TAKE_QUOTA = """
+local function take_quota(buckets, streams, a)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local rps, tpm, max_streams = tonumber(a[1]), tonumber(a[2]), tonumber(a[3])
+  local take, member = a[4] == '1', a[5]
+  local lease_ms, charge = tonumber(a[6]), tonumber(a[7])
+  local b = redis.call('HMGET', buckets, 'requests', 'tokens', 'at_ms')
+  local elapsed = math.max(0, now - (tonumber(b[3]) or now))
+  local req_cap = math.max(1, rps)
+  local requests = math.min(req_cap, (tonumber(b[1]) or req_cap) + elapsed * rps / 1000)
+  local tokens = math.min(tpm, (tonumber(b[2]) or tpm) + elapsed * tpm / 60000)
+  if take and rps > 0 and requests < 1 then
+    return {1, math.ceil((1 - requests) * 1000 / rps)}
+  end
+  if take and tpm > 0 and tokens <= 0 then
+    return {2, math.ceil((1 - tokens) * 60000 / tpm)}
+  end
+  if member ~= '' then
+    redis.call('ZREMRANGEBYSCORE', streams, '-inf', now)
+    if redis.call('ZCARD', streams) >= max_streams then return {3, 0} end
+    redis.call('ZADD', streams, now + lease_ms, member)
+    redis.call('PEXPIRE', streams, lease_ms)
+  end
+  if take and rps > 0 then requests = requests - 1 end
+  if tpm > 0 then tokens = tokens - charge end
+  local full_ms = 0
+  if rps > 0 then full_ms = (req_cap - requests) * 1000 / rps end
+  if tpm > 0 then full_ms = math.max(full_ms, (tpm - tokens) * 60000 / tpm) end
+  redis.call('HSET', buckets, 'requests', tostring(requests), 'tokens', tostring(tokens),
+    'at_ms', now)
+  redis.call('PEXPIRE', buckets, math.ceil(full_ms) + 1000)
+  return {0, 0}
 end
-if take and tpm > 0 and tokens <= 0 then
-  return {2, math.ceil((1 - tokens) * 60000 / tpm)}
-end
-if member ~= '' then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= max_streams then return {3, 0} end
-  redis.call('ZADD', KEYS[2], now + lease_ms, member)
-  redis.call('PEXPIRE', KEYS[2], lease_ms)
-end
-if take and rps > 0 then requests = requests - 1 end
-if tpm > 0 then tokens = tokens - charge end
-local full_ms = 0
-if rps > 0 then full_ms = (req_cap - requests) * 1000 / rps end
-if tpm > 0 then full_ms = math.max(full_ms, (tpm - tokens) * 60000 / tpm) end
-redis.call('HSET', KEYS[1], 'requests', tostring(requests), 'tokens', tostring(tokens),
-  'at_ms', now)
-redis.call('PEXPIRE', KEYS[1], math.ceil(full_ms) + 1000)
-return {0, 0}
 """
+# KEYS: the tenant's buckets hash, its streams sorted set. ARGV: take_quota's args.
+QUOTA_SCRIPT = TAKE_QUOTA + "return take_quota(KEYS[1], KEYS[2], ARGV)\n"
 # KEYS: a tenant's streams sorted set. ARGV: lease ms, then the members to renew.
 RENEW_SCRIPT = """
 local t = redis.call('TIME')
@@ -82,6 +87,7 @@ return 0
 """
 ADMITTED = 0
 LIMIT_NAMES = {1: "requests_per_s", 2: "tokens_per_min", 3: "max_streams"}
+BUCKET_LIMITS = (1, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,61 @@ class StreamSlot:
 
     tenant: str
     member: str
+
+
+@dataclass(slots=True)
+class Admission:
+    """What one call takes from its tenant's quotas, all of it or nothing, in one run of
+    take_quota: QUOTA_SCRIPT's (Quotas.take), or the enqueue script's, in the round trip
+    that queues the request (gateway/request_queue.py)."""
+
+    tenant: str
+    limits: TenantLimits
+    keys: list[str]  # the tenant's buckets hash, its streams sorted set
+    args: list[object]  # take_quota's
+    slot: StreamSlot | None  # the place among open streams it takes, if any
+    memory: RefusalMemory
+    sent: bool = False  # to Redis (its answer may not have come back)
+    refused: bool = False  # Redis answered that nothing was taken
+
+    def refusal(self, limit: int, retry_ms: int) -> QuotaExceeded:
+        """Marks it refused, and remembers a bucket's refusal. Returns: the error of
+        take_quota's refusal {limit, retry_ms}."""
+        self.refused = True
+        if limit in BUCKET_LIMITS:
+            self.memory.remember(self.tenant, self.limits, LIMIT_NAMES[limit], retry_ms)
+        return _exceeded(self.tenant, self.limits, LIMIT_NAMES[limit], retry_ms or STREAMS_RETRY_MS)
+
+
+class RefusalMemory:
+    """Each tenant's last refusal by a token bucket, kept until the bucket will have refilled
+    enough (its retry-after: buckets refill on the clock alone, other gateways only take
+    from them), at most max_s (the limits' cache time) and while the tenant's limits read
+    stay those it was refused under. A tenant sending over its rate is refused here
+    meanwhile: before its prompt is tokenized, and without a round trip to Redis."""
+
+    def __init__(self, max_s: float) -> None:
+        self.max_s = max_s
+        # tenant -> (until, retry at, its limits then, the limit's name)
+        self._until: dict[str, tuple[float, float, TenantLimits, str]] = {}
+
+    def remember(self, tenant: str, limits: TenantLimits, limit: str, retry_ms: int) -> None:
+        now = time.monotonic()
+        retry_at = now + retry_ms / 1000
+        self._until[tenant] = (min(retry_at, now + self.max_s), retry_at, limits, limit)
+
+    def check(self, tenant: str, limits: TenantLimits) -> None:
+        """Raises: QuotaExceeded, with the time left to the remembered retry, while a
+        refusal of the tenant is remembered."""
+        remembered = self._until.get(tenant)
+        if remembered is None:
+            return
+        until, retry_at, refused_under, limit = remembered
+        now = time.monotonic()
+        if now >= until or limits != refused_under:
+            del self._until[tenant]
+            return
+        raise _exceeded(tenant, limits, limit, max(1, math.ceil((retry_at - now) * 1000)))
 
 
 def clamp_priority(priority: int, limits: TenantLimits) -> tuple[int, bool]:
@@ -113,6 +174,7 @@ class Quotas:
         self._reads: dict[str, asyncio.Future[TenantLimits]] = {}  # reads under way
         self._held: dict[str, set[str]] = {}  # tenant -> members of its streams held here
         self._gateway_id = uuid.uuid4().hex[:12]
+        self._refusals = RefusalMemory(cache_s)
         self._renewer: asyncio.Task[None] | None = None
 
     async def limits(self, tenant: str) -> TenantLimits:
@@ -138,60 +200,73 @@ class Quotas:
         cached = self._limits.get(tenant)
         return cached[0] if cached is not None else TenantLimits()
 
-    async def admit(
+    def admission(
         self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
-    ) -> StreamSlot | None:
-        """Take one request (take_request) and a place among the tenant's open streams
-        (open_stream), both or neither.
+    ) -> Admission | None:
+        """What to take: one request (take_request) and a place among the tenant's open
+        streams (open_stream); None when the tenant has no such limit. Nothing is taken yet.
 
-        Returns:
-            The place taken, None when none was asked for or the tenant has no such limit.
+        Raises:
+            QuotaExceeded: take_request, and a refusal by a bucket of the tenant is remembered.
+        """
+        if take_request:
+            self._refusals.check(tenant, limits)
+        slot = None
+        if open_stream and limits.max_streams > 0:
+            slot = StreamSlot(tenant, f"{self._gateway_id}/{uuid.uuid4().hex}")
+            # Renewed from now on: a renewal only updates members in Redis (ZADD XX).
+            self._held.setdefault(tenant, set()).add(slot.member)
+        if slot is None and not (take_request and limits.rated):
+            return None
+        args = self._args(limits, take_request, slot.member if slot else "", 0)
+        return Admission(tenant, limits, self._tenant_keys(tenant), args, slot, self._refusals)
+
+    def _tenant_keys(self, tenant: str) -> list[str]:
+        return [self.keys.tenant_buckets(tenant), self.keys.tenant_streams(tenant)]
+
+    def _args(self, limits: TenantLimits, take_request: bool, member: str, charge: int) -> list:
+        """take_quota's args."""
+        return [
+            repr(float(limits.requests_per_s)),
+            limits.tokens_per_min,
+            limits.max_streams,
+            int(take_request),
+            member,
+            self.lease_ms,
+            charge,
+        ]
+
+    async def take(self, admission: Admission) -> None:
+        """Take the admission now, in a round trip of its own.
 
         Raises:
             QuotaExceeded: over a limit, with the time after which to try again.
         """
-        slot = None
-        if open_stream and limits.max_streams > 0:
-            slot = StreamSlot(tenant, f"{self._gateway_id}/{uuid.uuid4().hex}")
-        if slot is None and not (take_request and limits.rated):
-            return None
-        await self._run(tenant, limits, take_request, slot.member if slot else "", 0)
-        if slot is not None:
-            self._held.setdefault(tenant, set()).add(slot.member)
-        return slot
-
-    async def _run(
-        self, tenant: str, limits: TenantLimits, take_request: bool, member: str, charge: int
-    ) -> None:
-        limit, retry_ms = await self._script(
-            keys=[self.keys.tenant_buckets(tenant), self.keys.tenant_streams(tenant)],
-            args=[
-                repr(float(limits.requests_per_s)),
-                limits.tokens_per_min,
-                limits.max_streams,
-                int(take_request),
-                member,
-                self.lease_ms,
-                charge,
-            ],
-        )
+        admission.sent = True
+        limit, retry_ms = await self._script(keys=admission.keys, args=admission.args)
         if limit != ADMITTED:
-            raise _exceeded(tenant, limits, LIMIT_NAMES[limit], retry_ms or STREAMS_RETRY_MS)
+            raise admission.refusal(limit, retry_ms)
 
-    async def close_stream(self, slot: StreamSlot) -> None:
-        """Give the place back."""
+    def forget(self, slot: StreamSlot) -> None:
+        """Stop renewing the place's lease."""
         held = self._held.get(slot.tenant)
         if held is not None:
             held.discard(slot.member)
             if not held:
                 del self._held[slot.tenant]
+
+    async def close_stream(self, slot: StreamSlot) -> None:
+        """Give the place back (forget it first). Called for a place taken, or that may have
+        been (the answer lost to a cancelled call), never for one refused."""
+        self.forget(slot)
         await self.client.zrem(self.keys.tenant_streams(slot.tenant), slot.member)
 
     async def charge_tokens(self, tenant: str, num_tokens: int) -> None:
         """Take a finished request's generated tokens from the tenant's bucket (if it has one)."""
         limits = self.cached_limits(tenant)
         if limits.tokens_per_min > 0 and num_tokens > 0:
-            await self._run(tenant, limits, False, "", num_tokens)
+            args = self._args(limits, False, "", num_tokens)
+            await self._script(keys=self._tenant_keys(tenant), args=args)  # never refused
 
     def start(self) -> None:
         """Start renewing this gateway's stream leases."""

@@ -14,7 +14,7 @@ from common.tenants import TenantLimits
 from gateway.auth import tenant_of
 from gateway.errors import InvalidArgument, NotFound, QuotaExceeded, Refused, ServiceError
 from gateway.generation import Chunk, Generation, GenerationDeps
-from gateway.quotas import Quotas, StreamSlot, clamp_priority
+from gateway.quotas import Admission, Quotas, clamp_priority
 from gateway.request_queue import RequestQueue
 from gateway.sessions import Session, SessionStore
 from gateway.text_work import TextWork
@@ -113,22 +113,34 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             priority_clamped=clamped,
         )
 
-    async def _admit(
+    def _admission(
         self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
-    ) -> StreamSlot | None:
-        """The quotas' admit, with refusals counted."""
+    ) -> Admission | None:
+        """The quotas' admission (not taken yet), refusals counted."""
         try:
-            return await self.quotas.admit(
+            return self.quotas.admission(
                 tenant, limits, take_request=take_request, open_stream=open_stream
             )
         except QuotaExceeded as refusal:
-            if self.deps.accounting is not None:
-                self.deps.accounting.refused(tenant, refusal.limit)
+            self.deps.count_refusal(tenant, refusal)
             raise
 
-    def _close(self, slot: StreamSlot | None) -> None:
-        if slot is not None:
-            self.deps.background.spawn(self.quotas.close_stream(slot), "closing a stream's lease")
+    async def _admit(self, admission: Admission | None) -> None:
+        """Takes the admission now (a round trip of its own), refusals counted."""
+        if admission is None:
+            return
+        try:
+            await self.quotas.take(admission)
+        except QuotaExceeded as refusal:
+            self.deps.count_refusal(admission.tenant, refusal)
+            raise
+
+    def _close(self, admission: Admission | None) -> None:
+        if admission is not None and admission.slot is not None:
+            self.quotas.forget(admission.slot)
+            if admission.sent and not admission.refused:
+                spawn = self.deps.background.spawn
+                spawn(self.quotas.close_stream(admission.slot), "closing a stream's lease")
 
     async def _prompt_of(self, request: inference_pb2.GenerateRequest) -> list[int]:
         if bool(request.prompt) == bool(request.prompt_token_ids):
@@ -147,10 +159,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         tenant = tenant_of(context)
         limits = await self.quotas.limits(tenant)
-        # Quotas first: a refused request costs no tokenization.
-        slot = await self._admit(tenant, limits, take_request=True, open_stream=True)
+        admission = self._admission(tenant, limits, take_request=True, open_stream=True)
         try:
             if request.session_id:
+                # Opening a session writes it: the quotas are taken first, so that a refused
+                # call opens none. Otherwise as the request is queued (one round trip).
+                await self._admit(admission)
                 check_id("session_id", request.session_id)
             spec = self._spec(
                 await self._prompt_of(request),
@@ -165,13 +179,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 if spec.session_id
                 else None
             )
-            generation = Generation(spec, self.deps, tenant, session.executor_id if session else "")
+            executor_id = session.executor_id if session else ""
+            generation = Generation(spec, self.deps, tenant, executor_id, _untaken(admission))
             async for chunk in generation.stream():
                 if chunk.finish_reason is not None and session is not None:
                     await self._record_turn(session, generation, [])
                 yield chunk_to_pb(spec.request_id, chunk)
         finally:
-            self._close(slot)
+            self._close(admission)
 
     async def _record_turn(
         self, session: Session, generation: Generation, new_messages: list[Message]
@@ -222,18 +237,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.ChatResponse]:
         tenant = tenant_of(context)
         limits = await self.quotas.limits(tenant)
-        slot = await self._admit(tenant, limits, take_request=False, open_stream=True)
+        admission = self._admission(tenant, limits, take_request=False, open_stream=True)
         conversation = ChatConversation(tenant, self.max_queued_turns)
-        reader = asyncio.create_task(conversation.read(request_iterator, self.deps))
+        reader = None
         ended_cleanly = False
         try:
+            await self._admit(admission)
+            reader = asyncio.create_task(conversation.read(request_iterator, self.deps))
             while (turn := await conversation.next_turn()) is not None:
                 async for response in self._chat_turn(conversation, turn):
                     yield response
             ended_cleanly = True
         finally:
-            reader.cancel()
-            self._close(slot)
+            if reader is not None:
+                reader.cancel()
+            self._close(admission)
             if not ended_cleanly:
                 self._end_unused_session(conversation)
 
@@ -268,7 +286,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         history = conversation.session.messages if conversation.session else system
         user = Message("user", turn.content)
         limits = await self.quotas.limits(conversation.tenant)
-        await self._admit(conversation.tenant, limits, take_request=True, open_stream=False)
+        admission = self._admission(
+            conversation.tenant, limits, take_request=True, open_stream=False
+        )
+        if conversation.session is None:  # a new session is written before the turn is queued
+            await self._admit(admission)
         prompt = await self._chat_prompt([*history, user])
         spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
         if conversation.session is None:
@@ -276,7 +298,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             conversation.opened_session = True
         session = conversation.session
         spec.session_id = session.session_id
-        generation = Generation(spec, self.deps, conversation.tenant, session.executor_id)
+        generation = Generation(
+            spec, self.deps, conversation.tenant, session.executor_id, _untaken(admission)
+        )
         reply: list[str] = []
         turn_index = session.num_turns
         conversation.running_request_id = generation.request_id
@@ -382,3 +406,8 @@ class ChatConversation:
                 "(--max-queued-turns); send the next turn once a reply has ended",
             )
         return turn
+
+
+def _untaken(admission: Admission | None) -> Admission | None:
+    """The admission, when it is still to be taken (as the request is queued)."""
+    return admission if admission is not None and not admission.sent else None

@@ -2,7 +2,8 @@
 (here), paged attention (kernels/cpu_attention.py) and linear layers (kernels/cpu_linear.py).
 
 Each wrapper has the signature and results of its twin in kernels.reference, for float32 and
-bfloat16 CPU tensors; the KV cache may have either dtype whatever the activations'. The C code
+bfloat16 CPU tensors; the KV cache may be float32, bfloat16 or int8 (rows with their scale,
+kernels/kv_format.py) whatever the activations' dtype. The C code
 (kernels/csrc/) does the rotary embedding and the KV-cache store in one pass each where the
 reference runs a dozen small tensor ops, the greedy argmax down the columns of column-major
 logits, and RMSNorm with its residual add in one pass over row- or column-major activations.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import DTYPE_CODES, build_dir, why_unavailable
+from kernels.cpu_build import CACHE_DTYPE_CODES, DTYPE_CODES, build_dir, why_unavailable
 from kernels.cpu_build import library as _library
 from kernels.validation import (
     check_argmax,
@@ -35,15 +36,16 @@ ACTIVATION_DTYPES = tuple(DTYPE_CODES)
 def check_cpu(
     tensors: dict[str, torch.Tensor], floats: tuple[str, ...], inner_dims: dict[str, int]
 ) -> None:
-    """Raise unless every tensor is on the CPU, `floats` are float32 or bfloat16, and each
-    tensor is contiguous, or for those in `inner_dims`, contiguous in that many trailing dims."""
+    """Raise unless every tensor is on the CPU, `floats` are float32 or bfloat16 (a KV cache,
+    named `*_cache`, may be int8 too), and each tensor is contiguous, or for those in
+    `inner_dims`, contiguous in that many trailing dims."""
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} is on {tensor.device}; the CPU kernels need CPU tensors")
-        if name in floats and tensor.dtype not in DTYPE_CODES:
-            raise ValueError(
-                f"{name} must be float32 or bfloat16 for the CPU kernels, got {tensor.dtype}"
-            )
+        is_cache = name.endswith("_cache")
+        if name in floats and tensor.dtype not in (CACHE_DTYPE_CODES if is_cache else DTYPE_CODES):
+            allowed = "float32, bfloat16 or int8" if is_cache else "float32 or bfloat16"
+            raise ValueError(f"{name} must be {allowed} for the CPU kernels, got {tensor.dtype}")
         if name in inner_dims:
             expect_inner_contiguous(name, tensor, inner_dims[name])
         elif not tensor.is_contiguous():
@@ -79,9 +81,11 @@ def store_kvcache(
     bad = _library().kvgate_store_kvcache(
         key.data_ptr(), token_stride(key), value.data_ptr(), token_stride(value),
         DTYPE_CODES[key.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
-        DTYPE_CODES[k_cache.dtype], slot_mapping.data_ptr(), key.shape[0],
-        key.shape[1] * key.shape[2], num_slots,
+        CACHE_DTYPE_CODES[k_cache.dtype], slot_mapping.data_ptr(), key.shape[0], key.shape[1],
+        key.shape[2], num_slots,
     )  # fmt: skip
+    if bad == -2:
+        raise MemoryError("store_kvcache could not allocate its row buffer")
     if bad >= 0:
         raise ValueError(
             f"slot_mapping[{bad}] = {int(slot_mapping[bad])} is outside the cache's "

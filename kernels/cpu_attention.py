@@ -18,7 +18,8 @@ import torch
 
 from kernels.attention_step import AttentionStep
 from kernels.cpu import check_cpu, token_stride
-from kernels.cpu_build import DTYPE_CODES, AttentionStepStruct, library
+from kernels.cpu_build import CACHE_DTYPE_CODES, DTYPE_CODES, AttentionStepStruct, library
+from kernels.kv_format import cache_head_dim
 from kernels.validation import check_decode, check_kv_caches, check_prefill
 
 
@@ -78,8 +79,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """The CPU twin of kernels.reference.paged_decode_attention (same arguments and result).
 
-    Also requires float32 or bfloat16 contiguous CPU tensors, and checks every block-table
-    entry a sequence's context uses (the C code trusts them).
+    Also requires float32 or bfloat16 contiguous CPU tensors (the caches may be int8), and
+    checks every block-table entry a sequence's context uses (the C code trusts them).
     """
     check_decode(q, k_cache, v_cache, block_tables, context_lens)
     check_cpu(
@@ -96,7 +97,7 @@ def paged_decode_attention(
     check_tables(block_tables, context_lens, num_blocks, block_size)
     failed = library().kvgate_paged_decode_attention(
         q.data_ptr(), DTYPE_CODES[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
-        DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
+        CACHE_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(), context_lens.data_ptr(),
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
         block_tables.shape[1], scale, torch.get_num_threads(),
     )  # fmt: skip
@@ -153,7 +154,7 @@ def paged_prefill_attention(
     check_tables(block_tables, context_lens, num_blocks, block_size, querying)
     failed = library().kvgate_paged_prefill_attention(
         q.data_ptr(), DTYPE_CODES[q.dtype], token_stride(q), k_cache.data_ptr(),
-        v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(),
+        v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype], block_tables.data_ptr(),
         cu_seqlens_q.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
         context_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size,
         block_tables.shape[1], scale, torch.get_num_threads(),
@@ -181,8 +182,8 @@ def prepare_attention(step: AttentionStep, k_cache: torch.Tensor) -> AttentionSt
             the tensor and entry).
     """
     check_kv_caches(k_cache, k_cache)
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if (num_kv_heads, head_dim) != (step.num_kv_heads, step.head_dim):
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    if (num_kv_heads, cache_head_dim(k_cache)) != (step.num_kv_heads, step.head_dim):
         raise ValueError(f"the cache's heads {tuple(k_cache.shape[2:])} differ from the step's "
                          f"({step.num_kv_heads}, {step.head_dim})")  # fmt: skip
     _check_step_indices(step, num_blocks * block_size)
@@ -283,7 +284,7 @@ def attention(
     q_rotated = torch.empty(step.num_tokens, width, dtype=torch.float32)
     failed = library().kvgate_attention_layer(
         ctypes.byref(prepared.struct), qkv.data_ptr(), DTYPE_CODES[qkv.dtype], qkv.stride(0),
-        qkv.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
+        qkv.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
         out.data_ptr(), q_rotated.data_ptr(),
     )  # fmt: skip
     if failed:

@@ -31,8 +31,10 @@ BUILD_DIR_ENV = "KVGATE_BUILD_DIR"
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-funroll-loops", "-fopenmp", "-fPIC")
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LIBS = ("-lmvec", "-lm")
-# The element types the kernels read and write (cpu_common.h's KVGATE_F32, KVGATE_BF16).
+# The element types the kernels read and write (cpu_common.h's KVGATE_F32, KVGATE_BF16), and
+# a KV cache's formats: those, and int8 rows with their scale (KVGATE_I8, kernels/kv_format.py).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2}
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -130,7 +132,7 @@ _SIGNATURES = {
     ),
     "kvgate_rotary": ([_ptr, _ptr, _i64, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _int], _i64),
     "kvgate_store_kvcache": (
-        [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64], _i64,
+        [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64], _i64,
     ),
     "kvgate_argmax_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "kvgate_rms_norm": (

@@ -15,7 +15,7 @@ import torch
 
 from kernels import cpu, cpu_attention, cpu_linear
 from kernels.attention_step import AttentionStep
-from kernels.cpu_build import DTYPE_CODES, DecoderStruct, LayerStruct, library
+from kernels.cpu_build import CACHE_DTYPE_CODES, DTYPE_CODES, DecoderStruct, LayerStruct, library
 from kernels.decoder import DecoderWeights, decoder_layers_with
 from kernels.quant import QuantizedWeight
 
@@ -58,7 +58,7 @@ def prepare_decoder(weights: DecoderWeights) -> DecoderWeights:
             layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
         )  # fmt: skip
     struct = DecoderStruct(layers, len(weights.layers), hidden, intermediate, weights.eps,
-                           DTYPE_CODES[act_dtype], DTYPE_CODES[cache.dtype])  # fmt: skip
+                           DTYPE_CODES[act_dtype], CACHE_DTYPE_CODES[cache.dtype])  # fmt: skip
     weights.prepared = PreparedDecoder(struct, layers, hidden, act_dtype, tuple(cache.shape))
     return weights
 

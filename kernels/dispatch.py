@@ -215,14 +215,16 @@ _BUILDERS = {"triton": _triton_backend, "cpu": _cpu_backend, "reference": _refer
 def get_kernels(
     device: torch.device, backend: str | None = None, dtype: torch.dtype = torch.float32
 ) -> KernelBackend:
-    """The kernels to run on `device` for a model and KV cache of `dtype`.
+    """The kernels to run on `device` for a model of `dtype`. The KV cache's format is the
+    kernels' own argument (kernels/kv_format.py): Triton and the reference take any, the C
+    kernels float32, bfloat16 and int8.
 
     Args:
         device: where the model and KV cache live.
         backend: "triton", "cpu" or "reference"; None reads KVGATE_KERNELS, and when that is
             unset too, picks Triton on CUDA, the CPU kernels on the CPU (float32, bfloat16)
             and the reference kernels where those cannot run.
-        dtype: the model's and KV cache's dtype.
+        dtype: the model's dtype.
 
     Returns:
         The chosen KernelBackend.

@@ -1,7 +1,8 @@
 """PyTorch reference kernels: the twin of every Triton and C kernel.
 
 Attention accumulates in float32 whatever the input dtype and returns the input dtype; the KV
-cache may have another dtype than the activations (values are converted when stored).
+cache may have another dtype than the activations (values are converted when stored), int8
+included (rows with their scale, kernels/kv_format.py).
 """
 
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.attention_step import AttentionStep
 from kernels.decoder import DecoderKernel, DecoderWeights, decoder_layers_with
+from kernels.kv_format import read_cache, to_cache_rows
 from kernels.quant import QuantizedWeight
 from kernels.validation import (
     check_argmax,
@@ -38,7 +40,7 @@ def store_kvcache(
         key: [N, Hkv, D] new keys.
         value: [N, Hkv, D] new values.
         k_cache: [num_blocks, block_size, Hkv, D] key cache, written in place (converted to
-            its dtype).
+            its dtype; int8: quantized rows [.., D + 4], kernels/kv_format.py).
         v_cache: [num_blocks, block_size, Hkv, D] value cache, written in place.
         slot_mapping: [N] int64, slot = block_id * block_size + offset; -1 skips the token.
     """
@@ -46,7 +48,7 @@ def store_kvcache(
     stored = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping.index_select(0, stored)
     for new, cache in ((key, k_cache), (value, v_cache)):
-        rows = new.index_select(0, stored).to(cache.dtype)
+        rows = to_cache_rows(new.index_select(0, stored), cache.dtype)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
 
 
@@ -103,8 +105,8 @@ def paged_decode_attention(
     grouped_q = q.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         grouped_q,
-        keys.float().transpose(1, 2),
-        values.float().transpose(1, 2),
+        read_cache(keys).transpose(1, 2),
+        read_cache(values).transpose(1, 2),
         attn_mask=valid[:, None, None, :],
         scale=scale,
     )
@@ -142,8 +144,8 @@ def _causal_attention(
     mask = key_positions[None, :] <= query_positions[:, None]
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1).unsqueeze(0),
-        keys.float().transpose(0, 1).unsqueeze(0),
-        values.float().transpose(0, 1).unsqueeze(0),
+        read_cache(keys).transpose(0, 1).unsqueeze(0),
+        read_cache(values).transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,

@@ -1,13 +1,17 @@
 """Triton paged attention: flash-decoding for one query per sequence, and varlen causal prefill.
 
 Both read keys and values through the block table a tile of tokens at a time and keep an
-online softmax in float32.
+online softmax in float32. The cache may have another dtype than the queries: cached values are
+converted to the queries' dtype as they are read, and int8 rows are scaled back first
+(kernels/kv_format.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_format import cache_row_width
+from kernels.triton_cache import scale_view
 from kernels.validation import (
     check_decode,
     check_prefill,
@@ -29,12 +33,24 @@ def _kv_rows(
     kv_head,
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    ROW_WIDTH: tl.constexpr,
 ):
-    """Element offsets of `tokens`' rows for one kv head in a contiguous paged cache."""
+    """Element offsets of `tokens`' rows (ROW_WIDTH elements each) for one kv head in a
+    contiguous paged cache."""
     blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
     slots = blocks.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE
-    return (slots * NUM_KV_HEADS + kv_head) * HEAD_DIM
+    return (slots * NUM_KV_HEADS + kv_head) * ROW_WIDTH
+
+
+@triton.jit
+def _load_kv(cache_ptr, scale_ptr, rows, dims, kv_mask, dtype,
+             HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr):  # fmt: skip
+    """A tile of cached rows as `dtype`; int8 rows times their scale (4 bytes after the row)."""
+    x = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0)
+    if QUANTIZED:
+        scales = tl.load(scale_ptr + (rows + HEAD_DIM) // 4)
+        x = x.to(tl.float32) * scales[:, None]
+    return x.to(dtype)
 
 
 @triton.jit
@@ -42,6 +58,8 @@ def _attend_tile(
     q,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     rows,
     dims,
     kv_mask,
@@ -51,16 +69,18 @@ def _attend_tile(
     running_sum,
     acc,
     DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """One online-softmax step over a tile of cached K/V; `visible` masks scores per query."""
-    k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k = _load_kv(k_cache_ptr, k_scale_ptr, rows, dims, kv_mask, q.dtype, HEAD_DIM, QUANTIZED)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
     rescale = tl.exp(running_max - new_max)
     probs = tl.exp(scores - new_max[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = _load_kv(v_cache_ptr, v_scale_ptr, rows, dims, kv_mask, q.dtype, HEAD_DIM, QUANTIZED)
     pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc * rescale[:, None] + pv
 
@@ -70,6 +90,8 @@ def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     part_out_ptr,
@@ -89,6 +111,8 @@ def _decode_partition_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_WIDTH: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,12 +137,13 @@ def _decode_partition_kernel(
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
         rows = _kv_rows(
-            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM
+            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, ROW_WIDTH
         )
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         running_max, running_sum, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, rows, dims, kv_mask, token_mask[None, :], scale,
-            running_max, running_sum, acc, DOT_PRECISION,
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows, dims, kv_mask,
+            token_mask[None, :], scale, running_max, running_sum, acc, DOT_PRECISION, HEAD_DIM,
+            QUANTIZED,
         )  # fmt: skip
     part_index = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + heads) * MAX_PARTITIONS + partition
     out_offsets = part_index[:, None] * HEAD_DIM + dims[None, :]
@@ -167,6 +192,14 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def _cache_format(cache: torch.Tensor, head_dim: int) -> dict[str, object]:
+    """The kernels' constants for the cache's format: its row width and whether it is int8."""
+    return {
+        "ROW_WIDTH": cache_row_width(head_dim, cache.dtype),
+        "QUANTIZED": cache.dtype == torch.int8,
+    }
+
+
 def _kv_tile_size(head_dim: int) -> int:
     return 32 if head_dim > 128 else 64
 
@@ -183,11 +216,6 @@ def _check_triton_attention(
     int_tensors: dict[str, torch.Tensor],
 ) -> None:
     """Layout checks the Triton attention kernels need beyond the shared argument checks."""
-    if q.dtype != k_cache.dtype:
-        raise ValueError(
-            f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}; the Triton "
-            "attention kernels read a cache of the activations' dtype"
-        )
     if q.shape[2] > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {q.shape[2]}")
     expect_triton_device("q", q)
@@ -214,7 +242,8 @@ def paged_decode_attention(
 
     Args:
         q: [B, Hq, D] query at position context_lens[b] - 1; the last dim contiguous.
-        k_cache: [num_blocks, block_size, Hkv, D] contiguous; Hq a multiple of Hkv; D <= 256.
+        k_cache: [num_blocks, block_size, Hkv, D] contiguous, of any cache dtype (int8: rows
+            of D + 4, kernels/kv_format.py); Hq a multiple of Hkv; D <= 256.
         v_cache: [num_blocks, block_size, Hkv, D] contiguous.
         block_tables: [B, max_blocks] int32, rows contiguous; entries past a sequence's
             blocks are never read.
@@ -280,6 +309,8 @@ def _decode_partitions(
         q,
         k_cache,
         v_cache,
+        scale_view(k_cache),
+        scale_view(v_cache),
         block_tables,
         context_lens,
         part_out,
@@ -300,6 +331,7 @@ def _decode_partitions(
         BLOCK_N=min(partition_size, _kv_tile_size(head_dim)),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_num_warps(head_dim),
+        **_cache_format(k_cache, head_dim),
     )
     return part_out, part_max, part_sum
 
@@ -335,6 +367,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     cu_seqlens_ptr,
     context_lens_ptr,
@@ -352,6 +386,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_WIDTH: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -380,13 +416,13 @@ def _prefill_kernel(
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
         rows_kv = _kv_rows(
-            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM
+            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, ROW_WIDTH
         )
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
         running_max, running_sum, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, rows_kv, dims, kv_mask, visible, scale,
-            running_max, running_sum, acc, DOT_PRECISION,
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows_kv, dims, kv_mask,
+            visible, scale, running_max, running_sum, acc, DOT_PRECISION, HEAD_DIM, QUANTIZED,
         )  # fmt: skip
     out = acc / running_sum[:, None]
     out_offsets = (tokens_q[:, None] * (GROUP * NUM_KV_HEADS) + head) * HEAD_DIM + dims[None, :]
@@ -432,8 +468,9 @@ def paged_prefill_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_q_blocks = num_tokens // PREFILL_BLOCK_M + num_seqs
     _prefill_kernel[(num_q_blocks, num_heads)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale, num_seqs,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q, k_cache, v_cache, scale_view(k_cache), scale_view(v_cache), block_tables,
+        cu_seqlens_q, context_lens, out, scale, num_seqs, q.stride(0), q.stride(1),
+        block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -443,5 +480,6 @@ def paged_prefill_attention(
         BLOCK_D=_block_d(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_num_warps(head_dim),
+        **_cache_format(k_cache, head_dim),
     )  # fmt: skip
     return out

@@ -8,7 +8,10 @@ import os
 
 import torch
 
+from kernels.kv_format import SCALE_BYTES, cache_head_dim
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)  # int8: rows with their scale (kernels/kv_format)
 
 
 def expect_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
@@ -41,10 +44,16 @@ def expect_size(name: str, tensor: torch.Tensor, dim: int, size: int, what: str)
 
 
 def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Check a paged K/V cache pair: [num_blocks, block_size, Hkv, D], same shape and dtype."""
+    """Check a paged K/V cache pair: [num_blocks, block_size, Hkv, D], same shape and dtype
+    (int8: [num_blocks, block_size, Hkv, D + 4], D divisible by 4)."""
     layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
     expect_ndim("k_cache", k_cache, 4, layout)
-    expect_dtype("k_cache", k_cache, FLOAT_DTYPES)
+    expect_dtype("k_cache", k_cache, CACHE_DTYPES)
+    if k_cache.dtype == torch.int8 and (k_cache.shape[3] <= SCALE_BYTES or k_cache.shape[3] % 4):
+        raise ValueError(
+            "an int8 k_cache's rows must be head_dim + 4 bytes with head_dim divisible by 4, "
+            f"got shape {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"v_cache must match k_cache, got {tuple(v_cache.shape)} {v_cache.dtype} vs "
@@ -70,10 +79,10 @@ def check_store_kvcache(
     expect_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     if value.shape != key.shape:
         raise ValueError(f"value must match key, got {tuple(value.shape)} vs {tuple(key.shape)}")
-    if key.shape[1:] != k_cache.shape[2:]:
+    cache_heads = (k_cache.shape[2], cache_head_dim(k_cache))
+    if tuple(key.shape[1:]) != cache_heads:
         raise ValueError(
-            f"key heads/head_dim {tuple(key.shape[1:])} differ from the cache's "
-            f"{tuple(k_cache.shape[2:])}"
+            f"key heads/head_dim {tuple(key.shape[1:])} differ from the cache's {cache_heads}"
         )
     expect_dtype("key", key, FLOAT_DTYPES)
     if value.dtype != key.dtype:
@@ -90,7 +99,7 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Check queries [tokens, Hq, D] against the cache: dtype, head_dim, GQA divisibility."""
     expect_ndim("q", q, 3, "[num_tokens, num_heads, head_dim]")
     expect_dtype("q", q, FLOAT_DTYPES)
-    expect_size("q", q, 2, k_cache.shape[3], "the cache's head_dim")
+    expect_size("q", q, 2, cache_head_dim(k_cache), "the cache's head_dim")
     num_kv_heads = k_cache.shape[2]
     if q.shape[1] % num_kv_heads != 0:
         raise ValueError(

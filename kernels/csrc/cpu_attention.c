@@ -10,7 +10,8 @@
  *
  * Layouts (contiguous unless a stride is passed):
  *   q            [num_tokens, num_heads, head_dim]        (activation dtype: float32, bfloat16)
- *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype)
+ *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype:
+ *                float32, bfloat16, or int8 rows of head_dim + 4 bytes, cpu_common.h)
  *   block_tables [num_seqs, max_blocks] int32
  *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
@@ -60,16 +61,50 @@ typedef struct {
     int64_t num_kv_heads, head_dim, block_size;
 } paged_kv;
 
-/* Head `kv_head` of the cached token in slot `slot` of one cache (k or v) as float32: a pointer
- * into the cache itself when it is float32, else converted into `row`. */
-static inline const float *cached_row(const paged_kv *kv, const void *cache, int64_t slot,
-                                      int64_t kv_head, float *row) {
-    const int64_t offset = (slot * kv->num_kv_heads + kv_head) * kv->head_dim;
-    if (kv->cache_dtype == KVGATE_F32) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
+/* Head `kv_head` of the cached token in slot `slot` of one cache (k or v): its row. */
+static inline const void *cached_row(const paged_kv *kv, const void *cache, int64_t slot,
+                                     int64_t kv_head) {
+    const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, kv->head_dim);
+    return (const char *)cache + (slot * kv->num_kv_heads + kv_head) * row_bytes;
+}
+
+/* q . the cached row of n values of `dtype` (int8: times the row's scale), in float32. */
+static inline __attribute__((always_inline)) float dot_cached(const float *q, const void *row,
+                                                              int dtype, int64_t n) {
+    if (dtype == KVGATE_F32) return dot(q, row, n);
+    float sum = 0.0f;
+    if (dtype == KVGATE_BF16) {
+        const uint16_t *r = row;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) sum += q[i] * bf16_to_f32(r[i]);
+        return sum;
+    }
+    const int8_t *r = row;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += q[i] * (float)r[i];
+    float scale;
+    memcpy(&scale, r + n, sizeof scale);
+    return sum * scale;
+}
+
+/* y += alpha * the cached row of n values of `dtype` (int8: times the row's scale). */
+static inline __attribute__((always_inline)) void axpy_cached(float *y, float alpha,
+                                                              const void *row, int dtype,
+                                                              int64_t n) {
+    if (dtype == KVGATE_F32) {
+        axpy(y, alpha, row, n);
+    } else if (dtype == KVGATE_BF16) {
+        const uint16_t *r = row;
 #pragma omp simd
-    for (int64_t i = 0; i < kv->head_dim; ++i) row[i] = bf16_to_f32(src[i]);
-    return row;
+        for (int64_t i = 0; i < n; ++i) y[i] += alpha * bf16_to_f32(r[i]);
+    } else {
+        const int8_t *r = row;
+        float scale;
+        memcpy(&scale, r + n, sizeof scale);
+        alpha *= scale;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) y[i] += alpha * (float)r[i];
+    }
 }
 
 /* The cache slot of each of a sequence's first context_len tokens (walking its block table
@@ -86,11 +121,25 @@ static void sequence_slots(const paged_kv *kv, int64_t context_len, int64_t *slo
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-/* 16 cached elements at `offset` (elements) of a float32 or bfloat16 cache, as float32. */
+/* 16 cached elements at `offset` (elements) of a float32, bfloat16 or int8 cache, as float32
+ * (int8: unscaled; the caller multiplies by the row's scale). */
 static inline __m512 load16(const void *base, int dtype, int64_t offset) {
     if (dtype == KVGATE_F32) return _mm512_loadu_ps((const float *)base + offset);
+    if (dtype == KVGATE_I8) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)((const int8_t *)base + offset));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    }
     const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* The scale of the cached row at `offset` (elements) of head_dim values: an int8 row's own,
+ * 1 for a float row. */
+static inline float row_scale(const void *base, int dtype, int64_t offset, int64_t head_dim) {
+    if (dtype != KVGATE_I8) return 1.0f;
+    float scale;
+    memcpy(&scale, (const int8_t *)base + offset + head_dim, sizeof scale);
+    return scale;
 }
 
 #define R4(X) X(0) X(1) X(2) X(3)
@@ -100,9 +149,10 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset) {
  * One query head over a sequence's cached tokens, head_dim = 16 * (4 or 8) in registers: the
  * query and the output accumulators stay in registers, scores are taken four tokens at a time
  * (independent sums), values are summed into two sets of accumulators (even and odd tokens).
- * k and v point at the head's first element in slot 0; slots are `row` elements apart.
+ * k and v point at the head's first element in slot 0; slots are `row` elements apart. An int8
+ * row's scale multiplies its key's dot product and its value's softmax weight.
  */
-#define ATTEND_HEAD(name, REP)                                                                \
+#define ATTEND_HEAD(name, REP, DIM)                                                           \
     static void name(const float *q, const void *k, const void *v, int dtype, int64_t row,     \
                      int64_t context_len, const int64_t *slots, float scale, float *scores,   \
                      float *out) {                                                             \
@@ -114,27 +164,28 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset) {
             const int64_t o2 = slots[t + 2] * row, o3 = slots[t + 3] * row;                   \
             __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;                                \
             REP(DOT4)                                                                         \
-            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
-            scores[t + 1] = scale * _mm512_reduce_add_ps(a1);                                 \
-            scores[t + 2] = scale * _mm512_reduce_add_ps(a2);                                 \
-            scores[t + 3] = scale * _mm512_reduce_add_ps(a3);                                 \
+            scores[t] = scale * row_scale(k, dtype, o0, DIM) * _mm512_reduce_add_ps(a0);      \
+            scores[t + 1] = scale * row_scale(k, dtype, o1, DIM) * _mm512_reduce_add_ps(a1);  \
+            scores[t + 2] = scale * row_scale(k, dtype, o2, DIM) * _mm512_reduce_add_ps(a2);  \
+            scores[t + 3] = scale * row_scale(k, dtype, o3, DIM) * _mm512_reduce_add_ps(a3);  \
         }                                                                                     \
         for (; t < context_len; ++t) {                                                        \
             const int64_t o0 = slots[t] * row;                                                \
             __m512 a0 = zero;                                                                 \
             REP(DOT1)                                                                         \
-            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
+            scores[t] = scale * row_scale(k, dtype, o0, DIM) * _mm512_reduce_add_ps(a0);      \
         }                                                                                     \
         softmax_in_place(scores, context_len);                                                \
         REP(DECLARE_OUT)                                                                      \
         for (t = 0; t + 2 <= context_len; t += 2) {                                           \
-            const __m512 p0 = _mm512_set1_ps(scores[t]), p1 = _mm512_set1_ps(scores[t + 1]);  \
             const int64_t o0 = slots[t] * row, o1 = slots[t + 1] * row;                       \
+            const __m512 p0 = _mm512_set1_ps(scores[t] * row_scale(v, dtype, o0, DIM));       \
+            const __m512 p1 = _mm512_set1_ps(scores[t + 1] * row_scale(v, dtype, o1, DIM));   \
             REP(AXPY2)                                                                        \
         }                                                                                     \
         if (t < context_len) {                                                                \
-            const __m512 p0 = _mm512_set1_ps(scores[t]);                                      \
             const int64_t o0 = slots[t] * row;                                                \
+            const __m512 p0 = _mm512_set1_ps(scores[t] * row_scale(v, dtype, o0, DIM));       \
             REP(AXPY1)                                                                        \
         }                                                                                     \
         REP(STORE_OUT)                                                                        \
@@ -154,25 +205,76 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset) {
 #define AXPY1(i) even##i = _mm512_fmadd_ps(p0, load16(v, dtype, o0 + 16 * (i)), even##i);
 #define STORE_OUT(i) _mm512_storeu_ps(out + 16 * (i), _mm512_add_ps(even##i, odd##i));
 
-ATTEND_HEAD(attend_head_64, R4)
-ATTEND_HEAD(attend_head_128, R8)
+ATTEND_HEAD(attend_head_64, R4, 64)
+ATTEND_HEAD(attend_head_128, R8, 128)
 #define KVGATE_ATTEND_HEAD 1
 #endif
+
+/* attend_group's loops over one cached row at a time, for any head_dim and cache format. */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
+    const int64_t *slots, int64_t group, float scale, float *scores, float *out,
+    int64_t head_dim, int dtype) {
+    for (int64_t t = 0; t < context_len; ++t) {
+        const void *key = cached_row(kv, kv->k_cache, slots[t], kv_head);
+        for (int64_t h = 0; h < group; ++h)
+            scores[h * context_len + t] =
+                scale * dot_cached(q + h * head_dim, key, dtype, head_dim);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+        softmax_in_place(scores + h * context_len, context_len);
+        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
+    }
+    for (int64_t t = 0; t < context_len; ++t) {
+        const void *value = cached_row(kv, kv->v_cache, slots[t], kv_head);
+        for (int64_t h = 0; h < group; ++h)
+            axpy_cached(out + h * head_dim, scores[h * context_len + t], value, dtype, head_dim);
+    }
+}
+
+/* Heads up to this wide take attend_small: their narrow rows are converted to float32 once per
+ * work item, into kv_rows, rather than once per query head in each dot product. */
+#define SMALL_HEAD_DIM 32
+
+/* attend_rows for a constant head_dim: a float32 cache read in place; another format's rows of
+ * this sequence and KV head converted into kv_rows (2 * context_len * head_dim floats) first,
+ * the slots then rewritten to index them. */
+static inline __attribute__((always_inline)) void attend_small(
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len, int64_t *slots,
+    int64_t group, float scale, float *scores, float *out, float *kv_rows, int64_t head_dim) {
+    if (kv->cache_dtype == KVGATE_F32) {
+        attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                    KVGATE_F32);
+        return;
+    }
+    float *keys = kv_rows, *values = kv_rows + context_len * head_dim;
+    for (int64_t t = 0; t < context_len; ++t) {
+        load_cache_row(cached_row(kv, kv->k_cache, slots[t], kv_head), kv->cache_dtype, head_dim,
+                       keys + t * head_dim);
+        load_cache_row(cached_row(kv, kv->v_cache, slots[t], kv_head), kv->cache_dtype, head_dim,
+                       values + t * head_dim);
+        slots[t] = t;
+    }
+    const paged_kv dense = {keys, values, KVGATE_F32, NULL, 1, head_dim, kv->block_size};
+    attend_rows(q, &dense, 0, context_len, slots, group, scale, scores, out, head_dim, KVGATE_F32);
+}
 
 /*
  * Attention of `group` query heads (q: group * head_dim floats) that share KV head `kv_head`,
  * over a sequence's first `context_len` cached tokens (in `slots`), into out (group * head_dim
- * floats). scores: group * context_len floats of scratch; row: head_dim floats of scratch.
+ * floats). scores: group * context_len floats of scratch; kv_rows: 2 * context_len * head_dim
+ * floats of scratch when head_dim <= SMALL_HEAD_DIM (slots is rewritten then).
  */
 static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
-                         const int64_t *slots, int64_t group, float scale, float *scores,
-                         float *row, float *out) {
+                         int64_t *slots, int64_t group, float scale, float *scores, float *out,
+                         float *kv_rows) {
     const int64_t head_dim = kv->head_dim;
 #ifdef KVGATE_ATTEND_HEAD
     if (head_dim == 64 || head_dim == 128) {
-        const int64_t row_elems = kv->num_kv_heads * head_dim, size = dtype_size(kv->cache_dtype);
-        const char *k = (const char *)kv->k_cache + kv_head * head_dim * size;
-        const char *v = (const char *)kv->v_cache + kv_head * head_dim * size;
+        const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, head_dim);
+        const int64_t row_elems = kv->num_kv_heads * row_bytes / dtype_size(kv->cache_dtype);
+        const char *k = (const char *)kv->k_cache + kv_head * row_bytes;
+        const char *v = (const char *)kv->v_cache + kv_head * row_bytes;
         for (int64_t h = 0; h < group; ++h)
             (head_dim == 64 ? attend_head_64 : attend_head_128)(
                 q + h * head_dim, k, v, kv->cache_dtype, row_elems, context_len, slots, scale,
@@ -180,19 +282,19 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
         return;
     }
 #endif
-    for (int64_t t = 0; t < context_len; ++t) {
-        const float *key = cached_row(kv, kv->k_cache, slots[t], kv_head, row);
-        for (int64_t h = 0; h < group; ++h)
-            scores[h * context_len + t] = scale * dot(q + h * head_dim, key, head_dim);
-    }
-    for (int64_t h = 0; h < group; ++h) {
-        softmax_in_place(scores + h * context_len, context_len);
-        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
-    }
-    for (int64_t t = 0; t < context_len; ++t) {
-        const float *value = cached_row(kv, kv->v_cache, slots[t], kv_head, row);
-        for (int64_t h = 0; h < group; ++h)
-            axpy(out + h * head_dim, scores[h * context_len + t], value, head_dim);
+    /* Constant widths let the compiler unroll the row loops of small heads. */
+    switch (head_dim) {
+    case 8: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 8);
+        break;
+    case 16:
+        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 16);
+        break;
+    case 32:
+        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 32);
+        break;
+    default:
+        attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                    kv->cache_dtype);
     }
 }
 
@@ -230,21 +332,23 @@ int64_t kvgate_first_out_of_range(const int64_t *values, int64_t n, int64_t low,
     return -1;
 }
 
-/* Per-thread scratch of the attention loops: scores, one cached row, a query group and its
- * output (float32), and a sequence's cache slots. scores is NULL when malloc failed. */
+/* Per-thread scratch of the attention loops: scores, a query group and its output, and small
+ * heads' converted K/V rows (float32), and a sequence's cache slots. scores is NULL when malloc
+ * failed. */
 typedef struct {
-    float *scores, *row, *q, *out;
+    float *scores, *q, *out, *kv_rows;
     int64_t *slots;
 } attention_scratch;
 
 static attention_scratch scratch_alloc(int64_t group, int64_t head_dim, int64_t max_context) {
     attention_scratch s;
-    const int64_t floats = group * max_context + head_dim + 2 * group * head_dim;
+    const int64_t rows = head_dim <= SMALL_HEAD_DIM ? 2 * max_context * head_dim : 0;
+    const int64_t floats = group * max_context + 2 * group * head_dim + rows;
     s.slots = malloc(sizeof(int64_t) * (size_t)(max_context > 0 ? max_context : 1));
     s.scores = s.slots == NULL ? NULL : malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
-    s.row = s.scores + group * max_context;
-    s.q = s.row + head_dim;
+    s.q = s.scores + group * max_context;
     s.out = s.q + group * head_dim;
+    s.kv_rows = s.out + group * head_dim;
     return s;
 }
 
@@ -266,8 +370,8 @@ static void attend_item(const void *q, int q_dtype, int64_t q_stride, int64_t q_
     const int64_t q_offset = q_row * q_stride + kv_head * width;
     load_row((const char *)q + q_offset * dtype_size(q_dtype), q_dtype, width, s->q);
     sequence_slots(kv, context_len, s->slots);
-    attend_group(s->q, kv, kv_head, context_len, s->slots, group, scale, s->scores, s->row,
-                 s->out);
+    attend_group(s->q, kv, kv_head, context_len, s->slots, group, scale, s->scores, s->out,
+                 s->kv_rows);
     const int64_t out_offset = (out_row * kv->num_kv_heads + kv_head) * width;
     store_row((char *)out + out_offset * dtype_size(out_dtype), out_dtype, s->out, width);
 }
@@ -382,14 +486,13 @@ static void rotate_and_store(const kvgate_attention_step *st, const char *row, i
                         q_rotated + t * q_width);
     const int64_t slot = st->slot_mapping[t];
     if (slot < 0) return;
+    const int64_t slot_bytes = st->num_kv_heads * cache_row_bytes(cache_dtype, d);
     kvgate_rotate_heads(row + q_width * element, act_dtype, feature_stride, st->num_kv_heads, d,
                         cos_sin, key);
-    store_row((char *)k_cache + slot * kv_width * dtype_size(cache_dtype), cache_dtype, key,
-              kv_width);
+    store_cache_rows((char *)k_cache + slot * slot_bytes, cache_dtype, key, st->num_kv_heads, d);
     const char *value = row + (q_width + kv_width) * element;
-    for (int64_t i = 0; i < kv_width; ++i)
-        store_elem((char *)v_cache + slot * kv_width * dtype_size(cache_dtype), cache_dtype, i,
-                   load_elem(value, act_dtype, i * feature_stride));
+    for (int64_t i = 0; i < kv_width; ++i) key[i] = load_elem(value, act_dtype, i * feature_stride);
+    store_cache_rows((char *)v_cache + slot * slot_bytes, cache_dtype, key, st->num_kv_heads, d);
 }
 
 /*

@@ -9,11 +9,14 @@
 #ifndef KVGATE_CPU_COMMON_H
 #define KVGATE_CPU_COMMON_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Element types, as kernels/cpu_build.py numbers them. */
-enum { KVGATE_F32 = 0, KVGATE_BF16 = 1 };
+/* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8 is a KV-cache format only:
+ * each (token, KV head) row is head_dim int8 values, then their float32 scale (4 bytes), and
+ * reads back as value * scale (kernels/kv_format.py says why one scale per row). */
+enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2 };
 
 static inline float bf16_to_f32(uint16_t bits) {
     const uint32_t widened = (uint32_t)bits << 16;
@@ -69,7 +72,53 @@ static inline void store_row(void *dst, int dtype, const float *src, int64_t n) 
     }
 }
 
-static inline int64_t dtype_size(int dtype) { return dtype == KVGATE_BF16 ? 2 : 4; }
+static inline int64_t dtype_size(int dtype) {
+    return dtype == KVGATE_BF16 ? 2 : dtype == KVGATE_I8 ? 1 : 4;
+}
+
+/* Bytes of one cached (token, KV head) row of head_dim values; an int8 row's scale included. */
+static inline int64_t cache_row_bytes(int dtype, int64_t head_dim) {
+    return dtype == KVGATE_I8 ? head_dim + 4 : head_dim * dtype_size(dtype);
+}
+
+/* head_dim values into an int8 cache row: s = max|x| / 127, round(x / s) half to even, 0 where
+ * s = 0, then s. Not fast-math, so x / s rounds as the PyTorch reference's does. */
+__attribute__((optimize("no-fast-math"))) static inline void quantize_row(const float *x,
+                                                                           int64_t head_dim,
+                                                                           int8_t *row) {
+    float max_abs = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) max_abs = fabsf(x[i]) > max_abs ? fabsf(x[i]) : max_abs;
+    const float scale = max_abs / 127.0f;
+    for (int64_t i = 0; i < head_dim; ++i) {
+        const float q = scale > 0.0f ? nearbyintf(x[i] / scale) : 0.0f;
+        row[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
+    }
+    memcpy(row + head_dim, &scale, sizeof scale);
+}
+
+/* One token's num_heads rows of head_dim float32 values into a cache slot of `dtype`. */
+static inline void store_cache_rows(void *dst, int dtype, const float *src, int64_t num_heads,
+                                    int64_t head_dim) {
+    if (dtype != KVGATE_I8) {
+        store_row(dst, dtype, src, num_heads * head_dim);
+        return;
+    }
+    for (int64_t h = 0; h < num_heads; ++h)
+        quantize_row(src + h * head_dim, head_dim, (int8_t *)dst + h * (head_dim + 4));
+}
+
+/* One cached row of `dtype` (head_dim values) as float32. */
+static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, float *dst) {
+    if (dtype != KVGATE_I8) {
+        load_row(src, dtype, head_dim, dst);
+        return;
+    }
+    const int8_t *values = src;
+    float scale;
+    memcpy(&scale, values + head_dim, sizeof scale);
+#pragma omp simd
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = (float)values[i] * scale;
+}
 
 /* Rotary embedding (rotate_half style) of one token's `num_heads` heads of x (element (h, d) at
  * x[(h * head_dim + d) * stride], of `dtype`) with cos = cos_sin[:head_dim / 2] and sin the

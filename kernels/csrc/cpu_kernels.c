@@ -97,38 +97,35 @@ int64_t kvgate_rotary(const int64_t *positions, const float *cos_sin, int64_t ma
     return failed ? -2 : -1;
 }
 
-/* row_width elements of src_dtype into dst of dst_dtype (rounded when narrower). */
-static void convert_row(const void *src, int src_dtype, void *dst, int dst_dtype,
-                        int64_t row_width) {
-    if (src_dtype == dst_dtype) {
-        memcpy(dst, src, (size_t)(row_width * dtype_size(src_dtype)));
-        return;
-    }
-    for (int64_t i = 0; i < row_width; ++i)
-        store_elem(dst, dst_dtype, i, load_elem(src, src_dtype, i));
-}
-
 /*
- * Copy each token's key and value rows (row_width elements of src_dtype, contiguous; tokens
- * key_stride / value_stride elements apart) into the cache slot slot_mapping[t] as cache_dtype;
- * -1 skips. Returns the index of the first token whose slot is outside [-1, num_slots), or -1
- * (and then every row was written; on an error nothing is).
+ * Copy each token's key and value rows (num_kv_heads * head_dim elements of src_dtype,
+ * contiguous; tokens key_stride / value_stride elements apart) into the cache slot
+ * slot_mapping[t] as cache_dtype (int8: quantized per head, cpu_common.h); -1 skips. Returns
+ * the index of the first token whose slot is outside [-1, num_slots), or -1 (and then every
+ * row was written; on an error nothing is).
  */
 int64_t kvgate_store_kvcache(const void *key, int64_t key_stride, const void *value,
                              int64_t value_stride, int src_dtype, void *k_cache, void *v_cache,
                              int cache_dtype, const int64_t *slot_mapping, int64_t num_tokens,
-                             int64_t row_width, int64_t num_slots) {
+                             int64_t num_kv_heads, int64_t head_dim, int64_t num_slots) {
     for (int64_t t = 0; t < num_tokens; ++t)
         if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return t;
-    const int64_t src_size = dtype_size(src_dtype), row_bytes = row_width * dtype_size(cache_dtype);
+    const int64_t src_size = dtype_size(src_dtype);
+    const int64_t row_bytes = num_kv_heads * cache_row_bytes(cache_dtype, head_dim);
+    const int64_t width = num_kv_heads * head_dim;
+    float *row = malloc(sizeof(float) * (size_t)width);
+    if (row == NULL) return -2;
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        convert_row((const char *)key + t * key_stride * src_size, src_dtype,
-                    (char *)k_cache + slot * row_bytes, cache_dtype, row_width);
-        convert_row((const char *)value + t * value_stride * src_size, src_dtype,
-                    (char *)v_cache + slot * row_bytes, cache_dtype, row_width);
+        load_row((const char *)key + t * key_stride * src_size, src_dtype, width, row);
+        store_cache_rows((char *)k_cache + slot * row_bytes, cache_dtype, row, num_kv_heads,
+                         head_dim);
+        load_row((const char *)value + t * value_stride * src_size, src_dtype, width, row);
+        store_cache_rows((char *)v_cache + slot * row_bytes, cache_dtype, row, num_kv_heads,
+                         head_dim);
     }
+    free(row);
     return -1;
 }
 

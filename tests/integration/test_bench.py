@@ -132,3 +132,23 @@ def test_the_grpc_floor_server_streams_a_token_to_the_bench_client():
     ttfts = grpc_floor_ttft_ms([[5, 6, 7], [8, 9]], interval_s=0.0)
     # grpc_ttft_ms stops its clock at the first chunk with tokens and fails without one.
     assert len(ttfts) == 2 and all(t > 0 for t in ttfts), ttfts
+
+
+def test_secure_hops_times_every_hop_against_plain_and_tls_peers(tmp_path):
+    """bench/secure_hops.py against its real redis-servers (plain, TLS with an ACL user) and
+    gRPC servers (plain, TLS, mutual TLS): every hop has both sides' samples."""
+    out = tmp_path / "hops.json"
+    command = [sys.executable, "-m", "bench.secure_hops", "--pairs", "3", "--out", str(out)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    results = json.loads(out.read_text())
+    hops = {name: value for name, value in results.items() if isinstance(value, dict)}
+    assert set(hops) == {
+        "admission_three_round_trips",
+        "admission_two_round_trips",
+        "admission_one_round_trip",
+        "blocking_client_round_trip",
+        "grpc_call_tls",
+        "grpc_call_mutual_tls",
+    }, hops
+    for name, hop in hops.items():
+        assert hop["plain_p50_ms"] > 0 and hop["secured_p50_ms"] > 0, (name, hop)

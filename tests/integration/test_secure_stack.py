@@ -15,6 +15,7 @@ from client.api import KvgateClient, TLSFiles, sampling_params
 from deploy.stack import RedisSecurity, Stack
 from protos.kvgate.v1 import inference_pb2 as pb
 from tests.certs import CertificateAuthority
+from tests.helpers import wait_for
 from tests.integration.conftest import start_stack
 
 REDIS_PASSWORD = "redis-pass-7f3a9c"  # noqa: S105 (a test's own Redis)
@@ -90,8 +91,13 @@ def test_tenants_do_not_share_the_prefix_cache(secure) -> None:
 def test_admin_usage_reads_the_tls_redis(secure, capsys) -> None:
     stack, ca, keys = secure
     completion(stack, ca, keys["b"])
-    report = admin.usage_report(stack.redis(), stack.keys, "b", days=1)
-    assert report and all(day["requests"] >= 1 for day in report["b"].values()), report
+
+    def counted() -> dict | None:
+        # The gateway writes usage in batches (gateway/accounting.py USAGE_WRITE_DELAY_S).
+        report = admin.usage_report(stack.redis(), stack.keys, "b", days=1)
+        return report if report and all(d["requests"] >= 1 for d in report["b"].values()) else None
+
+    wait_for(counted, "tenant b's request in the usage report")
     assert admin.main(["--redis-url", stack.redis_url, "usage", "--tenant", "b"]) == 0
     assert "total" in capsys.readouterr().out
 

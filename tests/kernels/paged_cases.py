@@ -153,3 +153,15 @@ def strided_prefill_case() -> tuple[PagedCase, torch.Tensor, torch.Tensor]:
     case = make_paged_case(gen, [9, 20], 4, 1, 8)
     qkv = torch.randn(29, 4 * 8 + 2 * 8, generator=gen)
     return case, qkv[:, : 4 * 8].view(29, 4, 8), cu_seqlens([9, 20])
+
+
+def in_cache_format(case: PagedCase, dtype: torch.dtype) -> PagedCase:
+    """The same case with its caches converted to `dtype` (int8: quantized rows with scales)."""
+    from kernels.kv_format import to_cache_rows
+
+    return PagedCase(
+        to_cache_rows(case.k_cache, dtype),
+        to_cache_rows(case.v_cache, dtype),
+        case.block_tables,
+        case.context_lens,
+    )

@@ -8,9 +8,9 @@ import sys
 from tokenizers import Tokenizer
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
+from executor.config import EngineConfig, pop_engine_config
 from executor.engine import Engine
-from executor.generate import generate
+from executor.generate import build_parser, generate, main
 from tests.helpers import REPO, STORIES_260K
 
 PROMPTS = ["Once upon a time", "The little dog"]
@@ -37,3 +37,10 @@ def test_a_bad_flag_is_a_clear_error():
     argv += ["--prompt", "hi", "--max-tokens", "0"]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "max_tokens" in done.stderr, done.stderr
+
+
+def test_the_command_takes_the_kv_cache_dtype_and_names_it_when_bad():
+    argv = ["--model", str(STORIES_260K), "--prompt", "hi", "--kv-cache-dtype"]
+    assert pop_engine_config(vars(build_parser().parse_args([*argv, "int8"]))).kv_cache_dtype \
+        == "int8"  # fmt: skip
+    assert main([*argv, "float16"]) == 2

@@ -1,0 +1,130 @@
+"""KV cache formats against the float32 cache, in one run per model: greedy agreement, KV
+blocks per GiB and decode throughput.
+
+    python -m bench.kv_dtypes [--models stories260K smollm2] [--formats bfloat16 int8]
+        [--batch 16] [--context 256] [--repeats 3] [--threads 1]
+        [--out bench/results/kv_dtypes.json]
+
+For each model (a float32 engine on the CPU; stories260K with its story starts, SmolLM2-135M-
+Instruct with bench.quality's chat questions):
+
+- agreement: bench.quality's measures of each cache format against the float32 cache on 16
+  prompts x 128 greedy tokens (EOS ignored): token agreement (the fraction of free-running
+  greedy tokens equal to the float32 cache's), the identical greedy prefix, and teacher-forced
+  top-1 agreement;
+- blocks per GiB: the engine's own sizing with --kv-cache-gib 1 (an int8 cache's scales
+  counted), and its ratio to the float32 cache's;
+- decode throughput: --batch streams decoding at --context tokens (tokens/s of the median
+  decode step, bench.bench_engine.decode_step_ms), each format in a fresh engine, the best of
+  --repeats rounds interleaved across formats (bench.bench_engine.best_rates), and its ratio
+  to the float32 cache's measured in the same rounds. One torch thread by default: on a
+  machine shared with other work, a parallel region waits for its slowest thread, and steps of
+  two threads on two busy cores ran from 1 ms to 600 ms at random.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from bench.bench_engine import best_rates, decode_step_ms
+from bench.quality import measure_quality, tokenized_prompts
+from common.model_files import default_gguf_path
+from executor.config import EngineConfig
+from executor.engine import Engine
+from executor.host_memory import retain_freed_memory
+
+STORIES_260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+MODELS = {"stories260K": (STORIES_260K, "story"), "smollm2": (None, "chat")}
+
+
+def model_path(name: str) -> str:
+    path, _ = MODELS[name]
+    return str(path if path is not None else default_gguf_path())
+
+
+def blocks_per_gib(model: str, kv_cache_dtype: str) -> int:
+    engine = Engine(EngineConfig(model=model, kv_cache_gib=1.0, kv_cache_dtype=kv_cache_dtype))
+    return engine.runner.num_blocks
+
+
+def decode_measure(model: str, kv_cache_dtype: str, batch: int, context: int):
+    """A callable: a fresh engine with this cache format, then its decode tokens/s."""
+
+    def measure() -> float:
+        engine = Engine(EngineConfig(model=model, kv_cache_gib=0.5, max_num_seqs=batch,
+                                     kv_cache_dtype=kv_cache_dtype))  # fmt: skip
+        decode_step_ms(engine, 8, batch=2, steps=2)  # warm up
+        return 1000 * batch / decode_step_ms(engine, context, batch=batch, steps=16)
+
+    return measure
+
+
+def measure_model(name: str, formats: list[str], args: argparse.Namespace) -> dict:
+    model, prompt_kind = model_path(name), MODELS[name][1]
+    prompts = tokenized_prompts(model, prompt_kind, 16)
+    quality = measure_quality(model, prompts, 128, tuple(f"kv-{f}" for f in formats))
+    every = ["float32", *formats]
+    blocks = {f: blocks_per_gib(model, f) for f in every}
+    measures = {f: decode_measure(model, f, args.batch, args.context) for f in every}
+    best, samples = best_rates(measures, args.repeats)
+    return {
+        "model": model,
+        "prompts": prompt_kind,
+        "agreement": {f: quality["variants"][f"kv-{f}"] for f in formats},
+        "blocks_per_gib": blocks,
+        "blocks_per_gib_over_float32": {f: blocks[f] / blocks["float32"] for f in every},
+        "decode_tokens_per_s": best,
+        "decode_samples_tokens_per_s": samples,
+        "decode_over_float32": {f: best[f] / best["float32"] for f in every},
+    }
+
+
+def print_model(name: str, result: dict) -> None:
+    print(f"{name}: against the float32 cache")
+    print(f"{'cache':<10}{'token agr.':>11}{'top-1 agr.':>11}{'prefix':>8}{'blocks/GiB':>12}"
+          f"{'x fp32':>8}{'decode tok/s':>14}{'x fp32':>8}")  # fmt: skip
+    for fmt, blocks in result["blocks_per_gib"].items():
+        agreement = result["agreement"].get(fmt)
+        measures = (
+            f"{agreement['token_agreement']:>11.3f}{agreement['top1_agreement']:>11.3f}"
+            f"{agreement['identical_prefix_mean']:>8.1f}"
+            if agreement
+            else f"{'-':>11}{'-':>11}{'-':>8}"
+        )
+        print(f"{fmt:<10}{measures}{blocks:>12}{result['blocks_per_gib_over_float32'][fmt]:>8.2f}"
+              f"{result['decode_tokens_per_s'][fmt]:>14.1f}"
+              f"{result['decode_over_float32'][fmt]:>8.2f}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--formats", nargs="+", default=["bfloat16", "int8"],
+                        choices=["float16", "bfloat16", "int8"])  # fmt: skip
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: all cores)")
+    parser.add_argument("--out", default="bench/results/kv_dtypes.json")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    retain_freed_memory()
+    result: dict = {"batch": args.batch, "context": args.context, "repeats": args.repeats,
+                    "torch_threads": torch.get_num_threads(), "models": {}}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for name in args.models:  # the file is written after each model
+        result["models"][name] = measure_model(name, args.formats, args)
+        print_model(name, result["models"][name])
+        result["load_average_at_end"] = os.getloadavg()
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

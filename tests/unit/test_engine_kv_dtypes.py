@@ -1,0 +1,98 @@
+"""The engine with a KV cache of another format than the model's: 16-bit floats and int8 rows
+with a float32 scale per token and head (kernels/kv_format.py).
+
+Greedy tokens must be identical where the numbers are (auto is the model's dtype, as before
+the flag existed; the C kernels against their reference twins on an int8 cache). Where they
+are not (a rounded or quantized cache), the measure is bench/quality.py's teacher-forced top-1
+agreement with the float32 cache along its greedy continuation, computed here on 16 story
+prompts x 128 tokens and held to the bar the bfloat16 and int8 weights meet (>= 95%).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.quality import greedy_continuations, measure_quality, tokenized_prompts
+from executor.config import EngineConfig, ExecutorConfig
+from executor.engine import Engine
+from tests.helpers import STORIES_260K
+
+MIN_TOP1_AGREEMENT = 0.95
+PROMPTS = [[1, 403, 407, 261, 378], [1, 66, 300, 18], [1, 500, 2, 7, 9, 11, 13, 99, 256]]
+
+
+@pytest.fixture(scope="module")
+def quality() -> dict:
+    prompts = tokenized_prompts(str(STORIES_260K), "story", 16)
+    return measure_quality(str(STORIES_260K), prompts, 128, ("kv-bfloat16", "kv-int8"))
+
+
+@pytest.mark.parametrize("variant", ["kv-bfloat16", "kv-int8"])
+def test_cache_formats_agree_with_the_float32_cache_at_least_95_percent(quality, variant):
+    measured = quality["variants"][variant]
+    assert measured["top1_agreement"] >= MIN_TOP1_AGREEMENT, (
+        f"{variant}: top-1 agreement {measured['top1_agreement']:.3f} along the float32 cache's "
+        f"greedy continuation, expected >= {MIN_TOP1_AGREEMENT}; all measures: {measured}"
+    )
+
+
+def _greedy(**config) -> list[list[int]]:
+    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, **config))
+    return greedy_continuations(engine, PROMPTS, 48)
+
+
+def test_auto_is_the_model_dtype_token_for_token():
+    assert _greedy(kv_cache_dtype="auto") == _greedy(kv_cache_dtype="float32")
+    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, dtype="bfloat16"))
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16, "auto: the model's dtype"
+    bf16 = greedy_continuations(engine, PROMPTS, 48)
+    assert bf16 == _greedy(dtype="bfloat16", kv_cache_dtype="bfloat16")
+
+
+def test_the_c_kernels_on_an_int8_cache_decode_as_their_reference_twins():
+    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, kv_cache_dtype="int8"))
+    k_cache = engine.runner.kv_caches[0][0]
+    assert engine.runner.kernels.name == "cpu" and k_cache.dtype == torch.int8
+    assert k_cache.shape[-1] == 8 + 4, "stories260K's head_dim 8 and the row's float32 scale"
+    c_tokens = greedy_continuations(engine, PROMPTS, 48)
+    assert c_tokens == _greedy(kv_cache_dtype="int8", kernels="reference")
+
+
+def _head_dim_64_checkpoint(folder: Path) -> Path:
+    """A seeded random Llama whose heads are SmolLM2's width (head_dim 64)."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=256)  # fmt: skip
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
+    return folder
+
+
+def test_blocks_per_gib_follow_the_format_bytes_scales_included(tmp_path):
+    model = str(_head_dim_64_checkpoint(tmp_path))
+    blocks, head_dim, layers, kv_heads, block_size = {}, 64, 2, 1, 16
+    for name, row_bytes in (("float32", 4 * head_dim), ("bfloat16", 2 * head_dim),
+                            ("int8", head_dim + 4)):  # fmt: skip
+        runner = Engine(EngineConfig(model=model, kv_cache_gib=1 / 64, kv_cache_dtype=name)).runner
+        block_bytes = 2 * layers * kv_heads * block_size * row_bytes
+        assert runner.num_blocks == (1 << 24) // block_bytes, f"{name}: blocks per 16 MiB"
+        allocated = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+        assert allocated == runner.num_blocks * block_bytes, f"{name}: allocated bytes"
+        blocks[name] = runner.num_blocks
+    assert blocks["bfloat16"] == 2 * blocks["float32"]
+    assert 3.7 < blocks["int8"] / blocks["float32"] < 4, blocks
+
+
+def test_bad_cache_dtypes_name_the_flag():
+    model = ["--model", str(STORIES_260K)]
+    assert ExecutorConfig.from_args([*model, "--kv-cache-dtype", "int8"]).engine.kv_cache_dtype \
+        == "int8"  # fmt: skip
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float32, "):
+        ExecutorConfig.from_args([*model, "--kv-cache-dtype", "fp4"])
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be auto, float32, bfloat16 or "
+                                         "int8 on the CPU"):  # fmt: skip
+        ExecutorConfig.from_args([*model, "--kv-cache-dtype", "float16"])
