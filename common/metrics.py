@@ -154,6 +154,21 @@ METRICS = {
     "kvgate_executor_preemptions": MetricSpec(
         "counter", "running requests preempted for lack of KV blocks"
     ),
+    "kvgate_executor_host_kv_blocks": MetricSpec(
+        "gauge", "KV blocks of the host tier (--swap-space-gib; 0: none)"
+    ),
+    "kvgate_executor_host_kv_blocks_used": MetricSpec(
+        "gauge", "host tier KV blocks held by swapped-out requests and offloaded sessions"
+    ),
+    "kvgate_executor_swapped_out_blocks": MetricSpec(
+        "counter", "KV blocks copied from the device to the host tier"
+    ),
+    "kvgate_executor_swapped_in_blocks": MetricSpec(
+        "counter", "KV blocks copied from the host tier back to the device"
+    ),
+    "kvgate_executor_offloaded_sessions": MetricSpec(
+        "counter", "pinned sessions moved to the host tier under memory pressure"
+    ),
     "kvgate_executor_step_seconds": MetricSpec(
         "latency", "time of one engine step (schedule, forward, sample, update)"
     ),

@@ -30,6 +30,9 @@ from common.model_files import MODEL_HELP, check_model_path
 # Orders of the waiting queue within a priority level: first come, first served, or longest
 # prefix match first (the most prompt tokens already in the prefix or session cache).
 POLICIES = ("fcfs", "lpm")
+# What happens to a running request whose KV blocks are taken back: its blocks are copied to
+# the host tier and back when it resumes (swap), or dropped and recomputed (recompute).
+PREEMPTION_MODES = ("swap", "recompute")
 # Formats of the KV cache: auto (the model's dtype), 16-bit floats, or int8 with a float32 scale
 # per cached token and KV head (kernels/kv_format.py). float16 needs CUDA.
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
@@ -68,8 +71,16 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     policy: str = "fcfs"  # order of the waiting queue within a priority: fcfs or lpm
     lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones
+    swap_space_gib: float = 0.0  # host memory for KV blocks leaving the device; 0: no host tier
+    preemption_mode: str | None = None  # swap or recompute; None: swap when there is a host tier
     # Ranks (processes, one device each on CUDA) splitting the heads and MLP columns.
     tensor_parallel_size: int = 1
+
+    @property
+    def swaps_on_preemption(self) -> bool:
+        """Whether a preempted request's blocks go to the host tier (else it is recomputed)."""
+        mode = self.preemption_mode or ("swap" if self.swap_space_gib > 0 else "recompute")
+        return mode == "swap"
 
     def __post_init__(self) -> None:
         _require(
@@ -126,6 +137,25 @@ class EngineConfig:
         )
         _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
         _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
+        _require(self.swap_space_gib >= 0, "swap_space_gib", ">= 0", self.swap_space_gib)
+        _require(
+            self.swap_space_gib == 0 or self.tensor_parallel_size == 1,
+            "swap_space_gib",
+            "0 with tensor_parallel_size > 1 (the host tier holds one rank's KV)",
+            self.swap_space_gib,
+        )
+        _require(
+            self.preemption_mode in (None, *PREEMPTION_MODES),
+            "preemption_mode",
+            "one of " + ", ".join(PREEMPTION_MODES),
+            self.preemption_mode,
+        )
+        _require(
+            self.preemption_mode != "swap" or self.swap_space_gib > 0,
+            "preemption_mode",
+            "recompute when swap_space_gib is 0 (swap needs a host tier)",
+            self.preemption_mode,
+        )
         _require(
             self.quantization in ("none", "int8", "int4"),
             "quantization",
@@ -342,6 +372,20 @@ def _add_memory_flags(add) -> None:
         default=env_float("KVGATE_GPU_MEMORY_UTILIZATION", 0.9),
     )
     add("--session-ttl-s", type=float, default=env_float("KVGATE_SESSION_TTL_S", 600.0))
+    add(
+        "--swap-space-gib",
+        type=float,
+        default=env_float("KVGATE_SWAP_SPACE_GIB", 0.0),
+        help="host memory for KV blocks that leave the device (preempted requests, idle "
+        "sessions); pinned on CUDA. 0: none",
+    )
+    add(
+        "--preemption-mode",
+        choices=("auto", *PREEMPTION_MODES),
+        default=env_str("KVGATE_PREEMPTION_MODE", "auto"),
+        help="a preempted request's KV: swap (to the host tier, resumed without recomputing) "
+        "or recompute; auto: swap when --swap-space-gib > 0",
+    )
 
 
 def _add_format_flags(add) -> None:
@@ -405,8 +449,8 @@ def pop_engine_config(values: dict[str, object]) -> EngineConfig:
     """Take the engine flags' values (`add_engine_flags`'s, by field name) out of `values`.
 
     Returns:
-        Their EngineConfig (0 for --max-model-len and --num-gpu-blocks, `auto` for --dtype:
-        unset); the other flags' values stay in `values`.
+        Their EngineConfig (0 for --max-model-len and --num-gpu-blocks, `auto` for --dtype
+        and --preemption-mode: unset); the other flags' values stay in `values`.
 
     Raises:
         ValueError: naming the flag of the field out of range.
@@ -414,8 +458,9 @@ def pop_engine_config(values: dict[str, object]) -> EngineConfig:
     engine = {f.name: values.pop(f.name) for f in fields(EngineConfig) if f.name in values}
     for name in ("max_model_len", "num_gpu_blocks"):
         engine[name] = engine[name] or None
-    if engine.get("dtype") == "auto":
-        engine["dtype"] = None
+    for name in ("dtype", "preemption_mode"):
+        if engine.get(name) == "auto":
+            engine[name] = None
     try:
         return EngineConfig(**engine)
     except EngineConfigError as error:

@@ -49,6 +49,11 @@ class EngineStats:
     num_evicted_blocks: int  # cumulative cached blocks reused for new data
     num_evicted_sessions: int  # cumulative sessions dropped under memory pressure
     num_batched_tokens: int  # cumulative tokens run through the model (prompt chunks and decodes)
+    num_host_blocks_total: int  # blocks of the host tier (0: none)
+    num_host_blocks_used: int  # held by swapped-out requests and offloaded sessions
+    num_swapped_out_blocks: int  # cumulative blocks copied from the device to the host tier
+    num_swapped_in_blocks: int  # cumulative blocks copied back to the device
+    num_offloaded_sessions: int  # cumulative sessions moved to the host tier under pressure
 
 
 class Engine:
@@ -64,6 +69,7 @@ class Engine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             session_ttl_s=config.session_ttl_s,
+            num_host_blocks=self.runner.num_host_blocks,
         )
         self.scheduler = StepScheduler(config, self.kv_cache, self.max_model_len)
         self.sampler = Sampler(
@@ -141,6 +147,7 @@ class Engine:
         """
         self.kv_cache.expire_sessions()
         out = self.scheduler.schedule()
+        self.runner.swap_blocks(self.kv_cache.host.take_ops())
         if out.is_empty:
             return []
         try:
@@ -165,6 +172,7 @@ class Engine:
         req = Request("prompt-logits", list(token_ids), SamplingParams(max_tokens=1), -1)
         if not self.kv_cache.allocate_slots(req, len(token_ids)):
             raise RuntimeError(f"the KV cache cannot hold {len(token_ids)} tokens at once")
+        self.runner.swap_blocks(self.kv_cache.host.take_ops())  # sessions it moved out
         try:
             step = ScheduledRequest(req, len(token_ids), samples=True)
             return self.runner.execute(SchedulerOutput([step], len(token_ids)), every_row=True)
@@ -193,9 +201,13 @@ class Engine:
                 req.pins_session = False
         return self.kv_cache.release_session(session_id, cache_salt, any_tenant=False)
 
+    def num_available_blocks(self) -> int:
+        """KV blocks free now or held only by idle sessions, which give them up on demand."""
+        return self.kv_cache.num_available_blocks()
+
     def session_ids(self) -> list[str]:
-        """Sessions whose blocks this engine holds now."""
-        return list(self.kv_cache.sessions)
+        """Sessions whose blocks this engine holds now (on the device or in the host tier)."""
+        return self.kv_cache.session_ids()
 
     def cached_block_hashes(self, limit: int) -> list[int]:
         """Prefix-cache hashes (`common.prefix` scheme) of up to `limit` blocks, newest first."""
@@ -203,7 +215,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Queue lengths, block usage and cumulative cache and preemption counters."""
-        kv = self.kv_cache
+        kv, host = self.kv_cache, self.kv_cache.host
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -216,6 +228,11 @@ class Engine:
             num_evicted_blocks=kv.num_evicted_blocks,
             num_evicted_sessions=kv.num_evicted_sessions,
             num_batched_tokens=self.scheduler.num_batched_tokens,
+            num_host_blocks_total=host.num_blocks,
+            num_host_blocks_used=host.num_blocks - host.num_free_blocks,
+            num_swapped_out_blocks=host.num_swapped_out_blocks,
+            num_swapped_in_blocks=host.num_swapped_in_blocks,
+            num_offloaded_sessions=kv.num_offloaded_sessions,
         )
 
     # ---- step internals -----------------------------------------------------------------

@@ -5,6 +5,12 @@ hashed block of tokens it stays findable in the prefix cache until it is reused
 (least recently freed first). A finished request with a session id hands its blocks to
 the session, which keeps them referenced until the session's next turn, `release_session`,
 its TTL, or eviction under memory pressure (least recently used session first).
+
+With a host tier (`num_host_blocks` > 0), KV that must leave the device is copied there
+instead of being dropped: a preempted request's blocks (`swap_out`, back with `swap_in`),
+and an evicted session's, which its next turn copies back. Offloaded sessions are dropped
+least recently offloaded first when the host tier needs room. The copies are queued on
+`host` in the order decided; the engine runs them before the next forward pass.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.prefix import next_block_hash
+from executor.kv_swap import HostTier
 from executor.request import Request
 
 
@@ -33,14 +40,16 @@ class Session:
     session_id: str
     cache_salt: str | None
     token_ids: list[int]  # tokens whose K/V the blocks hold, in order
-    block_ids: list[int]  # one reference each, owned by the session
+    block_ids: list[int]  # one reference each, owned by the session (empty when offloaded)
     last_used_s: float = 0.0
+    host_block_ids: list[int] = field(default_factory=list)  # its blocks in the host tier
 
 
 @dataclass(slots=True)
 class PrefixHit:
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    on_host: bool = False  # block_ids are host blocks of an offloaded session
 
 
 class KVCacheManager:
@@ -53,6 +62,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         session_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        num_host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -63,8 +73,13 @@ class KVCacheManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._hash_to_block: dict[int, int] = {}  # publication order
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU first
+        self.host = HostTier(num_host_blocks)
+        self.host_sessions: OrderedDict[str, Session] = (
+            OrderedDict()
+        )  # least recently offloaded first
         self.num_evicted_blocks = 0
-        self.num_evicted_sessions = 0
+        self.num_evicted_sessions = 0  # dropped (their KV is gone)
+        self.num_offloaded_sessions = 0  # moved to the host tier
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +135,16 @@ class KVCacheManager:
         session_hit = self._match_session(req, max_tokens)
         prefix_hit = self._match_prefix(req, max_tokens)
         hit = session_hit if session_hit.num_tokens >= prefix_hit.num_tokens else prefix_hit
+        if hit.on_host:
+            device_blocks = self._swap_in_session(req.session_id, hit.block_ids)
+            if device_blocks is None:
+                hit = prefix_hit  # no device room for the session's blocks now
+            else:
+                hit = PrefixHit(device_blocks, hit.num_tokens)
+                req.block_table = device_blocks
+                req.num_computed_tokens = hit.num_tokens
+                req.num_registered_blocks = 0
+                return hit.num_tokens
         for block_id in hit.block_ids:
             self._incref(block_id)
         if hit is session_hit and session_hit.num_tokens % self.block_size:
@@ -151,10 +176,15 @@ class KVCacheManager:
         return hit
 
     def _match_session(self, req: Request, max_tokens: int) -> PrefixHit:
-        session = self.sessions.get(req.session_id) if req.session_id is not None else None
+        session = self._find_session(req.session_id)
         if session is None or session.cache_salt != req.cache_salt:
             return PrefixHit()
         num_common = _common_prefix_len(session.token_ids, req.all_token_ids, max_tokens)
+        if (
+            session.host_block_ids and num_common
+        ):  # the copy back is the request's own: a partial block too
+            num_blocks = -(-num_common // self.block_size)
+            return PrefixHit(session.host_block_ids[:num_blocks], num_common, on_host=True)
         num_full = num_common // self.block_size
         block_ids = session.block_ids[:num_full]
         partial = num_common % self.block_size
@@ -182,8 +212,11 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Drop the request's references; its published blocks stay in the prefix cache."""
+        self.host.cancel_swap_in(req.block_table)
         for block_id in reversed(req.block_table):
             self._decref(block_id)
+        self.host.free(req.host_block_table)
+        req.host_block_table = []
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
@@ -196,6 +229,18 @@ class KVCacheManager:
             return False  # evicting every session would not help: keep them
         while self.num_free_blocks < num_blocks:
             self._evict_session(next(iter(self.sessions)))
+        return True
+
+    def _make_host_room(self, num_blocks: int) -> bool:
+        """Free enough host blocks by dropping offloaded sessions (least recently offloaded
+        first), but only if that suffices."""
+        host = self.host
+        offloaded = sum(len(s.host_block_ids) for s in self.host_sessions.values())
+        if host.num_free_blocks + offloaded < num_blocks:
+            return False
+        while host.num_free_blocks < num_blocks:
+            self.release_session(next(iter(self.host_sessions)))
+            self.num_evicted_sessions += 1
         return True
 
     def _num_session_only_blocks(self) -> int:
@@ -246,14 +291,18 @@ class KVCacheManager:
         assert req.session_id is not None
         self.release_session(req.session_id)
         num_kv_tokens = req.num_computed_tokens
-        self.sessions[req.session_id] = Session(
+        session = Session(
             session_id=req.session_id,
             cache_salt=req.cache_salt,
             token_ids=req.all_token_ids[:num_kv_tokens],
             block_ids=req.block_table,
             last_used_s=self._clock(),
+            host_block_ids=req.host_block_table,
         )
+        # a request that finished while swapped out starts its session in the host tier
+        (self.host_sessions if req.host_block_table else self.sessions)[req.session_id] = session
         req.block_table = []
+        req.host_block_table = []
         req.num_computed_tokens = 0
 
     def release_session(self, session_id: str, cache_salt: str | None = None, *,
@@ -263,34 +312,107 @@ class KVCacheManager:
         Returns:
             Whether a session was released.
         """
-        session = self.sessions.get(session_id)
+        session = self._find_session(session_id)
         if session is None or not (any_tenant or session.cache_salt == cache_salt):
             return False
-        del self.sessions[session_id]
+        if session.host_block_ids:
+            del self.host_sessions[session_id]
+            self.host.free(session.host_block_ids)
+        else:
+            del self.sessions[session_id]
         for block_id in reversed(session.block_ids):
             self._decref(block_id)
         return True
 
+    def _find_session(self, session_id: str | None) -> Session | None:
+        if session_id is None:
+            return None
+        return self.sessions.get(session_id) or self.host_sessions.get(session_id)
+
     def expire_sessions(self) -> int:
         """Release sessions idle longer than `session_ttl_s`; returns how many."""
         deadline = self._clock() - self.session_ttl_s
-        expired = [s.session_id for s in self.sessions.values() if s.last_used_s < deadline]
+        every = (*self.sessions.values(), *self.host_sessions.values())
+        expired = [s.session_id for s in every if s.last_used_s < deadline]
         for session_id in expired:
             self.release_session(session_id)
         return len(expired)
 
     def _evict_session(self, session_id: str) -> None:
-        self.release_session(session_id)
-        self.num_evicted_sessions += 1
+        """Move a device session to the host tier if it has room, else drop it."""
+        session = self.sessions[session_id]
+        if not self._make_host_room(len(session.block_ids)):
+            self.release_session(session_id)
+            self.num_evicted_sessions += 1
+            return
+        del self.sessions[session_id]
+        session.host_block_ids = self.host.swap_out(session.block_ids)
+        for block_id in reversed(session.block_ids):
+            self._decref(block_id)
+        session.block_ids = []
+        self.host_sessions[session_id] = session
+        self.num_offloaded_sessions += 1
+
+    def _swap_in_session(self, session_id: str, host_blocks: list[int]) -> list[int] | None:
+        """Device blocks holding a copy of `host_blocks` of an offloaded session (which keeps
+        its host blocks until the turn is admitted), or None when the device has no room."""
+        session = self.host_sessions.pop(session_id)  # kept out of reach of _make_host_room
+        try:
+            if not self._make_room(len(host_blocks)):
+                return None
+            device_blocks = [self._pop_free_block() for _ in host_blocks]
+            self.host.swap_in(host_blocks, device_blocks)
+            return device_blocks
+        finally:
+            self.host_sessions[session_id] = session
+
+    # ---- preemption to the host tier ----------------------------------------------------
+
+    def swap_out(self, req: Request) -> bool:
+        """Move a request's computed K/V to the host tier and free its device blocks; it keeps
+        `num_computed_tokens`. False (and no change) when the host tier has no room."""
+        num_blocks = -(-req.num_computed_tokens // self.block_size)
+        if not self._make_host_room(num_blocks):
+            return False
+        req.host_block_table = self.host.swap_out(req.block_table[:num_blocks])
+        for block_id in reversed(req.block_table):
+            self._decref(block_id)
+        req.block_table = []
+        req.num_registered_blocks = 0
+        return True
+
+    def swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        """Bring a swapped-out request's blocks back to the device, with room for
+        `num_new_tokens` more tokens; False (and no change) when the device has no room."""
+        assert req.host_block_table and not req.block_table
+        total = req.num_computed_tokens + num_new_tokens
+        if not self._make_room(-(-total // self.block_size)):
+            return False
+        req.block_table = [self._pop_free_block() for _ in req.host_block_table]
+        self.host.swap_in(req.host_block_table, req.block_table)
+        self.host.free(req.host_block_table)
+        req.host_block_table = []
+        if not self.allocate_slots(req, num_new_tokens):  # room was made above
+            raise RuntimeError(f"no room for {req.request_id}'s blocks after making room")
+        return True
 
     def cached_block_hashes(self, limit: int) -> list[int]:
         """Hashes of the most recently published blocks still in the prefix cache, newest first."""
         newest = reversed(self._hash_to_block)
         return [h for h, _ in zip(newest, range(limit), strict=False)]
 
+    def num_available_blocks(self) -> int:
+        """Blocks a request could get now: the free ones and those only idle sessions hold
+        (evicted, or moved to the host tier, on demand)."""
+        return self.num_free_blocks + self._num_session_only_blocks()
+
     def num_session_blocks(self) -> int:
-        """Blocks held by sessions (a block shared by two sessions counts twice)."""
+        """Device blocks held by sessions (a block shared by two sessions counts twice)."""
         return sum(len(s.block_ids) for s in self.sessions.values())
+
+    def session_ids(self) -> list[str]:
+        """Sessions whose KV this manager holds, on the device or in the host tier."""
+        return [*self.sessions, *self.host_sessions]
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:

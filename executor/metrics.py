@@ -38,6 +38,11 @@ class EngineStatsCollector(Collector):
         yield family("kvgate_executor_evicted_blocks", stats.num_evicted_blocks)
         yield family("kvgate_executor_evicted_sessions", stats.num_evicted_sessions)
         yield family("kvgate_executor_preemptions", stats.num_preemptions)
+        yield family("kvgate_executor_host_kv_blocks", stats.num_host_blocks_total)
+        yield family("kvgate_executor_host_kv_blocks_used", stats.num_host_blocks_used)
+        yield family("kvgate_executor_swapped_out_blocks", stats.num_swapped_out_blocks)
+        yield family("kvgate_executor_swapped_in_blocks", stats.num_swapped_in_blocks)
+        yield family("kvgate_executor_offloaded_sessions", stats.num_offloaded_sessions)
 
     def describe(self) -> Iterator[Metric]:
         """The families `collect` yields, so the registry knows their names."""

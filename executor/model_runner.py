@@ -10,6 +10,7 @@ import torch
 from executor.config import EngineConfig
 from executor.cuda_graphs import DecodeGraphs
 from executor.host_memory import release_freed_memory, retain_freed_memory
+from executor.kv_swap import HostKVPool, SwapOp
 from executor.models.config import ModelConfig
 from executor.models.llama import ForwardContext
 from executor.models.loader import load_model
@@ -76,6 +77,10 @@ class ModelRunner:
         if self.group is not None:
             self.num_blocks = self.group.min(self.num_blocks)
         self.kv_caches = self._allocate_kv_caches()
+        self.num_host_blocks = self._num_host_blocks(config)
+        self.host_pool = (
+            HostKVPool(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
+        )
         self.max_model_len = self._max_model_len(config)
         mc = self.model_config
         self.cos_sin_cache = build_cos_sin_cache(
@@ -110,6 +115,23 @@ class ModelRunner:
                 "kv_cache_gib (CPU) or gpu_memory_utilization (CUDA)"
             )
         return num_blocks
+
+    def _num_host_blocks(self, config: EngineConfig) -> int:
+        if config.swap_space_gib == 0:
+            return 0
+        num_blocks = int(config.swap_space_gib * (1 << 30)) // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"--swap-space-gib {config.swap_space_gib} holds no KV block of "
+                f"{self.block_bytes} bytes: raise it, or 0 for no host tier"
+            )
+        logger.info("kv host tier: %d blocks", num_blocks)
+        return num_blocks
+
+    def swap_blocks(self, ops: list[SwapOp]) -> None:
+        """Run the block manager's copies between the device and the host tier, in order."""
+        if ops:
+            self.host_pool.copy(ops)
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.rank_config
@@ -152,6 +174,8 @@ class ModelRunner:
             [num_sampling, vocab] float32 logits, one row per scheduled request that samples,
             in batch order (every_row: [num_batched_tokens, vocab]).
         """
+        if self.host_pool is not None and self.host_pool.has_copies_in_flight:
+            self.host_pool.wait_for({b for s in out.scheduled for b in s.request.block_table})
         graphs = self.decode_graphs
         if not every_row and graphs is not None and graphs.fits(out.scheduled):
             logits = graphs.run(out.scheduled)

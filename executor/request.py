@@ -38,6 +38,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)  # prompt followed by output
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
+    host_block_table: list[int] = field(default_factory=list)  # swapped out: K/V in the host tier
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks published in the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens found in the cache at first admission

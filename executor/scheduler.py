@@ -4,7 +4,9 @@ Running requests go first (each gets what it still needs, within the token budge
 waiting ones in policy order while sequences, budget and blocks allow: by priority, then
 arrival (fcfs) or the longest cached prefix first (lpm, with aging). A long prompt is cut
 into chunks by the budget, so decodes keep flowing beside it. When blocks run out, the
-lowest-priority, newest running request is preempted and later recomputed.
+lowest-priority, newest running request is preempted: its blocks are swapped out to the
+host tier (preemption mode swap, while the tier has room) and back when it is admitted again,
+or dropped and recomputed.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ class StepScheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv_cache.free(req)
+        if not (self.config.swaps_on_preemption and self.kv_cache.swap_out(req)):
+            self.kv_cache.free(req)  # recomputed from its first token when admitted again
         self.num_preemptions += 1
         self.add(req)
 
@@ -121,6 +124,8 @@ class StepScheduler:
         before every younger one, oldest first, so a prompt nobody shares still runs."""
         if self.num_steps - req.waiting_since_step >= self.config.lpm_aging_steps:
             return (req.priority, False, 0, req.arrival_seq)
+        if req.host_block_table:  # swapped out: all its K/V is at hand
+            return (req.priority, True, -req.num_computed_tokens, req.arrival_seq)
         return (req.priority, True, -self.kv_cache.num_cached_prefix_tokens(req), req.arrival_seq)
 
     def _admission_order(self) -> list[Request]:
@@ -138,6 +143,13 @@ class StepScheduler:
         for req in self._admission_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if req.host_block_table:  # swapped out: resumes where it stopped
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv_cache.swap_in(req, num_new):
+                    break
+                self._start_running(req, num_new, out)
+                budget -= num_new
+                continue
             num_cached = self.kv_cache.acquire_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv_cache.allocate_slots(req, num_new):
@@ -149,11 +161,14 @@ class StepScheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_cached
                 self.prefix_hit_tokens += num_cached
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=lambda r: r.sort_key)
-            out.scheduled.append(self._scheduled(req, num_new))
+            self._start_running(req, num_new, out)
             budget -= num_new
+
+    def _start_running(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.sort_key)
+        out.scheduled.append(self._scheduled(req, num_new))
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         samples = req.num_computed_tokens + num_new == req.num_tokens

@@ -360,7 +360,7 @@ class ExecutorService:
             executor_id=self._config.executor_id,
             model_id=model_id(engine_config.model),
             block_size=engine_config.block_size,
-            num_free_blocks=stats.num_free_blocks,
+            num_free_blocks=self._engine.num_available_blocks(),
             num_total_blocks=stats.num_total_blocks,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
@@ -369,6 +369,8 @@ class ExecutorService:
             session_ids=self._engine.session_ids(),
             cached_block_hashes=self._engine.cached_block_hashes(MAX_REPORTED_HASHES),
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            num_host_blocks_total=stats.num_host_blocks_total,
+            num_host_blocks_used=stats.num_host_blocks_used,
             draining=not self._taking_work,
         )
         self._board.post(status)

@@ -3,8 +3,8 @@ the checks it makes of KVCacheManager against it.
 
 A slot of the shadow holds (cache salt, tokens up to and including its position): what the
 K/V written there depends on. `ShadowChecks` is mixed into the state machine, which owns the
-state it reads: `kv`, `bs`, `shadow`, `running`, `waiting`, `pinned`, `hash_contents` and
-`num_evicted_sessions`.
+state it reads: `kv`, `bs`, `shadow`, `shadow_host`, `running`, `waiting`, `pinned`,
+`hash_contents` and `num_evicted_sessions`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class ShadowChecks:
     kv: KVCacheManager
     bs: int
     shadow: list[list[Content | None]]
+    shadow_host: list[list[Content | None]]
     running: list[Request]
     waiting: list[Request]
     pinned: dict[str, tuple[str | None, list[int], float]]
@@ -40,14 +41,58 @@ class ShadowChecks:
     num_evicted_sessions: int
 
     def assert_holds_own_kv(self, req: Request, num_tokens: int, what: str) -> None:
+        shadow = self.shadow_after_queued_swaps()
         for p in range(num_tokens):
             block_id = req.block_table[p // self.bs]
-            got = self.shadow[block_id][p % self.bs]
+            got = shadow[block_id][p % self.bs]
             want = content_at(req.cache_salt, req.all_token_ids, p)
             assert got == want, (
                 f"{what}: {req.request_id} position {p} (block {block_id}) should hold K/V of "
                 f"{want}, but the slot holds K/V of {got}"
             )
+
+    def shadow_after_queued_swaps(self) -> list[list[Content | None]]:
+        """The device shadow as the copies queued now would leave it (they stay queued, so a
+        request that lets its blocks go still cancels them)."""
+        ops = self.kv.host._ops
+        if not ops:
+            return self.shadow
+        device, host = list(self.shadow), list(self.shadow_host)
+        for op in ops:
+            if op.to_host:
+                host[op.host_block] = device[op.device_block]
+            else:
+                device[op.device_block] = host[op.host_block]
+        return device
+
+    def run_swaps(self) -> None:
+        """Run the copies the manager queued between the tiers, in order, on the shadow."""
+        for op in self.kv.host.take_ops():
+            if op.to_host:
+                self.shadow_host[op.host_block] = list(self.shadow[op.device_block])
+            else:
+                self.shadow[op.device_block] = list(self.shadow_host[op.host_block])
+
+    def assert_host_holds(self, host_blocks: list[int], salt, tokens: list[int], what: str):
+        for p in range(len(tokens)):
+            got = self.shadow_host[host_blocks[p // self.bs]][p % self.bs]
+            want = content_at(salt, tokens, p)
+            assert got == want, f"{what} position {p} should hold K/V of {want}, holds {got}"
+
+    def all_sessions(self) -> list[Session]:
+        """Sessions on the device, then those offloaded to the host tier."""
+        return [*self.kv.sessions.values(), *self.kv.host_sessions.values()]
+
+    def check_host_blocks_have_one_owner_each(self) -> None:
+        owned = [b for r in self.waiting for b in r.host_block_table]
+        owned += [b for s in self.kv.host_sessions.values() for b in s.host_block_ids]
+        free = self.kv.host._free
+        assert sorted(owned + free) == list(range(self.kv.host.num_blocks)), (
+            f"host blocks owned {sorted(owned)} and free {sorted(free)} should each be one of "
+            f"{self.kv.host.num_blocks}, once"
+        )
+        for req in self.running:
+            assert not req.host_block_table, f"running {req.request_id} holds host blocks"
 
     def write_kv(self, req: Request, start: int, stop: int) -> None:
         for p in range(start, stop):
@@ -62,13 +107,18 @@ class ShadowChecks:
 
     def account_for_evicted_sessions(self) -> None:
         """Sessions may vanish only by eviction under pressure, and each one is counted."""
-        vanished = [sid for sid in self.pinned if sid not in self.kv.sessions]
+        vanished = [sid for sid in self.pinned if sid not in self.kv.session_ids()]
         evicted = self.kv.num_evicted_sessions - self.num_evicted_sessions
         assert len(vanished) == evicted, (
             f"sessions {vanished} vanished but {evicted} evictions were counted"
         )
+        # with a host tier, a session too big for it is dropped from the device while older
+        # offloaded ones stay: least recent first holds on each tier, not across them
         lru_first = list(self.pinned)[: len(vanished)]
-        assert vanished == lru_first, f"evicted {vanished}, but the least recent were {lru_first}"
+        if not self.kv.host.num_blocks:
+            assert vanished == lru_first, (
+                f"evicted {vanished}, but the least recent were {lru_first}"
+            )
         for session_id in vanished:
             del self.pinned[session_id]
         self.num_evicted_sessions = self.kv.num_evicted_sessions
@@ -118,9 +168,14 @@ class ShadowChecks:
         for req in self.running:
             self.assert_holds_own_kv(req, req.num_computed_tokens, "running request")
         for req in self.waiting:
-            assert not req.block_table and req.num_computed_tokens == 0, (
-                f"waiting {req.request_id} should hold nothing, holds {req.block_table}"
-            )
+            assert not req.block_table, f"waiting {req.request_id} holds {req.block_table}"
+            if req.host_block_table:  # swapped out
+                tokens = req.all_token_ids[: req.num_computed_tokens]
+                assert len(req.host_block_table) == -(-len(tokens) // self.bs)
+                self.assert_host_holds(req.host_block_table, req.cache_salt, tokens,
+                                       f"swapped-out {req.request_id}")  # fmt: skip
+            else:
+                assert req.num_computed_tokens == 0, f"waiting {req.request_id} computed tokens"
 
     def check_sessions_hold_their_turns_kv(self) -> None:
         self.account_for_evicted_sessions()
@@ -137,6 +192,12 @@ class ShadowChecks:
                 assert got == want, (
                     f"session {s.session_id} position {p} should hold K/V of {want}, holds {got}"
                 )
+        for s in self.kv.host_sessions.values():
+            assert s.session_id in self.pinned, f"session {s.session_id} appeared from nowhere"
+            salt, tokens, pinned_at = self.pinned[s.session_id]
+            assert (s.cache_salt, s.token_ids, s.last_used_s) == (salt, tokens, pinned_at)
+            assert not s.block_ids, f"offloaded session {s.session_id} holds device blocks"
+            self.assert_host_holds(s.host_block_ids, salt, tokens, f"offloaded {s.session_id}")
 
     def check_published_blocks_hold_what_their_hash_names(self) -> None:
         for req in self.running + self.waiting:

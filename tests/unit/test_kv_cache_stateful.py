@@ -5,7 +5,10 @@ The test keeps a shadow copy of the KV pool: when a request "computes" a positio
 the K/V there depends on. Every request's computed positions, every session's tokens and
 every published block are then checked against the shadow: a request must never read K/V
 written for other tokens or for another salt, whatever mix of prefix hits, session turns,
-preemptions, expiries and evictions led there. The shadow and its checks are in
+preemptions, expiries and evictions led there. With a host tier the shadow has host blocks
+too, and the copies the manager queues are run on it before anything reads or writes K/V
+(as the engine runs them before a forward pass): swapped-out requests and offloaded
+sessions must find their own K/V when they come back. The shadow and its checks are in
 kv_cache_shadow.py.
 """
 
@@ -58,8 +61,17 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         block_size=st.sampled_from([2, 4]),
         num_blocks=st.integers(8, 32),
         enable_prefix_caching=st.sampled_from([True, True, True, False]),
+        num_host_blocks=st.sampled_from([0, 0, 4, 12, 40]),
+        swap_preempted=st.booleans(),
     )
-    def init_cache(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+    def init_cache(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool,
+        num_host_blocks: int,
+        swap_preempted: bool,
+    ) -> None:
         self.clock = FakeClock()
         self.kv = KVCacheManager(
             num_blocks,
@@ -67,9 +79,14 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             enable_prefix_caching=enable_prefix_caching,
             session_ttl_s=SESSION_TTL_S,
             clock=self.clock,
+            num_host_blocks=num_host_blocks,
         )
         self.bs = block_size
+        self.swap_preempted = swap_preempted
         self.shadow: list[list[Content | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.shadow_host: list[list[Content | None]] = [
+            [None] * block_size for _ in range(num_host_blocks)
+        ]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.pending: dict[str, int] = {}  # request_id -> tokens allocated, not yet computed
@@ -92,6 +109,16 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
 
     def try_admit(self, req: Request, chunk: int) -> bool:
         """The scheduler's admission: cached prefix, then slots for a chunk, else back off."""
+        if req.host_block_table:  # swapped out: its blocks come back, nothing else changes
+            num_new = min(req.num_tokens - req.num_computed_tokens, chunk)
+            host_table = list(req.host_block_table)
+            if not self.kv.swap_in(req, num_new):
+                assert req.host_block_table == host_table and not req.block_table
+                return False
+            self.waiting.remove(req)
+            self.running.append(req)
+            self.pending[req.request_id] = num_new
+            return True
         num_cached = self.kv.acquire_cached_prefix(req)
         assert num_cached < req.num_tokens, (
             f"a hit may not cover the last token: {req.request_id} has {req.num_tokens} tokens "
@@ -110,7 +137,7 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             self.kv.free(req)
             return False
         if req.session_id is not None:  # this turn replaces its tenant's session
-            session = self.kv.sessions.get(req.session_id)
+            session = self.kv._find_session(req.session_id)
             own = session is not None and session.cache_salt == req.cache_salt
             released = self.kv.release_session(req.session_id, req.cache_salt, any_tenant=False)
             assert released == own, f"release of {req.session_id} returned {released}"
@@ -128,6 +155,7 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             f"{req.request_id} was scheduled up to token {stop} but holds only "
             f"{len(req.block_table)} blocks of {self.bs}"
         )
+        self.run_swaps()
         self.assert_holds_own_kv(req, start, "attention before compute")
         self.write_kv(req, start, stop)
         req.num_computed_tokens = stop
@@ -158,7 +186,8 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.pending.pop(req.request_id, None)
-        self.kv.free(req)
+        if not (self.swap_preempted and self.kv.swap_out(req)):
+            self.kv.free(req)
         self.waiting.append(req)
 
     def allocate_or_preempt(self, req: Request, num_new: int) -> bool:
@@ -208,7 +237,7 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         """A request built on an earlier one's tokens: the next chat turn, or a retry."""
         sources = self.transcripts[-4:]
         sources += [(r.session_id, r.cache_salt, r.all_token_ids) for r in self.running]
-        sources += [self.transcripts[self.last_turn[sid]] for sid in self.kv.sessions] * 2
+        sources += [self.transcripts[self.last_turn[sid]] for sid in self.kv.session_ids()] * 2
         session_id, salt, tokens = data.draw(st.sampled_from(sources))
         keep = data.draw(st.sampled_from([len(tokens), None]))  # all of it, or up to a point
         if keep is None:
@@ -221,7 +250,7 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
     @precondition(
         lambda self: (
             len(self.waiting) + len(self.running) < MAX_LIVE_REQUESTS
-            and any(len(s.token_ids) > 1 for s in self.kv.sessions.values())
+            and any(len(s.token_ids) > 1 for s in self.all_sessions())
         )
     )
     @rule(data=st.data(), chunk=st.integers(1, 12))
@@ -231,7 +260,7 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         Now and then the same session id comes from another tenant, whose turn must not see
         this tenant's KV.
         """
-        editable = sorted(sid for sid, s in self.kv.sessions.items() if len(s.token_ids) > 1)
+        editable = sorted(s.session_id for s in self.all_sessions() if len(s.token_ids) > 1)
         session_id = data.draw(st.sampled_from(editable))
         salt, tokens, _ = self.pinned[session_id]
         if data.draw(st.integers(0, 3)) == 0:
@@ -313,27 +342,27 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         else:
             self.finish(draw_request(data, self.waiting + self.running), abort=True)
 
-    @precondition(lambda self: self.kv.sessions)
+    @precondition(lambda self: self.kv.session_ids())
     @rule(data=st.data(), salt=CACHE_SALTS, any_tenant=st.booleans())
     def release_session(self, data: st.DataObject, salt: str | None, any_tenant: bool) -> None:
         """A client ends a conversation (scoped to its tenant, or as the engine does: any)."""
-        session_id = data.draw(st.sampled_from(sorted(self.kv.sessions) + ["never-pinned"]))
-        session = self.kv.sessions.get(session_id)
+        session_id = data.draw(st.sampled_from(sorted(self.kv.session_ids()) + ["never-pinned"]))
+        session = self.kv._find_session(session_id)
         expected = session is not None and (any_tenant or session.cache_salt == salt)
         released = self.kv.release_session(session_id, salt, any_tenant=any_tenant)
         assert released == expected, f"release of {session_id} returned {released}"
         if released:
             del self.pinned[session_id]
 
-    @precondition(lambda self: self.kv.sessions)
+    @precondition(lambda self: self.kv.session_ids())
     @rule(dt_s=st.sampled_from([1.0, 4.0, SESSION_TTL_S + 1]))
     def time_passes(self, dt_s: float) -> None:
         """The clock moves on and the engine expires idle sessions, as each step begins."""
         self.clock.now_s += dt_s
         deadline = self.clock.now_s - SESSION_TTL_S
-        stale = {sid for sid, s in self.kv.sessions.items() if s.last_used_s < deadline}
+        stale = {s.session_id for s in self.all_sessions() if s.last_used_s < deadline}
         assert self.kv.expire_sessions() == len(stale)
-        kept = set(self.kv.sessions)
+        kept = set(self.kv.session_ids())
         assert not stale & kept, f"sessions {stale & kept} outlived their TTL"
         for sid in stale:
             del self.pinned[sid]
@@ -349,7 +378,7 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         num_tokens = (self.kv.num_blocks + 1) * self.bs
         hog = self.new_request((prompt * num_tokens)[:num_tokens], None, salt)
         evicted_before = self.kv.num_evicted_sessions
-        sessions_before = len(self.kv.sessions)
+        sessions_before = len(self.kv.session_ids())
         k = 1
         while self.kv.allocate_slots(hog, k * self.bs):
             k += 1
@@ -362,7 +391,8 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             alone = set(session.block_ids) - request_held
             assert not alone, f"session {session.session_id} kept blocks {alone} under pressure"
         evicted = self.kv.num_evicted_sessions - evicted_before
-        assert evicted == sessions_before - len(self.kv.sessions)
+        assert evicted == sessions_before - len(self.kv.session_ids())
+        self.run_swaps()  # the copies of offloaded sessions read their blocks first
         written = len(hog.block_table) * self.bs
         self.write_kv(hog, 0, written)
         if publish:
@@ -376,7 +406,9 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
     @invariant()
     def kv_cache_is_consistent(self) -> None:
         """Checked after every rule (one invariant, so a failing example prints short)."""
+        self.run_swaps()
         self.check_ref_counts_match_references()
+        self.check_host_blocks_have_one_owner_each()
         self.check_free_lists_hold_each_free_block_once()
         self.check_blocks_are_never_shared_across_salts()
         self.check_requests_hold_their_own_kv()
@@ -388,12 +420,13 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             return
         for req in list(self.running + self.waiting):
             self.finish(req, abort=False)
-        for session_id in list(self.kv.sessions):
+        for session_id in self.kv.session_ids():
             assert self.kv.release_session(session_id)
         assert self.kv.num_free_blocks == self.kv.num_blocks, (
             f"with nothing live, all {self.kv.num_blocks} blocks should be free, "
             f"{self.kv.num_free_blocks} are"
         )
+        assert self.kv.host.num_free_blocks == self.kv.host.num_blocks, "host blocks still held"
 
 
 KVCacheMachine.TestCase.settings = settings(
