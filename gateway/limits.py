@@ -6,8 +6,10 @@ gRPC core holds calls that arrived but that the server has not asked for yet; pa
 `grpc.server.max_pending_requests_hard_limit` (default 3000) all of them, and a dropped call
 ends CANCELLED without reaching the servicer (no log line, no metric). A burst of streams
 on an asyncio server, which picks calls up one at a time on its event loop, reaches those
-numbers. So they are raised above --max-concurrent-streams: every call reaches the servicer,
-and one past the limit is refused there, at once, with RESOURCE_EXHAUSTED naming it.
+numbers. So both are set far above any stream limit (PENDING_LIMIT, one value: no random
+drops before the hard limit): every call of a burst reaches the servicer, and one past
+--max-concurrent-streams is refused there, at once, with RESOURCE_EXHAUSTED naming it. A
+waiting call holds a few kilobytes; PENDING_LIMIT of them is the memory bound.
 
 gRPC core also cancels a call left unrequested for `grpc.server_max_unrequested_time_in_server`
 (default 30 s), again CANCELLED and unseen. A loaded event loop picks a burst of thousands
@@ -25,22 +27,20 @@ from grpc import aio
 
 from gateway.errors import OnRefused, WrappingInterceptor
 
-# How far gRPC core's queue of calls not yet picked up may grow, in multiples of
-# --max-concurrent-streams: the random drops start at the first, all are dropped at the second.
-PENDING_SOFT_FACTOR = 1
-PENDING_HARD_FACTOR = 2
+# How far gRPC core's queue of calls not yet picked up may grow (at least this, or 16 times
+# --max-concurrent-streams): past it, gRPC core drops calls unseen.
+PENDING_LIMIT = 100_000
+PENDING_STREAM_FACTOR = 16
 UNREQUESTED_LIMIT_S = 3600
 
 
 def public_server_options(max_concurrent_streams: int, max_receive_message_bytes: int) -> list:
     """gRPC channel arguments of the public server for these limits."""
+    pending = max(PENDING_LIMIT, PENDING_STREAM_FACTOR * max_concurrent_streams)
     return [
         ("grpc.max_receive_message_length", max_receive_message_bytes),
-        ("grpc.server.max_pending_requests", PENDING_SOFT_FACTOR * max_concurrent_streams),
-        (
-            "grpc.server.max_pending_requests_hard_limit",
-            PENDING_HARD_FACTOR * max_concurrent_streams,
-        ),
+        ("grpc.server.max_pending_requests", pending),
+        ("grpc.server.max_pending_requests_hard_limit", pending),
         ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_LIMIT_S),
     ]
 

@@ -132,6 +132,19 @@ def test_a_stream_past_max_concurrent_streams_is_refused_at_once_and_counted(sta
     assert len(after.token_ids) == 4, "below the limit again, a stream is served"
 
 
+def test_a_burst_far_past_max_concurrent_streams_is_served_or_refused_never_dropped(stack):
+    """50 streams at once at a gateway that takes 3: each completes or is refused with
+    RESOURCE_EXHAUSTED and counted; none ends CANCELLED in gRPC core unseen (it did while the
+    core's queue of calls not picked up was sized from the stream limit)."""
+    port = free_port()
+    stack.start_gateway("gateway-burst", port, ["--max-concurrent-streams", "3"])
+    outcomes = asyncio.run(_streams(f"127.0.0.1:{port}", 50))
+    refused = sum(n for key, n in outcomes.items() if key.startswith("RESOURCE_EXHAUSTED"))
+    assert outcomes["complete"] + refused == 50, outcomes
+    assert refused_count(stack, "gateway-burst", "max_concurrent_streams") == refused
+    assert outcomes["complete"] >= 3, outcomes
+
+
 def outcome(call) -> tuple[str, str]:
     """(status code name, details) of a call; `call` runs it to its end."""
     try:
