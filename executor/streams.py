@@ -140,13 +140,16 @@ class InboxReader:
         delays = Backoff().delays()
         while not self._stop.is_set():
             try:
-                self._delete_handled()
-                self._hand_back_pending()
+                # Only a pass that sent Redis a command tells that it is reachable again: an
+                # idle pass (the step loop reading the inbox itself) proves nothing.
+                talked = self._delete_handled() | self._hand_back_pending()
                 if self._thread_reads.wait(INBOX_BLOCK_MS / 1000.0) and not self._stop.is_set():
                     self._read(INBOX_BLOCK_MS, self._last_id)
-                self._hand_back_pending()
+                    talked = True
+                talked |= self._hand_back_pending()
                 delays = Backoff().delays()
-                self._outage.succeeded()
+                if talked:
+                    self._outage.succeeded()
             except redis.RedisError as error:  # down, or an error reply such as BUSY
                 self._outage.failed(error)
                 self._stop.wait(next(delays))
@@ -183,12 +186,14 @@ class InboxReader:
             return None
         return InboxEntry(entry_id, message)
 
-    def _delete_handled(self) -> None:
+    def _delete_handled(self) -> bool:
+        """Returns: whether there were entries to delete (and Redis took the XDEL)."""
         ids = list(self._handled)
         if ids:
             self._client.xdel(self._inbox_key, *ids)
             for _ in ids:
                 self._handled.popleft()
+        return bool(ids)
 
     def _sweep_unread(self) -> None:
         """Queues for hand-back every assignment still in the inbox, and deletes the rest."""
@@ -203,7 +208,7 @@ class InboxReader:
             self._to_hand_back.append((entry_id, request))
         self._hand_back_pending()
 
-    def _hand_back_pending(self) -> None:
+    def _hand_back_pending(self) -> bool:
         """Moves the assignments a draining executor will not run back to the request stream.
 
         The same request: the same id and attempt (it never ran here: nothing of it can
@@ -211,13 +216,15 @@ class InboxReader:
         enforces that deadline itself, so a later one here would not help the client, and
         a hand-back within one inbox read of the drain costs the request well under a second.
         One MULTI/EXEC: an entry leaves the inbox only with its request re-queued.
+
+        Returns: whether there were any (and Redis took them).
         """
         with self._lock:
-            self._hand_back_locked()
+            return self._hand_back_locked()
 
-    def _hand_back_locked(self) -> None:
+    def _hand_back_locked(self) -> bool:
         if not self._to_hand_back:
-            return
+            return False
         pipe = self._client.pipeline(transaction=True)
         for _, request in self._to_hand_back:
             if request is not None:
@@ -232,3 +239,4 @@ class InboxReader:
                     extra=request_fields(request.request_id, request.session_id),
                 )
         self._to_hand_back.clear()
+        return True

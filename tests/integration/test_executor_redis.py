@@ -154,6 +154,28 @@ def test_the_idle_read_waits_out_redis_errors_and_logs_once(tmp_path: Path, capl
     assert "inbox: redis unreachable" in caplog.records[0].message
 
 
+def test_an_outage_logs_once_and_no_recovery_while_redis_is_still_down(
+    tmp_path: Path, caplog, monkeypatch
+):
+    """The step loop reads the inbox itself while idle, and fails; the reader's thread, paused
+    meanwhile, sends Redis nothing and must not log a recovery (it did, once per pass: the
+    outage was logged again and again)."""
+    monkeypatch.setattr(streams, "INBOX_BLOCK_MS", 50)
+    client = connect_sync(f"unix://{tmp_path}/no-redis.sock", timeout_s=0.5)
+    reader = InboxReader(client, KEYS, EXECUTOR, queue.SimpleQueue())
+    with caplog.at_level("INFO", logger="executor.streams"):
+        reader.start()
+        try:
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                reader.read_while_idle(50)
+        finally:
+            reader.stop()
+    messages = [r.message for r in caplog.records]
+    assert sum("inbox: redis unreachable" in m for m in messages) == 1, messages
+    assert not any("reachable again" in m for m in messages), messages
+
+
 def test_stop_hands_back_the_assignments_left_unread(redis_client):
     assign(redis_client, "r1")
     assign(redis_client, "r2")
