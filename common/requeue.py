@@ -1,7 +1,9 @@
 """Putting a request back on the request stream: the one way every process does it.
 
-Three processes re-queue, each for its own reason, and all through `next_attempt`
-(docs/serving-contract.md has the table):
+Three processes re-queue, each for its own reason (docs/serving-contract.md has the table),
+all writing the entry with `stream_fields` and capped by `attempts_used_up`; the scheduler
+and a draining executor build it with `next_attempt`, the gateway from the attempt its token
+router counts (the count that also drops a lost attempt's late tokens):
 - the gateway, when the executor running a request is lost (its TokenSink stream broke, or
   its heartbeat stayed gone): as the next attempt, with the tokens already streamed, so the
   client's stream goes on (past max_attempts it finishes the request with an error itself);
