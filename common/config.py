@@ -9,6 +9,7 @@ flag and the allowed values).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from urllib.parse import urlparse
@@ -77,7 +78,9 @@ def env_bool(name: str, default: bool) -> bool:
 def check_range(
     flag: str, value: float, *, min_value: float | None = None, max_value: float | None = None
 ) -> None:
-    """Raise a ValueError naming `flag` unless min_value <= value <= max_value."""
+    """Raise a ValueError naming `flag` unless value is finite and min_value <= value <=
+    max_value (NaN passes every comparison's negation, and would turn a bound off)."""
+    check_finite(flag, value)
     if (min_value is not None and value < min_value) or (
         max_value is not None and value > max_value
     ):
@@ -86,8 +89,15 @@ def check_range(
         raise ValueError(f"{flag} must be in [{low}, {high}], got {value}")
 
 
+def check_finite(flag: str, value: float) -> None:
+    """Raise a ValueError naming `flag` unless value is a finite number (not NaN or inf)."""
+    if not math.isfinite(value):
+        raise ValueError(f"{flag} must be a finite number, got {value}")
+
+
 def check_positive(flag: str, value: float) -> None:
-    """Raise a ValueError naming `flag` unless value > 0."""
+    """Raise a ValueError naming `flag` unless value is finite and > 0."""
+    check_finite(flag, value)
     if value <= 0:
         raise ValueError(f"{flag} must be > 0, got {value}")
 

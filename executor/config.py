@@ -8,6 +8,7 @@ EngineConfigError naming the field, which the process reports under its flag.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 from dataclasses import dataclass, fields
@@ -102,6 +103,9 @@ class EngineConfig:
             ">= 1",
             self.max_model_len,
         )
+        for name in ("kv_cache_gib", "swap_space_gib", "session_ttl_s"):
+            value = getattr(self, name)
+            _require(math.isfinite(value), name, "a finite number", value)
         _require(self.kv_cache_gib > 0, "kv_cache_gib", "> 0", self.kv_cache_gib)
         _require(
             0 < self.gpu_memory_utilization <= 1,
@@ -138,6 +142,12 @@ class EngineConfig:
         _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
         _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
         _require(self.swap_space_gib >= 0, "swap_space_gib", ">= 0", self.swap_space_gib)
+        _require(
+            self.swap_space_gib * (1 << 30) < host_memory_bytes(),
+            "swap_space_gib",
+            f"less than this machine's memory ({host_memory_bytes() / (1 << 30):.1f} GiB)",
+            self.swap_space_gib,
+        )
         _require(
             self.swap_space_gib == 0 or self.tensor_parallel_size == 1,
             "swap_space_gib",
@@ -186,6 +196,11 @@ class EngineConfig:
             "captured across ranks)",
             self.enforce_eager,
         )
+
+
+def host_memory_bytes() -> int:
+    """Returns: this machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _require(ok: bool, field: str, allowed: str, value: object) -> None:

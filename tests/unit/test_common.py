@@ -10,6 +10,7 @@ import pytest
 
 from common.config import (
     check_host_port,
+    check_positive,
     check_range,
     check_redis_url,
     env_bool,
@@ -173,3 +174,15 @@ def test_redis_urls_are_shown_without_their_password():
     with pytest.raises(ValueError) as refused:
         check_redis_url("--redis-url", "http://kvgate:s3cret@h:6379")
     assert "s3cret" not in str(refused.value) and "--redis-url" in str(refused.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_range_check_refuses_a_value_that_is_not_finite(value: float):
+    """NaN fails every comparison, so `value < min_value` let it through and turned a bound
+    such as --lpm-aging-ms's off."""
+    for check in (
+        lambda: check_range("--lpm-aging-ms", value, min_value=1),
+        lambda: check_positive("--lpm-aging-ms", value),
+    ):
+        with pytest.raises(ValueError, match="--lpm-aging-ms must be a finite number"):
+            check()

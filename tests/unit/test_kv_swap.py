@@ -192,6 +192,10 @@ def test_metrics_show_the_host_tier(tokenizer):
         (["--preemption-mode", "swap"], "--preemption-mode"),
         (["--swap-space-gib", "1e-9"], "--swap-space-gib"),
         (["--swap-space-gib", "1", "--tensor-parallel-size", "2"], "--swap-space-gib"),
+        (["--swap-space-gib", "inf"], "--swap-space-gib"),
+        (["--swap-space-gib", "100000"], "--swap-space-gib"),  # more than the machine has
+        (["--kv-cache-gib", "inf"], "--kv-cache-gib"),
+        (["--session-ttl-s", "nan"], "--session-ttl-s"),
     ],
 )
 def test_bad_swap_flags_are_named(capsys, argv, flag):
