@@ -74,6 +74,7 @@ bench: setup proto
 bench-engine: setup
 	$(PYTHON) -m bench.bench_engine --out bench/results/engine.json
 	$(PYTHON) -m bench.bench_engine --model smollm2 --out bench/results/engine_smollm2.json
+	$(PYTHON) -m bench.kv_dtypes --out bench/results/kv_dtypes.json
 
 bench-serve: setup proto
 	$(PYTHON) -m bench.bench_serve --out bench/results/serve.json
