@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import math
 import re
 import secrets
 from dataclasses import dataclass, fields
@@ -95,8 +96,10 @@ class TenantLimits:
     def __post_init__(self) -> None:
         for name in ("requests_per_s", "tokens_per_min", "max_streams"):
             value = getattr(self, name)
-            if value < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+            if not math.isfinite(value) or value < 0:  # NaN passes `< 0` and meant no limit
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}"
+                )
 
     @property
     def rated(self) -> bool:

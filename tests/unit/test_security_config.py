@@ -81,6 +81,9 @@ def test_tenant_names_and_limits_round_trip() -> None:
     assert TenantLimits().unlimited and TenantLimits().to_redis() == {}
     with pytest.raises(ValueError, match="--tokens-per-min"):
         TenantLimits(tokens_per_min=-1)
+    for value in (float("nan"), float("inf")):  # NaN was stored, and read as no limit at all
+        with pytest.raises(ValueError, match="--requests-per-s must be a finite number"):
+            TenantLimits(requests_per_s=value)
 
 
 def test_tenant_labels_are_bounded() -> None:
