@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,20 @@ def read_file(flag: str, path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as error:
         raise TLSFileError(f"{flag}: cannot read {path} ({error.strerror})") from None
+
+
+def check_key_pair(flag_prefix: str, cert: str, key: str) -> None:
+    """Raise TLSFileError naming both flags unless `cert` is a PEM certificate (chain) and
+    `key` its private key. gRPC core only finds out when a port binds or a handshake runs, and
+    reports it as something else (a server that "cannot listen", a client that never connects)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert, key, password=lambda: b"")  # an encrypted key: refused
+    except ssl.SSLError as error:
+        raise TLSFileError(
+            f"{flag_prefix}-cert {cert} and {flag_prefix}-key {key} are not a certificate and "
+            f"its private key ({error.reason or error})"
+        ) from None
 
 
 def check_tls_flags(prefix: str, cert: str, key: str, client_ca: str = "") -> None:
@@ -52,6 +67,7 @@ class ServerTLSFiles:
         """Reads the files. Raises: TLSFileError naming the flag of a file it cannot read."""
         p = self.flag_prefix
         pair = (read_file(f"{p}-key", self.key), read_file(f"{p}-cert", self.cert))
+        check_key_pair(p, self.cert, self.key)
         root = read_file(f"{p}-client-ca", self.client_ca) if self.client_ca else None
         return grpc.ssl_server_certificate_configuration([pair], root)
 
@@ -93,6 +109,10 @@ def channel_credentials(
 ) -> grpc.ChannelCredentials:
     """Client TLS credentials: `ca` verifies the server (empty: the system's roots); cert and
     key, when given, are the client's certificate for mutual TLS."""
+    if cert and key:
+        read_file(f"{flag_prefix}-cert", cert)  # a missing file is named as such first
+        read_file(f"{flag_prefix}-key", key)
+        check_key_pair(flag_prefix, cert, key)
     return grpc.ssl_channel_credentials(
         read_file(f"{flag_prefix}-ca", ca) if ca else None,
         read_file(f"{flag_prefix}-key", key) if key else None,

@@ -13,10 +13,13 @@ from common.tenants import (
     key_record,
     new_api_key,
 )
+from common.tls import TLSFileError
 from executor.config import EngineConfig, ExecutorConfig
+from executor.gateway_link import SinkCredentials
 from gateway.accounting import TenantLabels
 from gateway.config import GatewayConfig
 from gateway.server import ListenError, PortSecurity
+from tests.certs import CertificateAuthority
 from tests.helpers import STORIES_260K
 
 
@@ -57,6 +60,18 @@ def test_an_unreadable_certificate_stops_the_gateway_naming_its_flag(tmp_path) -
     empty.write_text("\n")
     with pytest.raises(ListenError, match="--sink-secret-file: .* is empty"):
         PortSecurity.from_config(gateway(sink_secret_file=str(empty)))
+
+
+def test_a_key_that_is_not_the_certificates_stops_the_gateway_naming_both_flags(tmp_path):
+    """A mismatched pair was reported by gRPC core as '--host/--port: cannot listen'."""
+    ca = CertificateAuthority(tmp_path / "ca")
+    server, other = ca.server(), ca.client("acme")
+    config = gateway(tls_cert=server.cert, tls_key=other.key)
+    with pytest.raises(ListenError, match="--tls-cert .* and --tls-key .* are not a certificate"):
+        PortSecurity.from_config(config)
+    with pytest.raises(TLSFileError, match="--sink-tls-cert .* and --sink-tls-key"):
+        SinkCredentials.from_files(ca.ca, other.cert, server.key, "", "")
+    assert SinkCredentials.from_files(ca.ca, other.cert, other.key, "", "").tls is not None
 
 
 def test_api_keys_carry_their_id_and_match_only_their_hash() -> None:
