@@ -84,6 +84,13 @@ class EngineConfig:
         return mode == "swap"
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        self._check_formats()
+        self._check_scheduling()
+        self._check_tensor_parallel()
+
+    def _check_sizes(self) -> None:
+        """Batch, cache and session sizes."""
         _require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             "block_size",
@@ -120,6 +127,9 @@ class EngineConfig:
             self.num_gpu_blocks,
         )
         _require(self.session_ttl_s > 0, "session_ttl_s", "> 0", self.session_ttl_s)
+
+    def _check_formats(self) -> None:
+        """Number formats and the device."""
         _require(
             self.dtype in (None, "float32", "float16", "bfloat16"),
             "dtype",
@@ -139,6 +149,27 @@ class EngineConfig:
             "bfloat16 takes the same memory)",
             self.kv_cache_dtype,
         )
+        _require(
+            self.quantization in ("none", "int8", "int4"),
+            "quantization",
+            "one of none, int8, int4",
+            self.quantization,
+        )
+        _require(
+            not (self.device == "cpu" and self.dtype == "float16"),
+            "dtype",
+            "float32 or bfloat16 on the CPU",
+            self.dtype,
+        )
+        _require(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            "'cpu' or 'cuda[:N]'",
+            self.device,
+        )
+
+    def _check_scheduling(self) -> None:
+        """The waiting queue's policy, the host tier and preemption."""
         _require(self.policy in POLICIES, "policy", "one of " + ", ".join(POLICIES), self.policy)
         _require(self.lpm_aging_steps >= 1, "lpm_aging_steps", ">= 1", self.lpm_aging_steps)
         _require(self.swap_space_gib >= 0, "swap_space_gib", ">= 0", self.swap_space_gib)
@@ -166,25 +197,6 @@ class EngineConfig:
             "recompute when swap_space_gib is 0 (swap needs a host tier)",
             self.preemption_mode,
         )
-        _require(
-            self.quantization in ("none", "int8", "int4"),
-            "quantization",
-            "one of none, int8, int4",
-            self.quantization,
-        )
-        _require(
-            not (self.device == "cpu" and self.dtype == "float16"),
-            "dtype",
-            "float32 or bfloat16 on the CPU",
-            self.dtype,
-        )
-        _require(
-            self.device == "cpu" or self.device.startswith("cuda"),
-            "device",
-            "'cpu' or 'cuda[:N]'",
-            self.device,
-        )
-        self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
