@@ -252,10 +252,9 @@ async def start_gateway(
             await server.stop(None)  # frees its port (bound, not started)
         await client.aclose()
         raise
-    await internal.start()
-    await public.start()
-    if health_server is not None:
-        await health_server.start()
+    for server in (internal, public, health_server):
+        if server is not None:
+            await server.start()
     services = ("", INFERENCE_SERVICE)
     health_watch = GatewayHealth(
         health_servicer, queue, services, metrics.registry, router.observe_heartbeats
@@ -264,20 +263,10 @@ async def start_gateway(
     quotas.start()
     _log_security(config, address, reply_to, model_text.model_id)
     return RunningGateway(
-        public,
-        internal,
-        health_servicer,
-        health_watch,
-        health_server,
-        client,
-        address,
-        reply_to,
-        config.grace_s,
-        quotas,
-        security.reloadable,
-        servicer.text,
+        public, internal, health_servicer, health_watch, health_server, client, address,
+        reply_to, config.grace_s, quotas, security.reloadable, servicer.text,
         servicer.deps.accounting,
-    )
+    )  # fmt: skip
 
 
 def _inference(

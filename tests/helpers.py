@@ -132,6 +132,21 @@ def randomize_weights(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.05 * noise)
 
 
+def save_random_llama(folder: Path, seed: int = 16, **shape) -> torch.nn.Module:
+    """A Llama of `shape` (LlamaConfig's fields) with seeded random weights
+    (randomize_weights), saved to `folder` with save_pretrained.
+
+    Returns: the model, in eval mode (a transformers reference for the same weights).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM  # slow import: only when used
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape))
+    randomize_weights(model, seed=seed)
+    model.eval().save_pretrained(folder)
+    return model
+
+
 def move_rope_theta_to_top_level(model_dir: Path) -> None:
     """Rewrite config.json the way older checkpoints spell it: rope_theta at top level."""
     path = model_dir / "config.json"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from bench import bench_swap
 from common.sampling_params import SamplingParams
@@ -15,7 +15,7 @@ from executor import generate
 from executor.config import EngineConfig, build_parser, pop_engine_config
 from executor.engine import Engine
 from executor.metrics import ExecutorMetrics
-from tests.helpers import STORIES_260K, randomize_weights, run_to_completion
+from tests.helpers import STORIES_260K, run_to_completion, save_random_llama
 
 # Enough host memory for every block of the tight engines below.
 SWAP_GIB = 0.01
@@ -29,21 +29,10 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory) -> str:
     """A seeded random Llama with a realistic head (64 wide, grouped queries)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    randomize_weights(model, seed=16)
     path = tmp_path_factory.mktemp("random-llama")
-    model.save_pretrained(path)
+    save_random_llama(path, vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
     return str(path)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
@@ -21,8 +20,8 @@ from tests.helpers import (
     STORIES_260K,
     assert_greedy_matches,
     hf_greedy,
-    randomize_weights,
     run_to_completion,
+    save_random_llama,
 )
 from tests.tiny_gguf import vocabulary, write_tiny_llama
 
@@ -86,14 +85,11 @@ def test_stories260k_two_ranks_give_the_tokens_of_one_and_exit_on_close():
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory):
     """Seeded random weights, 4 query and 2 key/value heads, biases on every projection."""
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=112,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         attention_bias=True, mlp_bias=True)  # fmt: skip
-    model = LlamaForCausalLM(config)
-    randomize_weights(model, seed=16)
     path = tmp_path_factory.mktemp("random-llama")
-    model.eval().save_pretrained(path)
+    model = save_random_llama(path, vocab_size=256, hidden_size=64, intermediate_size=112,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=256, tie_word_embeddings=False,
+                              attention_bias=True, mlp_bias=True)  # fmt: skip
     return path, model
 
 
