@@ -160,6 +160,8 @@ class Generation:
         self.no_executor_since: float | None = None  # first seen with no executor alive
         self.redis_down_since: float | None = None  # first seen with Redis not answering
         self.maybe_queued = False  # false until enqueue, and after a refusal by it
+        self.admitted = False  # enqueue took it: its tenant is charged for it once it ends
+        self.accounted = False
         self.finished = False
         self.log_fields = request_fields(self.request_id, spec.session_id)
 
@@ -193,6 +195,7 @@ class Generation:
         inbox = router.track(self.request_id, (self.tenant, self.spec.request_id))
         try:
             await self._enqueue()
+            self.admitted = True
             self._log_queued()
             while not self.finished:
                 chunk = await self._handle(await self._next_event(inbox))
@@ -206,6 +209,7 @@ class Generation:
                 )
                 self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
             router.untrack(self.request_id)
+            self._account()
 
     async def _enqueue(self) -> None:
         """Queues the request; a refusal (no executor, queue full) leaves nothing to cancel,
@@ -413,11 +417,7 @@ class Generation:
         self.finished = True
         now = time.monotonic()
         chunk.finish_reason = finish_reason
-        chunk.usage = Usage(
-            prompt_tokens=len(self.spec.prompt_token_ids),
-            completion_tokens=len(self.tokens),
-            cached_prompt_tokens=self.num_cached_tokens,
-        )
+        chunk.usage = self._usage()
         chunk.timings = Timings(
             queue_ms=_ms_since(self.arrival, self.accepted_at or now),
             ttft_ms=_ms_since(self.arrival, self.first_token_at or now),
@@ -428,11 +428,27 @@ class Generation:
         self._record_finish(chunk)
         return chunk
 
-    def _record_finish(self, chunk: Chunk) -> None:
+    def _usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.spec.prompt_token_ids),
+            completion_tokens=len(self.tokens),
+            cached_prompt_tokens=self.num_cached_tokens,
+        )
+
+    def _account(self) -> None:
+        """Counts the request in its tenant's usage and charges the tokens streamed so far,
+        once, however its stream ends: its last chunk, or a cancel, a deadline or an error
+        before one (tokens a client read and then hung up on are charged like any)."""
         accounting = self.deps.accounting
-        if accounting is not None:
-            accounting.count(self.tenant, chunk.usage)
-            accounting.record(self.tenant, chunk.usage)
+        if self.accounted or not self.admitted or accounting is None:
+            return
+        self.accounted = True
+        usage = self._usage()
+        accounting.count(self.tenant, usage)
+        accounting.record(self.tenant, usage)
+
+    def _record_finish(self, chunk: Chunk) -> None:
+        self._account()
         metrics = self.deps.metrics
         metrics.finished_requests.labels(chunk.finish_reason).inc()
         metrics.e2e_seconds.observe(chunk.timings.total_ms / 1000.0)

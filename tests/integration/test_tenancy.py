@@ -223,6 +223,31 @@ def test_generated_tokens_per_minute_are_charged_and_refused(
     assert "generated tokens per minute" in details, details
 
 
+def test_tokens_streamed_before_a_cancel_are_charged_and_counted(
+    gateway: GatewayThread, executor: ExecutorPeer, redis_client: redis.Redis
+):
+    set_limits(redis_client, "globex", tokens_per_min=10)
+    globex = new_key(redis_client, "globex")
+    call = generate(gateway, globex, params=pb.SamplingParams(max_tokens=500, ignore_eos=True))
+    queued = executor.take_request()
+    executor.send(queued.request_id, 0, [2] * 100)
+    next(call)
+    call.cancel()
+
+    def usage() -> dict:
+        report = admin.usage_report(redis_client, KEYS, None, 1)
+        return report.get("globex", {})
+
+    (day,) = wait_for(usage, "the cancelled call's usage to reach Redis").values()
+    assert day["requests"] == 1 and day["generated_tokens"] == 100, day
+    sample = gateway.metrics.registry.get_sample_value
+    assert sample("kvgate_gateway_tenant_generated_tokens_total", {"tenant": "globex"}) == 100
+    assert sample("kvgate_gateway_tenant_requests_total", {"tenant": "globex"}) == 1
+    details, retry_ms = quota_refusal(generate(gateway, globex))
+    assert "generated tokens per minute" in details, details
+    assert retry_ms > 60_000, f"90 tokens below zero at 10 a minute: {retry_ms} ms"
+
+
 def test_open_streams_over_the_limit_are_refused_until_one_ends(
     gateway: GatewayThread, executor: ExecutorPeer, redis_client: redis.Redis
 ):
