@@ -68,6 +68,9 @@ class GatewayConfig:
     internal_tls_cert: str = ""  # TokenSink port: executors must present a certificate
     internal_tls_key: str = ""
     internal_tls_client_ca: str = ""  # the CA of the executors' certificates
+    # set: an executor's certificate must also name one of these (comma-separated) in its CN
+    # or a DNS subjectAltName, so that other clients of the same CA are refused
+    internal_tls_allowed_names: str = ""
     sink_secret_file: str = ""  # executors must send this file's secret first
     metrics_max_tenants: int = 32  # tenants with labels of their own; the rest are "other"
 
@@ -119,7 +122,18 @@ class GatewayConfig:
                 "--internal-tls-cert needs --internal-tls-client-ca: executors must present "
                 "a certificate"
             )
+        if self.internal_tls_allowed_names and not self.internal_tls_cert:
+            raise ValueError(
+                "--internal-tls-allowed-names needs --internal-tls-cert and "
+                "--internal-tls-client-ca: the names are read from executors' certificates"
+            )
         check_range("--metrics-max-tenants", self.metrics_max_tenants, min_value=0)
+
+    @property
+    def sink_peer_names(self) -> frozenset[str]:
+        """The names an executor's certificate may carry (empty: any the CA signed)."""
+        names = self.internal_tls_allowed_names.split(",")
+        return frozenset(name.strip() for name in names if name.strip())
 
     @property
     def reply_host(self) -> str:
@@ -203,6 +217,12 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     add("--internal-tls-cert", default=env_str("KVGATE_INTERNAL_TLS_CERT", ""))
     add("--internal-tls-key", default=env_str("KVGATE_INTERNAL_TLS_KEY", ""))
     add("--internal-tls-client-ca", default=env_str("KVGATE_INTERNAL_TLS_CLIENT_CA", ""))
+    add(
+        "--internal-tls-allowed-names",
+        default=env_str("KVGATE_INTERNAL_TLS_ALLOWED_NAMES", ""),
+        help="comma-separated: an executor's certificate must name one in its CN or a DNS "
+        "subjectAltName",
+    )
     add(
         "--sink-secret-file",
         default=env_str("KVGATE_SINK_SECRET_FILE", ""),

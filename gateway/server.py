@@ -160,7 +160,7 @@ def _internal_server(
     server = aio.server(
         interceptors=[ErrorInterceptor()], options=SINK_KEEPALIVE_OPTIONS + EXCLUSIVE_PORT
     )
-    servicer = TokenSinkServicer(router, security.sink_secret)
+    servicer = TokenSinkServicer(router, security.sink_secret, config.sink_peer_names)
     internal_pb2_grpc.add_TokenSinkServicer_to_server(servicer, server)
     port = _listen(
         server,

@@ -244,11 +244,30 @@ def _log_read_error(connection: ExecutorConnection, reader: asyncio.Task[None]) 
 
 class TokenSinkServicer(internal_pb2_grpc.TokenSinkServicer):
     """The gateway's internal service executors connect to. With a shared secret, a stream
-    that does not send it is refused before any of its messages is read."""
+    that does not send it is refused before any of its messages is read; with allowed names,
+    so is a stream whose peer certificate names none of them (mutual TLS has checked that
+    the certificate is the client CA's)."""
 
-    def __init__(self, router: TokenRouter, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        router: TokenRouter,
+        secret: str | None = None,
+        allowed_names: frozenset[str] = frozenset(),
+    ) -> None:
         self.router = router
         self.secret = secret
+        self.allowed_names = allowed_names
+
+    def _check_peer_name(self, context: aio.ServicerContext) -> None:
+        if not self.allowed_names:
+            return
+        auth = context.auth_context()
+        names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
+        if not self.allowed_names.intersection(name.decode() for name in names):
+            log.warning("token sink refused %s: its certificate names no executor", context.peer())
+            raise Unauthenticated(
+                "the token sink's peer certificate names none of --internal-tls-allowed-names"
+            )
 
     def _check_secret(self, context: aio.ServicerContext) -> None:
         if self.secret is None:
@@ -264,6 +283,7 @@ class TokenSinkServicer(internal_pb2_grpc.TokenSinkServicer):
         context: aio.ServicerContext,
     ) -> AsyncIterator[internal_pb2.ConnectResponse]:
         self._check_secret(context)
+        self._check_peer_name(context)
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("hello") or not first.hello.executor_id:
             raise InvalidArgument("hello", "the first message must be an ExecutorHello with an id")

@@ -188,8 +188,15 @@ class Injector:
         self.link = GatewayLink(reply_to, "intruder", self.events.put, credentials)
 
     def inject(self, request_id: str) -> None:
+        """Sends tokens as the start of a run (accepted), which the gateway takes from any
+        authenticated peer while no executor runs the request."""
         entry = internal_pb2.RequestTokens(
-            request_id=request_id, offset=0, token_ids=[7, 7, 7], finished=True, finish_reason=1
+            request_id=request_id,
+            offset=0,
+            token_ids=[7, 7, 7],
+            accepted=True,
+            finished=True,
+            finish_reason=1,
         )
         self.link.send(internal_pb2.TokenBatch(requests=[entry]))
 
@@ -210,12 +217,15 @@ def sink_case(ca, stranger, tmp_path: Path, mode: str) -> tuple[dict, SinkCreden
             "internal_tls_cert": server.cert,
             "internal_tls_key": server.key,
             "internal_tls_client_ca": ca.ca,
+            "internal_tls_allowed_names": "executor-0, executor-1",
         }
         tls = client_credentials(ca.ca, executor)
         intruders = [
             SinkCredentials(),
             SinkCredentials(client_credentials(ca.ca)),
             SinkCredentials(client_credentials(ca.ca, stranger.client("executor-1"))),
+            # a client of the same CA that is not an executor (a tenant's, say)
+            SinkCredentials(client_credentials(ca.ca, ca.client("acme"))),
         ]
         return fields, SinkCredentials(tls), intruders
     secret = tmp_path / "sink.secret"

@@ -36,6 +36,7 @@ def gateway(**fields) -> GatewayConfig:
         ({"tls_cert": "c.pem"}, "--tls-cert and --tls-key"),
         ({"tls_client_ca": "ca.pem"}, "--tls-client-ca needs --tls-cert"),
         ({"internal_tls_cert": "c.pem", "internal_tls_key": "k.pem"}, "--internal-tls-client-ca"),
+        ({"internal_tls_allowed_names": "executor"}, "--internal-tls-allowed-names needs"),
         ({"auth_cache_s": 0}, "--auth-cache-s"),
         ({"metrics_max_tenants": -1}, "--metrics-max-tenants"),
     ],
