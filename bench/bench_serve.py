@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -253,6 +254,7 @@ def paired_overhead_ms(inprocess: list[float], grpc: list[float], window_ms: flo
 
 def run(args: argparse.Namespace) -> dict:
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
+    load_at_start = os.getloadavg()
     with scratch_folder() as folder:
         model = args.model or folder
         if args.model is None:
@@ -267,6 +269,9 @@ def run(args: argparse.Namespace) -> dict:
         "workload": vars(workload),
         "batch_window_ms": args.batch_window_ms,
         "torch_threads": co_located_torch_threads(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": load_at_start,  # 1, 5 and 15 minutes: other work running
+        "load_average_at_end": os.getloadavg(),
         "inprocess_tokens_per_s": samples["inprocess_tokens_per_s"],
         "grpc_tokens_per_s": samples["grpc_tokens_per_s"],
         "throughput_ratio": samples["grpc_tokens_per_s"] / samples["inprocess_tokens_per_s"],

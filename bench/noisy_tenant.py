@@ -97,6 +97,7 @@ def schedule(args: argparse.Namespace, start_at: float) -> tuple[list[Block], li
 
 
 def run(args: argparse.Namespace) -> dict:
+    load_at_start = os.getloadavg()
     with scratch_folder() as folder:
         config = StackConfig(
             model=str(args.model),
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
         stack = Stack(config)
         try:
             stack.start_all()
-            return measure(stack, args)
+            return {"load_average_at_start": load_at_start, **measure(stack, args)}
         finally:
             stack.stop_all()
 
