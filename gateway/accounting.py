@@ -1,12 +1,13 @@
 """Per-tenant accounting: Prometheus counters (bounded labels) and daily usage in Redis.
 
-Each finished generation adds to its tenant's counters (requests, prompt, cached prompt and
-generated tokens) in Prometheus and in the tenant's usage hash of the day, which
-`kvgate admin usage` reports; its generated tokens are taken from the tenant's tokens-per-
-minute bucket. The Redis writes run after the client has its last chunk: the usage of all
-generations that finished within USAGE_WRITE_DELAY_S goes in one pipeline, summed per tenant,
-not one round trip each (under thousands of streams those would take the gateway's Redis
-connections from the calls that need them). A failed write keeps its counts for the next.
+Each generation, once it ends (its last chunk, or a cancel, deadline or error before one),
+adds to its tenant's counters (requests, prompt, cached prompt and generated tokens: those
+streamed) in Prometheus and in the tenant's usage hash of the day, which `kvgate admin usage`
+reports; its generated tokens are taken from the tenant's tokens-per-minute bucket. The
+Redis writes run after the stream ended: the usage of all generations that ended within
+USAGE_WRITE_DELAY_S goes in one pipeline, summed per tenant, not one round trip each (under
+thousands of streams those would take the gateway's Redis connections from the calls that
+need them). A failed write keeps its counts for the next.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Accounting:
         self._outage = OutageLog(log, "usage accounting")
 
     def count(self, tenant: str, usage: Usage) -> None:
-        """Add a finished generation to the tenant's Prometheus counters."""
+        """Add an ended generation to the tenant's Prometheus counters."""
         label = self.label(tenant)
         metrics = self.metrics
         metrics.tenant_requests.labels(label).inc()
@@ -86,7 +87,7 @@ class Accounting:
         self.metrics.tenant_refused.labels(self.label(tenant), limit).inc()
 
     def record(self, tenant: str, usage: Usage) -> None:
-        """Add a finished generation to the tenant's usage of the day and take its tokens
+        """Add an ended generation to the tenant's usage of the day and take its tokens
         from the tenant's bucket, in Redis within USAGE_WRITE_DELAY_S."""
         counts = (1, usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
         self._add(tenant, counts)
