@@ -114,23 +114,34 @@ static inline float round_to(int dtype, float value) {
     return dtype == KVGATE_BF16 ? bf16_to_f32(f32_to_bf16(value)) : value;
 }
 
-/* n contiguous float16 values into float32, 16 at a time where AVX-512 converts them. */
+/* n contiguous float16 values into float32: 16 at a time where AVX-512 converts them, 8 at a
+ * time where F16C does (narrow heads' rows), one at a time for the rest. */
 static inline void load_f16_row(const uint16_t *src, int64_t n, float *dst) {
     int64_t i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
 #endif
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
     for (; i < n; ++i) dst[i] = f16_to_f32(src[i]);
 }
+
+#define KVGATE_F16_ROUNDING (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 static inline void store_f16_row(uint16_t *dst, const float *src, int64_t n) {
     int64_t i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256((__m256i *)(dst + i),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), KVGATE_F16_ROUNDING));
+#endif
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), KVGATE_F16_ROUNDING));
 #endif
     for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
 }
@@ -204,8 +215,21 @@ static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, 
     const int8_t *values = src;
     float scale;
     memcpy(&scale, values + head_dim, sizeof scale);
-#pragma omp simd
-    for (int64_t i = 0; i < head_dim; ++i) dst[i] = (float)values[i] * scale;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (; i + 16 <= head_dim; i += 16) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(values + i));
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
+                                                scale16));
+    }
+    for (; i + 8 <= head_dim; i += 8) { /* head_dim is a multiple of 4: at most one pass */
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + i));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                                                _mm512_castps512_ps256(scale16)));
+    }
+#endif
+    for (; i < head_dim; ++i) dst[i] = (float)values[i] * scale;
 }
 
 /* Rotary embedding (rotate_half style) of one token's `num_heads` heads of x (element (h, d) at
