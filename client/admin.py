@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from common.tenants import (
     KEY_CREATED_FIELD,
     KEY_TENANT_FIELD,
     USAGE_FIELDS,
+    USAGE_TTL_DAYS,
     TenantLimits,
     check_tenant,
     key_id_of,
@@ -55,6 +57,29 @@ def _priority(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be an integer or none, got {text!r}") from None
 
 
+def _key_id(text: str) -> str:
+    """A key id (12 hex characters), or the id of a whole key (never echoed back)."""
+    key_id = key_id_of(text) or text
+    if not re.fullmatch(r"[0-9a-f]{12}", key_id):
+        raise argparse.ArgumentTypeError(
+            "must be a key id (12 hex characters, as `keys list` shows) or a whole key"
+        )
+    return key_id
+
+
+def _days(text: str) -> int:
+    try:
+        days = int(text)
+    except ValueError:
+        days = 0
+    if not 1 <= days <= USAGE_TTL_DAYS:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of days from 1 to {USAGE_TTL_DAYS} (usage is kept "
+            f"{USAGE_TTL_DAYS} days), got {text!r}"
+        )
+    return days
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate admin", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -71,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_parser("list", help="key ids, tenants, creation times").add_argument(
         "--tenant", type=_tenant
     )
-    keys.add_parser("revoke", help="delete a key").add_argument("key", help="key id or the key")
+    keys.add_parser("revoke", help="delete a key").add_argument(
+        "key", type=_key_id, help="key id or the key"
+    )
     limits = areas.add_parser("limits", help="a tenant's quotas")
     actions = limits.add_subparsers(dest="action", required=True)
     set_limits = actions.add_parser("set", help="set some limits (0: no limit)")
@@ -87,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         actions.add_parser(action).add_argument("--tenant", type=_tenant, required=True)
     usage = areas.add_parser("usage", help="requests and tokens by tenant and day (UTC)")
     usage.add_argument("--tenant", type=_tenant)
-    usage.add_argument("--days", type=int, default=30, help="the last N days, today included")
+    usage.add_argument("--days", type=_days, default=30, help="the last N days, today included")
     usage.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     return parser
 

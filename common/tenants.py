@@ -36,6 +36,11 @@ KEY_CREATED_FIELD = "created_unix_ms"
 USAGE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "generated_tokens")
 # Days a usage hash is kept.
 USAGE_TTL_DAYS = 400
+# The largest limit stored: Redis's Lua counts in doubles, exact up to 2**53 (a larger limit
+# would be no limit in effect, or lose its units in the buckets' arithmetic).
+MAX_LIMIT = 2**53
+# max_priority travels in the replies' int32 `priority` field.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 def check_tenant(flag: str, tenant: str) -> str:
@@ -96,10 +101,17 @@ class TenantLimits:
     def __post_init__(self) -> None:
         for name in ("requests_per_s", "tokens_per_min", "max_streams"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:  # NaN passes `< 0` and meant no limit
+            if not math.isfinite(value) or not 0 <= value <= MAX_LIMIT:  # NaN meant no limit
+                flag = "--" + name.replace("_", "-")
                 raise ValueError(
-                    f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}"
+                    f"{flag} must be a finite number from 0 to {MAX_LIMIT}, got {value}"
                 )
+        low, high = PRIORITY_RANGE
+        if self.max_priority is not None and not low <= self.max_priority <= high:
+            raise ValueError(
+                f"--max-priority must be from {low} to {high} (a reply's int32 priority), "
+                f"got {self.max_priority}"
+            )
 
     @property
     def rated(self) -> bool:

@@ -121,8 +121,9 @@ KVGATE_ACL_RULES = "~kvgate:* +@all -@dangerous"
 
 @dataclass(frozen=True, slots=True)
 class RedisSecurity:
-    """A redis-server that serves TLS only (clients need not present a certificate) and
-    knows one ACL user, limited to kvgate's keys; its default user is off."""
+    """A redis-server that serves TLS only and knows one ACL user, limited to kvgate's keys;
+    its default user is off. With `client_cert` and `client_key` Redis asks every client for
+    a certificate of `ca` (mutual TLS), and the URL hands kvgate's processes that pair."""
 
     ca: str  # PEM files: the CA of the server's certificate, the certificate, its key
     cert: str
@@ -130,6 +131,8 @@ class RedisSecurity:
     user: str = "kvgate"
     password: str = ""
     acl_file: str = ""  # written by `server_args`
+    client_cert: str = ""  # PEM files: the clients' certificate and key; empty: no mutual TLS
+    client_key: str = ""
 
     def server_args(self, port: int) -> list[str]:
         Path(self.acl_file).write_text(
@@ -138,11 +141,14 @@ class RedisSecurity:
         return [
             "--port", "0", "--tls-port", str(port), "--tls-cert-file", self.cert,
             "--tls-key-file", self.key, "--tls-ca-cert-file", self.ca,
-            "--tls-auth-clients", "no", "--aclfile", self.acl_file,
+            "--tls-auth-clients", "yes" if self.client_cert else "no", "--aclfile", self.acl_file,
         ]  # fmt: skip
 
     def url(self, port: int) -> str:
-        return f"rediss://{self.user}:{self.password}@127.0.0.1:{port}/0?ssl_ca_certs={self.ca}"
+        query = f"ssl_ca_certs={self.ca}"
+        if self.client_cert:
+            query += f"&ssl_certfile={self.client_cert}&ssl_keyfile={self.client_key}"
+        return f"rediss://{self.user}:{self.password}@127.0.0.1:{port}/0?{query}"
 
 
 @dataclass(slots=True)

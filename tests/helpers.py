@@ -179,3 +179,17 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             do_sample=False, pad_token_id=0,
         )  # fmt: skip
     return out[0, len(prompt_ids) :].tolist()
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread inside the block. For tests of SmolLM2-sized models: on a shared
+    2-core machine two threads that wait on each other at every matmul made an engine test 10x
+    slower (a thin matmul took 16 ms instead of 0.55 ms at load 5); results do not depend on it.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

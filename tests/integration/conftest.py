@@ -16,6 +16,7 @@ from common.model_text import ModelText
 from common.tenants import DEFAULT_TENANT
 from deploy.stack import Stack, StackConfig, free_port
 from protos.kvgate.v1 import inference_pb2, internal_pb2
+from tests.certs import Pem
 from tests.helpers import STORIES_260K, redis_server
 from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, make_gateway
 
@@ -28,6 +29,21 @@ if shutil.which("redis-server") is None or not (MODEL / "config.json").is_file()
         "integration tests need redis-server and ../shared/models/stories260K",
         allow_module_level=True,
     )
+
+
+def tls_flags(ca: str, public: Pem, sink: Pem, executor: Pem) -> dict[str, list[str]]:
+    """start_stack's gateway_flags and executor_flags for TLS on the public port (`public`)
+    and mutual TLS on the TokenSink (`sink` the gateway's, `executor` the executors')."""
+    return {
+        "gateway_flags": [
+            "--tls-cert", public.cert, "--tls-key", public.key,
+            "--internal-tls-cert", sink.cert, "--internal-tls-key", sink.key,
+            "--internal-tls-client-ca", ca,
+        ],
+        "executor_flags": [
+            "--sink-tls-ca", ca, "--sink-tls-cert", executor.cert, "--sink-tls-key", executor.key,
+        ],
+    }  # fmt: skip
 
 
 def start_stack(

@@ -5,6 +5,8 @@ mutual TLS; what each tenant sees of the others, and what the logs and metrics h
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -16,10 +18,11 @@ from deploy.stack import RedisSecurity, Stack
 from protos.kvgate.v1 import inference_pb2 as pb
 from tests.certs import CertificateAuthority
 from tests.helpers import wait_for
-from tests.integration.conftest import start_stack
+from tests.integration.conftest import start_stack, tls_flags
 
 REDIS_PASSWORD = "redis-pass-7f3a9c"  # noqa: S105 (a test's own Redis)
 PROMPT_IDS = [(i * 7) % 400 + 20 for i in range(64)]  # 64 tokens: four full KV blocks
+SHARED_ID = "one-id-for-both"  # the request_id (and session_id) both tenants choose
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +40,8 @@ def secure(tmp_path_factory: pytest.TempPathFactory):
         folder / "logs",
         auth="keys",
         redis_security=security,
-        gateway_flags=[
-            "--tls-cert", server.cert, "--tls-key", server.key,
-            "--internal-tls-cert", sink.cert, "--internal-tls-key", sink.key,
-            "--internal-tls-client-ca", ca.ca,
-        ],
-        executor_flags=[
-            "--sink-tls-ca", ca.ca, "--sink-tls-cert", executor.cert,
-            "--sink-tls-key", executor.key,
-        ],
-    )  # fmt: skip
+        **tls_flags(ca.ca, server, sink, executor),
+    )
     try:
         client = stack.redis()
         keys = {t: admin.create_key(client, stack.keys, t, lambda _: None) for t in ("a", "b")}
@@ -124,3 +119,60 @@ def test_no_secret_reaches_a_log_or_the_metrics(secure) -> None:
         leaked = [s for s in secrets if s in text]
         assert not leaked, f"{where} holds a secret"
     assert 'tenant="a"' in metrics["gateway"], "the gateway's metrics have no tenant label"
+
+
+@contextmanager
+def tenant_client(stack: Stack, ca: CertificateAuthority, api_key: str) -> Iterator[KvgateClient]:
+    with KvgateClient(stack.address, 60.0, api_key=api_key, tls=TLSFiles(ca.ca)) as client:
+        yield client
+
+
+def start_greedy(client: KvgateClient, prompt_ids: list[int], max_tokens: int, **fields):
+    """A greedy Generate that runs to max_tokens, started (its chunks not read yet)."""
+    params = sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    request = pb.GenerateRequest(prompt_token_ids=prompt_ids, params=params, **fields)
+    return client.stub.Generate(request, **client._call_options(60.0))
+
+
+def token_ids(chunks) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+def test_two_tenants_under_one_request_id_never_touch_each_other(secure) -> None:
+    """Both tenants stream at once under one request_id: each gets its own tokens (those of
+    its run alone), and one's cancel or EndSession leaves the other's request and session."""
+    stack, ca, keys = secure
+    prompts = {"a": PROMPT_IDS[:16], "b": PROMPT_IDS[40:56]}
+    with tenant_client(stack, ca, keys["a"]) as a, tenant_client(stack, ca, keys["b"]) as b:
+        clients = {"a": a, "b": b}
+        alone = {t: token_ids(start_greedy(c, prompts[t], 300)) for t, c in clients.items()}
+        assert alone["a"] != alone["b"] and len(alone["b"]) == 300
+
+        calls = {
+            t: start_greedy(c, prompts[t], 300, request_id=SHARED_ID) for t, c in clients.items()
+        }
+        assert {t: token_ids(call) for t, call in calls.items()} == alone
+
+        cancelled = start_greedy(a, prompts["a"], 300, request_id=SHARED_ID)
+        other = start_greedy(b, prompts["b"], 300, request_id=SHARED_ID)
+        first_chunks = [next(cancelled), next(other)]  # both are streaming
+        cancelled.cancel()
+        assert token_ids([first_chunks[1], *other]) == alone["b"]
+        assert other.code() == grpc.StatusCode.OK
+        assert cancelled.code() == grpc.StatusCode.CANCELLED
+
+        def second_turn_of_b(session_id: str) -> list:
+            """b's second turn; in SHARED_ID, a opens its own session of that id beside b's
+            first turn, under the same request_id, and ends it before b's second."""
+            shared = session_id == SHARED_ID
+            ids = {"session_id": session_id, "request_id": SHARED_ID if shared else ""}
+            first = [start_greedy(b, prompts["b"], 8, **ids)]
+            first += [start_greedy(a, prompts["a"], 8, **ids)] if shared else []
+            assert all(len(token_ids(call)) == 8 for call in first)
+            assert not shared or a.end_session(SHARED_ID), "a's own session was not ended"
+            return list(start_greedy(b, prompts["b"], 8, session_id=session_id))
+
+        solo, shared = second_turn_of_b("b-alone"), second_turn_of_b(SHARED_ID)
+        assert token_ids(shared) == token_ids(solo)
+        assert b.end_session(SHARED_ID), "a's EndSession ended b's session"
+        assert not a.end_session(SHARED_ID)

@@ -20,7 +20,7 @@ from common.templates import Message
 from deploy.stack import Stack, StackConfig, free_port
 from executor.config import EngineConfig
 from executor.engine import Engine
-from tests.helpers import assert_greedy_matches, hf_greedy, run_to_completion
+from tests.helpers import assert_greedy_matches, hf_greedy, one_torch_thread, run_to_completion
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -33,14 +33,9 @@ IM_END = 2  # <|im_end|>: SmolLM2's EOS, the end of an assistant turn
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One thread for this module's models: on a shared 2-core machine, two threads that
-    wait on each other at every matmul made the engine test 10x slower (a thin matmul took
-    16 ms instead of 0.55 ms at load 5). The results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from client import admin
 from common.tenants import (
     OTHER_TENANTS,
     TenantLimits,
@@ -110,3 +111,42 @@ def test_tenant_labels_are_bounded() -> None:
         "a",
         OTHER_TENANTS,
     ]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["usage", "--days", "0"], "--days"),
+        (["usage", "--days", "-3"], "--days"),
+        (["usage", "--days", "nan"], "--days"),
+        (["usage", "--days", "401"], "--days"),
+        (["usage", "--days", "99999999999999999999"], "--days"),
+        (["limits", "set", "--tenant", "a", "--requests-per-s", "x"], "--requests-per-s"),
+        (["limits", "set", "--tenant", "a", "--tokens-per-min", "1e3"], "--tokens-per-min"),
+        (["limits", "set", "--tenant", "a", "--max-priority", "nan"], "--max-priority"),
+        (["keys", "create", "--tenant", "_x"], "--tenant"),
+        (["keys", "revoke", ""], "key"),
+        (["keys", "revoke", "kvg_0123456789ab_short"], "key"),
+    ],
+)
+def test_admin_refuses_a_bad_flag_naming_it(argv: list[str], flag: str, capsys) -> None:
+    # Refused while parsing, before Redis is reached: the URL below has no server behind it.
+    with pytest.raises(SystemExit) as exited:
+        admin.main(["--redis-url", "redis://127.0.0.1:1/0", *argv])
+    assert exited.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_tenant_limits_refuse_what_redis_or_a_reply_cannot_hold() -> None:
+    for name, value in [
+        ("requests_per_s", 1e300),  # finite, but beyond what the buckets count exactly
+        ("tokens_per_min", 2**53 + 1),
+        ("max_streams", 10**30),
+    ]:
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} must be"):
+            TenantLimits(**{name: value})
+    for priority in (2**31, -(2**31) - 1):  # a reply's priority is int32: every call would fail
+        with pytest.raises(ValueError, match="--max-priority must be"):
+            TenantLimits(max_priority=priority)
+    assert TenantLimits(max_streams=2**53, max_priority=-(2**31)).max_streams == 2**53
+    assert admin.build_parser().parse_args(["usage", "--days", "400"]).days == 400
