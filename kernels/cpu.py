@@ -3,9 +3,10 @@
 
 Each wrapper has the signature and results of its twin in kernels.reference, for float32 and
 bfloat16 CPU tensors; the KV cache may be float32, bfloat16, float16 or int8 (rows with their
-scale, kernels/kv_format.py) whatever the activations' dtype. The C code (kernels/csrc/) does the rotary embedding and the KV-cache store in one pass each where the
-reference runs a dozen small tensor ops, the greedy argmax down the columns of column-major
-logits, and RMSNorm with its residual add in one pass over row- or column-major activations.
+scale, kernels/kv_format.py) whatever the activations' dtype. The C code (kernels/csrc/) does
+the rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
+small tensor ops, the greedy argmax down the columns of column-major logits, and RMSNorm with
+its residual add in one pass over row- or column-major activations.
 It is built by kernels/cpu_build.py at first use.
 """
 
