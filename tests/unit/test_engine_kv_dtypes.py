@@ -29,7 +29,7 @@ PROMPTS = [[1, 403, 407, 261, 378], [1, 66, 300, 18], [1, 500, 2, 7, 9, 11, 13, 
 @pytest.fixture(scope="module")
 def quality() -> dict:
     prompts = tokenized_prompts(str(STORIES_260K), "story", 16)
-    return measure_quality(str(STORIES_260K), prompts, 128, VARIANTS)
+    return measure_quality(str(STORIES_260K), prompts, 128, VARIANTS, free_runs=False)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
