@@ -5,7 +5,8 @@ transformers generate_batch in bfloat16, in one run on SmolLM2-135M's shape.
 
 Each measure is the best of --repeats interleaved rounds (bench.bench_engine.best_rates), on
 64 requests of 128 prompt and 128 output tokens (EOS ignored). The roofline of a format is the
-machine's best matmul FLOP/s in it (2048 x 2048 x 2048) over 2 x parameters per token. int8
+workload's matmul FLOPs at the machine's best matmul FLOP/s in it (2048 x 2048 x 2048),
+bench/roofline.py. int8
 and int4 run with float32 activations (the CPU default) and with bfloat16 ones.
 """
 
@@ -28,6 +29,7 @@ from bench.bench_engine import (
     load_hf_model,
 )
 from bench.machine import matmul_flops_per_s
+from bench.roofline import output_tokens_only_tokens_per_s, roofline_tokens_per_s
 from bench.scratch import scratch_folder
 from executor.config import EngineConfig
 from executor.engine import Engine
@@ -67,7 +69,9 @@ def run(model: str, workload: Workload, repeats: int, formats: list[str]) -> dic
     best, samples = best_rates(measures, repeats)
     flops = {str(d).removeprefix("torch."): matmul_flops_per_s(d) for d in (torch.float32,
              torch.bfloat16)}  # fmt: skip
-    roofline = {name: f / (2 * num_params) for name, f in flops.items()}
+    roofline = {name: roofline_tokens_per_s(f, hf.config, workload) for name, f in flops.items()}
+    output_only = {name: output_tokens_only_tokens_per_s(f, num_params)
+                   for name, f in flops.items()}  # fmt: skip
     return {
         "workload": vars(workload),
         "num_parameters": num_params,
@@ -75,6 +79,7 @@ def run(model: str, workload: Workload, repeats: int, formats: list[str]) -> dic
         "load_average_at_end": os.getloadavg(),
         "matmul_flops_per_s": flops,
         "roofline_tokens_per_s": roofline,
+        "roofline_output_tokens_only_tokens_per_s": output_only,
         "tokens_per_s": best,
         "samples_tokens_per_s": samples,
         "medians_tokens_per_s": {n: statistics.median(v) for n, v in samples.items()},

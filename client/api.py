@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.retry import NO_RETRY, RetryPolicy, call_with_retries, stream_with_retries
+from client.retry import NO_RETRY, RetryPolicy, channel_options, stream_with_retries
 from common.finish_reason_pb import finish_reason_from_pb
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
@@ -154,18 +154,20 @@ class KvgateClient:
             target: the gateway's HOST:PORT.
             timeout_s: deadline of each call; None: none.
             retry: send a call again on UNAVAILABLE or ABORTED before its first response, up
-                to 4 tries within the deadline (client/retry.py); False: fail at once. Chat
-                streams are not retried.
+                to 4 tries within the deadline: Generate by client/retry.py, unary calls by
+                gRPC under its SERVICE_CONFIG; False: fail at once. Chat streams are not
+                retried.
             api_key: sent on every call as `authorization: Bearer <key>`; empty: none.
             tls: connect over TLS with these files; None: plaintext.
 
         Raises:
             ValueError: naming the flag of a TLS file that cannot be read.
         """
+        options = channel_options(retry)
         if tls is None:
-            self.channel = grpc.insecure_channel(target)
+            self.channel = grpc.insecure_channel(target, options)
         else:
-            self.channel = grpc.secure_channel(target, tls.credentials())
+            self.channel = grpc.secure_channel(target, tls.credentials(), options)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout_s = timeout_s
         self.retry = RetryPolicy() if retry else NO_RETRY
@@ -221,28 +223,15 @@ class KvgateClient:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        response = call_with_retries(
-            lambda timeout: self.stub.Tokenize(request, **self._call_options(timeout)),
-            self.retry,
-            self.timeout_s,
-        )
-        return list(response.token_ids)
+        return list(self.stub.Tokenize(request, **self._call_options(self.timeout_s)).token_ids)
 
     def model_info(self) -> inference_pb2.GetModelInfoResponse:
         request = inference_pb2.GetModelInfoRequest()
-        return call_with_retries(
-            lambda timeout: self.stub.GetModelInfo(request, **self._call_options(timeout)),
-            self.retry,
-            self.timeout_s,
-        )
+        return self.stub.GetModelInfo(request, **self._call_options(self.timeout_s))
 
     def end_session(self, session_id: str) -> bool:
         request = inference_pb2.EndSessionRequest(session_id=session_id)
-        return call_with_retries(
-            lambda timeout: self.stub.EndSession(request, **self._call_options(timeout)),
-            self.retry,
-            self.timeout_s,
-        ).ended
+        return self.stub.EndSession(request, **self._call_options(self.timeout_s)).ended
 
     def _call_options(self, timeout_s: float | None) -> dict[str, object]:
         """One attempt's options: what is left of the call's deadline, the credentials."""

@@ -6,14 +6,18 @@ turn was not recorded) are safe to send again unchanged, under the same request_
 (docs/failures.md). A call is sent again only while no response has come, so a stream is
 never retried halfway, and never past the call's deadline, which covers every attempt.
 
-The retries are the client's own, not gRPC's retry policy (a service config): with grpcio
-1.85, server-streaming calls under that policy whose connection broke before their first
-response (the gateway killed) never ended, not even at their deadline (8 of 8 calls, with
-the server back 1 s or 5 s later; without the policy each ended UNAVAILABLE at once).
+Unary calls (Tokenize, GetModelInfo, EndSession) are retried by gRPC itself, under the
+retry policy of SERVICE_CONFIG, a gRPC service config any client of any language can set on
+its channel (docs/failures.md prints it). Streams (Generate) are retried here instead
+(`stream_with_retries`): with grpcio 1.85, server-streaming calls under that policy whose
+connection broke before their first response (the gateway killed) never ended, not even at
+their deadline (8 of 8 calls, with the server back 1 s or 5 s later; without the policy
+each ended UNAVAILABLE at once).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -22,9 +26,42 @@ from typing import TypeVar
 import grpc
 
 from common.redis_conn import Backoff
+from protos.kvgate.v1 import inference_pb2
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED})
 T = TypeVar("T")
+_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
+# The methods with one request and one response: gRPC's retry policy is safe for them.
+UNARY_METHODS = tuple(
+    m.name for m in _SERVICE.methods if not (m.client_streaming or m.server_streaming)
+)
+# The channel's service config: UNARY_METHODS retried on RETRYABLE_CODES, up to 4 tries,
+# the pause before each retry random below 0.25 s, 0.5 s, then 1 s (gRPC's jittered
+# exponential backoff), all within the call's deadline. Retry throttling stops retries on a
+# channel while most calls fail (each failure costs a token of 10, each success gives back
+# 0.1; retries stop below 5), so that an outage does not meet 4 times the calls.
+SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [{"service": _SERVICE.full_name, "method": name} for name in UNARY_METHODS],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.25s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": sorted(code.name for code in RETRYABLE_CODES),
+            },
+        }
+    ],
+    "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
+}
+
+
+def channel_options(retry: bool) -> list[tuple[str, object]]:
+    """gRPC channel options: SERVICE_CONFIG's retries of unary calls, or none at all."""
+    if not retry:
+        return [("grpc.enable_retries", 0)]
+    return [("grpc.service_config", json.dumps(SERVICE_CONFIG)), ("grpc.enable_retries", 1)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +118,3 @@ def stream_with_retries(
         finally:
             if isinstance(call, grpc.Call):
                 call.cancel()  # the caller stopped reading; nothing once the call has ended
-
-
-def call_with_retries(
-    call: Callable[[float | None], T], policy: RetryPolicy, timeout_s: float | None
-) -> T:
-    """The response of a unary call, sent again as `stream_with_retries` would."""
-    for response in stream_with_retries(lambda timeout: (call(timeout),), policy, timeout_s):
-        return response
-    raise AssertionError("a unary call ended without a response or an error")

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from common.config import check_range, env_int, env_str
 from common.metrics import build_metric
-from common.redis_conn import connect_sync
+from common.redis_conn import connect_sync, describe
 
 log = logging.getLogger(__name__)
 LIVENESS_SERVICE = "liveness"
@@ -123,7 +123,7 @@ def redis_check(client: redis.Redis) -> Check:
         try:
             client.ping()
         except redis.RedisError as error:
-            return f"redis unreachable: {error}"
+            return f"redis unreachable: {describe(error)}"
         return None
 
     return check

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import math
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -73,6 +74,26 @@ def is_outage(error: BaseException) -> bool:
     return False
 
 
+# redis-py's message for a command of a pipeline that failed quotes the whole command,
+# binary values (a serialized protobuf) included: "Command # 1 (SET key b'\\n...' PX 3000) of
+# pipeline caused error: READONLY ...".
+_PIPELINE_ERROR = re.compile(
+    r"Command # (\d+) \((\S+).*\) of pipeline caused error: (.*)", re.DOTALL
+)
+
+
+def describe(error: BaseException) -> str:
+    """`error`'s message for a log line or a status: of a pipeline's command, only its name
+    is kept ("READONLY You can't write against a read only replica. (SET, command 1 of a
+    pipeline)")."""
+    text = str(error)
+    match = _PIPELINE_ERROR.fullmatch(text)
+    if match is None:
+        return text
+    number, command, reason = match.groups()
+    return f"{reason} ({command.upper()}, command {number} of a pipeline)"
+
+
 @dataclass(frozen=True, slots=True)
 class Backoff:
     """Exponential backoff with full jitter.
@@ -102,7 +123,9 @@ class OutageLog:
     def failed(self, error: BaseException) -> None:
         if not self.down:
             kind = "unreachable" if is_outage(error) else "answered with an error"
-            self._log.warning("%s: redis %s (%s); retrying with backoff", self._what, kind, error)
+            self._log.warning(
+                "%s: redis %s (%s); retrying with backoff", self._what, kind, describe(error)
+            )
             self.down = True
 
     def succeeded(self) -> None:
@@ -160,6 +183,43 @@ def check_url(url: str) -> None:
         )
     if scheme == SENTINEL_SCHEME:
         parse_sentinel_url(url)
+
+
+# The errors redis-py's discover_master collected, each after its sentinel client's repr:
+# "<redis.client.Redis(<...>)>)>)> - network:ConnectionError, <redis.client.Redis(...".
+_SENTINEL_ERROR = re.compile(r"\)> - (.*?)(?=, <redis\.|$)", re.DOTALL)
+
+
+def _no_master(sentinels, master_name: str, error: redis.ConnectionError) -> redis.ConnectionError:
+    """`error` (a MasterNotFoundError) again, its message naming the master and the sentinels
+    asked, and why each failed, without the long repr of each sentinel's client."""
+    asked = ", ".join(
+        f"{kwargs.get('host')}:{kwargs.get('port')}"
+        for kwargs in (sentinel.connection_pool.connection_kwargs for sentinel in sentinels)
+    )
+    reasons = _SENTINEL_ERROR.findall(str(error))
+    why = "; ".join(reasons) or "none of those that answered knows it as a master in good state"
+    return type(error)(f"no master named {master_name!r} from the sentinels {asked} ({why})")
+
+
+class _Sentinel(redis.sentinel.Sentinel):
+    """redis-py's Sentinel; a master not found is reported by _no_master."""
+
+    def discover_master(self, service_name):
+        try:
+            return super().discover_master(service_name)
+        except redis.sentinel.MasterNotFoundError as error:
+            raise _no_master(self.sentinels, service_name, error) from None
+
+
+class _AsyncSentinel(aiosentinel.Sentinel):
+    """redis-py's asyncio Sentinel; a master not found is reported by _no_master."""
+
+    async def discover_master(self, service_name):
+        try:
+            return await super().discover_master(service_name)
+        except aiosentinel.MasterNotFoundError as error:
+            raise _no_master(self.sentinels, service_name, error) from None
 
 
 def _client_kwargs(timeout_s: float) -> dict[str, object]:
@@ -295,7 +355,7 @@ def connect(
     }
     if url.startswith(f"{SENTINEL_SCHEME}://"):
         parsed = parse_sentinel_url(url)
-        sentinel = aiosentinel.Sentinel(
+        sentinel = _AsyncSentinel(
             list(parsed.sentinels),
             sentinel_kwargs=_client_kwargs(timeout_s),
         )
@@ -316,9 +376,7 @@ def connect_sync(url: str, *, timeout_s: float = 1.0) -> redis.Redis:
     """A blocking Redis client; the same contract as `connect`, without a budget."""
     if url.startswith(f"{SENTINEL_SCHEME}://"):
         parsed = parse_sentinel_url(url)
-        sentinel = redis.sentinel.Sentinel(
-            list(parsed.sentinels), sentinel_kwargs=_client_kwargs(timeout_s)
-        )
+        sentinel = _Sentinel(list(parsed.sentinels), sentinel_kwargs=_client_kwargs(timeout_s))
         return sentinel.master_for(
             parsed.master_name,
             db=parsed.db,

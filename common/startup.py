@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -53,3 +54,19 @@ def start_process(
         print(f"{name}: {error}", file=sys.stderr)
         return None
     return config, metrics
+
+
+def stop_on_signals(stop: threading.Event, signums=(signal.SIGTERM, signal.SIGINT)) -> None:
+    """Set `stop` when one of `signums` arrives, from a short thread.
+
+    A handler runs on the main thread between two of its bytecodes. Event.wait holds the
+    event's lock around its check, so a handler calling stop.set() while the main thread was
+    inside stop.wait() would wait for a lock its own thread holds, forever; the thread's set
+    waits only until wait lets go of it.
+    """
+
+    def handler(*_) -> None:
+        threading.Thread(target=stop.set, name="stop-signal", daemon=True).start()
+
+    for signum in signums:
+        signal.signal(signum, handler)

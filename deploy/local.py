@@ -11,7 +11,6 @@ them all.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from common.config import (
     env_str,
     redacted_url,
 )
+from common.startup import stop_on_signals
 from deploy.models import choose_model
 from deploy.stack import DEFAULT_LOG_DIR, Stack, StackConfig
 from deploy.supervise import Supervisor
@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     stopped = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopped.set())
+    stop_on_signals(stopped)
     try:
         print(f"starting kvgate on model {model} (logs in {stack.config.log_dir})", flush=True)
         stack.start_all(num_executors=config.executors)

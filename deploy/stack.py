@@ -167,6 +167,7 @@ class StackConfig:
     redis_sentinels: int = 0
     redis_prefix: str = "kvgate:"
     executor_flags: list[str] = field(default_factory=list)
+    executor_env: dict[str, str] = field(default_factory=dict)  # besides the stack's own
     scheduler_flags: list[str] = field(default_factory=list)
     gateway_flags: list[str] = field(default_factory=list)
     start_timeout_s: float = 120.0
@@ -330,7 +331,7 @@ class Stack:
             *self._health_flags(executor_id),
             *self.config.executor_flags,
         ]
-        self.spawn(executor_id, argv, extra_env)
+        self.spawn(executor_id, argv, {**self.config.executor_env, **(extra_env or {})})
         if wait:
             self.wait_executor(executor_id)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import redis
 
 from common.keys import EXECUTOR_STATUS_TTL_MS, HEARTBEAT_INTERVAL_S, RedisKeys
-from common.redis_conn import Backoff, OutageLog
+from common.redis_conn import Backoff, OutageLog, describe
 from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Heartbeat:
             pipe.srem(self._keys.executors, status.executor_id)
             pipe.execute()
         except redis.RedisError as error:
-            log.warning("could not remove the executor status: %s", error)
+            log.warning("could not remove the executor status: %s", describe(error))
 
     def stuck_check(self) -> str | None:
         """The health condition of the step loop: None while it goes round."""

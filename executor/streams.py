@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from common.keys import PAYLOAD_FIELD, RedisKeys, stream_id
 from common.logs import request_fields
-from common.redis_conn import Backoff, OutageLog
+from common.redis_conn import Backoff, OutageLog, describe
 from common.requeue import stream_fields
 from protos.kvgate.v1 import internal_pb2
 
@@ -130,7 +130,9 @@ class InboxReader:
             self._delete_handled()
             self._sweep_unread()
         except redis.RedisError as error:
-            log.warning("inbox: redis failed at exit (%s); the scheduler re-queues it", error)
+            log.warning(
+                "inbox: redis failed at exit (%s); the scheduler re-queues it", describe(error)
+            )
 
     def handled(self, entry_id: str) -> None:
         """Marks an entry as handled; the reader deletes it from the stream."""

@@ -43,7 +43,9 @@ class GatewayConfig:
     max_queue_len: int = 4096  # queued (not yet placed) requests before RESOURCE_EXHAUSTED
     # Generate and Chat calls open at once; one more is refused with RESOURCE_EXHAUSTED
     max_concurrent_streams: int = 4096
-    max_receive_message_bytes: int = 4 << 20  # a bigger request message: RESOURCE_EXHAUSTED
+    # a bigger request message: RESOURCE_EXHAUSTED from gRPC core; 0: derived from the
+    # model's character budget (gateway.limits.receive_limit)
+    max_receive_message_bytes: int = 0
     tokenizer_threads: int = 2  # threads that tokenize and template long inputs
     max_stop_token_ids: int = 64  # params.stop_token_ids per request
     max_queued_turns: int = 4  # Chat turns sent while one runs, waiting their turn
@@ -79,7 +81,10 @@ class GatewayConfig:
         check_range("--redis-max-connections", self.redis_max_connections, min_value=1)
         check_range("--max-queue-len", self.max_queue_len, min_value=1)
         check_range("--max-concurrent-streams", self.max_concurrent_streams, min_value=1)
-        check_range("--max-receive-message-bytes", self.max_receive_message_bytes, min_value=1024)
+        if self.max_receive_message_bytes != 0:
+            check_range(
+                "--max-receive-message-bytes", self.max_receive_message_bytes, min_value=1024
+            )
         check_range("--tokenizer-threads", self.tokenizer_threads, min_value=1, max_value=64)
         check_range("--max-stop-token-ids", self.max_stop_token_ids, min_value=0)
         check_range("--max-queued-turns", self.max_queued_turns, min_value=0)
@@ -158,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--max-receive-message-bytes",
         type=int,
-        default=env_int("KVGATE_MAX_RECEIVE_MESSAGE_BYTES", 4 << 20),
-        help="largest request message accepted",
+        default=env_int("KVGATE_MAX_RECEIVE_MESSAGE_BYTES", 0),
+        help="largest request message accepted; 0: what the model can take (4 bytes per "
+        "character of its budget, plus token ids and stop strings)",
     )
     add("--tokenizer-threads", type=int, default=env_int("KVGATE_TOKENIZER_THREADS", 2))
     add("--max-stop-token-ids", type=int, default=64)

@@ -10,7 +10,7 @@ import grpc
 import redis
 from grpc import aio
 
-from common.redis_conn import ConnectionBudgetExhausted, is_outage
+from common.redis_conn import ConnectionBudgetExhausted, describe, is_outage
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +153,8 @@ def status_of(error: Exception) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, _cut(str(error))
     if isinstance(error, redis.RedisError):
         if is_outage(error):
-            return grpc.StatusCode.UNAVAILABLE, _cut(f"redis unavailable: {error}")
-        return grpc.StatusCode.INTERNAL, _cut(f"redis error: {error}")
+            return grpc.StatusCode.UNAVAILABLE, _cut(f"redis unavailable: {describe(error)}")
+        return grpc.StatusCode.INTERNAL, _cut(f"redis error: {describe(error)}")
     return None
 
 

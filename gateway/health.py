@@ -25,6 +25,7 @@ from common.health import (
     SERVING,
     HealthConditions,
 )
+from common.redis_conn import describe
 from gateway.request_queue import RequestQueue
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class GatewayHealth:
         try:
             live = set(await self._queue.live_executor_ids())
         except redis.RedisError as error:
-            self.conditions.update(REDIS_CONDITION, f"redis unreachable: {error}")
+            self.conditions.update(REDIS_CONDITION, f"redis unreachable: {describe(error)}")
         else:
             self.conditions.update(REDIS_CONDITION, None)
             self.conditions.update("executors", self._executor_condition(bool(live)))

@@ -1,6 +1,17 @@
 """The gateway's explicit limits on its public server: concurrent streams, the size of a
 request message, and the gRPC core's queue of calls not yet picked up.
 
+The size of a request message is bounded by --max-receive-message-bytes, by default derived
+from what the model can take (`receive_limit`): a request message past it could only hold
+text refused anyway. The gateway refuses such a message by its size as soon as it has it,
+before parsing it (gateway/wire.py; RESOURCE_EXHAUSTED naming the flag and the limit).
+gRPC core's own limit (`grpc.max_receive_message_length`) is kept above it, at
+CORE_RECEIVE_FLOOR_BYTES at least, as the bound of what is received at all: core refuses
+only once it has received the whole message, and then at least 100 ms later than the
+gateway's check does (grpcio 1.85 on loopback, any size over its limit, even 2 KB), and its
+message names no flag. So a prompt of a few megabytes is refused by the gateway at once,
+and only an absurd one by gRPC core.
+
 gRPC core holds calls that arrived but that the server has not asked for yet; past
 `grpc.server.max_pending_requests` (default 1000) it drops them at random, and past
 `grpc.server.max_pending_requests_hard_limit` (default 3000) all of them, and a dropped call
@@ -25,6 +36,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from common.model_text import ModelText
 from gateway.errors import OnRefused, WrappingInterceptor
 
 # How far gRPC core's queue of calls not yet picked up may grow (at least this, or 16 times
@@ -34,11 +46,42 @@ PENDING_STREAM_FACTOR = 16
 UNREQUESTED_LIMIT_S = 3600
 
 
+# What a request message may hold besides its text, for the derived receive limit:
+UTF8_MAX_BYTES = 4  # bytes of one character of text, at most
+# bytes per token of max_model_len: prompt_token_ids as varints (5 bytes each at most), or a
+# Tokenize conversation's messages (each renders to one token of the template at least)
+# with their role and framing
+BYTES_PER_TOKEN = 16
+STOP_STRING_FRAMING_BYTES = 4  # a stop string's tag and length
+FIXED_BYTES = 16 << 10  # ids, numbers and the framing of every other field
+
+
+def receive_limit(model_text: ModelText, max_stop_strings: int, max_stop_len: int) -> int:
+    """The largest request message a gateway serving `model_text` needs to take: its text
+    at the character budget (`max_prompt_chars`, all of it in 4-byte characters), token
+    ids or conversation messages for max_model_len, the stop strings the flags allow, and
+    FIXED_BYTES for the rest."""
+    limits = model_text.limits
+    stops = max_stop_strings * (UTF8_MAX_BYTES * max_stop_len + STOP_STRING_FRAMING_BYTES)
+    return (
+        UTF8_MAX_BYTES * limits.max_prompt_chars
+        + BYTES_PER_TOKEN * limits.max_model_len
+        + stops
+        + FIXED_BYTES
+    )
+
+
+# Request messages up to this size (or the receive limit, if more) reach the gateway's own
+# size check; gRPC core refuses bigger ones.
+CORE_RECEIVE_FLOOR_BYTES = 16 << 20
+
+
 def public_server_options(max_concurrent_streams: int, max_receive_message_bytes: int) -> list:
     """gRPC channel arguments of the public server for these limits."""
     pending = max(PENDING_LIMIT, PENDING_STREAM_FACTOR * max_concurrent_streams)
+    core_receive_bytes = max(max_receive_message_bytes, CORE_RECEIVE_FLOOR_BYTES)
     return [
-        ("grpc.max_receive_message_length", max_receive_message_bytes),
+        ("grpc.max_receive_message_length", core_receive_bytes),
         ("grpc.server.max_pending_requests", pending),
         ("grpc.server.max_pending_requests_hard_limit", pending),
         ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_LIMIT_S),

@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
-from gateway.limits import StreamLimitInterceptor, public_server_options
+from gateway.limits import StreamLimitInterceptor, public_server_options, receive_limit
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from gateway.quotas import Quotas
 from gateway.request_queue import RequestQueue
@@ -191,14 +191,22 @@ def _public_server(
     def refused(limit: str) -> None:
         metrics.refused.labels(limit).inc()
 
-    limits = public_server_options(config.max_concurrent_streams, config.max_receive_message_bytes)
+    max_message_bytes = config.max_receive_message_bytes or receive_limit(
+        servicer.text.model_text, config.max_stop_strings, config.max_stop_len
+    )
+    log.info(
+        "request messages up to %d bytes (--max-receive-message-bytes%s)",
+        max_message_bytes,
+        "" if config.max_receive_message_bytes else ": 0, derived from the model's budget",
+    )
+    limits = public_server_options(config.max_concurrent_streams, max_message_bytes)
     server = aio.server(
         interceptors=[
             MetricsInterceptor(metrics),
             StreamLimitInterceptor(INFERENCE_SERVICE, config.max_concurrent_streams, refused),
             ErrorInterceptor(refused),
             AuthInterceptor(authenticator),
-            RequestParsingInterceptor(),
+            RequestParsingInterceptor(max_message_bytes),
         ],
         options=EXCLUSIVE_PORT + limits,
     )

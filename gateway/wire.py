@@ -1,5 +1,6 @@
 """Requests parsed by the gateway itself, so that a malformed one is INVALID_ARGUMENT naming
-its field, not UNKNOWN from inside gRPC.
+its field, not UNKNOWN from inside gRPC, and one over the receive limit is refused by its
+size before any parsing (RESOURCE_EXHAUSTED naming --max-receive-message-bytes).
 
 Protobuf refuses a string field that holds invalid UTF-8 without saying which: the bytes are
 walked here (the wire format's varints, fixed-size numbers and length-delimited fields) to
@@ -17,7 +18,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from grpc import aio
 
-from gateway.errors import InvalidArgument
+from gateway.errors import InvalidArgument, Refused
 
 _FIXED_SIZES = {1: 8, 5: 4}  # wire types 1 (64 bits) and 5 (32 bits)
 
@@ -79,12 +80,19 @@ def _check_field(
     return None
 
 
-def parse_request(message_class: type[Message], data: bytes) -> Message:
-    """Parses a request message.
+def parse_request(message_class: type[Message], max_bytes: int, data: bytes) -> Message:
+    """Parses a request message of at most `max_bytes`.
 
     Raises:
+        Refused: a bigger message (its size is all that is read of it).
         InvalidArgument: naming the string field with invalid UTF-8, else "request".
     """
+    if len(data) > max_bytes:
+        raise Refused(
+            "max_receive_message_bytes",
+            f"request message of {len(data)} bytes; the gateway takes at most {max_bytes} "
+            "(--max-receive-message-bytes)",
+        )
     try:
         return message_class.FromString(data)
     except DecodeError as error:
@@ -101,14 +109,16 @@ async def _parsed(raw_messages: AsyncIterator[bytes], parse: Callable[[bytes], M
         yield parse(raw)
 
 
-def parse_in_behavior(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+def parse_in_behavior(
+    handler: grpc.RpcMethodHandler | None, max_bytes: int
+) -> grpc.RpcMethodHandler | None:
     """`handler` receiving raw bytes and parsing them with parse_request inside its behavior
-    (where the error interceptor turns InvalidArgument into a status)."""
+    (where the error interceptor turns its errors into a status)."""
     deserialize = getattr(handler, "request_deserializer", None)
     message_class = getattr(deserialize, "__self__", None)
     if not isinstance(message_class, type):
         return handler
-    parse = functools.partial(parse_request, message_class)
+    parse = functools.partial(parse_request, message_class, max_bytes)
     raw = handler._replace(request_deserializer=None)
     if handler.unary_unary:
         return raw._replace(unary_unary=lambda data, ctx: handler.unary_unary(parse(data), ctx))
@@ -124,11 +134,15 @@ def parse_in_behavior(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHa
 
 
 class RequestParsingInterceptor(aio.ServerInterceptor):
-    """Innermost interceptor: every request of the service is parsed by parse_request."""
+    """Innermost interceptor: every request of the service is parsed by parse_request, and
+    refused unparsed when over `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        return parse_in_behavior(await continuation(handler_call_details))
+        return parse_in_behavior(await continuation(handler_call_details), self.max_bytes)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import functools
-import signal
 import sys
 
 from common.health import start_health
 from common.redis_conn import connect_sync
-from common.startup import start_process
+from common.startup import start_process, stop_on_signals
 from scheduler.config import SchedulerConfig
 from scheduler.metrics import SchedulerMetrics
 from scheduler.service import Scheduler
@@ -27,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if health is None:
         return 2
     scheduler = Scheduler(config, connect_sync(config.redis_url, timeout_s=2.0), metrics)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: scheduler.stop())
+    stop_on_signals(scheduler.stop_event)
     try:
         scheduler.run()
     finally:

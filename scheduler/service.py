@@ -60,8 +60,13 @@ class Scheduler:
         self._outage = OutageLog(log, "scheduler")
 
     def stop(self) -> None:
-        """Asks `run` to return; safe from a signal handler."""
+        """Asks `run` to return (from a signal handler: stop_on_signals(stop_event))."""
         self._stop.set()
+
+    @property
+    def stop_event(self) -> threading.Event:
+        """Set: `run` returns."""
+        return self._stop
 
     def run(self) -> None:
         """Waits for the leader lock, then schedules until stopped; a lost lock: wait again.

@@ -42,28 +42,6 @@
  * full speed on each, but a thread's rows follow one another in memory. */
 #define PREFETCH_BYTES 2048
 
-static float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu, bits;
-    if (exponent == 0x1fu) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        uint32_t e = 113u;
-        while ((mantissa & 0x400u) == 0) {
-            mantissa <<= 1;
-            --e;
-        }
-        bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
-    }
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
 /* Copy x (m rows, k columns, element (i, j) at x[i * row_stride + j * col_stride] of x_dtype)
  * into dense row-major float32 (or bfloat16 when to_bf16) rows of `ld` elements, zero-padded. */
 static void pack_x(const void *x, int x_dtype, int64_t row_stride, int64_t col_stride, int64_t m,

@@ -1,4 +1,5 @@
-"""KvgateClient's retries against a real gateway process that is killed and started again."""
+"""KvgateClient's retries against a real gateway process: killed and started again, or
+answering UNAVAILABLE while its Redis is read-only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import redis
 
 from client.api import KvgateClient
 from common.keys import RedisKeys
+from common.tenants import DEFAULT_TENANT
 from deploy.stack import free_port
+from protos.kvgate.v1 import internal_pb2
 from tests.helpers import STORIES_260K, wait_for
 from tests.integration.gateway_harness import ExecutorPeer
 
@@ -66,3 +69,49 @@ def test_a_call_whose_gateway_is_killed_ends_with_a_status_within_its_deadline(
     finally:
         gateway.kill()
         gateway.wait()
+
+
+def rejected_deletes(client: redis.Redis) -> int:
+    """DEL commands Redis refused (READONLY) since its statistics were reset."""
+    stats = client.info("commandstats").get("cmdstat_del", {})
+    return int(stats.get("rejected_calls", 0))
+
+
+def test_a_unary_call_refused_unavailable_is_retried_by_the_service_config(
+    redis_url: str, redis_client: redis.Redis
+):
+    """EndSession while Redis refuses writes (a replica, READONLY, as during a failover): the
+    gateway answers UNAVAILABLE. Redis is made writable again once it has refused the
+    session's DEL, and the call, sent again by gRPC under the client's service config (the
+    client sends unary calls once itself), ends the session. Without the service config the
+    call fails UNAVAILABLE (checked)."""
+    keys = RedisKeys()
+    session = internal_pb2.SessionState(session_id="s-retried", tenant=DEFAULT_TENANT)
+    redis_client.set(keys.session(DEFAULT_TENANT, "s-retried"), session.SerializeToString())
+    port = free_port()
+    gateway = start_gateway(redis_url, port)
+    ended: list[object] = []
+    try:
+        with KvgateClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S) as client:
+            client.model_info()  # connected: the call below meets the gateway, not a connect
+            redis_client.replicaof("127.0.0.1", free_port())  # a master that is not there
+            redis_client.config_resetstat()
+            thread = threading.Thread(target=lambda: ended.append(end_session(client)))
+            thread.start()
+            wait_for(lambda: rejected_deletes(redis_client) >= 1, "a DEL refused as READONLY")
+            redis_client.replicaof("NO", "ONE")
+            thread.join(CALL_TIMEOUT_S)
+    finally:
+        redis_client.replicaof("NO", "ONE")
+        gateway.kill()
+        gateway.wait()
+    assert ended == [True], f"expected the retried EndSession to end the session: {ended}"
+    assert redis_client.exists(keys.session(DEFAULT_TENANT, "s-retried")) == 0
+
+
+def end_session(client: KvgateClient) -> object:
+    """EndSession's `ended`, or the status code name of its failure."""
+    try:
+        return client.end_session("s-retried")
+    except grpc.RpcError as error:
+        return error.code().name

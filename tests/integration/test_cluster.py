@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -18,17 +18,30 @@ from protos.kvgate.v1 import inference_pb2, internal_pb2
 from tests.helpers import wait_for
 from tests.integration.conftest import generate, session_executor
 
-# Long enough that executor-1 is still draining its share when the test hands it more work.
 DRAIN_TOKENS = 480
+# The drain test slows every step to this while it checks the hand-back, so that executor-1
+# is still running its share then (DRAIN_TOKENS steps take 24 s at least), however slowly
+# the test's own checks go on a loaded machine (one that took longer failed, at load 9-13).
+SLOW_STEP_S = 0.05
 STORY_STARTS = ["Once upon a time", "The cat", "A big red ball", "Tom had a toy", "The sun was"]
 
 
 @pytest.fixture(scope="module")
-def stack(stack_factory):
+def slow_file(tmp_path_factory) -> Path:
+    """While this file exists, every executor's steps take SLOW_STEP_S at least."""
+    return tmp_path_factory.mktemp("faults") / "slow"
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory, slow_file):
     # These tests are about placement and draining, not Redis outages: a gateway Redis call
     # that takes over the default 0.5 s on a saturated 2-core machine (seen once in a full
     # run, in the drain test's burst) should not fail them.
-    stack = stack_factory(num_executors=2, gateway_flags=["--redis-timeout-s", "2"])
+    stack = stack_factory(
+        num_executors=2,
+        gateway_flags=["--redis-timeout-s", "2"],
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SLOW_STEP_S}"},
+    )
     for executor_id in ("executor-0", "executor-1"):
         wait_until_scheduled(stack, executor_id)
     return stack
@@ -103,11 +116,6 @@ def log_lines(stack, name: str, *needles: str) -> list[str]:
     return [line for line in text.splitlines() if all(n in line for n in needles)]
 
 
-def log_time(line: str) -> str:
-    """A log line's timestamp, as its ISO text (which sorts as time does)."""
-    return json.loads(line)["ts"]
-
-
 def inject_assignment(stack, executor_id: str, request_id: str) -> None:
     """Writes an assignment into an executor's inbox, as a scheduler that has not yet seen
     the executor's drain would."""
@@ -128,9 +136,16 @@ def inject_assignment(stack, executor_id: str, request_id: str) -> None:
     stack.redis().xadd(inbox, {PAYLOAD_FIELD: message.SerializeToString()})
 
 
-def test_sigterm_drains_an_executor_without_losing_requests(stack):
-    probe_id = f"drain-probe-{uuid.uuid4().hex[:8]}"
-    sessions = new_sessions(12)
+def drain_executor_1(
+    stack, sessions: list[str], probe_id: str, slow_file: Path
+) -> tuple[int, list[tuple[str, object]]]:
+    """Runs a burst, drains executor-1 (SIGTERM) while it runs three or more of it and hands
+    it an assignment, which must be handed back while executor-1's steps are slowed down by
+    `slow_file` (it cannot finish its share meanwhile), then lets it finish.
+
+    Returns:
+        executor-1's exit status and the burst's results.
+    """
     with ThreadPoolExecutor(12) as pool:
         pending = pool.submit(burst, stack, 12, DRAIN_TOKENS, sessions)
 
@@ -138,37 +153,41 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack):
             # The burst's own requests: a heartbeat may still count an earlier test's.
             return [s for s in sessions if log_lines(stack, "executor-1", "request admitted", s)]
 
-        def busy() -> bool:
-            # Several running requests keep the drain going well past the hand-back below.
-            return len(admitted()) >= 3
-
         def draining() -> bool:
             status = stack.executor_status("executor-1")
             return status is not None and status.draining
 
-        wait_for(busy, "executor-1 running three requests", timeout_s=30.0)
+        wait_for(lambda: len(admitted()) >= 3, "executor-1 running three requests", 30.0)
         stack.procs["executor-1"].send_signal(signal.SIGTERM)
         wait_for(draining, "executor-1 to report draining", timeout_s=10.0)
         # Its probes see the drain too: out of rotation, but alive.
-        wait_for(lambda: stack.health("executor-1") == "NOT_SERVING", "NOT_SERVING", timeout_s=2.0)
+        wait_for(lambda: stack.health("executor-1") == "NOT_SERVING", "NOT_SERVING", 10.0)
         assert stack.health("executor-1", LIVENESS_SERVICE) == "SERVING"
         assert stack.procs["executor-1"].poll() is None, "executor-1 exited before its drain"
         inject_assignment(stack, "executor-1", probe_id)
         wait_for(
             lambda: bool(log_lines(stack, "executor-1", "handed back", probe_id)),
             "executor-1 to hand the unread assignment back",
-            timeout_s=5.0,
+            timeout_s=10.0,
         )
         # Handed back while executor-1 still ran its own requests, not at its exit.
-        (handed_back,) = log_lines(stack, "executor-1", "handed back", probe_id)
-        finished = [
-            line for s in admitted() for line in log_lines(stack, "executor-1", "finished", s)
-        ]
-        assert len(finished) < len(admitted()) or log_time(handed_back) < max(
-            log_time(line) for line in finished
-        ), "the assignment was handed back only when executor-1 had finished its requests"
+        finished = [s for s in admitted() if log_lines(stack, "executor-1", "finished", s)]
+        assert not finished, (
+            f"executor-1 finished {len(finished)} of its requests before the hand-back, with "
+            f"every step slowed to {SLOW_STEP_S} s: the test took too long to see it"
+        )
+        slow_file.unlink()
         status = stack.stop("executor-1", sig=signal.SIGTERM, timeout_s=60.0)
-        results = pending.result(timeout=120)
+        return status, pending.result(timeout=120)
+
+
+def test_sigterm_drains_an_executor_without_losing_requests(stack, slow_file):
+    probe_id = f"drain-probe-{uuid.uuid4().hex[:8]}"
+    slow_file.touch()
+    try:
+        status, results = drain_executor_1(stack, new_sessions(12), probe_id, slow_file)
+    finally:
+        slow_file.unlink(missing_ok=True)
     assert status == 0, f"the draining executor exited with status {status}"
     short = [
         c for _, c in results if len(c.token_ids) != DRAIN_TOKENS or c.finish_reason != "length"

@@ -147,10 +147,31 @@ def test_gateway_metrics_count_calls_tokens_and_latencies(stack: Stack) -> None:
     assert value(after, "kvgate_gateway_active_streams", method="Generate") == 0
 
 
+# The deadline of a Chat left waiting for its first turn. The test waits until the gateway
+# holds the call before it relies on the deadline passing there: a call still unseen when
+# its deadline passes is ended by gRPC core, uncounted (a 0.5 s deadline, at load 9-13).
+IDLE_CHAT_DEADLINE_S = 5.0
+
+
 def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack: Stack) -> None:
     calls = "kvgate_gateway_requests_total"
     before = parse(scrape(stack, "gateway"))
+    open_chats = value(before, "kvgate_gateway_active_streams", method="Chat")
     with KvgateClient(stack.address, timeout_s=60.0) as client:
+        # no turn sent: the call waits for one until its deadline
+        idle_chat = client.stub.Chat(
+            iter(threading.Event().wait, True), timeout=IDLE_CHAT_DEADLINE_S
+        )
+        wait_for(
+            lambda: (
+                value(
+                    parse(scrape(stack, "gateway")), "kvgate_gateway_active_streams", method="Chat"
+                )
+                == open_chats + 1
+            ),
+            "the gateway to hold the idle Chat",
+            IDLE_CHAT_DEADLINE_S,
+        )
         chat = client.chat()
         assert chat.ask("Tell me a story.", max_tokens=4).token_ids, "the turn produced tokens"
         chat.close()
@@ -160,9 +181,8 @@ def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack
         )
         next(call)  # the first chunk: the request is running
         call.cancel()
-        idle_chat = client.stub.Chat(iter(threading.Event().wait, True), timeout=0.5)
         with pytest.raises(grpc.RpcError) as raised:
-            next(idle_chat)  # no turn sent: the call waits for one until its deadline
+            next(idle_chat)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     def counted(method: str, code: str) -> bool:

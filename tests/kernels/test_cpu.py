@@ -270,7 +270,9 @@ RMS_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(("rows", "hidden"), [(64, 512), (37, 96), (1, 8), (2048, 64), (3, 1)])
+@pytest.mark.parametrize(
+    ("rows", "hidden"), [(64, 512), (37, 96), (1, 8), (2048, 64), (3, 1), (700, 128)]
+)
 @pytest.mark.parametrize(("x_layout", "residual_layout"), RMS_LAYOUTS)
 def test_rms_norm_matches_reference_in_every_layout(rows, hidden, x_layout, residual_layout):
     gen = torch.Generator().manual_seed(rows * 7 + hidden)

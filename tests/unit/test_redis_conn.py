@@ -1,4 +1,5 @@
-"""common/redis_conn.py: which Redis error replies are outages, and the Sentinel URL form."""
+"""common/redis_conn.py: which Redis error replies are outages, how errors read, and the
+Sentinel URL form."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import redis
 from redis._parsers.base import BaseParser
 
 from common.config import check_redis_url
-from common.redis_conn import ConnectionBudgetExhausted, SentinelUrl, is_outage, parse_sentinel_url
+from common.redis_conn import (
+    ConnectionBudgetExhausted,
+    SentinelUrl,
+    connect_sync,
+    describe,
+    is_outage,
+    parse_sentinel_url,
+)
+from deploy.stack import free_port
 
 # Replies Redis sends while it cannot serve, as redis-py's parser turns them into errors.
 OUTAGE_REPLIES = [
@@ -64,3 +73,29 @@ def test_the_sentinel_url_names_the_sentinels_the_master_and_the_database():
 def test_a_bad_redis_url_is_a_flag_error_saying_what_is_wrong(url, problem):
     with pytest.raises(ValueError, match=f"--redis-url .*{problem}"):
         check_redis_url("--redis-url", url)
+
+
+def test_a_pipelines_error_reads_without_the_commands_binary_values():
+    """redis-py quotes a failed pipeline command whole: a heartbeat's SET carried its
+    serialized status into the log."""
+    error = BaseParser.parse_error("READONLY You can't write against a read only replica.")
+    command = ("SET", "kvgate:executor:e0", b"\n\x02e0\x10\x80\x04\xff\xfe", "PX", 3000)
+    redis.client.Pipeline.annotate_exception(None, error, 1, command)
+    assert "\\x" in str(error) or "\ufffd" in str(error), "redis-py quotes the value"
+    assert describe(error) == (
+        "You can't write against a read only replica. (SET, command 1 of a pipeline)"
+    )
+    assert describe(redis.ConnectionError("Connection refused")) == "Connection refused"
+
+
+def test_no_master_names_the_sentinels_asked_and_the_master_not_their_clients():
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{port}" for port in ports)
+    client = connect_sync(f"redis+sentinel://{hosts}/kvmaster", timeout_s=1.0)
+    with pytest.raises(redis.ConnectionError) as raised:
+        client.ping()
+    message = str(raised.value)
+    assert message.startswith("no master named 'kvmaster' from the sentinels "), message
+    assert all(f"127.0.0.1:{port}" in message for port in ports), message
+    assert "ConnectionError" in message and "<redis." not in message, message
+    assert len(message) < 200, message
