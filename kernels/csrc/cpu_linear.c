@@ -342,10 +342,13 @@ static void dequantize_row_vector(const weights *wt, int64_t row, int64_t k, flo
     if (wt->kind == KVGATE_W_INT8) {
         const int8_t *q = (const int8_t *)wt->q + row * k;
         const float *scales = (const float *)wt->scales + row * groups;
-        for (int64_t j = 0; j < k; j += 16) {
-            const __mmask16 mask = tail_mask16(k - j);
-            const __m512 scale = _mm512_set1_ps(scales[j / wt->group_size]);
-            _mm512_mask_storeu_ps(w_row + j, mask, _mm512_mul_ps(int8_weights(q + j, mask), scale));
+        for (int64_t g = 0; g < groups; ++g) {  /* each vector stops at its group's end */
+            const __m512 scale = _mm512_set1_ps(scales[g]);
+            const int64_t end = (g + 1) * wt->group_size;
+            for (int64_t j = g * wt->group_size; j < end; j += 16) {
+                const __mmask16 mask = tail_mask16(end - j);
+                _mm512_mask_storeu_ps(w_row + j, mask, _mm512_mul_ps(int8_weights(q + j, mask), scale));
+            }
         }
         return;
     }

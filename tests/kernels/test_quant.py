@@ -122,9 +122,8 @@ def make_weights(out_features: int, in_features: int, seed: int, odd_int8_groups
 def test_cpu_quantized_linear_matches_the_reference(out_features, in_features, rows, dtype, layout):
     """Sizes: 96 inputs are three int4 blocks (a pair and one left over), 172 is no multiple of
     the 16-wide vectors; 37 and 38 outputs leave rows past the last four-row block."""
-    small = rows <= cpu_linear.SMALL_BATCH_ROWS
     seed = in_features + rows
-    gen, weights = make_weights(out_features, in_features, seed, odd_int8_groups=small)
+    gen, weights = make_weights(out_features, in_features, seed, odd_int8_groups=True)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     if layout == "column-major":
         x = x.t().contiguous().t()
