@@ -1,11 +1,14 @@
 """The CPU speed runs of `make bench-engine`: decode latency (bench_decode), throughput per
 number format at 64 streams (bench_dtypes), the machine's limits, and the targets they meet.
 
-    python -m bench.cpu_speed [--out bench/results/cpu_speed.json]
+    python -m bench.cpu_speed [--out bench/results/cpu_speed.json] [--baseline-tree PATH]
 
-Every ratio is between measures of one run. The float32 one-stream speed "today" is the
-float32 figure of the same run unless --float32-baseline-tokens-per-s gives one measured
-before the change (e.g. on a checkout of the previous commit).
+Every ratio is between measures of one run. The float32 one-stream speed "today" (the bar of
+the int8 and int4 one-stream targets) is measured in the same run on a checkout of the code
+before the change when --baseline-tree names one (bench/tree_tpot.py: its float32 and this
+code's float32, int8 and int4 one-stream TPOT in alternating fresh processes, under
+`same_run_baseline` in the JSON, the ratios then between those); else it is
+--float32-baseline-tokens-per-s, a figure measured elsewhere, or else this code's float32.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench import bench_decode, bench_dtypes
+from bench import bench_decode, bench_dtypes, tree_tpot
 from bench.bench_engine import Workload
 from bench.machine import machine_limits
 from bench.scratch import scratch_folder
@@ -22,10 +25,16 @@ from bench.scratch import scratch_folder
 KV_CACHE_BYTES = int(0.5 * (1 << 30))  # bench_decode's engines: kv_cache_gib=0.5
 
 
-def targets(decode: dict, dtypes: dict, baseline_one_stream: float | None) -> dict:
-    """Each target's measured value, its bound and whether it is met."""
+def targets(
+    decode: dict, dtypes: dict, baseline_one_stream: float | None, same_run: dict | None = None
+) -> dict:
+    """Each target's measured value, its bound and whether it is met; the one-stream ratios
+    from `same_run` (tree_tpot.interleaved) when given."""
     variants = decode["variants"]
     one_stream = {name: v["tokens_per_s"][min(v["tokens_per_s"])] for name, v in variants.items()}
+    if same_run is not None:
+        one_stream = same_run["tokens_per_s"]
+        baseline_one_stream = one_stream["float32 before"]
     base = baseline_one_stream or one_stream["float32"]
     rates = dtypes["tokens_per_s"]
     hf = rates["transformers bfloat16 generate_batch"]
@@ -66,15 +75,16 @@ def run(args: argparse.Namespace) -> dict:
         model, label = bench_decode.speed_model(args.speed_model, folder)
         decode_args.model = model
         decode = bench_decode.run(decode_args) | {"model": label}
+        same_run = None
+        if args.baseline_tree:
+            same_run = tree_tpot.interleaved(args.baseline_tree, model, args.baseline_rounds)
         dtypes = bench_dtypes.run(model, Workload(64, 128, 128), args.speed_repeats,
                                   list(bench_dtypes.KVGATE_FORMATS))  # fmt: skip
-    return {
-        "model": label,
-        "machine": machine_limits(),
-        "decode": decode,
-        "dtypes": dtypes,
-        "targets": targets(decode, dtypes, args.float32_baseline_tokens_per_s),
-    }
+    result = {"model": label, "machine": machine_limits(), "decode": decode, "dtypes": dtypes}
+    if same_run is not None:
+        result["same_run_baseline"] = same_run
+    result["targets"] = targets(decode, dtypes, args.float32_baseline_tokens_per_s, same_run)
+    return result
 
 
 def print_summary(result: dict) -> None:
@@ -88,7 +98,20 @@ def print_summary(result: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed-model", default=None, help=bench_decode.MODEL_HELP)
     parser.add_argument("--speed-repeats", type=int, default=2)
-    parser.add_argument("--float32-baseline-tokens-per-s", type=float, default=None)
+    baseline = parser.add_mutually_exclusive_group()
+    baseline.add_argument("--float32-baseline-tokens-per-s", type=float, default=None,
+                          help="the float32 one-stream speed before the change, measured "
+                               "elsewhere")  # fmt: skip
+    baseline.add_argument("--baseline-tree", default=None, metavar="PATH",
+                          help="a checkout of the code before the change (git worktree add "
+                               "--detach PATH COMMIT): its float32 one-stream speed is "
+                               "measured in this run, alternating with this code's")  # fmt: skip
+    parser.add_argument(
+        "--baseline-rounds",
+        type=int,
+        default=3,
+        help="rounds of the alternating one-stream measures (--baseline-tree)",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,9 @@
 """KV cache formats against the float32 cache, in one run per model: greedy agreement, KV
 blocks per GiB and decode throughput.
 
-    python -m bench.kv_dtypes [--models stories260K smollm2] [--formats bfloat16 int8]
-        [--batch 16] [--context 256] [--repeats 3] [--threads 1]
+    python -m bench.kv_dtypes [--models stories260K smollm2] [--formats float16 bfloat16 int8]
+        [--batch 16] [--context 256] [--repeats 3] [--threads 1] [--clock wall|cpu]
+        [--no-agreement]
         [--out bench/results/kv_dtypes.json]
 
 For each model (a float32 engine on the CPU; stories260K with its story starts, SmolLM2-135M-
@@ -11,7 +12,8 @@ Instruct with bench.quality's chat questions):
 - agreement: bench.quality's measures of each cache format against the float32 cache on 16
   prompts x 128 greedy tokens (EOS ignored): token agreement (the fraction of free-running
   greedy tokens equal to the float32 cache's), the identical greedy prefix, and teacher-forced
-  top-1 agreement;
+  top-1 agreement (--no-agreement leaves it out: decode speed alone, in a fraction of the
+  time);
 - blocks per GiB: the engine's own sizing with --kv-cache-gib 1 (an int8 cache's scales
   counted), and its ratio to the float32 cache's;
 - decode throughput: --batch streams decoding at --context tokens (tokens/s of the median
@@ -19,7 +21,9 @@ Instruct with bench.quality's chat questions):
   --repeats rounds interleaved across formats (bench.bench_engine.best_rates), and its ratio
   to the float32 cache's measured in the same rounds. One torch thread by default: on a
   machine shared with other work, a parallel region waits for its slowest thread, and steps of
-  two threads on two busy cores ran from 1 ms to 600 ms at random.
+  two threads on two busy cores ran from 1 ms to 600 ms at random. --clock cpu times each step
+  by the thread's CPU time instead (one thread: the whole step), which the machine's other
+  work does not stretch, though it still shares the caches and memory bandwidth.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +45,7 @@ from executor.host_memory import retain_freed_memory
 
 STORIES_260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 MODELS = {"stories260K": (STORIES_260K, "story"), "smollm2": (None, "chat")}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def model_path(name: str) -> str:
@@ -52,30 +58,35 @@ def blocks_per_gib(model: str, kv_cache_dtype: str) -> int:
     return engine.runner.num_blocks
 
 
-def decode_measure(model: str, kv_cache_dtype: str, batch: int, context: int):
+def decode_measure(model: str, kv_cache_dtype: str, args: argparse.Namespace):
     """A callable: a fresh engine with this cache format, then its decode tokens/s."""
+    clock = CLOCKS[args.clock]
 
     def measure() -> float:
-        engine = Engine(EngineConfig(model=model, kv_cache_gib=0.5, max_num_seqs=batch,
+        engine = Engine(EngineConfig(model=model, kv_cache_gib=0.5, max_num_seqs=args.batch,
                                      kv_cache_dtype=kv_cache_dtype))  # fmt: skip
         decode_step_ms(engine, 8, batch=2, steps=2)  # warm up
-        return 1000 * batch / decode_step_ms(engine, context, batch=batch, steps=16)
+        step_ms = decode_step_ms(engine, args.context, batch=args.batch, steps=16, clock=clock)
+        return 1000 * args.batch / step_ms
 
     return measure
 
 
 def measure_model(name: str, formats: list[str], args: argparse.Namespace) -> dict:
     model, prompt_kind = model_path(name), MODELS[name][1]
-    prompts = tokenized_prompts(model, prompt_kind, 16)
-    quality = measure_quality(model, prompts, 128, tuple(f"kv-{f}" for f in formats))
+    agreement = {}
+    if args.agreement:
+        prompts = tokenized_prompts(model, prompt_kind, 16)
+        quality = measure_quality(model, prompts, 128, tuple(f"kv-{f}" for f in formats))
+        agreement = {f: quality["variants"][f"kv-{f}"] for f in formats}
     every = ["float32", *formats]
     blocks = {f: blocks_per_gib(model, f) for f in every}
-    measures = {f: decode_measure(model, f, args.batch, args.context) for f in every}
+    measures = {f: decode_measure(model, f, args) for f in every}
     best, samples = best_rates(measures, args.repeats)
     return {
         "model": model,
         "prompts": prompt_kind,
-        "agreement": {f: quality["variants"][f"kv-{f}"] for f in formats},
+        "agreement": agreement,
         "blocks_per_gib": blocks,
         "blocks_per_gib_over_float32": {f: blocks[f] / blocks["float32"] for f in every},
         "decode_tokens_per_s": best,
@@ -104,18 +115,23 @@ def print_model(name: str, result: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--formats", nargs="+", default=["bfloat16", "int8"],
+    parser.add_argument("--formats", nargs="+", default=["float16", "bfloat16", "int8"],
                         choices=["float16", "bfloat16", "int8"])  # fmt: skip
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: all cores)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="time steps by the wall clock or this thread's CPU time")  # fmt: skip
+    parser.add_argument("--no-agreement", dest="agreement", action="store_false",
+                        help="measure blocks per GiB and decode speed only")  # fmt: skip
     parser.add_argument("--out", default="bench/results/kv_dtypes.json")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     retain_freed_memory()
     result: dict = {"batch": args.batch, "context": args.context, "repeats": args.repeats,
+                    "clock": args.clock,
                     "torch_threads": torch.get_num_threads(), "models": {}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in args.models:  # the file is written after each model

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import sys
+import threading
 
 import torch
 
@@ -13,7 +13,7 @@ from common.health import start_health
 from common.keys import RedisKeys
 from common.logs import add_log_context
 from common.redis_conn import connect_sync
-from common.startup import start_process
+from common.startup import start_process, stop_on_signals
 from common.tls import TLSFileError
 from executor.config import ExecutorConfig
 from executor.engine import Engine
@@ -79,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     health.remove_check("model")
     health.add_check("draining", service.draining_check)
     health.add_check("step_loop", service.step_loop_check)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: (service.drain(), health.recheck()))
+    drain = threading.Event()  # set by SIGTERM/SIGINT from a short thread (stop_on_signals)
+    stop_on_signals(drain)
+    threading.Thread(
+        target=lambda: (drain.wait(), service.drain(), health.recheck()),
+        name="drain-signal",
+        daemon=True,
+    ).start()
     try:
         service.run()
     finally:

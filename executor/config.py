@@ -143,13 +143,6 @@ class EngineConfig:
             self.kv_cache_dtype,
         )
         _require(
-            not (self.device == "cpu" and self.kv_cache_dtype == "float16"),
-            "kv_cache_dtype",
-            "auto, float32, bfloat16 or int8 on the CPU (the CPU kernels have no float16; "
-            "bfloat16 takes the same memory)",
-            self.kv_cache_dtype,
-        )
-        _require(
             self.quantization in ("none", "int8", "int4"),
             "quantization",
             "one of none, int8, int4",
@@ -427,7 +420,7 @@ def _add_format_flags(add) -> None:
     add(
         "--kv-cache-dtype",
         default=env_str("KVGATE_KV_CACHE_DTYPE", "auto"),
-        help="KV cache format: auto (the model's dtype), float32, float16 (CUDA), bfloat16, "
+        help="KV cache format: auto (the model's dtype), float32, float16, bfloat16, "
         "or int8 (a float32 scale per token and head)",
     )
     add(

@@ -22,6 +22,9 @@ from common.model_files import MODEL_HELP, check_model_path
 from common.tls import check_tls_flags
 from gateway.auth import AUTH_MODES
 
+# gRPC core takes its channel arguments as C ints.
+MAX_GRPC_INT = 2**31 - 1
+
 
 @dataclass(slots=True)
 class GatewayConfig:
@@ -84,10 +87,10 @@ class GatewayConfig:
         check_range("--redis-max-connections", self.redis_max_connections, min_value=1)
         check_range("--max-queue-len", self.max_queue_len, min_value=1)
         check_range("--max-concurrent-streams", self.max_concurrent_streams, min_value=1)
-        if self.max_receive_message_bytes != 0:
-            check_range(
-                "--max-receive-message-bytes", self.max_receive_message_bytes, min_value=1024
-            )
+        if self.max_receive_message_bytes != 0:  # 0: derived from the model's budget
+            flag = "--max-receive-message-bytes (0: derived from the model)"
+            bytes_ = self.max_receive_message_bytes
+            check_range(flag, bytes_, min_value=1024, max_value=MAX_GRPC_INT)
         check_range("--tokenizer-threads", self.tokenizer_threads, min_value=1, max_value=64)
         check_range("--max-stop-token-ids", self.max_stop_token_ids, min_value=0)
         check_range("--max-queued-turns", self.max_queued_turns, min_value=0)

@@ -2,11 +2,11 @@
 (here), paged attention (kernels/cpu_attention.py) and linear layers (kernels/cpu_linear.py).
 
 Each wrapper has the signature and results of its twin in kernels.reference, for float32 and
-bfloat16 CPU tensors; the KV cache may be float32, bfloat16 or int8 (rows with their scale,
-kernels/kv_format.py) whatever the activations' dtype. The C code
-(kernels/csrc/) does the rotary embedding and the KV-cache store in one pass each where the
-reference runs a dozen small tensor ops, the greedy argmax down the columns of column-major
-logits, and RMSNorm with its residual add in one pass over row- or column-major activations.
+bfloat16 CPU tensors; the KV cache may be float32, bfloat16, float16 or int8 (rows with their
+scale, kernels/kv_format.py) whatever the activations' dtype. The C code (kernels/csrc/) does
+the rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
+small tensor ops, the greedy argmax down the columns of column-major logits, and RMSNorm with
+its residual add in one pass over row- or column-major activations.
 It is built by kernels/cpu_build.py at first use.
 """
 
@@ -37,14 +37,14 @@ def check_cpu(
     tensors: dict[str, torch.Tensor], floats: tuple[str, ...], inner_dims: dict[str, int]
 ) -> None:
     """Raise unless every tensor is on the CPU, `floats` are float32 or bfloat16 (a KV cache,
-    named `*_cache`, may be int8 too), and each tensor is contiguous, or for those in
+    named `*_cache`, may be float16 or int8 too), and each tensor is contiguous, or for those in
     `inner_dims`, contiguous in that many trailing dims."""
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} is on {tensor.device}; the CPU kernels need CPU tensors")
         is_cache = name.endswith("_cache")
         if name in floats and tensor.dtype not in (CACHE_DTYPE_CODES if is_cache else DTYPE_CODES):
-            allowed = "float32, bfloat16 or int8" if is_cache else "float32 or bfloat16"
+            allowed = "float32, bfloat16, float16 or int8" if is_cache else "float32 or bfloat16"
             raise ValueError(f"{name} must be {allowed} for the CPU kernels, got {tensor.dtype}")
         if name in inner_dims:
             expect_inner_contiguous(name, tensor, inner_dims[name])

@@ -79,8 +79,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """The CPU twin of kernels.reference.paged_decode_attention (same arguments and result).
 
-    Also requires float32 or bfloat16 contiguous CPU tensors (the caches may be int8), and
-    checks every block-table entry a sequence's context uses (the C code trusts them).
+    Also requires float32 or bfloat16 contiguous CPU tensors (the caches may be float16 or
+    int8), and checks every block-table entry a sequence's context uses (the C code trusts them).
     """
     check_decode(q, k_cache, v_cache, block_tables, context_lens)
     check_cpu(

@@ -32,9 +32,10 @@ _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-funroll-loops", "-fop
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LIBS = ("-lmvec", "-lm")
 # The element types the kernels read and write (cpu_common.h's KVGATE_F32, KVGATE_BF16), and
-# a KV cache's formats: those, and int8 rows with their scale (KVGATE_I8, kernels/kv_format.py).
+# a KV cache's formats: those, int8 rows with their scale (KVGATE_I8, kernels/kv_format.py) and
+# float16 (KVGATE_F16).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2}
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2, torch.float16: 3}
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

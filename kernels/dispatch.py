@@ -216,8 +216,8 @@ def get_kernels(
     device: torch.device, backend: str | None = None, dtype: torch.dtype = torch.float32
 ) -> KernelBackend:
     """The kernels to run on `device` for a model of `dtype`. The KV cache's format is the
-    kernels' own argument (kernels/kv_format.py): Triton and the reference take any, the C
-    kernels float32, bfloat16 and int8.
+    kernels' own argument (kernels/kv_format.py): Triton, the reference and the C kernels take
+    any of its formats.
 
     Args:
         device: where the model and KV cache live.

@@ -31,12 +31,12 @@ def check_divides(config: ModelConfig, num_ranks: int) -> None:
         "key/value heads": config.num_key_value_heads,
         "MLP columns (intermediate_size)": config.intermediate_size,
     }
-    bad = [f"{name} ({count})" for name, count in counts.items() if count % num_ranks]
+    bad = [f"{count} {name}" for name, count in counts.items() if count % num_ranks]
     if bad:
-        have = ", ".join(f"{count} {name}" for name, count in counts.items())
+        listed = bad[-1] if len(bad) == 1 else f"{', '.join(bad[:-1])} or {bad[-1]}"
         raise ValueError(
-            f"{TP_FLAG} {num_ranks} does not divide the model's {' and '.join(bad)}: each rank "
-            f"holds an equal share of whole heads and columns (the model has {have})"
+            f"{TP_FLAG} {num_ranks} does not divide the model's {listed} (each rank holds an "
+            "equal share of whole heads and MLP columns)"
         )
 
 

@@ -11,12 +11,14 @@
  * Layouts (contiguous unless a stride is passed):
  *   q            [num_tokens, num_heads, head_dim]        (activation dtype: float32, bfloat16)
  *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype:
- *                float32, bfloat16, or int8 rows of head_dim + 4 bytes, cpu_common.h)
+ *                float32, bfloat16, float16, or int8 rows of head_dim + 4 bytes, cpu_common.h)
  *   block_tables [num_seqs, max_blocks] int32
  *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
  * Scores, softmax and sums are float32 whatever the dtypes. The activation and cache dtypes are
  * separate arguments: a bfloat16 cache may serve float32 activations and the other way round.
+ * The rows of a 16-bit or int8 cache are converted to float32 a chunk of tokens at a time,
+ * once per work item, rather than once per query head inside each dot product.
  * The caller (kernels/cpu.py) checks shapes, dtypes, strides and tables before every call.
  */
 #include <math.h>
@@ -79,6 +81,11 @@ static inline __attribute__((always_inline)) float dot_cached(const float *q, co
         for (int64_t i = 0; i < n; ++i) sum += q[i] * bf16_to_f32(r[i]);
         return sum;
     }
+    if (dtype == KVGATE_F16) {
+        const uint16_t *r = row;
+        for (int64_t i = 0; i < n; ++i) sum += q[i] * f16_to_f32(r[i]);
+        return sum;
+    }
     const int8_t *r = row;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) sum += q[i] * (float)r[i];
@@ -97,6 +104,9 @@ static inline __attribute__((always_inline)) void axpy_cached(float *y, float al
         const uint16_t *r = row;
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) y[i] += alpha * bf16_to_f32(r[i]);
+    } else if (dtype == KVGATE_F16) {
+        const uint16_t *r = row;
+        for (int64_t i = 0; i < n; ++i) y[i] += alpha * f16_to_f32(r[i]);
     } else {
         const int8_t *r = row;
         float scale;
@@ -118,96 +128,150 @@ static void sequence_slots(const paged_kv *kv, int64_t context_len, int64_t *slo
     }
 }
 
+/* Tokens whose K or V rows a work item of a 16-bit or int8 cache converts to float32 at a time
+ * (into scratch that stays in the L1 cache), so that each row is converted once for all the
+ * query heads of its KV head. */
+#define CHUNK_TOKENS 32
+
+/* Row t of a chunk of converted rows is slot t of that scratch. */
+static const int64_t chunk_slots[CHUNK_TOKENS] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+    16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+};
+
+/* The rows of KV head `kv_head` of the n cached tokens in `slots`, of one cache (k or v), as
+ * float32 (an int8 row times its scale) into rows[n * head_dim]; head_dim is kv's, passed so
+ * that a caller's constant unrolls the row loops. */
+static inline __attribute__((always_inline)) void convert_rows(const paged_kv *kv,
+                                                               const void *cache, int64_t kv_head,
+                                                               const int64_t *slots, int64_t n,
+                                                               int64_t head_dim, float *rows) {
+    const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, head_dim);
+    const char *base = (const char *)cache + kv_head * row_bytes;
+    const int64_t slot_bytes = kv->num_kv_heads * row_bytes;
+    for (int64_t t = 0; t < n; ++t)
+        load_cache_row(base + slots[t] * slot_bytes, kv->cache_dtype, head_dim,
+                       rows + t * head_dim);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-
-/* 16 cached elements at `offset` (elements) of a float32, bfloat16 or int8 cache, as float32
- * (int8: unscaled; the caller multiplies by the row's scale). */
-static inline __m512 load16(const void *base, int dtype, int64_t offset) {
-    if (dtype == KVGATE_F32) return _mm512_loadu_ps((const float *)base + offset);
-    if (dtype == KVGATE_I8) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)((const int8_t *)base + offset));
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    }
-    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-/* The scale of the cached row at `offset` (elements) of head_dim values: an int8 row's own,
- * 1 for a float row. */
-static inline float row_scale(const void *base, int dtype, int64_t offset, int64_t head_dim) {
-    if (dtype != KVGATE_I8) return 1.0f;
-    float scale;
-    memcpy(&scale, (const int8_t *)base + offset + head_dim, sizeof scale);
-    return scale;
-}
-
 #define R4(X) X(0) X(1) X(2) X(3)
 #define R8(X) R4(X) X(4) X(5) X(6) X(7)
 
 /*
- * One query head over a sequence's cached tokens, head_dim = 16 * (4 or 8) in registers: the
- * query and the output accumulators stay in registers, scores are taken four tokens at a time
- * (independent sums), values are summed into two sets of accumulators (even and odd tokens).
- * k and v point at the head's first element in slot 0; slots are `row` elements apart. An int8
- * row's scale multiplies its key's dot product and its value's softmax weight.
+ * One query head's scores (scale * q . k) over n float32 rows, head_dim = 16 * (4 or 8) in
+ * registers, four tokens at a time (independent sums). Row t starts at k + slots[t] * row.
  */
-#define ATTEND_HEAD(name, REP, DIM)                                                           \
-    static void name(const float *q, const void *k, const void *v, int dtype, int64_t row,     \
-                     int64_t context_len, const int64_t *slots, float scale, float *scores,   \
-                     float *out) {                                                             \
+#define HEAD_SCORES(name, REP)                                                                \
+    static void name(const float *q, const float *k, int64_t row, const int64_t *slots,       \
+                     int64_t n, float scale, float *scores) {                                 \
         const __m512 zero = _mm512_setzero_ps();                                              \
         REP(DECLARE_Q)                                                                        \
         int64_t t = 0;                                                                        \
-        for (; t + 4 <= context_len; t += 4) {                                                \
-            const int64_t o0 = slots[t] * row, o1 = slots[t + 1] * row;                       \
-            const int64_t o2 = slots[t + 2] * row, o3 = slots[t + 3] * row;                   \
+        for (; t + 4 <= n; t += 4) {                                                          \
+            const float *k0 = k + slots[t] * row, *k1 = k + slots[t + 1] * row;               \
+            const float *k2 = k + slots[t + 2] * row, *k3 = k + slots[t + 3] * row;           \
             __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;                                \
             REP(DOT4)                                                                         \
-            scores[t] = scale * row_scale(k, dtype, o0, DIM) * _mm512_reduce_add_ps(a0);      \
-            scores[t + 1] = scale * row_scale(k, dtype, o1, DIM) * _mm512_reduce_add_ps(a1);  \
-            scores[t + 2] = scale * row_scale(k, dtype, o2, DIM) * _mm512_reduce_add_ps(a2);  \
-            scores[t + 3] = scale * row_scale(k, dtype, o3, DIM) * _mm512_reduce_add_ps(a3);  \
+            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
+            scores[t + 1] = scale * _mm512_reduce_add_ps(a1);                                 \
+            scores[t + 2] = scale * _mm512_reduce_add_ps(a2);                                 \
+            scores[t + 3] = scale * _mm512_reduce_add_ps(a3);                                 \
         }                                                                                     \
-        for (; t < context_len; ++t) {                                                        \
-            const int64_t o0 = slots[t] * row;                                                \
+        for (; t < n; ++t) {                                                                  \
+            const float *k0 = k + slots[t] * row;                                             \
             __m512 a0 = zero;                                                                 \
             REP(DOT1)                                                                         \
-            scores[t] = scale * row_scale(k, dtype, o0, DIM) * _mm512_reduce_add_ps(a0);      \
+            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
         }                                                                                     \
-        softmax_in_place(scores, context_len);                                                \
+    }
+
+/*
+ * out = (accumulate ? out : 0) + the sum of weights[t] * row t over n float32 rows (as
+ * HEAD_SCORES lays them out), in registers, even and odd tokens in separate accumulators.
+ */
+#define HEAD_VALUES(name, REP)                                                                \
+    static void name(const float *v, int64_t row, const int64_t *slots, int64_t n,           \
+                     const float *weights, float *out, int accumulate) {                      \
+        const __m512 zero = _mm512_setzero_ps();                                              \
         REP(DECLARE_OUT)                                                                      \
-        for (t = 0; t + 2 <= context_len; t += 2) {                                           \
-            const int64_t o0 = slots[t] * row, o1 = slots[t + 1] * row;                       \
-            const __m512 p0 = _mm512_set1_ps(scores[t] * row_scale(v, dtype, o0, DIM));       \
-            const __m512 p1 = _mm512_set1_ps(scores[t + 1] * row_scale(v, dtype, o1, DIM));   \
+        int64_t t = 0;                                                                        \
+        for (; t + 2 <= n; t += 2) {                                                          \
+            const float *v0 = v + slots[t] * row, *v1 = v + slots[t + 1] * row;               \
+            const __m512 p0 = _mm512_set1_ps(weights[t]), p1 = _mm512_set1_ps(weights[t + 1]); \
             REP(AXPY2)                                                                        \
         }                                                                                     \
-        if (t < context_len) {                                                                \
-            const int64_t o0 = slots[t] * row;                                                \
-            const __m512 p0 = _mm512_set1_ps(scores[t] * row_scale(v, dtype, o0, DIM));       \
+        if (t < n) {                                                                          \
+            const float *v0 = v + slots[t] * row;                                             \
+            const __m512 p0 = _mm512_set1_ps(weights[t]);                                     \
             REP(AXPY1)                                                                        \
         }                                                                                     \
         REP(STORE_OUT)                                                                        \
     }
 
 #define DECLARE_Q(i) const __m512 q##i = _mm512_loadu_ps(q + 16 * (i));
-#define DOT4(i)                                                             \
-    a0 = _mm512_fmadd_ps(q##i, load16(k, dtype, o0 + 16 * (i)), a0);        \
-    a1 = _mm512_fmadd_ps(q##i, load16(k, dtype, o1 + 16 * (i)), a1);        \
-    a2 = _mm512_fmadd_ps(q##i, load16(k, dtype, o2 + 16 * (i)), a2);        \
-    a3 = _mm512_fmadd_ps(q##i, load16(k, dtype, o3 + 16 * (i)), a3);
-#define DOT1(i) a0 = _mm512_fmadd_ps(q##i, load16(k, dtype, o0 + 16 * (i)), a0);
-#define DECLARE_OUT(i) __m512 even##i = zero, odd##i = zero;
-#define AXPY2(i)                                                             \
-    even##i = _mm512_fmadd_ps(p0, load16(v, dtype, o0 + 16 * (i)), even##i); \
-    odd##i = _mm512_fmadd_ps(p1, load16(v, dtype, o1 + 16 * (i)), odd##i);
-#define AXPY1(i) even##i = _mm512_fmadd_ps(p0, load16(v, dtype, o0 + 16 * (i)), even##i);
+#define DOT4(i)                                                           \
+    a0 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k0 + 16 * (i)), a0);       \
+    a1 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k1 + 16 * (i)), a1);       \
+    a2 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k2 + 16 * (i)), a2);       \
+    a3 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k3 + 16 * (i)), a3);
+#define DOT1(i) a0 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k0 + 16 * (i)), a0);
+#define DECLARE_OUT(i)                                                          \
+    __m512 even##i = accumulate ? _mm512_loadu_ps(out + 16 * (i)) : zero, odd##i = zero;
+#define AXPY2(i)                                                                \
+    even##i = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * (i)), even##i);     \
+    odd##i = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * (i)), odd##i);
+#define AXPY1(i) even##i = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * (i)), even##i);
 #define STORE_OUT(i) _mm512_storeu_ps(out + 16 * (i), _mm512_add_ps(even##i, odd##i));
 
-ATTEND_HEAD(attend_head_64, R4, 64)
-ATTEND_HEAD(attend_head_128, R8, 128)
-#define KVGATE_ATTEND_HEAD 1
+HEAD_SCORES(head_scores_64, R4)
+HEAD_SCORES(head_scores_128, R8)
+HEAD_VALUES(head_values_64, R4)
+HEAD_VALUES(head_values_128, R8)
+
+typedef void (*head_scores_fn)(const float *, const float *, int64_t, const int64_t *, int64_t,
+                               float, float *);
+typedef void (*head_values_fn)(const float *, int64_t, const int64_t *, int64_t, const float *,
+                               float *, int);
+
+/*
+ * attend_group for head_dim d = 64 or 128 (head_scores and head_values of that width). A
+ * float32 cache is read in place; another format's rows are converted CHUNK_TOKENS at a time
+ * into chunk (CHUNK_TOKENS * d floats), each chunk serving every head of the group.
+ */
+static inline __attribute__((always_inline)) void attend_wide(
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
+    const int64_t *slots, int64_t group, float scale, float *scores, float *out, float *chunk,
+    int64_t d, head_scores_fn head_scores, head_values_fn head_values) {
+    if (kv->cache_dtype == KVGATE_F32) {
+        const int64_t row = kv->num_kv_heads * d;
+        const float *k = (const float *)kv->k_cache + kv_head * d;
+        const float *v = (const float *)kv->v_cache + kv_head * d;
+        for (int64_t h = 0; h < group; ++h) {
+            float *weights = scores + h * context_len;
+            head_scores(q + h * d, k, row, slots, context_len, scale, weights);
+            softmax_in_place(weights, context_len);
+            head_values(v, row, slots, context_len, weights, out + h * d, 0);
+        }
+        return;
+    }
+    for (int64_t start = 0; start < context_len; start += CHUNK_TOKENS) {
+        const int64_t n = context_len - start < CHUNK_TOKENS ? context_len - start : CHUNK_TOKENS;
+        convert_rows(kv, kv->k_cache, kv_head, slots + start, n, d, chunk);
+        for (int64_t h = 0; h < group; ++h)
+            head_scores(q + h * d, chunk, d, chunk_slots, n, scale,
+                        scores + h * context_len + start);
+    }
+    for (int64_t h = 0; h < group; ++h) softmax_in_place(scores + h * context_len, context_len);
+    for (int64_t start = 0; start < context_len; start += CHUNK_TOKENS) {
+        const int64_t n = context_len - start < CHUNK_TOKENS ? context_len - start : CHUNK_TOKENS;
+        convert_rows(kv, kv->v_cache, kv_head, slots + start, n, d, chunk);
+        for (int64_t h = 0; h < group; ++h)
+            head_values(chunk, d, chunk_slots, n, scores + h * context_len + start, out + h * d,
+                        start > 0);
+    }
+}
+#define KVGATE_ATTEND_WIDE 1
 #endif
 
 /* attend_group's loops over one cached row at a time, for any head_dim and cache format. */
@@ -248,13 +312,9 @@ static inline __attribute__((always_inline)) void attend_small(
         return;
     }
     float *keys = kv_rows, *values = kv_rows + context_len * head_dim;
-    for (int64_t t = 0; t < context_len; ++t) {
-        load_cache_row(cached_row(kv, kv->k_cache, slots[t], kv_head), kv->cache_dtype, head_dim,
-                       keys + t * head_dim);
-        load_cache_row(cached_row(kv, kv->v_cache, slots[t], kv_head), kv->cache_dtype, head_dim,
-                       values + t * head_dim);
-        slots[t] = t;
-    }
+    convert_rows(kv, kv->k_cache, kv_head, slots, context_len, head_dim, keys);
+    convert_rows(kv, kv->v_cache, kv_head, slots, context_len, head_dim, values);
+    for (int64_t t = 0; t < context_len; ++t) slots[t] = t;
     const paged_kv dense = {keys, values, KVGATE_F32, NULL, 1, head_dim, kv->block_size};
     attend_rows(q, &dense, 0, context_len, slots, group, scale, scores, out, head_dim, KVGATE_F32);
 }
@@ -263,22 +323,22 @@ static inline __attribute__((always_inline)) void attend_small(
  * Attention of `group` query heads (q: group * head_dim floats) that share KV head `kv_head`,
  * over a sequence's first `context_len` cached tokens (in `slots`), into out (group * head_dim
  * floats). scores: group * context_len floats of scratch; kv_rows: 2 * context_len * head_dim
- * floats of scratch when head_dim <= SMALL_HEAD_DIM (slots is rewritten then).
+ * floats of scratch when head_dim <= SMALL_HEAD_DIM (slots is rewritten then), else
+ * CHUNK_TOKENS * head_dim.
  */
 static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
                          int64_t *slots, int64_t group, float scale, float *scores, float *out,
                          float *kv_rows) {
     const int64_t head_dim = kv->head_dim;
-#ifdef KVGATE_ATTEND_HEAD
-    if (head_dim == 64 || head_dim == 128) {
-        const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, head_dim);
-        const int64_t row_elems = kv->num_kv_heads * row_bytes / dtype_size(kv->cache_dtype);
-        const char *k = (const char *)kv->k_cache + kv_head * row_bytes;
-        const char *v = (const char *)kv->v_cache + kv_head * row_bytes;
-        for (int64_t h = 0; h < group; ++h)
-            (head_dim == 64 ? attend_head_64 : attend_head_128)(
-                q + h * head_dim, k, v, kv->cache_dtype, row_elems, context_len, slots, scale,
-                scores + h * context_len, out + h * head_dim);
+#ifdef KVGATE_ATTEND_WIDE
+    if (head_dim == 64) {
+        attend_wide(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 64,
+                    head_scores_64, head_values_64);
+        return;
+    }
+    if (head_dim == 128) {
+        attend_wide(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows,
+                    128, head_scores_128, head_values_128);
         return;
     }
 #endif
@@ -342,7 +402,7 @@ typedef struct {
 
 static attention_scratch scratch_alloc(int64_t group, int64_t head_dim, int64_t max_context) {
     attention_scratch s;
-    const int64_t rows = head_dim <= SMALL_HEAD_DIM ? 2 * max_context * head_dim : 0;
+    const int64_t rows = (head_dim <= SMALL_HEAD_DIM ? 2 * max_context : CHUNK_TOKENS) * head_dim;
     const int64_t floats = group * max_context + 2 * group * head_dim + rows;
     s.slots = malloc(sizeof(int64_t) * (size_t)(max_context > 0 ? max_context : 1));
     s.scores = s.slots == NULL ? NULL : malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));

@@ -4,7 +4,9 @@
  *
  * bfloat16 is the upper half of a float32. Rounding to it is to nearest, ties to even, and a
  * NaN becomes the quiet NaN 0x7FC0: the rounding torch's c10::BFloat16 does, so a kernel that
- * rounds where the PyTorch reference rounds gives the same bits.
+ * rounds where the PyTorch reference rounds gives the same bits. float16 (IEEE binary16) rounds
+ * to nearest, ties to even, as torch's c10::Half does; values from 65520 up become infinity.
+ * The F16C / AVX-512 instructions convert it where the CPU has them, integer code elsewhere.
  */
 #ifndef KVGATE_CPU_COMMON_H
 #define KVGATE_CPU_COMMON_H
@@ -12,11 +14,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
-/* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8 is a KV-cache format only:
- * each (token, KV head) row is head_dim int8 values, then their float32 scale (4 bytes), and
- * reads back as value * scale (kernels/kv_format.py says why one scale per row). */
-enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2 };
+/* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8 and KVGATE_F16 are KV-cache
+ * formats only. An int8 (token, KV head) row is head_dim int8 values, then their float32 scale
+ * (4 bytes), and reads back as value * scale (kernels/kv_format.py says why one scale per row). */
+enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2, KVGATE_F16 = 3 };
 
 static inline float bf16_to_f32(uint16_t bits) {
     const uint32_t widened = (uint32_t)bits << 16;
@@ -33,15 +38,73 @@ static inline uint16_t f32_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
+static inline float f16_to_f32(uint16_t half) {
+#ifdef __F16C__
+    return _cvtsh_ss(half);
+#else
+    const uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
+    uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu, bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | mantissa << 13; /* infinity, NaN */
+    } else if (exponent != 0) {
+        bits = sign | (exponent + 112u) << 23 | mantissa << 13;
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: mantissa * 2^-24, normalized */
+        exponent = 113u;
+        while (!(mantissa & 0x400u)) {
+            mantissa <<= 1;
+            --exponent;
+        }
+        bits = sign | exponent << 23 | (mantissa & 0x3ffu) << 13;
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+#endif
+}
+
+/* q + 1 when the `shift` low bits dropped from it (`rest`) are over half, or half and q odd. */
+static inline uint32_t round_half_even(uint32_t q, uint32_t rest, int shift) {
+    const uint32_t half = 1u << (shift - 1);
+    return q + (rest > half || (rest == half && (q & 1u)));
+}
+
+static inline uint16_t f32_to_f16(float value) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint32_t sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return (uint16_t)(sign | 0x7e00u); /* NaN */
+    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: infinity */
+    if (magnitude >= 0x38800000u) { /* normal: rebase the exponent, drop 13 mantissa bits */
+        const uint32_t rebased = magnitude - 0x38000000u;
+        return (uint16_t)(sign | round_half_even(rebased >> 13, rebased & 0x1fffu, 13));
+    }
+    const int exponent = (int)(magnitude >> 23);
+    if (exponent < 102) return (uint16_t)sign; /* under 2^-25: rounds to zero */
+    /* subnormal: the value in units of 2^-24 */
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const int shift = 126 - exponent;
+    return (uint16_t)(sign | round_half_even(mantissa >> shift, mantissa & ((1u << shift) - 1),
+                                             shift));
+#endif
+}
+
 /* float32 value of element i of an array of `dtype`. */
 static inline float load_elem(const void *base, int dtype, int64_t i) {
-    return dtype == KVGATE_BF16 ? bf16_to_f32(((const uint16_t *)base)[i])
-                                : ((const float *)base)[i];
+    if (dtype == KVGATE_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
+    if (dtype == KVGATE_F16) return f16_to_f32(((const uint16_t *)base)[i]);
+    return ((const float *)base)[i];
 }
 
 static inline void store_elem(void *base, int dtype, int64_t i, float value) {
     if (dtype == KVGATE_BF16)
         ((uint16_t *)base)[i] = f32_to_bf16(value);
+    else if (dtype == KVGATE_F16)
+        ((uint16_t *)base)[i] = f32_to_f16(value);
     else
         ((float *)base)[i] = value;
 }
@@ -51,12 +114,46 @@ static inline float round_to(int dtype, float value) {
     return dtype == KVGATE_BF16 ? bf16_to_f32(f32_to_bf16(value)) : value;
 }
 
+/* n contiguous float16 values into float32: 16 at a time where AVX-512 converts them, 8 at a
+ * time where F16C does (narrow heads' rows), one at a time for the rest. */
+static inline void load_f16_row(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#endif
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+}
+
+#define KVGATE_F16_ROUNDING (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+static inline void store_f16_row(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), KVGATE_F16_ROUNDING));
+#endif
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), KVGATE_F16_ROUNDING));
+#endif
+    for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+
 /* n contiguous elements of `dtype` into float32. */
 static inline void load_row(const void *src, int dtype, int64_t n, float *dst) {
     if (dtype == KVGATE_BF16) {
         const uint16_t *s = src;
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+    } else if (dtype == KVGATE_F16) {
+        load_f16_row(src, n, dst);
     } else {
         memcpy(dst, src, sizeof(float) * (size_t)n);
     }
@@ -67,13 +164,15 @@ static inline void store_row(void *dst, int dtype, const float *src, int64_t n) 
     if (dtype == KVGATE_BF16) {
         uint16_t *d = dst;
         for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    } else if (dtype == KVGATE_F16) {
+        store_f16_row(dst, src, n);
     } else {
         memcpy(dst, src, sizeof(float) * (size_t)n);
     }
 }
 
 static inline int64_t dtype_size(int dtype) {
-    return dtype == KVGATE_BF16 ? 2 : dtype == KVGATE_I8 ? 1 : 4;
+    return dtype == KVGATE_BF16 || dtype == KVGATE_F16 ? 2 : dtype == KVGATE_I8 ? 1 : 4;
 }
 
 /* Bytes of one cached (token, KV head) row of head_dim values; an int8 row's scale included. */
@@ -116,8 +215,21 @@ static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, 
     const int8_t *values = src;
     float scale;
     memcpy(&scale, values + head_dim, sizeof scale);
-#pragma omp simd
-    for (int64_t i = 0; i < head_dim; ++i) dst[i] = (float)values[i] * scale;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (; i + 16 <= head_dim; i += 16) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(values + i));
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
+                                                scale16));
+    }
+    for (; i + 8 <= head_dim; i += 8) { /* head_dim is a multiple of 4: at most one pass */
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + i));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                                                _mm512_castps512_ps256(scale16)));
+    }
+#endif
+    for (; i < head_dim; ++i) dst[i] = (float)values[i] * scale;
 }
 
 /* Rotary embedding (rotate_half style) of one token's `num_heads` heads of x (element (h, d) at

@@ -6,8 +6,11 @@
  * read the weights; these kernels keep the weights in their own format all the way into the
  * registers and multiply there, in float32 (bfloat16: AVX512-BF16 dot products, exact products
  * summed in float32). Four weight rows and up to four rows of x are done together, so each
- * weight is loaded and converted once per four rows of x. For larger batches the caller
- * multiplies with torch instead, quantized weights dequantized first (kvgate_dequantize).
+ * weight is loaded and converted once per four rows of x. Quantized weights are read a group at
+ * a time, the group's scale (and zero) turned into vector constants once, never per weight: an
+ * int4 nibble becomes its float32 weight in one lane permutation (int4_block). For larger
+ * batches the caller multiplies with torch instead, quantized weights dequantized first
+ * (kvgate_dequantize).
  *
  * Quantized formats (kernels/quant.py):
  *   int8  q [n, k] int8, scales [n, k / group_size] float32: w = q * scale (per-channel:
@@ -34,28 +37,10 @@
 
 #define ROW_BLOCK 4 /* weight rows per work item */
 #define X_BLOCK 4   /* rows of x per pass over a work item's weights */
-
-static float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu, bits;
-    if (exponent == 0x1fu) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        uint32_t e = 113u;
-        while ((mantissa & 0x400u) == 0) {
-            mantissa <<= 1;
-            --e;
-        }
-        bits = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
-    }
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
+/* How far ahead of the weights being multiplied the quantized kernels ask for the next ones:
+ * their rows are short (a few hundred bytes), too short for the hardware prefetcher to reach
+ * full speed on each, but a thread's rows follow one another in memory. */
+#define PREFETCH_BYTES 2048
 
 /* Copy x (m rows, k columns, element (i, j) at x[i * row_stride + j * col_stride] of x_dtype)
  * into dense row-major float32 (or bfloat16 when to_bf16) rows of `ld` elements, zero-padded. */
@@ -161,7 +146,18 @@ static inline __m512 int8_weights(const int8_t *p, __mmask16 mask) {
         }              \
     } while (0)
 
-/* int8 rows row0 .. row0 + R - 1 (R is 1 or ROW_BLOCK) against x rows i0 .. i0 + M - 1. */
+/* name##r = vector_of_row(r) for rows row0 .. row0 + R - 1 (unused rows repeat row 0's). */
+#define ROW_VECTORS(name, vector_of_row)                    \
+    const __m512 name##0 = vector_of_row(0);                \
+    const __m512 name##1 = R > 1 ? vector_of_row(1) : name##0; \
+    const __m512 name##2 = R > 1 ? vector_of_row(2) : name##0; \
+    const __m512 name##3 = R > 1 ? vector_of_row(3) : name##0
+
+/*
+ * int8 rows row0 .. row0 + R - 1 (R is 1 or ROW_BLOCK) against x rows i0 .. i0 + M - 1, a group
+ * at a time (per-channel: one group of k), 16 weights at a time within it, so a vector never
+ * spans two groups whatever the group size and the group's scale is one broadcast per row.
+ */
 static inline __attribute__((always_inline)) void int8_block(
     const linear_io *io, const int8_t *q, const float *scales, int64_t group_size, int64_t row0,
     const int R, int64_t i0, const int M) {
@@ -169,18 +165,25 @@ static inline __attribute__((always_inline)) void int8_block(
     const int per_channel = group_size == k;
     const float *x = (const float *)io->x + i0 * io->ld;
     DECLARE_ALL_ACCUMULATORS;
-    for (int64_t j = 0; j < k; j += 16) {
-        const __mmask16 mask = tail_mask16(k - j);
-        LOAD_X(v, _mm512_loadu_ps, j);
+    for (int64_t g = 0; g < groups; ++g) {
+#define GROUP_SCALE(r) _mm512_set1_ps(scales[(row0 + (r)) * groups + g])
+        ROW_VECTORS(s, GROUP_SCALE);
+#undef GROUP_SCALE
+        const int64_t end = (g + 1) * group_size;
+        for (int64_t j = g * group_size; j < end; j += 16) {
+            const __mmask16 mask = tail_mask16(end - j);
+            LOAD_X(v, _mm512_loadu_ps, j);
 #define INT8_ROW(r)                                                                     \
-        do {                                                                            \
-            __m512 w = int8_weights(q + (row0 + (r)) * k + j, mask);                    \
-            if (!per_channel)                                                           \
-                w = _mm512_mul_ps(w, _mm512_set1_ps(scales[(row0 + (r)) * groups + j / group_size])); \
-            ACCUMULATE(r, w, xv);                                                       \
-        } while (0)
-        FOR_ROWS(INT8_ROW);
+            do {                                                                        \
+                const int8_t *src = q + (row0 + (r)) * k + j;                           \
+                _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);          \
+                __m512 w = int8_weights(src, mask);                                     \
+                if (!per_channel) w = _mm512_mul_ps(w, s##r);                           \
+                ACCUMULATE(r, w, xv);                                                   \
+            } while (0)
+            FOR_ROWS(INT8_ROW);
 #undef INT8_ROW
+        }
     }
 #define INT8_OUT(r) WRITE_ROW(r, per_channel ? scales[row0 + (r)] : 1.0f)
     FOR_ROWS(INT8_OUT);
@@ -207,7 +210,6 @@ static inline __attribute__((always_inline)) void f32_block(
     FOR_ROWS(UNSCALED_OUT);
 }
 
-/* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
 /* n float16 values as float32 (n <= INT4_GROUP_CHUNK). */
 static inline void f16_row(const uint16_t *src, int64_t n, float *dst) {
     for (int64_t i = 0; i < n; i += 16) {
@@ -220,13 +222,25 @@ static inline void f16_row(const uint16_t *src, int64_t n, float *dst) {
  * loop is one load, not a conversion). */
 #define INT4_GROUP_CHUNK 256
 
-/* int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time. */
+/* The 16 weights a group's nibbles stand for: q * scale + zero for q = 0..15, in lane q. */
+static inline __m512 int4_values(float scale, float zero) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(zero));
+}
+
+/*
+ * int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time.
+ * A nibble becomes its weight with one lane permutation of the group's 16 possible weights
+ * (vpermps reads the low 4 bits of each 32-bit index): the bytes widened to 32 bits index the
+ * low nibbles as they are and the high ones shifted down, so a block costs a widening, a shift
+ * and two permutations before its multiply-adds, and the scale and zero are applied once per
+ * group and row rather than per weight.
+ */
 static inline __attribute__((always_inline)) void int4_block(
     const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
     int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
     const int64_t k = io->k, groups = k / group_size, row_bytes = k / 2;
     const float *x = (const float *)io->x + i0 * io->ld;
-    const __m512i low_nibble = _mm512_set1_epi32(15);
     float scale_f32[ROW_BLOCK][INT4_GROUP_CHUNK], zero_f32[ROW_BLOCK][INT4_GROUP_CHUNK];
     DECLARE_ALL_ACCUMULATORS;
     for (int64_t g0 = 0; g0 < groups; g0 += INT4_GROUP_CHUNK) {
@@ -235,25 +249,27 @@ static inline __attribute__((always_inline)) void int4_block(
             f16_row(scales + (row0 + r) * groups + g0, count, scale_f32[r]);
             f16_row(zeros + (row0 + r) * groups + g0, count, zero_f32[r]);
         }
-        for (int64_t j = g0 * group_size; j < (g0 + count) * group_size; j += 32) {
-            const int64_t g = j / group_size - g0;
-            LOAD_X(lo, _mm512_loadu_ps, j);
-            LOAD_X(hi, _mm512_loadu_ps, j + 16);
+        for (int64_t g = 0; g < count; ++g) {
+#define GROUP_VALUES(r) int4_values(scale_f32[r][g], zero_f32[r][g])
+            ROW_VECTORS(t, GROUP_VALUES);
+#undef GROUP_VALUES
+            const int64_t start = (g0 + g) * group_size;
+            for (int64_t j = start; j < start + group_size; j += 32) {
+                LOAD_X(lo, _mm512_loadu_ps, j);
+                LOAD_X(hi, _mm512_loadu_ps, j + 16);
 #define INT4_ROW(r)                                                                          \
-            do {                                                                             \
-                const __m512 scale = _mm512_set1_ps(scale_f32[r][g]);                        \
-                const __m512 zero = _mm512_set1_ps(zero_f32[r][g]);                          \
-                const __m512i bytes = _mm512_cvtepu8_epi32(                                  \
-                    _mm_loadu_si128((const __m128i *)(q + (row0 + (r)) * row_bytes + j / 2))); \
-                const __m512 w_lo = _mm512_fmadd_ps(                                         \
-                    _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), scale, zero);   \
-                const __m512 w_hi = _mm512_fmadd_ps(                                         \
-                    _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, zero);           \
-                ACCUMULATE(r, w_lo, xlo);                                                    \
-                ACCUMULATE(r, w_hi, xhi);                                                    \
-            } while (0)
-            FOR_ROWS(INT4_ROW);
+                do {                                                                         \
+                    const uint8_t *src = q + (row0 + (r)) * row_bytes + j / 2;               \
+                    _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);           \
+                    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src)); \
+                    const __m512 w_lo = _mm512_permutexvar_ps(bytes, t##r);                  \
+                    const __m512 w_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), t##r); \
+                    ACCUMULATE(r, w_lo, xlo);                                                \
+                    ACCUMULATE(r, w_hi, xhi);                                                \
+                } while (0)
+                FOR_ROWS(INT4_ROW);
 #undef INT4_ROW
+            }
         }
     }
     FOR_ROWS(UNSCALED_OUT);
@@ -326,10 +342,13 @@ static void dequantize_row_vector(const weights *wt, int64_t row, int64_t k, flo
     if (wt->kind == KVGATE_W_INT8) {
         const int8_t *q = (const int8_t *)wt->q + row * k;
         const float *scales = (const float *)wt->scales + row * groups;
-        for (int64_t j = 0; j < k; j += 16) {
-            const __mmask16 mask = tail_mask16(k - j);
-            const __m512 scale = _mm512_set1_ps(scales[j / wt->group_size]);
-            _mm512_mask_storeu_ps(w_row + j, mask, _mm512_mul_ps(int8_weights(q + j, mask), scale));
+        for (int64_t g = 0; g < groups; ++g) {  /* each vector stops at its group's end */
+            const __m512 scale = _mm512_set1_ps(scales[g]);
+            const int64_t end = (g + 1) * wt->group_size;
+            for (int64_t j = g * wt->group_size; j < end; j += 16) {
+                const __mmask16 mask = tail_mask16(end - j);
+                _mm512_mask_storeu_ps(w_row + j, mask, _mm512_mul_ps(int8_weights(q + j, mask), scale));
+            }
         }
         return;
     }

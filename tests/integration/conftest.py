@@ -53,6 +53,7 @@ def start_stack(
     scheduler_flags: list[str] | None = None,
     log_format: str | None = None,
     executor_flags: list[str] | None = None,
+    model: Path = MODEL,
     **stack_fields,
 ) -> Stack:
     """Starts redis, a scheduler, executors and a gateway; returns once all serve.
@@ -60,7 +61,7 @@ def start_stack(
     `executor_flags` come after EXECUTOR_FLAGS; `stack_fields` are more StackConfig fields.
     """
     config = StackConfig(
-        model=str(MODEL),
+        model=str(model),
         port=free_port(),
         log_dir=log_dir,
         executor_flags=EXECUTOR_FLAGS + (executor_flags or []),

@@ -1,11 +1,13 @@
 """A real executor process with --tensor-parallel-size 2 behind a real gateway and Redis: the
-streams carry the greedy tokens of a one-rank engine; killing the executor with SIGKILL leaves
+streams carry the greedy tokens of a one-rank engine, for stories260K and for a seeded random
+Llama with biases on every projection; killing the executor with SIGKILL leaves
 no follower rank behind; a follower that dies makes its executor exit (status 70, like a
 crash), so the gateway moves its requests elsewhere."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -19,7 +21,7 @@ from client.api import KvgateClient
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-from tests.helpers import run_to_completion, wait_for
+from tests.helpers import run_to_completion, save_random_llama, wait_for
 from tests.integration.conftest import MODEL, generate
 
 EXECUTOR = "executor-0"
@@ -27,9 +29,9 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went", "One day, 
 MAX_TOKENS = 24
 
 
-def one_rank_tokens(prompt_ids: list[list[int]]) -> list[list[int]]:
+def one_rank_tokens(prompt_ids: list[list[int]], model: Path = MODEL) -> list[list[int]]:
     """Greedy tokens of an in-process one-rank engine, the prompts run concurrently."""
-    engine = Engine(EngineConfig(model=str(MODEL), num_gpu_blocks=512, block_size=16))
+    engine = Engine(EngineConfig(model=str(model), num_gpu_blocks=512, block_size=16))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     for i, ids in enumerate(prompt_ids):
         engine.add_request(str(i), ids, params)
@@ -69,10 +71,11 @@ def followers_of(proc: subprocess.Popen) -> list[int]:
     return followers
 
 
-def test_two_ranks_serve_one_ranks_greedy_tokens_and_die_with_the_executor(stack):
+def assert_one_ranks_tokens(stack, model: Path) -> None:
+    """The prompts, sent at once through the stack, stream a one-rank engine's greedy tokens."""
     with KvgateClient(stack.address, timeout_s=60) as client:
         prompt_ids = [client.tokenize(p) for p in PROMPTS]
-    expected = one_rank_tokens(prompt_ids)
+    expected = one_rank_tokens(prompt_ids, model)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         completions = list(
             pool.map(lambda p: generate(stack.address, p, max_tokens=MAX_TOKENS), PROMPTS)
@@ -80,12 +83,35 @@ def test_two_ranks_serve_one_ranks_greedy_tokens_and_die_with_the_executor(stack
     got = [c.token_ids for c in completions]
     assert got == expected, f"two ranks through the stack gave {got}, one rank {expected}"
 
+
+def test_two_ranks_serve_one_ranks_greedy_tokens_and_die_with_the_executor(stack):
+    assert_one_ranks_tokens(stack, MODEL)
+
     followers = followers_of(stack.procs[EXECUTOR])
     stack.stop(EXECUTOR, signal.SIGKILL)
     wait_for(
         lambda: not any(running(p) for p in followers),
         f"follower ranks {followers} to exit after the executor's SIGKILL",
     )
+
+
+def random_llama(folder: Path) -> Path:
+    """Seeded random weights of 4 query and 2 key/value heads (head_dim 16), biases on every
+    projection, stories260K's vocabulary and tokenizer (so the gateway can tokenize)."""
+    save_random_llama(folder, vocab_size=512, hidden_size=64, intermediate_size=112,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False,
+                      attention_bias=True, mlp_bias=True)  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(MODEL / name, folder / name)
+    return folder
+
+
+def test_two_ranks_serve_a_random_llamas_one_rank_tokens(stack_factory, tmp_path_factory):
+    model = random_llama(tmp_path_factory.mktemp("random-llama"))
+    stack = stack_factory(model=model, executor_flags=["--tensor-parallel-size", "2"])
+    assert_one_ranks_tokens(stack, model)
+    stack.stop_all()  # two ranks fewer on the cores for the tests after this one
 
 
 def send_unanswered(address: str) -> None:

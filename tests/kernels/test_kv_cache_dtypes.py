@@ -12,12 +12,12 @@ import torch
 
 from kernels import cpu, cpu_attention, triton_attention, triton_cache
 from kernels import reference as ref
-from kernels.kv_format import dequantize_rows, quantize_rows
+from kernels.kv_format import dequantize_rows, quantize_rows, to_cache_rows
 from tests.kernels.paged_cases import in_cache_format, make_paged_case, mixed_prefill_case
 from tests.kernels.test_cpu_dtypes import layer_case
 from tests.kernels.test_triton import assert_close
 
-CPU_CACHE_DTYPES = (torch.bfloat16, torch.int8)
+CPU_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 TRITON_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
 
 
@@ -67,8 +67,8 @@ def test_triton_store_writes_the_cache_format_as_the_reference(cache_dtype):
         assert toward_zero.all() and (got.float().abs() <= expected.float().abs()).all()
 
 
-def _attention_cases(cache_dtype: torch.dtype):
-    case, q, query_lens = mixed_prefill_case(64, 16, 2, 3)
+def _attention_cases(cache_dtype: torch.dtype, head_dim: int = 64):
+    case, q, query_lens = mixed_prefill_case(head_dim, 16, 2, 3)
     case = in_cache_format(case, cache_dtype)
     cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     prefill = (q, case.k_cache, case.v_cache, case.block_tables, cu, case.context_lens, 0.125)
@@ -95,10 +95,23 @@ def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype)
                  ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
 
 
+# Each width takes its own C path: narrow rows converted whole, AVX-512 registers at 64 and 128
+# (rows converted a chunk of 32 tokens at a time), one row at a time for any other width.
+@pytest.mark.parametrize("head_dim", [8, 48, 128])
+@pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
+def test_cpu_attention_reads_the_cache_format_at_every_head_width(cache_dtype, head_dim):
+    decode, prefill = _attention_cases(cache_dtype, head_dim)
+    assert_close(cpu_attention.paged_decode_attention(*decode),
+                 ref.paged_decode_attention(*decode), 1e-5, "decode")  # fmt: skip
+    assert_close(cpu_attention.paged_prefill_attention(*prefill),
+                 ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_attention_step_stores_and_reads_int8_as_the_reference(dtype):
+def test_cpu_attention_step_stores_and_reads_the_cache_format_as_the_reference(dtype, cache_dtype):
     step, qkv, k_cache, v_cache = layer_case(12, dtype, torch.float32, "row-major")
-    k_cache, v_cache = quantize_rows(k_cache), quantize_rows(v_cache)
+    k_cache, v_cache = to_cache_rows(k_cache, cache_dtype), to_cache_rows(v_cache, cache_dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected = ref.attention(qkv, expected_k, expected_v, step)
     cpu_attention.prepare_attention(step, k_cache)

@@ -99,13 +99,18 @@ def test_rows_move_and_stack_with_their_scales():
         quant.concat_rows([q, quant.quantize_int8(torch.randn(4, 64))])
 
 
-def make_weights(out_features: int, in_features: int, seed: int):
+def make_weights(out_features: int, in_features: int, seed: int, odd_int8_groups: bool = False):
+    """The formats of one seeded weight; odd_int8_groups adds int8 groups of 24 (which a 16-wide
+    vector does not fit evenly)."""
     gen = torch.Generator().manual_seed(seed)
     dense = torch.randn(out_features, in_features, generator=gen)
+    odd_groups = odd_int8_groups and in_features % 24 == 0
     kinds = {
         "int8": quant.quantize_int8(dense),
         "int8-g32": quant.quantize_int8(dense, 32) if in_features % 32 == 0 else None,
+        "int8-g24": quant.quantize_int8(dense, 24) if odd_groups else None,
         "int4": quant.quantize_int4(dense, 32) if in_features % 32 == 0 else None,
+        "int4-g96": quant.quantize_int4(dense, 96) if in_features % 96 == 0 else None,
     }
     return gen, {name: w for name, w in kinds.items() if w is not None}
 
@@ -113,17 +118,20 @@ def make_weights(out_features: int, in_features: int, seed: int):
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 20])
-@pytest.mark.parametrize("in_features", [96, 172])
-def test_cpu_quantized_linear_matches_the_reference(in_features, rows, dtype, layout):
-    gen, weights = make_weights(36, in_features, seed=in_features + rows)
+@pytest.mark.parametrize(("out_features", "in_features"), [(36, 96), (38, 96), (37, 172)])
+def test_cpu_quantized_linear_matches_the_reference(out_features, in_features, rows, dtype, layout):
+    """Sizes: 96 inputs are three int4 blocks (a pair and one left over), 172 is no multiple of
+    the 16-wide vectors; 37 and 38 outputs leave rows past the last four-row block."""
+    seed = in_features + rows
+    gen, weights = make_weights(out_features, in_features, seed, odd_int8_groups=True)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     if layout == "column-major":
         x = x.t().contiguous().t()
-    bias = torch.randn(36, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
     for name, weight in weights.items():
         out = cpu_linear.linear_quantized(x, weight, bias)
         expected = ref.linear_quantized(x, weight, bias)
-        assert out.shape == (rows, 36) and out.dtype == dtype, name
+        assert out.shape == (rows, out_features) and out.dtype == dtype, name
         assert out.stride(0) == 1, f"{name}: the CPU result is column-major"
         bound = 1e-5 if dtype == torch.float32 else BF16_STEP * (1 if rows <= 8 else 4)
         assert relative_error(out, expected) <= bound, f"{name}, {rows} rows"

@@ -186,3 +186,17 @@ def test_a_range_check_refuses_a_value_that_is_not_finite(value: float):
     ):
         with pytest.raises(ValueError, match="--lpm-aging-ms must be a finite number"):
             check()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_receive_message_bytes", 500), ("max_receive_message_bytes", 3_000_000_000),
+     ("max_concurrent_streams", 0), ("redis_max_connections", 0), ("tokenizer_threads", 65)],
+)  # fmt: skip
+def test_a_gateway_limit_out_of_range_names_its_flag(field: str, value: int):
+    """3e9 receive bytes passed the check and crashed gRPC core's C-int channel argument."""
+    from gateway.config import GatewayConfig
+
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=flag):
+        GatewayConfig(model=str(STORIES_260K), **{field: value})

@@ -43,4 +43,4 @@ def test_the_command_takes_the_kv_cache_dtype_and_names_it_when_bad():
     argv = ["--model", str(STORIES_260K), "--prompt", "hi", "--kv-cache-dtype"]
     assert pop_engine_config(vars(build_parser().parse_args([*argv, "int8"]))).kv_cache_dtype \
         == "int8"  # fmt: skip
-    assert main([*argv, "float16"]) == 2
+    assert main([*argv, "fp4"]) == 2

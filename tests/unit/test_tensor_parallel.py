@@ -130,8 +130,9 @@ def test_a_head_count_the_size_does_not_divide_is_a_start_up_error_naming_both()
     with pytest.raises(ValueError) as error:
         Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.01, tensor_parallel_size=3))
     message = str(error.value)
-    assert "--tensor-parallel-size 3" in message, message
-    assert "8 query heads" in message and "4 key/value heads" in message, message
+    assert message.startswith("--tensor-parallel-size 3 does not divide the model's "), message
+    for count in ("8 query heads", "4 key/value heads", "172 MLP columns"):
+        assert message.count(count) == 1, f"{count!r} once: {message}"
 
 
 @pytest.mark.parametrize(
