@@ -113,7 +113,7 @@ def print_model(name: str, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--formats", nargs="+", default=["float16", "bfloat16", "int8"],
                         choices=["float16", "bfloat16", "int8"])  # fmt: skip

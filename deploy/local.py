@@ -133,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_signals(stopped)
     try:
         print(f"starting kvgate on model {model} (logs in {stack.config.log_dir})", flush=True)
-        stack.start_all(num_executors=config.executors)
+        try:
+            stack.start_all(num_executors=config.executors)
+        except (RuntimeError, TimeoutError) as error:  # a process exited or never got ready
+            print(f"kvgate could not start: {error}", file=sys.stderr, flush=True)
+            _print_log_tail(stack.log_path(str(error).split(":")[0]))
+            return 2
         print(f"kvgate serving on {stack.address}  (Ctrl-C stops it)", flush=True)
         print(_auth_line(config.auth, stack.redis_url), flush=True)
         for name, port in sorted(stack.metrics_ports.items(), key=lambda item: item[1]):
@@ -145,6 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         print("stopping kvgate", flush=True)
         stack.stop_all()
     return 0
+
+
+def _print_log_tail(log: Path, lines: int = 5) -> None:
+    """The last lines of a process's log (where it says why it stopped), on stderr."""
+    if log.is_file():
+        print(f"last lines of {log}:", file=sys.stderr)
+        for line in log.read_text(errors="replace").splitlines()[-lines:]:
+            print(f"  {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ class EngineConfig:
         _require(
             self.swap_space_gib == 0 or self.tensor_parallel_size == 1,
             "swap_space_gib",
-            "0 with tensor_parallel_size > 1 (the host tier holds one rank's KV)",
+            "0 with --tensor-parallel-size > 1 (the host tier holds one rank's KV)",
             self.swap_space_gib,
         )
         _require(
@@ -187,7 +187,7 @@ class EngineConfig:
         _require(
             self.preemption_mode != "swap" or self.swap_space_gib > 0,
             "preemption_mode",
-            "recompute when swap_space_gib is 0 (swap needs a host tier)",
+            "recompute when --swap-space-gib is 0 (swap needs a host tier)",
             self.preemption_mode,
         )
 

@@ -149,3 +149,17 @@ def test_a_dead_process_is_restarted_with_backoff_and_ctrl_c_stops_everything(la
 def zombie(pid: int) -> bool:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat[stat.rindex(")") + 2] == "Z"
+
+
+def test_a_process_that_cannot_start_ends_the_launcher_with_its_reason(tmp_path):
+    """A bad executor flag under `make run`: exit 2 with the executor's own sentence, not a
+    traceback of the launcher."""
+    argv = [sys.executable, "-m", "deploy.local", "--port", str(free_port_run(1))]
+    argv += ["--metrics-port", str(free_port_run(3)), "--log-dir", str(tmp_path)]
+    env = {**os.environ, "KVGATE_MODEL": str(MODEL), "KVGATE_LOG_FORMAT": "text",
+           "KVGATE_TENSOR_PARALLEL_SIZE": "3"}  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "kvgate could not start: executor-0" in done.stderr
+    assert "--tensor-parallel-size 3 does not divide" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
