@@ -15,8 +15,11 @@ from deploy.scaling import LocalPrometheus, ScalingRule
 from tests.helpers import wait_for
 from tests.integration.conftest import EXECUTOR_FLAGS, generate
 
-# Long enough that the load lasts several of Prometheus's 1 s scrapes (4 to 6 s here).
-MAX_TOKENS = 192
+# Long enough that every stream is still in the system for several of Prometheus's 1 s
+# scrapes: the query sums three targets scraped at their own moments, so one scrape can catch
+# a request between the scheduler's queue and the executor. At 192 tokens (4 to 6 s of load)
+# a quiet run once read a peak of 56 of the 96 streams.
+MAX_TOKENS = 384
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="prometheus comes with make setup (Debian package)"
