@@ -79,13 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     health.remove_check("model")
     health.add_check("draining", service.draining_check)
     health.add_check("step_loop", service.step_loop_check)
-    drain = threading.Event()  # set by SIGTERM/SIGINT from a short thread (stop_on_signals)
-    stop_on_signals(drain)
-    threading.Thread(
-        target=lambda: (drain.wait(), service.drain(), health.recheck()),
-        name="drain-signal",
-        daemon=True,
-    ).start()
+    _drain_on_signals(service, health)
     try:
         service.run()
     finally:
@@ -98,6 +92,18 @@ def _exit_ranks_lost(reason: str) -> None:
     """The executor cannot run steps any more: exit, so its requests resume elsewhere."""
     print(f"executor: tensor parallel: {reason}; exiting", file=sys.stderr, flush=True)
     os._exit(RANKS_LOST_STATUS)
+
+
+def _drain_on_signals(service: ExecutorService, health) -> None:
+    """SIGTERM/SIGINT drain the executor: its event is set from a short thread
+    (stop_on_signals), and a thread waiting on it drains and rechecks health."""
+    drain = threading.Event()
+    stop_on_signals(drain)
+    threading.Thread(
+        target=lambda: (drain.wait(), service.drain(), health.recheck()),
+        name="drain-signal",
+        daemon=True,
+    ).start()
 
 
 if __name__ == "__main__":
