@@ -21,9 +21,30 @@ EXECUTOR = "executor-0"
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went", "One day, a bird"]
 
 
+# The cancellation tests slow every step to this while they hold a stream, so that the request
+# still holds its blocks when the test looks (400 fast stories260K steps could all end before
+# the first probe on a loaded machine: seen once in a full CI run).
+SLOW_STEP_S = 0.02
+
+
 @pytest.fixture(scope="module")
-def stack(stack_factory):
-    return stack_factory()
+def slow_file(tmp_path_factory):
+    """While this file exists, every step of the executor takes SLOW_STEP_S at least."""
+    return tmp_path_factory.mktemp("faults") / "slow"
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory, slow_file):
+    return stack_factory(
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SLOW_STEP_S}"}
+    )
+
+
+@pytest.fixture
+def slow_steps(slow_file):
+    slow_file.touch()
+    yield
+    slow_file.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +188,7 @@ def test_bad_fields_are_invalid_argument_naming_the_field(stack, field, request_
     )
 
 
-def test_cancel_mid_stream_frees_the_executor_blocks(stack):
+def test_cancel_mid_stream_frees_the_executor_blocks(stack, slow_steps):
     idle = idle_free_blocks(stack)
     with KvgateClient(stack.address) as client:
         call = open_stream(client, PROMPTS[1], max_tokens=400, ignore_eos=True)
@@ -181,7 +202,7 @@ def test_cancel_mid_stream_frees_the_executor_blocks(stack):
     )
 
 
-def test_killed_gateway_mid_stream_frees_the_executor_blocks(stack):
+def test_killed_gateway_mid_stream_frees_the_executor_blocks(stack, slow_steps):
     idle = idle_free_blocks(stack)
     port = free_port()
     stack.start_gateway("gateway-doomed", port)
