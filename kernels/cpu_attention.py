@@ -275,10 +275,6 @@ def attention(
             raise ValueError(f"{name} must be a contiguous CPU tensor")
     if qkv.dtype not in DTYPE_CODES or qkv.device.type != "cpu":
         raise ValueError(f"qkv must be a float32 or bfloat16 CPU tensor, got {qkv.dtype}")
-    if step.num_tokens > 1 and qkv.stride(1) != 1:
-        # Rotary reads each token's features: a column-major qkv (a linear layer's result) is
-        # copied row-major first, by torch's blocked transpose, rather than read strided in C.
-        qkv = qkv.contiguous()
     width = step.num_heads * step.head_dim
     out = torch.empty(step.num_tokens, width, dtype=qkv.dtype)
     q_rotated = torch.empty(step.num_tokens, width, dtype=torch.float32)

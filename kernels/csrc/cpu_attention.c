@@ -17,8 +17,10 @@
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
  * Scores, softmax and sums are float32 whatever the dtypes. The activation and cache dtypes are
  * separate arguments: a bfloat16 cache may serve float32 activations and the other way round.
- * The rows of a 16-bit or int8 cache are converted to float32 a chunk of tokens at a time,
- * once per work item, rather than once per query head inside each dot product.
+ * Heads of 64 or 128 values run the register-tiled loops of cpu_attention_tiles.h, which read
+ * float32 and bfloat16 rows in place. Other rows of a 16-bit or int8 cache are converted to
+ * float32 a chunk of tokens at a time, once per work item, rather than once per query head
+ * inside each dot product.
  * The caller (kernels/cpu.py) checks shapes, dtypes, strides and tables before every call.
  */
 #include <math.h>
@@ -155,120 +157,61 @@ static inline __attribute__((always_inline)) void convert_rows(const paged_kv *k
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define R4(X) X(0) X(1) X(2) X(3)
-#define R8(X) R4(X) X(4) X(5) X(6) X(7)
+#include "cpu_attention_tiles.h"
 
 /*
- * One query head's scores (scale * q . k) over n float32 rows, head_dim = 16 * (4 or 8) in
- * registers, four tokens at a time (independent sums). Row t starts at k + slots[t] * row.
- */
-#define HEAD_SCORES(name, REP)                                                                \
-    static void name(const float *q, const float *k, int64_t row, const int64_t *slots,       \
-                     int64_t n, float scale, float *scores) {                                 \
-        const __m512 zero = _mm512_setzero_ps();                                              \
-        REP(DECLARE_Q)                                                                        \
-        int64_t t = 0;                                                                        \
-        for (; t + 4 <= n; t += 4) {                                                          \
-            const float *k0 = k + slots[t] * row, *k1 = k + slots[t + 1] * row;               \
-            const float *k2 = k + slots[t + 2] * row, *k3 = k + slots[t + 3] * row;           \
-            __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;                                \
-            REP(DOT4)                                                                         \
-            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
-            scores[t + 1] = scale * _mm512_reduce_add_ps(a1);                                 \
-            scores[t + 2] = scale * _mm512_reduce_add_ps(a2);                                 \
-            scores[t + 3] = scale * _mm512_reduce_add_ps(a3);                                 \
-        }                                                                                     \
-        for (; t < n; ++t) {                                                                  \
-            const float *k0 = k + slots[t] * row;                                             \
-            __m512 a0 = zero;                                                                 \
-            REP(DOT1)                                                                         \
-            scores[t] = scale * _mm512_reduce_add_ps(a0);                                     \
-        }                                                                                     \
-    }
-
-/*
- * out = (accumulate ? out : 0) + the sum of weights[t] * row t over n float32 rows (as
- * HEAD_SCORES lays them out), in registers, even and odd tokens in separate accumulators.
- */
-#define HEAD_VALUES(name, REP)                                                                \
-    static void name(const float *v, int64_t row, const int64_t *slots, int64_t n,           \
-                     const float *weights, float *out, int accumulate) {                      \
-        const __m512 zero = _mm512_setzero_ps();                                              \
-        REP(DECLARE_OUT)                                                                      \
-        int64_t t = 0;                                                                        \
-        for (; t + 2 <= n; t += 2) {                                                          \
-            const float *v0 = v + slots[t] * row, *v1 = v + slots[t + 1] * row;               \
-            const __m512 p0 = _mm512_set1_ps(weights[t]), p1 = _mm512_set1_ps(weights[t + 1]); \
-            REP(AXPY2)                                                                        \
-        }                                                                                     \
-        if (t < n) {                                                                          \
-            const float *v0 = v + slots[t] * row;                                             \
-            const __m512 p0 = _mm512_set1_ps(weights[t]);                                     \
-            REP(AXPY1)                                                                        \
-        }                                                                                     \
-        REP(STORE_OUT)                                                                        \
-    }
-
-#define DECLARE_Q(i) const __m512 q##i = _mm512_loadu_ps(q + 16 * (i));
-#define DOT4(i)                                                           \
-    a0 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k0 + 16 * (i)), a0);       \
-    a1 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k1 + 16 * (i)), a1);       \
-    a2 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k2 + 16 * (i)), a2);       \
-    a3 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k3 + 16 * (i)), a3);
-#define DOT1(i) a0 = _mm512_fmadd_ps(q##i, _mm512_loadu_ps(k0 + 16 * (i)), a0);
-#define DECLARE_OUT(i)                                                          \
-    __m512 even##i = accumulate ? _mm512_loadu_ps(out + 16 * (i)) : zero, odd##i = zero;
-#define AXPY2(i)                                                                \
-    even##i = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * (i)), even##i);     \
-    odd##i = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * (i)), odd##i);
-#define AXPY1(i) even##i = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * (i)), even##i);
-#define STORE_OUT(i) _mm512_storeu_ps(out + 16 * (i), _mm512_add_ps(even##i, odd##i));
-
-HEAD_SCORES(head_scores_64, R4)
-HEAD_SCORES(head_scores_128, R8)
-HEAD_VALUES(head_values_64, R4)
-HEAD_VALUES(head_values_128, R8)
-
-typedef void (*head_scores_fn)(const float *, const float *, int64_t, const int64_t *, int64_t,
-                               float, float *);
-typedef void (*head_values_fn)(const float *, int64_t, const int64_t *, int64_t, const float *,
-                               float *, int);
-
-/*
- * attend_group for head_dim d = 64 or 128 (head_scores and head_values of that width). A
- * float32 cache is read in place; another format's rows are converted CHUNK_TOKENS at a time
- * into chunk (CHUNK_TOKENS * d floats), each chunk serving every head of the group.
+ * attend_group for head_dim d = 16 * pieces (64 or 128), by the tile loops of
+ * cpu_attention_tiles.h: a float32 or bfloat16 cache read in place, another format's rows
+ * converted CHUNK_TOKENS at a time into chunk (CHUNK_TOKENS * d floats), each chunk serving
+ * every head of the group. prepared: group * d floats of scratch for the query's form.
  */
 static inline __attribute__((always_inline)) void attend_wide(
     const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
     const int64_t *slots, int64_t group, float scale, float *scores, float *out, float *chunk,
-    int64_t d, head_scores_fn head_scores, head_values_fn head_values) {
-    if (kv->cache_dtype == KVGATE_F32) {
-        const int64_t row = kv->num_kv_heads * d;
-        const float *k = (const float *)kv->k_cache + kv_head * d;
-        const float *v = (const float *)kv->v_cache + kv_head * d;
-        for (int64_t h = 0; h < group; ++h) {
-            float *weights = scores + h * context_len;
-            head_scores(q + h * d, k, row, slots, context_len, scale, weights);
-            softmax_in_place(weights, context_len);
-            head_values(v, row, slots, context_len, weights, out + h * d, 0);
+    float *prepared, int pieces) {
+    const int64_t d = 16 * pieces;
+    if (kv->cache_dtype == KVGATE_F32 || kv->cache_dtype == KVGATE_BF16) {
+        const int bf16 = kv->cache_dtype == KVGATE_BF16;
+        const int64_t row = kv->num_kv_heads * d, offset = kv_head * d * (bf16 ? 2 : 4);
+        const char *k = (const char *)kv->k_cache + offset;
+        const char *v = (const char *)kv->v_cache + offset;
+        /* Each call names its row format, so that each is compiled on its own. */
+        if (!bf16) {
+            score_tiles(q, k, row, slots, context_len, group, scale, scores, context_len, pieces,
+                        ROWS_F32);
+#ifdef __AVX512BF16__
+        } else if (all_bf16_values(q, group * d)) {
+            prepare_query(q, group * d, ROWS_BF16_DOT, prepared);
+            score_tiles(prepared, k, row, slots, context_len, group, scale, scores, context_len,
+                        pieces, ROWS_BF16_DOT);
+#endif
+        } else {
+            prepare_query(q, group * d, ROWS_BF16, prepared);
+            score_tiles(prepared, k, row, slots, context_len, group, scale, scores, context_len,
+                        pieces, ROWS_BF16);
         }
+        for (int64_t h = 0; h < group; ++h)
+            softmax_in_place(scores + h * context_len, context_len);
+        if (bf16)
+            value_tiles(v, row, slots, context_len, scores, context_len, group, out, 0, pieces,
+                        ROWS_BF16);
+        else
+            value_tiles(v, row, slots, context_len, scores, context_len, group, out, 0, pieces,
+                        ROWS_F32);
         return;
     }
     for (int64_t start = 0; start < context_len; start += CHUNK_TOKENS) {
         const int64_t n = context_len - start < CHUNK_TOKENS ? context_len - start : CHUNK_TOKENS;
         convert_rows(kv, kv->k_cache, kv_head, slots + start, n, d, chunk);
-        for (int64_t h = 0; h < group; ++h)
-            head_scores(q + h * d, chunk, d, chunk_slots, n, scale,
-                        scores + h * context_len + start);
+        score_tiles(q, chunk, d, chunk_slots, n, group, scale, scores + start, context_len,
+                    pieces, ROWS_F32);
     }
     for (int64_t h = 0; h < group; ++h) softmax_in_place(scores + h * context_len, context_len);
     for (int64_t start = 0; start < context_len; start += CHUNK_TOKENS) {
         const int64_t n = context_len - start < CHUNK_TOKENS ? context_len - start : CHUNK_TOKENS;
         convert_rows(kv, kv->v_cache, kv_head, slots + start, n, d, chunk);
-        for (int64_t h = 0; h < group; ++h)
-            head_values(chunk, d, chunk_slots, n, scores + h * context_len + start, out + h * d,
-                        start > 0);
+        value_tiles(chunk, d, chunk_slots, n, scores + start, context_len, group, out, start > 0,
+                    pieces, ROWS_F32);
     }
 }
 #define KVGATE_ATTEND_WIDE 1
@@ -324,21 +267,22 @@ static inline __attribute__((always_inline)) void attend_small(
  * over a sequence's first `context_len` cached tokens (in `slots`), into out (group * head_dim
  * floats). scores: group * context_len floats of scratch; kv_rows: 2 * context_len * head_dim
  * floats of scratch when head_dim <= SMALL_HEAD_DIM (slots is rewritten then), else
- * CHUNK_TOKENS * head_dim.
+ * (CHUNK_TOKENS + group) * head_dim.
  */
 static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
                          int64_t *slots, int64_t group, float scale, float *scores, float *out,
                          float *kv_rows) {
     const int64_t head_dim = kv->head_dim;
 #ifdef KVGATE_ATTEND_WIDE
+    float *prepared = kv_rows + CHUNK_TOKENS * head_dim;
     if (head_dim == 64) {
-        attend_wide(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 64,
-                    head_scores_64, head_values_64);
+        attend_wide(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows,
+                    prepared, 4);
         return;
     }
     if (head_dim == 128) {
         attend_wide(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows,
-                    128, head_scores_128, head_values_128);
+                    prepared, 8);
         return;
     }
 #endif
@@ -402,7 +346,8 @@ typedef struct {
 
 static attention_scratch scratch_alloc(int64_t group, int64_t head_dim, int64_t max_context) {
     attention_scratch s;
-    const int64_t rows = (head_dim <= SMALL_HEAD_DIM ? 2 * max_context : CHUNK_TOKENS) * head_dim;
+    const int64_t rows =
+        (head_dim <= SMALL_HEAD_DIM ? 2 * max_context : CHUNK_TOKENS + group) * head_dim;
     const int64_t floats = group * max_context + 2 * group * head_dim + rows;
     s.slots = malloc(sizeof(int64_t) * (size_t)(max_context > 0 ? max_context : 1));
     s.scores = s.slots == NULL ? NULL : malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
@@ -555,6 +500,122 @@ static void rotate_and_store(const kvgate_attention_step *st, const char *row, i
     store_cache_rows((char *)v_cache + slot * slot_bytes, cache_dtype, key, st->num_kv_heads, d);
 }
 
+/* Tokens of a column-major q/k/v whose features are copied row-major together. */
+#define ROTARY_TILE_TOKENS 16
+
+/* Tokens t0 .. t0 + count - 1 of a column-major qkv (feature f of token t at element
+ * t + f * feature_stride, of `dtype`) into `count` rows of `width` elements, reading each of
+ * qkv's cache lines once rather than once per token. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* r[i] lane j becomes r[j] lane i (16 x 16 values of 32 bits): pairs of lanes, then of 64-bit
+ * lanes, then a 4 x 4 transpose of 128-bit blocks, 64 shuffles in all. */
+static inline void transpose_16x16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) /* u[4i + m], block k: lane 4k + m of rows 4i .. 4i + 3 */
+        for (int m = 0; m < 4; ++m) {
+            const __m512d a = _mm512_castps_pd(t[4 * i + (m >> 1)]);
+            const __m512d b = _mm512_castps_pd(t[4 * i + 2 + (m >> 1)]);
+            r[4 * i + m] = _mm512_castpd_ps(m & 1 ? _mm512_unpackhi_pd(a, b)
+                                                  : _mm512_unpacklo_pd(a, b));
+        }
+    for (int m = 0; m < 4; ++m) {
+        const __m512 s0 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x44);
+        const __m512 s1 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xee);
+        const __m512 s2 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x44);
+        const __m512 s3 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xee);
+        t[m] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+        t[4 + m] = _mm512_shuffle_f32x4(s0, s2, 0xdd);
+        t[8 + m] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+        t[12 + m] = _mm512_shuffle_f32x4(s1, s3, 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+/* transpose_tile for 16 tokens and a width that is a multiple of 16, 16 features at a time in
+ * registers (16-bit values widened to 32-bit lanes and narrowed back). */
+static void transpose_tile_16(const void *qkv, int dtype, int64_t feature_stride, int64_t t0,
+                              int64_t width, void *rows) {
+    __m512 r[16];
+    for (int64_t f = 0; f < width; f += 16) {
+        for (int i = 0; i < 16; ++i) {
+            const int64_t at = (f + i) * feature_stride + t0;
+            r[i] = dtype_size(dtype) == 4
+                       ? _mm512_loadu_ps((const float *)qkv + at)
+                       : _mm512_castsi512_ps(_mm512_cvtepu16_epi32(
+                             _mm256_loadu_si256((const __m256i *)((const uint16_t *)qkv + at))));
+        }
+        transpose_16x16(r);
+        for (int j = 0; j < 16; ++j) {
+            if (dtype_size(dtype) == 4)
+                _mm512_storeu_ps((float *)rows + j * width + f, r[j]);
+            else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)rows + j * width + f),
+                                    _mm512_cvtepi32_epi16(_mm512_castps_si512(r[j])));
+        }
+    }
+}
+#endif
+
+static void transpose_tile(const void *qkv, int dtype, int64_t feature_stride, int64_t t0,
+                           int64_t count, int64_t width, void *rows) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (count == 16 && width % 16 == 0) {
+        transpose_tile_16(qkv, dtype, feature_stride, t0, width, rows);
+        return;
+    }
+#endif
+    if (dtype_size(dtype) == 4) {
+        const float *src = (const float *)qkv + t0;
+        float *dst = rows;
+        for (int64_t f = 0; f < width; ++f)
+            for (int64_t t = 0; t < count; ++t) dst[t * width + f] = src[f * feature_stride + t];
+    } else {
+        const uint16_t *src = (const uint16_t *)qkv + t0;
+        uint16_t *dst = rows;
+        for (int64_t f = 0; f < width; ++f)
+            for (int64_t t = 0; t < count; ++t) dst[t * width + f] = src[f * feature_stride + t];
+    }
+}
+
+/*
+ * The first phase of kvgate_attention_layer, shared out among the threads of the enclosing
+ * parallel region: rotate_and_store for every token. A column-major qkv (token_stride 1) is
+ * copied row-major ROTARY_TILE_TOKENS tokens at a time into a tile first. key:
+ * rotate_and_store's scratch. Every thread of the region must call it; one whose key is NULL does no work. Returns
+ * 1 when key is NULL or the tile could not be allocated, else 0.
+ */
+static int rotate_and_store_all(const kvgate_attention_step *st, const void *qkv, int act_dtype,
+                                int64_t token_stride, int64_t feature_stride, void *k_cache,
+                                void *v_cache, int cache_dtype, float *q_rotated, float *key) {
+    const int64_t size = dtype_size(act_dtype);
+    if (token_stride != 1 || feature_stride == 1) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < st->num_tokens; ++t)
+            if (key != NULL)
+                rotate_and_store(st, (const char *)qkv + t * token_stride * size, act_dtype,
+                             feature_stride, t, k_cache, v_cache, cache_dtype, q_rotated, key);
+        return key == NULL;
+    }
+    const int64_t width = (st->num_heads + 2 * st->num_kv_heads) * st->head_dim;
+    void *tile = malloc(sizeof(float) * (size_t)(ROTARY_TILE_TOKENS * width));
+#pragma omp for schedule(static)
+    for (int64_t t0 = 0; t0 < st->num_tokens; t0 += ROTARY_TILE_TOKENS) {
+        const int64_t count = st->num_tokens - t0 < ROTARY_TILE_TOKENS ? st->num_tokens - t0
+                                                                       : ROTARY_TILE_TOKENS;
+        if (key == NULL || tile == NULL) continue;
+        transpose_tile(qkv, act_dtype, feature_stride, t0, count, width, tile);
+        for (int64_t t = 0; t < count; ++t)
+            rotate_and_store(st, (const char *)tile + t * width * size, act_dtype, 1, t0 + t,
+                             k_cache, v_cache, cache_dtype, q_rotated, key);
+    }
+    free(tile);
+    return key == NULL || tile == NULL;
+}
+
 /*
  * One layer's attention for the whole step: rotary embedding of every token's query and key,
  * its key and value stored in the cache, then decode attention of the one-token sequences and
@@ -592,13 +653,8 @@ int kvgate_attention_layer(const kvgate_attention_step *st, const void *qkv, int
     {
         attention_scratch s = scratch_alloc(group, d, max_context);
         if (s.scores == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < st->num_tokens; ++t) {
-            if (s.scores == NULL) continue;
-            const char *row = (const char *)qkv + t * token_stride * dtype_size(act_dtype);
-            rotate_and_store(st, row, act_dtype, feature_stride, t, k_cache, v_cache,
-                             cache_dtype, q_rotated, s.scores);
-        }
+        failed |= rotate_and_store_all(st, qkv, act_dtype, token_stride, feature_stride, k_cache,
+                                       v_cache, cache_dtype, q_rotated, s.scores);
         int64_t seq = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
