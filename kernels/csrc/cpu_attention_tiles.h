@@ -95,23 +95,23 @@ static inline void prepare_query(const float *q, int64_t n, int rows, float *pre
     }
 }
 
-/* The dot products of one prepared query head (d = 16 * pieces values) with the tile's rows
- * (row t at k + tile[t] * row elements); lanes from `count` on repeat row count - 1. */
-static inline __attribute__((always_inline)) __m512 tile_dots(const float *qp, const void *k,
-                                                             int64_t row, const int64_t *tile,
-                                                             int64_t count, int pieces,
+/* The dot products of one prepared query head (d = 16 * pieces values) with the tile's 16
+ * rows (at = where each starts; a part tile repeats its last row). */
+static inline __attribute__((always_inline)) __m512 tile_dots(const float *qp,
+                                                             const char *const *at, int pieces,
                                                              int rows) {
     __m512 acc[TILE_TOKENS], q[8];
     for (int p = 0; p < pieces; ++p) q[p] = _mm512_loadu_ps(qp + 16 * p);
     for (int t = 0; t < TILE_TOKENS; ++t) {
-        const int64_t slot = tile[t < count ? t : count - 1];
-        __m512 a = _mm512_setzero_ps();
+        __m512 a;
         if (rows == ROWS_F32) {
-            const float *r = (const float *)k + slot * row;
-            for (int p = 0; p < pieces; ++p)
+            const float *r = (const float *)at[t];
+            a = _mm512_mul_ps(q[0], _mm512_loadu_ps(r));
+            for (int p = 1; p < pieces; ++p)
                 a = _mm512_fmadd_ps(q[p], _mm512_loadu_ps(r + 16 * p), a);
         } else {
-            const uint16_t *r = (const uint16_t *)k + slot * row;
+            const uint16_t *r = (const uint16_t *)at[t];
+            a = _mm512_setzero_ps();
             for (int p = 0; p < pieces; p += 2) {
                 const __m512i x = _mm512_loadu_si512(r + 16 * p);
 #ifdef __AVX512BF16__
@@ -152,9 +152,12 @@ static inline __attribute__((always_inline)) void score_tiles(
         const int64_t ahead = n - start - count < TILE_TOKENS ? n - start - count : TILE_TOKENS;
         prefetch_rows(k, row * element, slots + start + count, ahead, d * element);
         const __mmask16 lanes = (__mmask16)((1u << count) - 1u);
+        const char *at[TILE_TOKENS];
+        for (int t = 0; t < TILE_TOKENS; ++t)
+            at[t] = (const char *)k + slots[start + (t < count ? t : count - 1)] * row * element;
         for (int64_t h = 0; h < group; ++h) {
             const float *qh = qp + h * (rows == ROWS_BF16_DOT ? d / 2 : d);
-            const __m512 dots = tile_dots(qh, k, row, slots + start, count, pieces, rows);
+            const __m512 dots = tile_dots(qh, at, pieces, rows);
             _mm512_mask_storeu_ps(scores + h * scores_stride + start, lanes,
                                   _mm512_mul_ps(_mm512_set1_ps(scale), dots));
         }
