@@ -230,8 +230,19 @@ class KvgateClient:
         return self.stub.GetModelInfo(request, **self._call_options(self.timeout_s))
 
     def end_session(self, session_id: str) -> bool:
+        """End a session of the caller's tenant.
+
+        Returns:
+            True when it was ended; False when the tenant has no such session (the gateway
+            answers NOT_FOUND: never opened, ended already, expired, or another tenant's).
+        """
         request = inference_pb2.EndSessionRequest(session_id=session_id)
-        return self.stub.EndSession(request, **self._call_options(self.timeout_s)).ended
+        try:
+            return self.stub.EndSession(request, **self._call_options(self.timeout_s)).ended
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
 
     def _call_options(self, timeout_s: float | None) -> dict[str, object]:
         """One attempt's options: what is left of the call's deadline, the credentials."""
