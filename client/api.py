@@ -23,6 +23,7 @@ import grpc
 
 from client.retry import NO_RETRY, RetryPolicy, channel_options, stream_with_retries
 from common.finish_reason_pb import finish_reason_from_pb
+from common.tls import TLSFileError, channel_credentials
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -39,25 +40,14 @@ class TLSFiles:
     key: str = ""
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """Raises: ValueError naming the flag of a file that cannot be read."""
+        """Raises: ValueError naming the flag of a file that cannot be read, a CA file with
+        no certificate, or a certificate and key that are not a pair."""
         if bool(self.cert) != bool(self.key):
             raise ValueError("--tls-cert and --tls-key must be given together")
-        return grpc.ssl_channel_credentials(
-            *(_read("--tls-" + name, path) for name, path in self._files())
-        )
-
-    def _files(self) -> tuple[tuple[str, str], ...]:
-        return (("ca", self.ca), ("key", self.key), ("cert", self.cert))
-
-
-def _read(flag: str, path: str) -> bytes | None:
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as file:
-            return file.read()
-    except OSError as error:
-        raise ValueError(f"{flag}: cannot read {path} ({error.strerror})") from None
+        try:
+            return channel_credentials(self.ca, self.cert, self.key)
+        except TLSFileError as error:
+            raise ValueError(str(error)) from None
 
 
 @dataclass(frozen=True, slots=True)
