@@ -23,7 +23,9 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
     CSRC / name for name in ("cpu_attention.c", "cpu_kernels.c", "cpu_linear.c", "cpu_decoder.c")
 )
-HEADERS = (CSRC / "cpu_common.h", CSRC / "cpu_attention_tiles.h")
+HEADERS = tuple(
+    CSRC / name for name in ("cpu_common.h", "cpu_attention_tiles.h", "cpu_transpose.h")
+)
 BUILD_DIR_ENV = "KVGATE_BUILD_DIR"
 # -ffast-math lets the compiler reorder float sums and call vectorized expf. It is given when
 # compiling only: linking with it would add crtfastmath.o, which turns on flush-to-zero for the

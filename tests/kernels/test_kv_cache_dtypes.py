@@ -96,7 +96,8 @@ def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype)
 
 
 # Each width takes its own C path: narrow rows converted whole, AVX-512 registers at 64 and 128
-# (rows converted a chunk of 32 tokens at a time), one row at a time for any other width.
+# (bfloat16 rows read in place, float16 and int8 ones converted a chunk of 32 tokens at a
+# time), one row at a time for any other width.
 @pytest.mark.parametrize("head_dim", [8, 48, 128])
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_attention_reads_the_cache_format_at_every_head_width(cache_dtype, head_dim):
