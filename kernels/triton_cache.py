@@ -10,7 +10,7 @@ from kernels.validation import check_store_kvcache, expect_inner_contiguous
 
 # Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an integer,
 # half to even (the rounding torch.round does), in plain IEEE arithmetic.
-_ROUNDER = 12582912.0
+_ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
