@@ -11,7 +11,8 @@
  * Layouts (contiguous unless a stride is passed):
  *   q            [num_tokens, num_heads, head_dim]        (activation dtype: float32, bfloat16)
  *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype:
- *                float32, bfloat16, float16, or int8 rows of head_dim + 4 bytes, cpu_common.h)
+ *                float32, bfloat16, float16, or int8 or fp8 rows of head_dim + 4 bytes,
+ *                cpu_common.h)
  *   block_tables [num_seqs, max_blocks] int32
  *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
@@ -70,7 +71,7 @@ static inline const void *cached_row(const paged_kv *kv, const void *cache, int6
     return (const char *)cache + (slot * kv->num_kv_heads + kv_head) * row_bytes;
 }
 
-/* q . the cached row of n values of `dtype` (int8: times the row's scale), in float32. */
+/* q . the cached row of n values of `dtype` (int8, fp8: times the row's scale), in float32. */
 static inline __attribute__((always_inline)) float dot_cached(const float *q, const void *row,
                                                               int dtype, int64_t n) {
     if (dtype == KVGATE_F32) return dot(q, row, n);
@@ -86,6 +87,14 @@ static inline __attribute__((always_inline)) float dot_cached(const float *q, co
         for (int64_t i = 0; i < n; ++i) sum += q[i] * f16_to_f32(r[i]);
         return sum;
     }
+    if (dtype == KVGATE_FP8) {
+        const uint8_t *r = row;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) sum += q[i] * fp8_to_f32(r[i]);
+        float scale;
+        memcpy(&scale, r + n, sizeof scale);
+        return sum * scale;
+    }
     const int8_t *r = row;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) sum += q[i] * (float)r[i];
@@ -94,7 +103,7 @@ static inline __attribute__((always_inline)) float dot_cached(const float *q, co
     return sum * scale;
 }
 
-/* y += alpha * the cached row of n values of `dtype` (int8: times the row's scale). */
+/* y += alpha * the cached row of n values of `dtype` (int8, fp8: times the row's scale). */
 static inline __attribute__((always_inline)) void axpy_cached(float *y, float alpha,
                                                               const void *row, int dtype,
                                                               int64_t n) {
@@ -107,6 +116,13 @@ static inline __attribute__((always_inline)) void axpy_cached(float *y, float al
     } else if (dtype == KVGATE_F16) {
         const uint16_t *r = row;
         for (int64_t i = 0; i < n; ++i) y[i] += alpha * f16_to_f32(r[i]);
+    } else if (dtype == KVGATE_FP8) {
+        const uint8_t *r = row;
+        float scale;
+        memcpy(&scale, r + n, sizeof scale);
+        alpha *= scale;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) y[i] += alpha * fp8_to_f32(r[i]);
     } else {
         const int8_t *r = row;
         float scale;

@@ -7,6 +7,9 @@
  * rounds where the PyTorch reference rounds gives the same bits. float16 (IEEE binary16) rounds
  * to nearest, ties to even, as torch's c10::Half does; values from 65520 up become infinity.
  * The F16C / AVX-512 instructions convert it where the CPU has them, integer code elsewhere.
+ * float8 e4m3 (torch.float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits, 0x7F and
+ * 0xFF NaN, no infinities) is encoded and decoded by integer code on the float32 bits: nearest,
+ * ties to even, subnormals kept, beyond +-448 saturated (kernels/kv_format.py).
  */
 #ifndef KVGATE_CPU_COMMON_H
 #define KVGATE_CPU_COMMON_H
@@ -18,10 +21,11 @@
 #include <immintrin.h>
 #endif
 
-/* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8 and KVGATE_F16 are KV-cache
- * formats only. An int8 (token, KV head) row is head_dim int8 values, then their float32 scale
- * (4 bytes), and reads back as value * scale (kernels/kv_format.py says why one scale per row). */
-enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2, KVGATE_F16 = 3 };
+/* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8, KVGATE_F16 and KVGATE_FP8 are
+ * KV-cache formats only. An int8 (token, KV head) row is head_dim int8 values, then their float32
+ * scale (4 bytes), and reads back as value * scale (kernels/kv_format.py says why one scale per
+ * row); an fp8 row is the same with e4m3 bytes for values. */
+enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2, KVGATE_F16 = 3, KVGATE_FP8 = 4 };
 
 static inline float bf16_to_f32(uint16_t bits) {
     const uint32_t widened = (uint32_t)bits << 16;
@@ -91,6 +95,44 @@ static inline uint16_t f32_to_f16(float value) {
     return (uint16_t)(sign | round_half_even(mantissa >> shift, mantissa & ((1u << shift) - 1),
                                              shift));
 #endif
+}
+
+/* value as float8 e4m3 bits. */
+static inline uint8_t f32_to_fp8(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return (uint8_t)(sign | 0x7fu); /* NaN */
+    if (magnitude >= 0x43e00000u) return (uint8_t)(sign | 0x7eu); /* from 448 (infinity too) */
+    if (magnitude >= 0x3c800000u) { /* normal: rebase the exponent, drop 20 mantissa bits */
+        const uint32_t rebased = magnitude - 0x3c000000u;
+        return (uint8_t)(sign | round_half_even(rebased >> 20, rebased & 0xfffffu, 20));
+    }
+    const int exponent = (int)(magnitude >> 23);
+    if (exponent < 117) return (uint8_t)sign; /* under 2^-10: rounds to zero */
+    /* subnormal: the value in units of 2^-9 */
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const int shift = 141 - exponent;
+    return (uint8_t)(sign | round_half_even(mantissa >> shift, mantissa & ((1u << shift) - 1),
+                                            shift));
+}
+
+/* float8 e4m3 bits as float32 (NaN: the one torch reads 0x7F as). */
+static inline float fp8_to_f32(uint8_t byte) {
+    const uint32_t sign = (uint32_t)(byte & 0x80u) << 24, magnitude = byte & 0x7fu;
+    uint32_t bits = 0;
+    if (magnitude == 0x7fu) {
+        bits = 0x7ff00000u;
+    } else if (magnitude >= 8u) {
+        bits = (magnitude << 20) + 0x3c000000u;
+    } else if (magnitude != 0) { /* subnormal k * 2^-9: its top bit becomes the implicit one */
+        const uint32_t top = (magnitude >= 2u) + (magnitude >= 4u);
+        bits = (118u + top) << 23 | ((magnitude << (23 - top)) & 0x7fffffu);
+    }
+    bits |= sign;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
 /* float32 value of element i of an array of `dtype`. */
@@ -172,12 +214,15 @@ static inline void store_row(void *dst, int dtype, const float *src, int64_t n) 
 }
 
 static inline int64_t dtype_size(int dtype) {
-    return dtype == KVGATE_BF16 || dtype == KVGATE_F16 ? 2 : dtype == KVGATE_I8 ? 1 : 4;
+    return dtype == KVGATE_BF16 || dtype == KVGATE_F16       ? 2
+           : dtype == KVGATE_I8 || dtype == KVGATE_FP8 ? 1
+                                                       : 4;
 }
 
-/* Bytes of one cached (token, KV head) row of head_dim values; an int8 row's scale included. */
+/* Bytes of one cached (token, KV head) row of head_dim values; an int8 or fp8 row's scale
+ * included. */
 static inline int64_t cache_row_bytes(int dtype, int64_t head_dim) {
-    return dtype == KVGATE_I8 ? head_dim + 4 : head_dim * dtype_size(dtype);
+    return dtype == KVGATE_I8 || dtype == KVGATE_FP8 ? head_dim + 4 : head_dim * dtype_size(dtype);
 }
 
 /* head_dim values into an int8 cache row: s = max|x| / 127, round(x / s) half to even, 0 where
@@ -195,9 +240,34 @@ __attribute__((optimize("no-fast-math"))) static inline void quantize_row(const 
     memcpy(row + head_dim, &scale, sizeof scale);
 }
 
+/* head_dim values into an fp8 cache row: s = max|x| / 448, x / s as e4m3 (f32_to_fp8), 0
+ * where s = 0, then s. Not fast-math, so x / s rounds as the PyTorch reference's does. */
+__attribute__((optimize("no-fast-math"))) static inline void quantize_fp8_row(const float *x,
+                                                                               int64_t head_dim,
+                                                                               uint8_t *row) {
+    float max_abs = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) max_abs = fabsf(x[i]) > max_abs ? fabsf(x[i]) : max_abs;
+    const float scale = max_abs / 448.0f;
+    for (int64_t i = 0; i < head_dim; ++i) row[i] = f32_to_fp8(scale > 0.0f ? x[i] / scale : 0.0f);
+    memcpy(row + head_dim, &scale, sizeof scale);
+}
+
+/* An fp8 cache row (head_dim e4m3 bytes, then the scale) as float32. */
+static inline void load_fp8_row(const uint8_t *values, int64_t head_dim, float *dst) {
+    float scale;
+    memcpy(&scale, values + head_dim, sizeof scale);
+#pragma omp simd
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = fp8_to_f32(values[i]) * scale;
+}
+
 /* One token's num_heads rows of head_dim float32 values into a cache slot of `dtype`. */
 static inline void store_cache_rows(void *dst, int dtype, const float *src, int64_t num_heads,
                                     int64_t head_dim) {
+    if (dtype == KVGATE_FP8) {
+        for (int64_t h = 0; h < num_heads; ++h)
+            quantize_fp8_row(src + h * head_dim, head_dim, (uint8_t *)dst + h * (head_dim + 4));
+        return;
+    }
     if (dtype != KVGATE_I8) {
         store_row(dst, dtype, src, num_heads * head_dim);
         return;
@@ -208,6 +278,10 @@ static inline void store_cache_rows(void *dst, int dtype, const float *src, int6
 
 /* One cached row of `dtype` (head_dim values) as float32. */
 static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, float *dst) {
+    if (dtype == KVGATE_FP8) {
+        load_fp8_row(src, head_dim, dst);
+        return;
+    }
     if (dtype != KVGATE_I8) {
         load_row(src, dtype, head_dim, dst);
         return;
