@@ -1,7 +1,8 @@
 """KV cache formats against the float32 cache, in one run per model: greedy agreement, KV
 blocks per GiB and decode throughput.
 
-    python -m bench.kv_dtypes [--models stories260K smollm2] [--formats float16 bfloat16 int8]
+    python -m bench.kv_dtypes [--models stories260K smollm2]
+        [--formats float16 bfloat16 int8 fp8]
         [--batch 16] [--context 256] [--repeats 3] [--threads 1] [--clock wall|cpu]
         [--no-agreement]
         [--out bench/results/kv_dtypes.json]
@@ -14,8 +15,8 @@ Instruct with bench.quality's chat questions):
   greedy tokens equal to the float32 cache's), the identical greedy prefix, and teacher-forced
   top-1 agreement (--no-agreement leaves it out: decode speed alone, in a fraction of the
   time);
-- blocks per GiB: the engine's own sizing with --kv-cache-gib 1 (an int8 cache's scales
-  counted), and its ratio to the float32 cache's;
+- blocks per GiB: the engine's own sizing with --kv-cache-gib 1 (an int8 or fp8 cache's
+  scales counted), and its ratio to the float32 cache's;
 - decode throughput: --batch streams decoding at --context tokens (tokens/s of the median
   decode step, bench.bench_engine.decode_step_ms), each format in a fresh engine, the best of
   --repeats rounds interleaved across formats (bench.bench_engine.best_rates), and its ratio
@@ -46,6 +47,7 @@ from executor.host_memory import retain_freed_memory
 STORIES_260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 MODELS = {"stories260K": (STORIES_260K, "story"), "smollm2": (None, "chat")}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+FORMATS = ["float16", "bfloat16", "int8", "fp8"]
 
 
 def model_path(name: str) -> str:
@@ -115,8 +117,7 @@ def print_model(name: str, result: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--formats", nargs="+", default=["float16", "bfloat16", "int8"],
-                        choices=["float16", "bfloat16", "int8"])  # fmt: skip
+    parser.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
