@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet-rate", type=float, default=5.0, help="quiet's requests/s")
     parser.add_argument("--noisy-limit", type=float, default=5.0, help="noisy's requests/s")
     parser.add_argument("--block-s", type=float, default=15.0, help="seconds of each block")
-    parser.add_argument("--rounds", type=int, default=4, help="times each phase comes round")
+    parser.add_argument("--rounds", type=int, default=8, help="times each phase comes round")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("bench/results/noisy_tenant.json"))

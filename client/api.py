@@ -23,6 +23,7 @@ import grpc
 
 from client.retry import NO_RETRY, RetryPolicy, channel_options, stream_with_retries
 from common.finish_reason_pb import finish_reason_from_pb
+from common.tls import TLSFileError, channel_credentials
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -39,25 +40,14 @@ class TLSFiles:
     key: str = ""
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """Raises: ValueError naming the flag of a file that cannot be read."""
+        """Raises: ValueError naming the flag of a file that cannot be read, a CA file with
+        no certificate, or a certificate and key that are not a pair."""
         if bool(self.cert) != bool(self.key):
             raise ValueError("--tls-cert and --tls-key must be given together")
-        return grpc.ssl_channel_credentials(
-            *(_read("--tls-" + name, path) for name, path in self._files())
-        )
-
-    def _files(self) -> tuple[tuple[str, str], ...]:
-        return (("ca", self.ca), ("key", self.key), ("cert", self.cert))
-
-
-def _read(flag: str, path: str) -> bytes | None:
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as file:
-            return file.read()
-    except OSError as error:
-        raise ValueError(f"{flag}: cannot read {path} ({error.strerror})") from None
+        try:
+            return channel_credentials(self.ca, self.cert, self.key)
+        except TLSFileError as error:
+            raise ValueError(str(error)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,8 +220,19 @@ class KvgateClient:
         return self.stub.GetModelInfo(request, **self._call_options(self.timeout_s))
 
     def end_session(self, session_id: str) -> bool:
+        """End a session of the caller's tenant.
+
+        Returns:
+            True when it was ended; False when the tenant has no such session (the gateway
+            answers NOT_FOUND: never opened, ended already, expired, or another tenant's).
+        """
         request = inference_pb2.EndSessionRequest(session_id=session_id)
-        return self.stub.EndSession(request, **self._call_options(self.timeout_s)).ended
+        try:
+            return self.stub.EndSession(request, **self._call_options(self.timeout_s)).ended
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
 
     def _call_options(self, timeout_s: float | None) -> dict[str, object]:
         """One attempt's options: what is left of the call's deadline, the credentials."""

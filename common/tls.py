@@ -45,6 +45,19 @@ def check_key_pair(flag_prefix: str, cert: str, key: str) -> None:
         ) from None
 
 
+def check_ca(flag: str, path: str) -> None:
+    """Raise TLSFileError naming `flag` unless `path` holds PEM certificates to verify peers
+    with (gRPC core would only fail every handshake, saying nothing of the file)."""
+    read_file(flag, path)  # a missing file is named as such first
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=path)
+    except ssl.SSLError as error:
+        raise TLSFileError(
+            f"{flag} {path} holds no PEM certificate to verify with ({error.reason or error})"
+        ) from None
+
+
 def check_tls_flags(prefix: str, cert: str, key: str, client_ca: str = "") -> None:
     """Raise a ValueError naming the flags unless cert and key come together (and a client
     CA only with them). `prefix` is the flags' common start: "--tls" or "--internal-tls"."""
@@ -109,6 +122,8 @@ def channel_credentials(
 ) -> grpc.ChannelCredentials:
     """Client TLS credentials: `ca` verifies the server (empty: the system's roots); cert and
     key, when given, are the client's certificate for mutual TLS."""
+    if ca:
+        check_ca(f"{flag_prefix}-ca", ca)
     if cert and key:
         read_file(f"{flag_prefix}-cert", cert)  # a missing file is named as such first
         read_file(f"{flag_prefix}-key", key)

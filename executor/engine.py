@@ -199,7 +199,7 @@ class Engine:
         for req in self.requests.values():
             if req.session_id == session_id and req.cache_salt == cache_salt:
                 req.pins_session = False
-        return self.kv_cache.release_session(session_id, cache_salt, any_tenant=False)
+        return self.kv_cache.release_session(session_id, cache_salt)
 
     def num_available_blocks(self) -> int:
         """KV blocks free now or held only by idle sessions, which give them up on demand."""

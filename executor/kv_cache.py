@@ -33,6 +33,16 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to confirm a hit
 
 
+# A session's key: (its tenant's cache salt, its id). Session ids are the caller's own, so two
+# tenants' sessions of one id are two sessions here too.
+SessionKey = tuple[str | None, str]
+
+
+def session_key(req: Request) -> SessionKey:
+    assert req.session_id is not None
+    return (req.cache_salt, req.session_id)
+
+
 @dataclass(slots=True)
 class Session:
     """The KV a finished turn left behind for the session's next turn."""
@@ -43,6 +53,10 @@ class Session:
     block_ids: list[int]  # one reference each, owned by the session (empty when offloaded)
     last_used_s: float = 0.0
     host_block_ids: list[int] = field(default_factory=list)  # its blocks in the host tier
+
+    @property
+    def key(self) -> SessionKey:
+        return (self.cache_salt, self.session_id)
 
 
 @dataclass(slots=True)
@@ -72,9 +86,10 @@ class KVCacheManager:
         self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._hash_to_block: dict[int, int] = {}  # publication order
-        self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU first
+        # keyed by (tenant, id): a session id names a session of its own tenant only
+        self.sessions: OrderedDict[SessionKey, Session] = OrderedDict()  # LRU first
         self.host = HostTier(num_host_blocks)
-        self.host_sessions: OrderedDict[str, Session] = (
+        self.host_sessions: OrderedDict[SessionKey, Session] = (
             OrderedDict()
         )  # least recently offloaded first
         self.num_evicted_blocks = 0
@@ -136,7 +151,7 @@ class KVCacheManager:
         prefix_hit = self._match_prefix(req, max_tokens)
         hit = session_hit if session_hit.num_tokens >= prefix_hit.num_tokens else prefix_hit
         if hit.on_host:
-            device_blocks = self._swap_in_session(req.session_id, hit.block_ids)
+            device_blocks = self._swap_in_session(session_key(req), hit.block_ids)
             if device_blocks is None:
                 hit = prefix_hit  # no device room for the session's blocks now
             else:
@@ -176,8 +191,8 @@ class KVCacheManager:
         return hit
 
     def _match_session(self, req: Request, max_tokens: int) -> PrefixHit:
-        session = self._find_session(req.session_id)
-        if session is None or session.cache_salt != req.cache_salt:
+        session = self._find_session(req.session_id, req.cache_salt)
+        if session is None:
             return PrefixHit()
         num_common = _common_prefix_len(session.token_ids, req.all_token_ids, max_tokens)
         if (
@@ -239,7 +254,7 @@ class KVCacheManager:
         if host.num_free_blocks + offloaded < num_blocks:
             return False
         while host.num_free_blocks < num_blocks:
-            self.release_session(next(iter(self.host_sessions)))
+            self._release(next(iter(self.host_sessions)))
             self.num_evicted_sessions += 1
         return True
 
@@ -289,7 +304,7 @@ class KVCacheManager:
     def pin_session(self, req: Request) -> None:
         """Hand a finished request's blocks to its session instead of freeing them."""
         assert req.session_id is not None
-        self.release_session(req.session_id)
+        self.release_session(req.session_id, req.cache_salt)
         num_kv_tokens = req.num_computed_tokens
         session = Session(
             session_id=req.session_id,
@@ -300,63 +315,64 @@ class KVCacheManager:
             host_block_ids=req.host_block_table,
         )
         # a request that finished while swapped out starts its session in the host tier
-        (self.host_sessions if req.host_block_table else self.sessions)[req.session_id] = session
+        (self.host_sessions if req.host_block_table else self.sessions)[session.key] = session
         req.block_table = []
         req.host_block_table = []
         req.num_computed_tokens = 0
 
-    def release_session(self, session_id: str, cache_salt: str | None = None, *,
-                        any_tenant: bool = True) -> bool:  # fmt: skip
-        """Drop a session's pins; with `any_tenant=False` only the tenant `cache_salt`'s.
+    def release_session(self, session_id: str, cache_salt: str | None = None) -> bool:
+        """Drop the pins of the session `session_id` of the tenant `cache_salt` (another
+        tenant's session of the same id stays).
 
         Returns:
             Whether a session was released.
         """
-        session = self._find_session(session_id)
-        if session is None or not (any_tenant or session.cache_salt == cache_salt):
+        return self._release((cache_salt, session_id))
+
+    def _release(self, key: SessionKey) -> bool:
+        session = self.sessions.pop(key, None) or self.host_sessions.pop(key, None)
+        if session is None:
             return False
         if session.host_block_ids:
-            del self.host_sessions[session_id]
             self.host.free(session.host_block_ids)
-        else:
-            del self.sessions[session_id]
         for block_id in reversed(session.block_ids):
             self._decref(block_id)
         return True
 
-    def _find_session(self, session_id: str | None) -> Session | None:
+    def _find_session(self, session_id: str | None, cache_salt: str | None) -> Session | None:
         if session_id is None:
             return None
-        return self.sessions.get(session_id) or self.host_sessions.get(session_id)
+        key = (cache_salt, session_id)
+        return self.sessions.get(key) or self.host_sessions.get(key)
 
     def expire_sessions(self) -> int:
         """Release sessions idle longer than `session_ttl_s`; returns how many."""
         deadline = self._clock() - self.session_ttl_s
         every = (*self.sessions.values(), *self.host_sessions.values())
-        expired = [s.session_id for s in every if s.last_used_s < deadline]
-        for session_id in expired:
-            self.release_session(session_id)
+        expired = [s.key for s in every if s.last_used_s < deadline]
+        for key in expired:
+            self._release(key)
         return len(expired)
 
-    def _evict_session(self, session_id: str) -> None:
+    def _evict_session(self, key: SessionKey) -> None:
         """Move a device session to the host tier if it has room, else drop it."""
-        session = self.sessions[session_id]
+        session = self.sessions[key]
         if not self._make_host_room(len(session.block_ids)):
-            self.release_session(session_id)
+            self._release(key)
             self.num_evicted_sessions += 1
             return
-        del self.sessions[session_id]
+        del self.sessions[key]
         session.host_block_ids = self.host.swap_out(session.block_ids)
         for block_id in reversed(session.block_ids):
             self._decref(block_id)
         session.block_ids = []
-        self.host_sessions[session_id] = session
+        self.host_sessions[key] = session
         self.num_offloaded_sessions += 1
 
-    def _swap_in_session(self, session_id: str, host_blocks: list[int]) -> list[int] | None:
+    def _swap_in_session(self, key: SessionKey, host_blocks: list[int]) -> list[int] | None:
         """Device blocks holding a copy of `host_blocks` of an offloaded session (which keeps
         its host blocks until the turn is admitted), or None when the device has no room."""
-        session = self.host_sessions.pop(session_id)  # kept out of reach of _make_host_room
+        session = self.host_sessions.pop(key)  # kept out of reach of _make_host_room
         try:
             if not self._make_room(len(host_blocks)):
                 return None
@@ -364,7 +380,7 @@ class KVCacheManager:
             self.host.swap_in(host_blocks, device_blocks)
             return device_blocks
         finally:
-            self.host_sessions[session_id] = session
+            self.host_sessions[key] = session
 
     # ---- preemption to the host tier ----------------------------------------------------
 
@@ -412,7 +428,7 @@ class KVCacheManager:
 
     def session_ids(self) -> list[str]:
         """Sessions whose KV this manager holds, on the device or in the host tier."""
-        return [*self.sessions, *self.host_sessions]
+        return [session_id for _, session_id in (*self.sessions, *self.host_sessions)]
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:

@@ -157,7 +157,7 @@ class StepScheduler:
                 break
             if req.session_id is not None:
                 # this turn replaces the session (another tenant's stays untouched)
-                self.kv_cache.release_session(req.session_id, req.cache_salt, any_tenant=False)
+                self.kv_cache.release_session(req.session_id, req.cache_salt)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_cached
                 self.prefix_hit_tokens += num_cached

@@ -135,6 +135,12 @@ class GatewayConfig:
                 "--internal-tls-allowed-names needs --internal-tls-cert and "
                 "--internal-tls-client-ca: the names are read from executors' certificates"
             )
+        if self.internal_tls_allowed_names and not self.sink_peer_names:
+            # an empty list would let in any certificate the CA signed: say so, do not do it
+            raise ValueError(
+                "--internal-tls-allowed-names: no name in "
+                f"{self.internal_tls_allowed_names!r} (give comma-separated certificate names)"
+            )
         check_range("--metrics-max-tenants", self.metrics_max_tenants, min_value=0)
 
     @property

@@ -355,8 +355,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.EndSessionRequest, context: aio.ServicerContext
     ) -> inference_pb2.EndSessionResponse:
         check_id("session_id", request.session_id)
-        ended = await self._end_session(request.session_id, tenant_of(context))
-        return inference_pb2.EndSessionResponse(ended=ended)
+        if not await self._end_session(request.session_id, tenant_of(context)):
+            # Another tenant's session is, to this caller, one that does not exist: the same
+            # answer, so that nobody learns another tenant's ids.
+            raise NotFound(f"session_id: no session {request.session_id!r} (ended or expired)")
+        return inference_pb2.EndSessionResponse(ended=True)
 
 
 class ChatConversation:

@@ -224,7 +224,8 @@ def test_every_process_lives_and_the_kv_cache_is_idle_afterwards(stack, fuzzer: 
         try:
             fuzzer.stub.EndSession(pb.EndSessionRequest(session_id=session_id), timeout=30)
         except grpc.RpcError as error:
-            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+            expected = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+            assert error.code() in expected, error.details()
     for name in ("scheduler", "executor-0", "gateway"):
         assert stack.procs[name].poll() is None, f"{name} died"
 

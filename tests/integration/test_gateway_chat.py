@@ -111,8 +111,10 @@ def test_end_session_releases_it_on_its_executor(gateway: GatewayThread, redis_c
     (_, fields), *_ = redis_client.xrange("kvgate:exec:e7:inbox")
     message = internal_pb2.InboxMessage.FromString(fields[b"pb"])
     assert message.release_session.session_id == "mine"
-    again = gateway.stub.EndSession(pb.EndSessionRequest(session_id="mine"))
-    assert not again.ended
+    with pytest.raises(grpc.RpcError) as again:
+        gateway.stub.EndSession(pb.EndSessionRequest(session_id="mine"))
+    assert again.value.code() == grpc.StatusCode.NOT_FOUND, again.value.details()
+    assert again.value.details().startswith("session_id: "), again.value.details()
 
 
 class ChatTurns:

@@ -183,8 +183,12 @@ def test_another_tenants_session_is_not_found_and_stays_untouched(
     with pytest.raises(grpc.RpcError) as raised:
         list(chat)
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND, raised.value.details()
-    ended = gateway.stub.EndSession(pb.EndSessionRequest(session_id="conv-1"), metadata=other)
-    assert not ended.ended, "another tenant ended acme's session"
+    with pytest.raises(grpc.RpcError) as raised:
+        gateway.stub.EndSession(pb.EndSessionRequest(session_id="conv-1"), metadata=other)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND, raised.value.details()
+    with pytest.raises(grpc.RpcError) as never_opened:
+        gateway.stub.EndSession(pb.EndSessionRequest(session_id="conv-none"), metadata=other)
+    assert never_opened.value.details() == raised.value.details().replace("conv-1", "conv-none")
     theirs, _ = served(gateway, executor, other, session_id="conv-1")
     assert theirs.session_executor_id == "", "globex's turn was sent to acme's session's executor"
     stored = internal_pb2.SessionState.FromString(redis_client.get(KEYS.session("acme", "conv-1")))

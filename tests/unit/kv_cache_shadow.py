@@ -36,7 +36,7 @@ class ShadowChecks:
     shadow_host: list[list[Content | None]]
     running: list[Request]
     waiting: list[Request]
-    pinned: dict[str, tuple[str | None, list[int], float]]
+    pinned: dict[tuple[str | None, str], tuple[str | None, list[int], float]]
     hash_contents: dict[int, Content]
     num_evicted_sessions: int
 
@@ -107,7 +107,8 @@ class ShadowChecks:
 
     def account_for_evicted_sessions(self) -> None:
         """Sessions may vanish only by eviction under pressure, and each one is counted."""
-        vanished = [sid for sid in self.pinned if sid not in self.kv.session_ids()]
+        left = {s.key for s in self.all_sessions()}
+        vanished = [key for key in self.pinned if key not in left]
         evicted = self.kv.num_evicted_sessions - self.num_evicted_sessions
         assert len(vanished) == evicted, (
             f"sessions {vanished} vanished but {evicted} evictions were counted"
@@ -119,8 +120,8 @@ class ShadowChecks:
             assert vanished == lru_first, (
                 f"evicted {vanished}, but the least recent were {lru_first}"
             )
-        for session_id in vanished:
-            del self.pinned[session_id]
+        for key in vanished:
+            del self.pinned[key]
         self.num_evicted_sessions = self.kv.num_evicted_sessions
 
     def holders(self) -> list[tuple[str, str | None, list[int]]]:
@@ -182,8 +183,8 @@ class ShadowChecks:
         last_used = [s.last_used_s for s in self.sessions()]
         assert last_used == sorted(last_used), f"sessions out of LRU order: {last_used}"
         for s in self.sessions():
-            assert s.session_id in self.pinned, f"session {s.session_id} appeared from nowhere"
-            salt, tokens, pinned_at = self.pinned[s.session_id]
+            assert s.key in self.pinned, f"session {s.key} appeared from nowhere"
+            salt, tokens, pinned_at = self.pinned[s.key]
             assert (s.cache_salt, s.token_ids, s.last_used_s) == (salt, tokens, pinned_at)
             assert len(s.block_ids) * self.bs >= len(tokens)
             for p in range(len(tokens)):
@@ -193,8 +194,8 @@ class ShadowChecks:
                     f"session {s.session_id} position {p} should hold K/V of {want}, holds {got}"
                 )
         for s in self.kv.host_sessions.values():
-            assert s.session_id in self.pinned, f"session {s.session_id} appeared from nowhere"
-            salt, tokens, pinned_at = self.pinned[s.session_id]
+            assert s.key in self.pinned, f"session {s.key} appeared from nowhere"
+            salt, tokens, pinned_at = self.pinned[s.key]
             assert (s.cache_salt, s.token_ids, s.last_used_s) == (salt, tokens, pinned_at)
             assert not s.block_ids, f"offloaded session {s.session_id} holds device blocks"
             self.assert_host_holds(s.host_block_ids, salt, tokens, f"offloaded {s.session_id}")

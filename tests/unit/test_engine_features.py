@@ -248,6 +248,10 @@ def test_another_tenants_request_does_not_drop_a_session(tokenizer):
     engine.add_request("b2", prompt, greedy(2), session_id="s", cache_salt="tenant-b")
     outputs = {o.request_id: o for o in drain(engine)}
     assert outputs["b2"].num_cached_tokens == 0, "tenant b read tenant a's session"
+    # b's turn pinned a session "s" of its own: a's is still there, and each ends alone
+    assert sorted(engine.session_ids()) == ["s", "s", "s2"], engine.session_ids()
+    assert engine.release_session("s", "tenant-a"), "tenant b's turn dropped a's session"
+    assert engine.release_session("s", "tenant-b"), "b's own session was not pinned"
 
 
 def test_release_session_is_scoped_to_its_tenant(tokenizer):

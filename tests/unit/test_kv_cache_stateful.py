@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 )
 
 from common.sampling_params import SamplingParams
-from executor.kv_cache import KVCacheManager
+from executor.kv_cache import KVCacheManager, SessionKey
 from executor.request import Request
 from tests.unit.kv_cache_shadow import Content, FakeClock, ShadowChecks
 
@@ -90,7 +90,8 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.pending: dict[str, int] = {}  # request_id -> tokens allocated, not yet computed
-        self.pinned: dict[str, tuple[str | None, list[int], float]] = {}  # what pin_session got
+        # (tenant's salt, session id) -> what pin_session got
+        self.pinned: dict[SessionKey, tuple[str | None, list[int], float]] = {}
         self.transcripts: list[tuple[str | None, str | None, list[int]]] = []
         self.last_turn: dict[str, int] = {}  # session_id -> its last pinned turn's transcript
         self.hash_contents: dict[int, Content] = {}  # every block hash a request produced
@@ -137,12 +138,11 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             self.kv.free(req)
             return False
         if req.session_id is not None:  # this turn replaces its tenant's session
-            session = self.kv._find_session(req.session_id)
-            own = session is not None and session.cache_salt == req.cache_salt
-            released = self.kv.release_session(req.session_id, req.cache_salt, any_tenant=False)
+            own = self.kv._find_session(req.session_id, req.cache_salt) is not None
+            released = self.kv.release_session(req.session_id, req.cache_salt)
             assert released == own, f"release of {req.session_id} returned {released}"
             if released:
-                self.pinned.pop(req.session_id)
+                self.pinned.pop((req.cache_salt, req.session_id))
         self.waiting.remove(req)
         self.running.append(req)
         self.pending[req.request_id] = num_new
@@ -178,8 +178,9 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             self.last_turn[req.session_id] = len(self.transcripts) - 1
             tokens = req.all_token_ids[: req.num_computed_tokens]
             self.kv.pin_session(req)
-            self.pinned.pop(req.session_id, None)  # a new pin is the most recently used
-            self.pinned[req.session_id] = (req.cache_salt, tokens, self.clock.now_s)
+            key = (req.cache_salt, req.session_id)
+            self.pinned.pop(key, None)  # a new pin is the most recently used
+            self.pinned[key] = (req.cache_salt, tokens, self.clock.now_s)
         else:
             self.kv.free(req)
 
@@ -258,11 +259,11 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         """The user edits an earlier message: the turn diverges inside the session's KV.
 
         Now and then the same session id comes from another tenant, whose turn must not see
-        this tenant's KV.
+        this tenant's KV (nor replace its session: it pins a session of its own).
         """
-        editable = sorted(s.session_id for s in self.all_sessions() if len(s.token_ids) > 1)
-        session_id = data.draw(st.sampled_from(editable))
-        salt, tokens, _ = self.pinned[session_id]
+        editable = sorted((s.key for s in self.all_sessions() if len(s.token_ids) > 1), key=str)
+        salt, session_id = data.draw(st.sampled_from(editable))
+        _, tokens, _ = self.pinned[(salt, session_id)]
         if data.draw(st.integers(0, 3)) == 0:
             salt = data.draw(CACHE_SALTS)
         cut = data.draw(st.integers(1, len(tokens) - 1))
@@ -343,16 +344,19 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             self.finish(draw_request(data, self.waiting + self.running), abort=True)
 
     @precondition(lambda self: self.kv.session_ids())
-    @rule(data=st.data(), salt=CACHE_SALTS, any_tenant=st.booleans())
-    def release_session(self, data: st.DataObject, salt: str | None, any_tenant: bool) -> None:
-        """A client ends a conversation (scoped to its tenant, or as the engine does: any)."""
-        session_id = data.draw(st.sampled_from(sorted(self.kv.session_ids()) + ["never-pinned"]))
-        session = self.kv._find_session(session_id)
-        expected = session is not None and (any_tenant or session.cache_salt == salt)
-        released = self.kv.release_session(session_id, salt, any_tenant=any_tenant)
+    @rule(data=st.data(), salt=CACHE_SALTS)
+    def release_session(self, data: st.DataObject, salt: str | None) -> None:
+        """A client ends a conversation: its tenant's session of that id, no other."""
+        ids = sorted(set(self.kv.session_ids())) + ["never-pinned"]
+        session_id = data.draw(st.sampled_from(ids))
+        expected = (salt, session_id) in self.pinned
+        others = [key for key in self.pinned if key != (salt, session_id)]
+        released = self.kv.release_session(session_id, salt)
         assert released == expected, f"release of {session_id} returned {released}"
         if released:
-            del self.pinned[session_id]
+            del self.pinned[(salt, session_id)]
+        left = {s.key for s in self.all_sessions()}
+        assert set(others) <= left, f"releasing {(salt, session_id)} dropped {set(others) - left}"
 
     @precondition(lambda self: self.kv.session_ids())
     @rule(dt_s=st.sampled_from([1.0, 4.0, SESSION_TTL_S + 1]))
@@ -360,12 +364,12 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
         """The clock moves on and the engine expires idle sessions, as each step begins."""
         self.clock.now_s += dt_s
         deadline = self.clock.now_s - SESSION_TTL_S
-        stale = {s.session_id for s in self.all_sessions() if s.last_used_s < deadline}
+        stale = {s.key for s in self.all_sessions() if s.last_used_s < deadline}
         assert self.kv.expire_sessions() == len(stale)
-        kept = set(self.kv.session_ids())
+        kept = {s.key for s in self.all_sessions()}
         assert not stale & kept, f"sessions {stale & kept} outlived their TTL"
-        for sid in stale:
-            del self.pinned[sid]
+        for key in stale:
+            del self.pinned[key]
 
     @precondition(lambda self: self.kv.sessions)
     @rule(
@@ -420,8 +424,8 @@ class KVCacheMachine(ShadowChecks, RuleBasedStateMachine):
             return
         for req in list(self.running + self.waiting):
             self.finish(req, abort=False)
-        for session_id in self.kv.session_ids():
-            assert self.kv.release_session(session_id)
+        for session in self.all_sessions():
+            assert self.kv.release_session(session.session_id, session.cache_salt)
         assert self.kv.num_free_blocks == self.kv.num_blocks, (
             f"with nothing live, all {self.kv.num_blocks} blocks should be free, "
             f"{self.kv.num_free_blocks} are"

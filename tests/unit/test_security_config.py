@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from client import admin
+from client.api import TLSFiles
 from common.tenants import (
     OTHER_TENANTS,
     TenantLimits,
@@ -37,6 +38,15 @@ def gateway(**fields) -> GatewayConfig:
         ({"tls_client_ca": "ca.pem"}, "--tls-client-ca needs --tls-cert"),
         ({"internal_tls_cert": "c.pem", "internal_tls_key": "k.pem"}, "--internal-tls-client-ca"),
         ({"internal_tls_allowed_names": "executor"}, "--internal-tls-allowed-names needs"),
+        (
+            {
+                "internal_tls_allowed_names": " , ",
+                "internal_tls_cert": "c.pem",
+                "internal_tls_key": "k.pem",
+                "internal_tls_client_ca": "ca.pem",
+            },
+            "--internal-tls-allowed-names: no name in",
+        ),  # fmt: skip
         ({"auth_cache_s": 0}, "--auth-cache-s"),
         ({"metrics_max_tenants": -1}, "--metrics-max-tenants"),
     ],
@@ -151,3 +161,16 @@ def test_tenant_limits_refuse_what_redis_or_a_reply_cannot_hold() -> None:
             TenantLimits(max_priority=priority)
     assert TenantLimits(max_streams=2**53, max_priority=-(2**31)).max_streams == 2**53
     assert admin.build_parser().parse_args(["usage", "--days", "400"]).days == 400
+
+
+def test_a_client_names_the_flag_of_a_bad_certificate_file(tmp_path) -> None:
+    """gRPC core reported these as UNAVAILABLE 'Failed to create security handshaker'."""
+    ca = CertificateAuthority(tmp_path / "ca")
+    mine, other = ca.client("acme"), ca.client("globex")
+    with pytest.raises(ValueError, match="--tls-cert .* and --tls-key .* are not a certificate"):
+        TLSFiles(ca=ca.ca, cert=mine.cert, key=other.key).credentials()
+    with pytest.raises(ValueError, match="--tls-ca .* holds no PEM certificate"):
+        TLSFiles(ca=mine.key, cert=mine.cert, key=mine.key).credentials()
+    with pytest.raises(ValueError, match="--tls-ca: cannot read"):
+        TLSFiles(ca=str(tmp_path / "none.pem")).credentials()
+    assert TLSFiles(ca=ca.ca, cert=mine.cert, key=mine.key).credentials() is not None
