@@ -17,8 +17,9 @@
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
  * Scores, softmax and sums are float32 whatever the dtypes. The activation and cache dtypes are
  * separate arguments: a bfloat16 cache may serve float32 activations and the other way round.
- * The rows of a 16-bit or int8 cache are converted to float32 a chunk of tokens at a time,
- * once per work item, rather than once per query head inside each dot product.
+ * The rows of a 16-bit or int8 cache are converted to float32 once per work item, rather than
+ * once per query head inside each dot product: a chunk of tokens at a time into scratch for wide
+ * heads, one row at a time for narrow heads (head_dim <= 32).
  * The caller (kernels/cpu.py) checks shapes, dtypes, strides and tables before every call.
  */
 #include <math.h>
@@ -296,39 +297,78 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
 }
 
-/* Heads up to this wide take attend_small: their narrow rows are converted to float32 once per
- * work item, into kv_rows, rather than once per query head in each dot product. */
+/* Heads up to this wide take attend_small, which converts each cached row of a 16-bit or int8
+ * cache once for every query head of the group, one row at a time. */
 #define SMALL_HEAD_DIM 32
 
-/* attend_rows for a constant head_dim: a float32 cache read in place; another format's rows of
- * this sequence and KV head converted into kv_rows (2 * context_len * head_dim floats) first,
- * the slots then rewritten to index them. */
+/* attend_rows over the rows of a 16-bit or int8 cache (`dtype`), each converted to float32 once
+ * into `row` (a few vector stores that stay in the L1 cache, or registers) and then read by
+ * every query head of the group: no scratch pass over the sequence's rows, and no per-element
+ * conversion inside the dot products. The conversions store whole vectors (cpu_common.h), so
+ * the dot product's loads of `row` take the stored values straight from the store buffer. */
+static inline __attribute__((always_inline)) void attend_converted(
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
+    const int64_t *slots, int64_t group, float scale, float *scores, float *out,
+    int64_t head_dim, int dtype) {
+    const int64_t row_bytes = cache_row_bytes(dtype, head_dim);
+    const int64_t slot_bytes = kv->num_kv_heads * row_bytes;
+    const char *keys = (const char *)kv->k_cache + kv_head * row_bytes;
+    const char *values = (const char *)kv->v_cache + kv_head * row_bytes;
+    float row[SMALL_HEAD_DIM];
+    for (int64_t t = 0; t < context_len; ++t) {
+        load_cache_row(keys + slots[t] * slot_bytes, dtype, head_dim, row);
+        for (int64_t h = 0; h < group; ++h)
+            scores[h * context_len + t] = scale * dot(q + h * head_dim, row, head_dim);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+        softmax_in_place(scores + h * context_len, context_len);
+        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
+    }
+    for (int64_t t = 0; t < context_len; ++t) {
+        load_cache_row(values + slots[t] * slot_bytes, dtype, head_dim, row);
+        for (int64_t h = 0; h < group; ++h)
+            axpy(out + h * head_dim, scores[h * context_len + t], row, head_dim);
+    }
+}
+
+/* attend_rows for a constant head_dim: a float32 cache read in place, the other formats through
+ * attend_converted with the format a constant too (so the row conversion unrolls). */
 static inline __attribute__((always_inline)) void attend_small(
-    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len, int64_t *slots,
-    int64_t group, float scale, float *scores, float *out, float *kv_rows, int64_t head_dim) {
-    if (kv->cache_dtype == KVGATE_F32) {
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
+    const int64_t *slots, int64_t group, float scale, float *scores, float *out,
+    int64_t head_dim) {
+    switch (kv->cache_dtype) {
+    case KVGATE_F32:
         attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
                     KVGATE_F32);
-        return;
+        break;
+    case KVGATE_BF16:
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         KVGATE_BF16);
+        break;
+    case KVGATE_F16:
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         KVGATE_F16);
+        break;
+    case KVGATE_I8:
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         KVGATE_I8);
+        break;
+    default: /* a format without its own case: the same loops, the conversion chosen per row */
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         kv->cache_dtype);
     }
-    float *keys = kv_rows, *values = kv_rows + context_len * head_dim;
-    convert_rows(kv, kv->k_cache, kv_head, slots, context_len, head_dim, keys);
-    convert_rows(kv, kv->v_cache, kv_head, slots, context_len, head_dim, values);
-    for (int64_t t = 0; t < context_len; ++t) slots[t] = t;
-    const paged_kv dense = {keys, values, KVGATE_F32, NULL, 1, head_dim, kv->block_size};
-    attend_rows(q, &dense, 0, context_len, slots, group, scale, scores, out, head_dim, KVGATE_F32);
 }
 
 /*
  * Attention of `group` query heads (q: group * head_dim floats) that share KV head `kv_head`,
  * over a sequence's first `context_len` cached tokens (in `slots`), into out (group * head_dim
- * floats). scores: group * context_len floats of scratch; kv_rows: 2 * context_len * head_dim
- * floats of scratch when head_dim <= SMALL_HEAD_DIM (slots is rewritten then), else
- * CHUNK_TOKENS * head_dim.
+ * floats). scores: group * context_len floats of scratch; kv_rows: CHUNK_TOKENS * head_dim
+ * floats of scratch (the rows a wide head converts at a time).
  */
 static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
-                         int64_t *slots, int64_t group, float scale, float *scores, float *out,
-                         float *kv_rows) {
+                         const int64_t *slots, int64_t group, float scale, float *scores,
+                         float *out, float *kv_rows) {
     const int64_t head_dim = kv->head_dim;
 #ifdef KVGATE_ATTEND_WIDE
     if (head_dim == 64) {
@@ -344,14 +384,9 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
 #endif
     /* Constant widths let the compiler unroll the row loops of small heads. */
     switch (head_dim) {
-    case 8: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 8);
-        break;
-    case 16:
-        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 16);
-        break;
-    case 32:
-        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 32);
-        break;
+    case 8: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, 8); break;
+    case 16: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, 16); break;
+    case 32: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, 32); break;
     default:
         attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
                     kv->cache_dtype);
@@ -392,9 +427,9 @@ int64_t kvgate_first_out_of_range(const int64_t *values, int64_t n, int64_t low,
     return -1;
 }
 
-/* Per-thread scratch of the attention loops: scores, a query group and its output, and small
- * heads' converted K/V rows (float32), and a sequence's cache slots. scores is NULL when malloc
- * failed. */
+/* Per-thread scratch of the attention loops: scores, a query group and its output, a chunk of
+ * wide heads' converted K or V rows (float32), and a sequence's cache slots. scores is NULL when
+ * malloc failed. */
 typedef struct {
     float *scores, *q, *out, *kv_rows;
     int64_t *slots;
@@ -402,7 +437,7 @@ typedef struct {
 
 static attention_scratch scratch_alloc(int64_t group, int64_t head_dim, int64_t max_context) {
     attention_scratch s;
-    const int64_t rows = (head_dim <= SMALL_HEAD_DIM ? 2 * max_context : CHUNK_TOKENS) * head_dim;
+    const int64_t rows = CHUNK_TOKENS * head_dim;
     const int64_t floats = group * max_context + 2 * group * head_dim + rows;
     s.slots = malloc(sizeof(int64_t) * (size_t)(max_context > 0 ? max_context : 1));
     s.scores = s.slots == NULL ? NULL : malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));

@@ -95,9 +95,10 @@ def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype)
                  ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
 
 
-# Each width takes its own C path: narrow rows converted whole, AVX-512 registers at 64 and 128
-# (rows converted a chunk of 32 tokens at a time), one row at a time for any other width.
-@pytest.mark.parametrize("head_dim", [8, 48, 128])
+# Each width takes its own C path: narrow rows (8, 16, 32) converted one row at a time for the
+# whole query group, AVX-512 registers at 64 and 128 (rows converted a chunk of 32 tokens at a
+# time), each element inside the dot products for any other width.
+@pytest.mark.parametrize("head_dim", [8, 16, 48, 128])
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_attention_reads_the_cache_format_at_every_head_width(cache_dtype, head_dim):
     decode, prefill = _attention_cases(cache_dtype, head_dim)
