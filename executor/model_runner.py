@@ -9,7 +9,7 @@ import torch
 
 from executor.config import EngineConfig
 from executor.cuda_graphs import DecodeGraphs
-from executor.host_memory import release_freed_memory, retain_freed_memory
+from executor.host_memory import release_freed_memory, retain_freed_memory, zeroed_tensor
 from executor.kv_swap import HostKVPool, SwapOp
 from executor.models.config import ModelConfig
 from executor.models.llama import ForwardContext
@@ -143,10 +143,12 @@ class ModelRunner:
         mc = self.rank_config
         row = cache_row_width(mc.head_dim, self.kv_cache_dtype)
         shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, row)
-        caches = []
-        for _ in range(mc.num_hidden_layers):
-            kv = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            caches.append((kv[0], kv[1]))
+        if self.device.type == "cpu":  # resident only where blocks are written
+            layers = zeroed_tensor((mc.num_hidden_layers, *shape), self.kv_cache_dtype).unbind()
+        else:
+            layers = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                      for _ in range(mc.num_hidden_layers)]  # fmt: skip
+        caches = [(kv[0], kv[1]) for kv in layers]
         logger.info("kv cache: %d blocks of %d tokens, %s", self.num_blocks, self.block_size,
                     format_name(self.kv_cache_dtype))  # fmt: skip
         return caches
