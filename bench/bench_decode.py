@@ -33,7 +33,7 @@ from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
-from executor.host_memory import retain_freed_memory
+from executor.host_memory import resident_nbytes, retain_freed_memory
 
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -160,16 +160,19 @@ def measure_variant(model: str, variant: str, args: argparse.Namespace, bandwidt
 
 
 def resident_bytes(model: str, variant: str) -> dict:
-    """VmRSS of a fresh process before and after building an engine of `variant` and decoding
-    a few tokens (the KV cache is 0.5 GiB of zeros in every variant)."""
+    """Resident memory of a fresh process before and after building an engine of `variant` and
+    decoding a few tokens: VmRSS, its anonymous and file-backed parts, and how much of the
+    KV cache (0.5 GiB in every variant, resident only where written) is resident."""
     code = (
         "import json, sys\n"
-        "from bench.bench_decode import engine_for, rss, start_decoding\n"
+        "from bench.bench_decode import engine_for, kv_resident, rss, start_decoding\n"
         "before = rss()\n"
         "engine = engine_for(sys.argv[1], sys.argv[2])\n"
         "start_decoding(engine, 1, 16, 8)\n"
         "while engine.has_unfinished(): engine.step()\n"
-        "print(json.dumps({'before_engine': before, 'with_engine': rss()}))\n"
+        "after = rss()\n"
+        "print(json.dumps({'before_engine': before['VmRSS'], 'with_engine': after['VmRSS'],\n"
+        "                  'with_engine_parts': after} | kv_resident(engine)))\n"
     )
     root = Path(__file__).resolve().parent.parent
     command = [sys.executable, "-c", code, model, variant]
@@ -177,12 +180,26 @@ def resident_bytes(model: str, variant: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def rss() -> int:
-    """This process's resident set size in bytes."""
+def rss() -> dict[str, int]:
+    """This process's resident set size in bytes (VmRSS) and its parts (RssAnon, RssFile,
+    RssShmem), from /proc/self/status."""
+    sizes = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            sizes[name] = int(value.split()[0]) * 1024
+    if "VmRSS" not in sizes:
+        raise RuntimeError("no VmRSS in /proc/self/status")
+    return sizes
+
+
+def kv_resident(engine: Engine) -> dict[str, int]:
+    """Bytes of the KV cache tensors, and of their pages resident now."""
+    tensors = [t for layer in engine.runner.kv_caches for t in layer]
+    return {
+        "kv_cache_bytes": sum(t.nbytes for t in tensors),
+        "kv_cache_resident": sum(resident_nbytes(t) for t in tensors),
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -214,11 +231,14 @@ def print_summary(result: dict) -> None:
               f"{100 * v['fraction_of_bandwidth_limit']:.0f}% of it")  # fmt: skip
         parts = sorted(v["profile_ms_per_step"].items(), key=lambda kv: -kv[1])
         print("          one-stream step: " + ", ".join(f"{k} {ms:.2f}" for k, ms in parts))
+    mib = 1 << 20
     for name, mem in result["resident_bytes"].items():
-        print(
-            f"{name:<9} resident {mem['with_engine'] / 2**20:.0f} MiB "
-            f"({(mem['with_engine'] - mem['before_engine']) / 2**20:.0f} MiB for the engine)"
-        )
+        parts = mem["with_engine_parts"]
+        print(f"{name:<9} resident {mem['with_engine'] / mib:.0f} MiB (anonymous "
+              f"{parts['RssAnon'] / mib:.0f}, files {parts['RssFile'] / mib:.0f}); "
+              f"{(mem['with_engine'] - mem['before_engine']) / mib:.0f} MiB for the engine, "
+              f"{mem['kv_cache_resident'] / mib:.0f} of its {mem['kv_cache_bytes'] / mib:.0f} "
+              "MiB KV cache")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -206,14 +206,7 @@ def decode_step_ms(
     """Median time of one decode step for `batch` sequences at `context_len` tokens, read on
     `clock` (time.thread_time: this thread's CPU time, which other processes' load does not
     stretch; it counts all of a step only when the step runs on this thread alone)."""
-    gen = torch.Generator().manual_seed(context_len)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
-        engine.add_request(f"ctx{context_len}-{i}", prompt, params)
-    while engine.stats().num_waiting or _any_prefilling(engine):
-        engine.step()
+    start_decoding(engine, context_len, batch, steps)
     times = []
     while engine.has_unfinished():
         _sync(engine.config.device)
@@ -222,6 +215,19 @@ def decode_step_ms(
         _sync(engine.config.device)
         times.append(clock() - start)
     return 1000 * statistics.median(times[:steps])
+
+
+def start_decoding(engine: Engine, context_len: int, batch: int, steps: int) -> None:
+    """Add `batch` random prompts of `context_len` tokens (seeded by the length) and run the
+    engine until every one is decoding, with `steps` decode steps of each left (and two more)."""
+    gen = torch.Generator().manual_seed(context_len)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (context_len,), generator=gen).tolist()
+        engine.add_request(f"ctx{context_len}-{i}", prompt, params)
+    while engine.stats().num_waiting or _any_prefilling(engine):
+        engine.step()
 
 
 def _any_prefilling(engine: Engine) -> bool:

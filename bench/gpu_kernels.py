@@ -12,6 +12,10 @@
 3. Paged prefill attention of 8 sequences x 2048 new tokens, same heads: time next to SDPA
    (causal) on contiguous K/V.
 
+Before them, the fp8 KV cache (kernels/triton_fp8.py): every e4m3 byte decoded and every one of
+the 2^32 float32 bit patterns encoded, bit for bit against torch's float8_e4m3fn on the GPU;
+the store into an fp8 cache exact, and attention reading it against the reference.
+
 Exits non-zero when CUDA or Triton is missing, or when a kernel check fails.
 """
 
@@ -25,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelBackend, build_cos_sin_cache, get_kernels
+from kernels import KernelBackend, build_cos_sin_cache, get_kernels, triton_fp8
 from kernels import reference as ref
+from kernels.kv_format import fp8_e4m3_bytes, fp8_e4m3_values, to_cache_rows
 from kernels.quant import quantize_int4, quantize_int8
 
 H200_BANDWIDTH_GBPS = 4800.0
@@ -208,14 +213,65 @@ def check_quantized_linear(
     return rows
 
 
+def exact_row(case: str, dtype: str, exact: bool) -> Row:
+    return Row("check", case, dtype, "exact", str(exact), "ok" if exact else "FAIL")
+
+
+def check_fp8_conversions(
+    device: torch.device, chunks: int = 16, chunk_bits: int = 28
+) -> list[Row]:
+    """Every e4m3 byte decoded, and the first chunks x 2^chunk_bits float32 bit patterns (all
+    2^32 by default) encoded, by the Triton kernels' integer code against torch's conversion."""
+    data = torch.arange(256, device=device).to(torch.uint8)
+    got, expected = triton_fp8.fp8_e4m3_values(data), fp8_e4m3_values(data)
+    nan = expected.isnan()
+    decoded = torch.equal(got.isnan(), nan) and torch.equal(
+        got.view(torch.int32)[~nan], expected.view(torch.int32)[~nan]
+    )
+    encoded = True
+    for chunk in range(chunks):
+        start, end = chunk << chunk_bits, (chunk + 1) << chunk_bits
+        bits = torch.arange(start, end, device=device).to(torch.int32)
+        x = bits.view(torch.float32)
+        got, expected = triton_fp8.fp8_e4m3_bytes(x), fp8_e4m3_bytes(x)
+        numbers = ~x.isnan()
+        encoded &= torch.equal(got[numbers], expected[numbers])
+        encoded &= bool(((got[~numbers] & 0x7F) == 0x7F).all())
+    encode_case = f"fp8 encode, {chunks} x 2^{chunk_bits} float32"
+    return [exact_row("fp8 decode, 256 bytes", "fp8", decoded),
+            exact_row(encode_case, "fp8", encoded)]  # fmt: skip
+
+
+def check_fp8_cache(dtype: torch.dtype, device: torch.device, tk: KernelBackend) -> list[Row]:
+    """The store into an fp8 cache (exact) and attention reading it (against the reference)."""
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    caches = [torch.zeros(64, 16, 8, 132, dtype=torch.uint8, device=device) for _ in range(4)]
+    key, value = (torch.randn(100, 8, 128, generator=gen).to(device, dtype) for _ in "kv")
+    slot_mapping = torch.randperm(64 * 16, generator=gen)[:100].to(device)
+    tk.store_kvcache(key, value, caches[0], caches[1], slot_mapping)
+    ref.store_kvcache(key, value, caches[2], caches[3], slot_mapping)
+    exact = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    rows = [exact_row("store_kvcache fp8 8h d128", str(dtype).removeprefix("torch."), exact)]
+    for shape in CHECK_SHAPES:
+        k_cache, v_cache, tables, lens = paged_case(shape, torch.float32, device, seed=4)
+        fp8 = (to_cache_rows(k_cache, torch.uint8), to_cache_rows(v_cache, torch.uint8))
+        q = torch.randn(len(lens), shape.num_heads, shape.head_dim, generator=gen)
+        q, scale = q.to(device, dtype), shape.head_dim**-0.5
+        rows.append(compare(f"decode fp8 cache d{shape.head_dim}", dtype,
+                            tk.paged_decode_attention(q, *fp8, tables, lens, scale),
+                            ref.paged_decode_attention(q, *fp8, tables, lens, scale)))  # fmt: skip
+    return rows
+
+
 def run_checks(device: torch.device, tk: KernelBackend) -> list[Row]:
-    rows = []
+    rows = check_fp8_conversions(device)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for shape in CHECK_SHAPES:
             rows.extend(check_attention(shape, dtype, device, tk))
         rows.append(check_store(dtype, device, tk))
         rows.extend(check_norm_and_rotary(dtype, device, tk))
         rows.extend(check_quantized_linear(dtype, device, tk))
+        rows.extend(check_fp8_cache(dtype, device, tk))
     return rows
 
 

@@ -1,8 +1,9 @@
 """KV cache formats against the float32 cache, in one run per model: greedy agreement, KV
 blocks per GiB and decode throughput.
 
-    python -m bench.kv_dtypes [--models stories260K smollm2] [--formats float16 bfloat16 int8]
-        [--batch 16] [--context 256] [--repeats 3] [--threads 1] [--clock wall|cpu]
+    python -m bench.kv_dtypes [--models stories260K smollm2]
+        [--formats float16 bfloat16 int8 fp8] [--batch 16] [--context 256] [--repeats 3]
+        [--steps 32] [--threads 1] [--clock wall|cpu]
         [--no-agreement]
         [--out bench/results/kv_dtypes.json]
 
@@ -14,12 +15,17 @@ Instruct with bench.quality's chat questions):
   greedy tokens equal to the float32 cache's), the identical greedy prefix, and teacher-forced
   top-1 agreement (--no-agreement leaves it out: decode speed alone, in a fraction of the
   time);
-- blocks per GiB: the engine's own sizing with --kv-cache-gib 1 (an int8 cache's scales
-  counted), and its ratio to the float32 cache's;
-- decode throughput: --batch streams decoding at --context tokens (tokens/s of the median
-  decode step, bench.bench_engine.decode_step_ms), each format in a fresh engine, the best of
-  --repeats rounds interleaved across formats (bench.bench_engine.best_rates), and its ratio
-  to the float32 cache's measured in the same rounds. One torch thread by default: on a
+- blocks per GiB: the engine's own sizing with --kv-cache-gib 1 (an int8 or fp8 cache's
+  scales counted), and its ratio to the float32 cache's;
+- decode throughput: --batch streams decoding from --context tokens on, in --repeats rounds.
+  A round makes a fresh engine per format, warms each up at the measured batch, prefills it,
+  then takes --steps decode steps of every engine in turns (one step of each, each turn
+  starting at the next format), so that the formats' steps are paired moment by moment on a
+  machine whose other work comes and goes, and float32 does not always run first. A format's
+  tokens/s is that of its median step; two ratios to the float32 cache: the best round's over
+  float32's best ("x fp32"), and the median over the rounds of each round's median over the
+  turns of float32's step time over the format's ("rounds": one lucky round or step of either
+  side does not decide it). One torch thread by default: on a
   machine shared with other work, a parallel region waits for its slowest thread, and steps of
   two threads on two busy cores ran from 1 ms to 600 ms at random. --clock cpu times each step
   by the thread's CPU time instead (one thread: the whole step), which the machine's other
@@ -31,12 +37,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.bench_engine import best_rates, decode_step_ms
+from bench.bench_engine import decode_step_ms, start_decoding
 from bench.quality import measure_quality, tokenized_prompts
 from common.model_files import default_gguf_path
 from executor.config import EngineConfig
@@ -46,6 +53,7 @@ from executor.host_memory import retain_freed_memory
 STORIES_260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 MODELS = {"stories260K": (STORIES_260K, "story"), "smollm2": (None, "chat")}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+FORMATS = ["float16", "bfloat16", "int8", "fp8"]
 
 
 def model_path(name: str) -> str:
@@ -58,18 +66,55 @@ def blocks_per_gib(model: str, kv_cache_dtype: str) -> int:
     return engine.runner.num_blocks
 
 
-def decode_measure(model: str, kv_cache_dtype: str, args: argparse.Namespace):
-    """A callable: a fresh engine with this cache format, then its decode tokens/s."""
+def decode_round(model: str, formats: list[str], args: argparse.Namespace) -> dict:
+    """One round of decode measures: a fresh engine per cache format, each warmed up at the
+    measured batch and prefilled to --context tokens, then their decode steps taken in turn, one
+    step of every engine before the next of any, each turn starting at the next format. Every
+    format's steps thus see the same moments of the machine's other work, and none always
+    runs first.
+
+    Returns:
+        format -> (tokens/s of its median step, the median over the turns of its step time
+        over float32's in the same turn).
+    """
     clock = CLOCKS[args.clock]
+    engines = {}
+    for fmt in formats:
+        engines[fmt] = Engine(EngineConfig(model=model, kv_cache_gib=0.5, max_num_seqs=args.batch,
+                                           kv_cache_dtype=fmt))  # fmt: skip
+        # Up to cpu_linear.SMALL_BATCH_ROWS streams a step is one C call, above that one call
+        # per kernel: the warm-up runs the measured batch, so it warms the measured path.
+        decode_step_ms(engines[fmt], 8, batch=args.batch, steps=2)
+        start_decoding(engines[fmt], args.context, args.batch, args.steps)
+    seconds: dict[str, list[float]] = {fmt: [] for fmt in formats}
+    for turn in range(args.steps):
+        first = turn % len(formats)
+        for fmt in formats[first:] + formats[:first]:
+            start = clock()
+            engines[fmt].step()
+            seconds[fmt].append(clock() - start)
+    float32 = seconds["float32"]
+    return {
+        fmt: (
+            args.batch / statistics.median(steps),
+            statistics.median([a / b for a, b in zip(float32, steps, strict=True)]),
+        )
+        for fmt, steps in seconds.items()
+    }
 
-    def measure() -> float:
-        engine = Engine(EngineConfig(model=model, kv_cache_gib=0.5, max_num_seqs=args.batch,
-                                     kv_cache_dtype=kv_cache_dtype))  # fmt: skip
-        decode_step_ms(engine, 8, batch=2, steps=2)  # warm up
-        step_ms = decode_step_ms(engine, args.context, batch=args.batch, steps=16, clock=clock)
-        return 1000 * args.batch / step_ms
 
-    return measure
+def decode_rates(model: str, formats: list[str], args: argparse.Namespace) -> dict:
+    """--repeats rounds of decode_round, and each format's figures over them."""
+    rounds = [decode_round(model, formats, args) for _ in range(args.repeats)]
+    rates = {f: [r[f][0] for r in rounds] for f in formats}
+    ratios = {f: [r[f][1] for r in rounds] for f in formats}
+    return {
+        "decode_tokens_per_s": {f: max(rates[f]) for f in formats},
+        "decode_samples_tokens_per_s": rates,
+        "decode_over_float32": {f: max(rates[f]) / max(rates["float32"]) for f in formats},
+        "decode_over_float32_by_round": ratios,
+        "decode_over_float32_median_round": {f: statistics.median(ratios[f]) for f in formats},
+    }
 
 
 def measure_model(name: str, formats: list[str], args: argparse.Namespace) -> dict:
@@ -81,24 +126,20 @@ def measure_model(name: str, formats: list[str], args: argparse.Namespace) -> di
         agreement = {f: quality["variants"][f"kv-{f}"] for f in formats}
     every = ["float32", *formats]
     blocks = {f: blocks_per_gib(model, f) for f in every}
-    measures = {f: decode_measure(model, f, args) for f in every}
-    best, samples = best_rates(measures, args.repeats)
     return {
         "model": model,
         "prompts": prompt_kind,
         "agreement": agreement,
         "blocks_per_gib": blocks,
         "blocks_per_gib_over_float32": {f: blocks[f] / blocks["float32"] for f in every},
-        "decode_tokens_per_s": best,
-        "decode_samples_tokens_per_s": samples,
-        "decode_over_float32": {f: best[f] / best["float32"] for f in every},
+        **decode_rates(model, every, args),
     }
 
 
 def print_model(name: str, result: dict) -> None:
     print(f"{name}: against the float32 cache")
     print(f"{'cache':<10}{'token agr.':>11}{'top-1 agr.':>11}{'prefix':>8}{'blocks/GiB':>12}"
-          f"{'x fp32':>8}{'decode tok/s':>14}{'x fp32':>8}")  # fmt: skip
+          f"{'x fp32':>8}{'decode tok/s':>14}{'x fp32':>8}{'rounds':>8}")  # fmt: skip
     for fmt, blocks in result["blocks_per_gib"].items():
         agreement = result["agreement"].get(fmt)
         measures = (
@@ -109,17 +150,18 @@ def print_model(name: str, result: dict) -> None:
         )
         print(f"{fmt:<10}{measures}{blocks:>12}{result['blocks_per_gib_over_float32'][fmt]:>8.2f}"
               f"{result['decode_tokens_per_s'][fmt]:>14.1f}"
-              f"{result['decode_over_float32'][fmt]:>8.2f}")  # fmt: skip
+              f"{result['decode_over_float32'][fmt]:>8.2f}"
+              f"{result['decode_over_float32_median_round'][fmt]:>8.2f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--formats", nargs="+", default=["float16", "bfloat16", "int8"],
-                        choices=["float16", "bfloat16", "int8"])  # fmt: skip
+    parser.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds, each with fresh engines")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps of each engine a round")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: all cores)")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="time steps by the wall clock or this thread's CPU time")  # fmt: skip
@@ -131,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     retain_freed_memory()
     result: dict = {"batch": args.batch, "context": args.context, "repeats": args.repeats,
-                    "clock": args.clock,
+                    "steps": args.steps, "clock": args.clock,
+                    "load_average_at_start": os.getloadavg(),
                     "torch_threads": torch.get_num_threads(), "models": {}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in args.models:  # the file is written after each model

@@ -1,5 +1,5 @@
-"""Quality of a model in bfloat16, with weight-only int8 / int4, or with a 16-bit or int8 KV
-cache (`kv-float16`, `kv-bfloat16`, `kv-int8`) against the same model in float32.
+"""Quality of a model in bfloat16, with weight-only int8 / int4, or with a 16-bit, int8 or fp8
+KV cache (`kv-float16`, `kv-bfloat16`, `kv-int8`, `kv-fp8`) against the same model in float32.
 
     python -m bench.quality --model PATH [--prompts chat|story|random] [--num-prompts 16]
         [--new-tokens 128] [--variants bfloat16 int8 int4] [--out FILE.json]
@@ -43,6 +43,7 @@ VARIANTS = {
     "kv-float16": {"kv_cache_dtype": "float16"},
     "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
     "kv-int8": {"kv_cache_dtype": "int8"},
+    "kv-fp8": {"kv_cache_dtype": "fp8"},
 }
 CHAT_QUESTIONS = (
     "What is the capital of France?",

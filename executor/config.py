@@ -34,9 +34,9 @@ POLICIES = ("fcfs", "lpm")
 # What happens to a running request whose KV blocks are taken back: its blocks are copied to
 # the host tier and back when it resumes (swap), or dropped and recomputed (recompute).
 PREEMPTION_MODES = ("swap", "recompute")
-# Formats of the KV cache: auto (the model's dtype), 16-bit floats, or int8 with a float32 scale
-# per cached token and KV head (kernels/kv_format.py). float16 needs CUDA.
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+# Formats of the KV cache: auto (the model's dtype), 16-bit floats, or int8 or fp8 (float8 e4m3)
+# with a float32 scale per cached token and KV head (kernels/kv_format.py).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 
 
 class EngineConfigError(ValueError):
@@ -65,7 +65,7 @@ class EngineConfig:
     session_ttl_s: float = 600.0
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; float32, float16, bfloat16, int8
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; float32, float16, bfloat16, int8, fp8
     quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
@@ -421,7 +421,7 @@ def _add_format_flags(add) -> None:
         "--kv-cache-dtype",
         default=env_str("KVGATE_KV_CACHE_DTYPE", "auto"),
         help="KV cache format: auto (the model's dtype), float32, float16, bfloat16, "
-        "or int8 (a float32 scale per token and head)",
+        "int8 or fp8 (float8 e4m3; both with a float32 scale per token and head)",
     )
     add(
         "--enable-prefix-caching",

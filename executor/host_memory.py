@@ -1,4 +1,5 @@
-"""Keep freed activation memory in the process (glibc), so CPU steps stop page-faulting.
+"""Host memory: freed activations kept in the process (glibc), so CPU steps stop
+page-faulting; large tables of zeros that are resident only where they are written.
 
 A CPU forward pass allocates and frees the same large activations every step. By default
 glibc serves each allocation over its mmap threshold (128 KiB, raised on the fly up to
@@ -13,11 +14,16 @@ with retain_freed_memory=False in the same process does not lower them.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import mmap
 import platform
+
+import torch
 
 logger = logging.getLogger("kvgate.executor")
 
@@ -25,6 +31,8 @@ _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest value glibc accepts on 64-bit systems
 TRIM_THRESHOLD_BYTES = 1 << 30
+_PAGE_PRESENT = 1 << 63  # /proc/self/pagemap entry bits (the kernel's pagemap.rst)
+_PAGE_EXCLUSIVE = 1 << 56  # mapped by this process only
 
 
 @functools.cache
@@ -66,3 +74,36 @@ def release_freed_memory() -> bool:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     return libc.malloc_trim(0) == 1
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages become resident only when first written.
+
+    Its memory is a private anonymous mapping of its own: the kernel hands out zeroed pages
+    on first write, so a KV cache sized for the worst case holds resident only the blocks
+    that were ever written (torch.zeros writes, and so touches, every page at once). A page
+    only read maps the kernel's shared zero page, which is not counted as resident.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous, zero-filled on demand
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps `pages` alive
+
+
+def resident_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the pages a CPU tensor's memory spans that hold memory of this process's own
+    now (/proc/self/pagemap: present and mapped by this process only), whole pages counted.
+
+    A page that was only read maps the kernel's shared zero page: present, but not this
+    process's memory (VmRSS leaves it out too), so it is not counted. Neither is a page shared
+    with another process after a fork.
+    """
+    page = mmap.PAGESIZE
+    first = tensor.data_ptr() // page
+    count = -(-(tensor.data_ptr() + tensor.nbytes) // page) - first
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = array.array("Q", pagemap.read(count * 8))
+    own = _PAGE_PRESENT | _PAGE_EXCLUSIVE
+    return sum(1 for entry in entries if entry & own == own) * page

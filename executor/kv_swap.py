@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.host_memory import zeroed_tensor
+
 
 @dataclass(slots=True, frozen=True)
 class SwapOp:
@@ -89,10 +91,7 @@ class HostKVPool:
         device = device_caches[0][0].device
         pin = device.type == "cuda"
         self.host_caches = [
-            tuple(
-                torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
-                for t in layer
-            )
+            tuple(_host_tensor((num_blocks, *t.shape[1:]), t.dtype, pin) for t in layer)
             for layer in device_caches
         ]
         self._stream = torch.cuda.Stream(device) if pin else None
@@ -155,3 +154,10 @@ def _runs(ops: list[SwapOp]) -> list[tuple[bool, int, int, int]]:
                 continue
         runs.append((op.to_host, op.device_block, op.host_block, 1))
     return runs
+
+
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Zeros for the host tier: pinned for CUDA copies, else resident only where written."""
+    if pin:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return zeroed_tensor(shape, dtype)

@@ -9,7 +9,7 @@ import torch
 
 from executor.config import EngineConfig
 from executor.cuda_graphs import DecodeGraphs
-from executor.host_memory import release_freed_memory, retain_freed_memory
+from executor.host_memory import release_freed_memory, retain_freed_memory, zeroed_tensor
 from executor.kv_swap import HostKVPool, SwapOp
 from executor.models.config import ModelConfig
 from executor.models.llama import ForwardContext
@@ -17,7 +17,13 @@ from executor.models.loader import load_model
 from executor.ranks import RankGroup, rank_device, with_all_reduce
 from executor.scheduler import ScheduledRequest, SchedulerOutput
 from kernels import AttentionStep, build_cos_sin_cache, get_kernels
-from kernels.kv_format import KV_CACHE_DTYPES, bytes_per_token_head, cache_row_width
+from kernels.kv_format import (
+    KV_CACHE_DTYPES,
+    SCALED_DTYPES,
+    bytes_per_token_head,
+    cache_row_width,
+    format_name,
+)
 
 logger = logging.getLogger("kvgate.executor")
 
@@ -52,9 +58,9 @@ class ModelRunner:
         )
         self.rank_config: ModelConfig = self.model.config  # this rank's heads and columns
         head_dim = self.model_config.head_dim
-        if self.kv_cache_dtype == torch.int8 and head_dim % 4:
-            raise ValueError(f"--kv-cache-dtype int8 needs a head_dim divisible by 4; this "
-                             f"model's is {head_dim}")  # fmt: skip
+        if self.kv_cache_dtype in SCALED_DTYPES and head_dim % 4:
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs a head_dim "
+                             f"divisible by 4; this model's is {head_dim}")  # fmt: skip
         if self.device.type == "cpu":
             # The checkpoint's float tensors are freed by now: hand their pages back first.
             release_freed_memory()
@@ -95,7 +101,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank (its key/value heads) over every layer, K and V
-        (an int8 cache's scales included)."""
+        (an int8 or fp8 cache's scales included)."""
         mc = self.rank_config
         per_head = bytes_per_token_head(mc.head_dim, self.kv_cache_dtype)
         return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head * self.block_size
@@ -137,12 +143,14 @@ class ModelRunner:
         mc = self.rank_config
         row = cache_row_width(mc.head_dim, self.kv_cache_dtype)
         shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, row)
-        caches = []
-        for _ in range(mc.num_hidden_layers):
-            kv = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            caches.append((kv[0], kv[1]))
+        if self.device.type == "cpu":  # resident only where blocks are written
+            layers = zeroed_tensor((mc.num_hidden_layers, *shape), self.kv_cache_dtype).unbind()
+        else:
+            layers = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                      for _ in range(mc.num_hidden_layers)]  # fmt: skip
+        caches = [(kv[0], kv[1]) for kv in layers]
         logger.info("kv cache: %d blocks of %d tokens, %s", self.num_blocks, self.block_size,
-                    str(self.kv_cache_dtype).removeprefix("torch."))  # fmt: skip
+                    format_name(self.kv_cache_dtype))  # fmt: skip
         return caches
 
     def _max_model_len(self, config: EngineConfig) -> int:

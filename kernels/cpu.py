@@ -2,8 +2,8 @@
 (here), paged attention (kernels/cpu_attention.py) and linear layers (kernels/cpu_linear.py).
 
 Each wrapper has the signature and results of its twin in kernels.reference, for float32 and
-bfloat16 CPU tensors; the KV cache may be float32, bfloat16, float16 or int8 (rows with their
-scale, kernels/kv_format.py) whatever the activations' dtype. The C code (kernels/csrc/) does
+bfloat16 CPU tensors; the KV cache may be float32, bfloat16, float16, or int8 or fp8 (rows with
+their scale, kernels/kv_format.py) whatever the activations' dtype. The C code (kernels/csrc/) does
 the rotary embedding and the KV-cache store in one pass each where the reference runs a dozen
 small tensor ops, the greedy argmax down the columns of column-major logits, and RMSNorm with
 its residual add in one pass over row- or column-major activations.
@@ -26,8 +26,8 @@ from kernels.validation import (
 )
 
 __all__ = [
-    "argmax", "build_dir", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kvcache",
-    "why_unavailable",
+    "argmax", "build_dir", "fp8_e4m3_bytes", "fp8_e4m3_values", "rms_norm", "rotary_embedding",
+    "silu_and_mul", "store_kvcache", "why_unavailable",
 ]  # fmt: skip
 
 ACTIVATION_DTYPES = tuple(DTYPE_CODES)
@@ -37,14 +37,17 @@ def check_cpu(
     tensors: dict[str, torch.Tensor], floats: tuple[str, ...], inner_dims: dict[str, int]
 ) -> None:
     """Raise unless every tensor is on the CPU, `floats` are float32 or bfloat16 (a KV cache,
-    named `*_cache`, may be float16 or int8 too), and each tensor is contiguous, or for those in
-    `inner_dims`, contiguous in that many trailing dims."""
+    named `*_cache`, may be float16, int8 or uint8 (fp8) too), and each tensor is contiguous,
+    or for those in `inner_dims`, contiguous in that many trailing dims."""
     for name, tensor in tensors.items():
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} is on {tensor.device}; the CPU kernels need CPU tensors")
         is_cache = name.endswith("_cache")
         if name in floats and tensor.dtype not in (CACHE_DTYPE_CODES if is_cache else DTYPE_CODES):
-            allowed = "float32, bfloat16, float16 or int8" if is_cache else "float32 or bfloat16"
+            allowed = (
+                "float32, bfloat16, float16, int8 or uint8 (fp8)" if is_cache
+                else "float32 or bfloat16"
+            )  # fmt: skip
             raise ValueError(f"{name} must be {allowed} for the CPU kernels, got {tensor.dtype}")
         if name in inner_dims:
             expect_inner_contiguous(name, tensor, inner_dims[name])
@@ -229,3 +232,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def _elementwise(name: str, x: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype,
+                 function: str) -> torch.Tensor:  # fmt: skip
+    """The C function `function` over every element of `x` (CPU, `dtype`) into a new tensor."""
+    check_cpu({name: x}, floats=(), inner_dims={})
+    if x.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
+    out = torch.empty(x.shape, dtype=out_dtype)
+    getattr(_library(), function)(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
+
+
+def fp8_e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float32 values as e4m3 bytes (uint8) by the C kernels' encoding, as
+    kernels.kv_format.fp8_e4m3_bytes."""
+    return _elementwise("x", x, torch.float32, torch.uint8, "kvgate_fp8_from_f32")
+
+
+def fp8_e4m3_values(data: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes (uint8) as float32 by the C kernels' decoding, as
+    kernels.kv_format.fp8_e4m3_values."""
+    return _elementwise("data", data, torch.uint8, torch.float32, "kvgate_fp8_to_f32")

@@ -34,10 +34,10 @@ _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-funroll-loops", "-fop
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LIBS = ("-lmvec", "-lm")
 # The element types the kernels read and write (cpu_common.h's KVGATE_F32, KVGATE_BF16), and
-# a KV cache's formats: those, int8 rows with their scale (KVGATE_I8, kernels/kv_format.py) and
-# float16 (KVGATE_F16).
+# a KV cache's formats: those, int8 rows with their scale (KVGATE_I8, kernels/kv_format.py),
+# float16 (KVGATE_F16) and fp8 rows with their scale (uint8, KVGATE_FP8).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2, torch.float16: 3}
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 2, torch.float16: 3, torch.uint8: 4}
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -138,6 +138,8 @@ _SIGNATURES = {
         [_ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64], _i64,
     ),
     "kvgate_argmax_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
+    "kvgate_fp8_from_f32": ([_ptr, _i64, _ptr], None),
+    "kvgate_fp8_to_f32": ([_ptr, _i64, _ptr], None),
     "kvgate_rms_norm": (
         [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int, _int, _float, _int], None,
     ),

@@ -2,16 +2,17 @@
 
 Both read keys and values through the block table a tile of tokens at a time and keep an
 online softmax in float32. The cache may have another dtype than the queries: cached values are
-converted to the queries' dtype as they are read, and int8 rows are scaled back first
-(kernels/kv_format.py).
+converted to the queries' dtype as they are read, and int8 or fp8 rows are scaled back first
+(kernels/kv_format.py; fp8 bytes decoded by kernels/triton_fp8.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_format import cache_row_width
+from kernels.kv_format import SCALED_DTYPES, cache_row_width
 from kernels.triton_cache import scale_view
+from kernels.triton_fp8 import fp8_e4m3_decode
 from kernels.validation import (
     check_decode,
     check_prefill,
@@ -45,11 +46,15 @@ def _kv_rows(
 @triton.jit
 def _load_kv(cache_ptr, scale_ptr, rows, dims, kv_mask, dtype,
              HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr):  # fmt: skip
-    """A tile of cached rows as `dtype`; int8 rows times their scale (4 bytes after the row)."""
+    """A tile of cached rows as `dtype`; int8 and fp8 (uint8) rows times their scale (4 bytes
+    after the row)."""
     x = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0)
     if QUANTIZED:
         scales = tl.load(scale_ptr + (rows + HEAD_DIM) // 4)
-        x = x.to(tl.float32) * scales[:, None]
+        if cache_ptr.dtype.element_ty == tl.uint8:
+            x = fp8_e4m3_decode(x) * scales[:, None]
+        else:
+            x = x.to(tl.float32) * scales[:, None]
     return x.to(dtype)
 
 
@@ -193,10 +198,11 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
 
 
 def _cache_format(cache: torch.Tensor, head_dim: int) -> dict[str, object]:
-    """The kernels' constants for the cache's format: its row width and whether it is int8."""
+    """The kernels' constants for the cache's format: its row width and whether its rows carry
+    a scale (int8, fp8)."""
     return {
         "ROW_WIDTH": cache_row_width(head_dim, cache.dtype),
-        "QUANTIZED": cache.dtype == torch.int8,
+        "QUANTIZED": cache.dtype in SCALED_DTYPES,
     }
 
 
@@ -242,7 +248,7 @@ def paged_decode_attention(
 
     Args:
         q: [B, Hq, D] query at position context_lens[b] - 1; the last dim contiguous.
-        k_cache: [num_blocks, block_size, Hkv, D] contiguous, of any cache dtype (int8: rows
+        k_cache: [num_blocks, block_size, Hkv, D] contiguous, of any cache dtype (int8, fp8: rows
             of D + 4, kernels/kv_format.py); Hq a multiple of Hkv; D <= 256.
         v_cache: [num_blocks, block_size, Hkv, D] contiguous.
         block_tables: [B, max_blocks] int32, rows contiguous; entries past a sequence's

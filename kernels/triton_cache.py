@@ -1,29 +1,38 @@
 """Triton kernel writing new keys and values into the paged KV cache, in the cache's format
-(float32, float16, bfloat16, or int8 rows with their scale: kernels/kv_format.py)."""
+(float32, float16, bfloat16, or int8 or fp8 rows with their scale: kernels/kv_format.py)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_format import cache_row_width
+from kernels.kv_format import SCALED_DTYPES, cache_row_width
+from kernels.triton_fp8 import fp8_e4m3_encode
 from kernels.validation import check_store_kvcache, expect_inner_contiguous
 
 # Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an integer,
 # half to even (the rounding torch.round does), in plain IEEE arithmetic.
-_ROUNDER = 12582912.0
+_ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
 def _store_row(src_ptr, cache_ptr, scale_ptr, row, dims, mask,
                HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr):  # fmt: skip
-    """One head's values into cache row `row` (element offset); int8 rows get their scale."""
+    """One head's values into cache row `row` (element offset); int8 and fp8 (uint8) rows get
+    their scale."""
     x = tl.load(src_ptr + dims, mask=mask, other=0.0)
     if QUANTIZED:
         x = x.to(tl.float32)
-        scale = tl.max(tl.abs(x), axis=0) / 127.0
-        scaled = x / tl.where(scale > 0, scale, 1.0)  # scale 0: every value is 0
-        rounded = (scaled + _ROUNDER) - _ROUNDER
-        tl.store(cache_ptr + row + dims, rounded.to(tl.int8), mask=mask)
+        if cache_ptr.dtype.element_ty == tl.uint8:
+            # IEEE divisions (a GPU's default float32 division is not), as the reference's.
+            scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0)
+            scaled = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0))
+            encoded = fp8_e4m3_encode(tl.where(scale > 0, scaled, 0.0))
+            tl.store(cache_ptr + row + dims, encoded.to(tl.uint8), mask=mask)
+        else:
+            scale = tl.max(tl.abs(x), axis=0) / 127.0
+            scaled = x / tl.where(scale > 0, scale, 1.0)  # scale 0: every value is 0
+            rounded = (scaled + _ROUNDER) - _ROUNDER
+            tl.store(cache_ptr + row + dims, rounded.to(tl.int8), mask=mask)
         tl.store(scale_ptr + (row + HEAD_DIM) // 4, scale)
     else:
         tl.store(cache_ptr + row + dims, x.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -61,9 +70,9 @@ def _store_kvcache_kernel(
 
 
 def scale_view(cache: torch.Tensor) -> torch.Tensor:
-    """An int8 cache's bytes as float32 (where the kernels read and write the rows' scales);
-    a float cache itself (its kernels take no scales)."""
-    return cache.view(torch.float32) if cache.dtype == torch.int8 else cache
+    """An int8 or fp8 cache's bytes as float32 (where the kernels read and write the rows'
+    scales); a float cache itself (its kernels take no scales)."""
+    return cache.view(torch.float32) if cache.dtype in SCALED_DTYPES else cache
 
 
 def store_kvcache(
@@ -78,7 +87,8 @@ def store_kvcache(
     Args:
         key: [N, Hkv, D] new keys; each token's [Hkv, D] must be contiguous.
         value: [N, Hkv, D] new values, laid out like key.
-        k_cache: [num_blocks, block_size, Hkv, D] contiguous key cache (int8: rows of D + 4).
+        k_cache: [num_blocks, block_size, Hkv, D] contiguous key cache (int8 or fp8: rows of
+            D + 4).
         v_cache: [num_blocks, block_size, Hkv, D] contiguous value cache.
         slot_mapping: [N] int64, slot = block_id * block_size + offset; -1 skips the token.
     """
@@ -102,5 +112,5 @@ def store_kvcache(
         HEAD_DIM=head_dim,
         ROW_WIDTH=cache_row_width(head_dim, k_cache.dtype),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        QUANTIZED=k_cache.dtype == torch.int8,
+        QUANTIZED=k_cache.dtype in SCALED_DTYPES,
     )

@@ -8,10 +8,11 @@ import os
 
 import torch
 
-from kernels.kv_format import SCALE_BYTES, cache_head_dim
+from kernels.kv_format import SCALE_BYTES, SCALED_DTYPES, cache_head_dim
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)  # int8: rows with their scale (kernels/kv_format)
+# int8 and uint8 (fp8 bytes): rows with their scale (kernels/kv_format)
+CACHE_DTYPES = (*FLOAT_DTYPES, *SCALED_DTYPES)
 
 
 def expect_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
@@ -45,14 +46,15 @@ def expect_size(name: str, tensor: torch.Tensor, dim: int, size: int, what: str)
 
 def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Check a paged K/V cache pair: [num_blocks, block_size, Hkv, D], same shape and dtype
-    (int8: [num_blocks, block_size, Hkv, D + 4], D divisible by 4)."""
+    (int8, or uint8 for fp8: [num_blocks, block_size, Hkv, D + 4], D divisible by 4)."""
     layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
     expect_ndim("k_cache", k_cache, 4, layout)
     expect_dtype("k_cache", k_cache, CACHE_DTYPES)
-    if k_cache.dtype == torch.int8 and (k_cache.shape[3] <= SCALE_BYTES or k_cache.shape[3] % 4):
+    scaled = k_cache.dtype in SCALED_DTYPES
+    if scaled and (k_cache.shape[3] <= SCALE_BYTES or k_cache.shape[3] % 4):
         raise ValueError(
-            "an int8 k_cache's rows must be head_dim + 4 bytes with head_dim divisible by 4, "
-            f"got shape {tuple(k_cache.shape)}"
+            f"an {SCALED_DTYPES[k_cache.dtype]} k_cache's rows must be head_dim + 4 bytes with "
+            f"head_dim divisible by 4, got shape {tuple(k_cache.shape)}"
         )
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(

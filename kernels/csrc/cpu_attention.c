@@ -11,16 +11,18 @@
  * Layouts (contiguous unless a stride is passed):
  *   q            [num_tokens, num_heads, head_dim]        (activation dtype: float32, bfloat16)
  *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype:
- *                float32, bfloat16, float16, or int8 rows of head_dim + 4 bytes, cpu_common.h)
+ *                float32, bfloat16, float16, or int8 or fp8 rows of head_dim + 4 bytes,
+ *                cpu_common.h)
  *   block_tables [num_seqs, max_blocks] int32
  *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
  * Scores, softmax and sums are float32 whatever the dtypes. The activation and cache dtypes are
  * separate arguments: a bfloat16 cache may serve float32 activations and the other way round.
  * Heads of 64 or 128 values run the register-tiled loops of cpu_attention_tiles.h, which read
- * float32 and bfloat16 rows in place. Other rows of a 16-bit or int8 cache are converted to
- * float32 a chunk of tokens at a time, once per work item, rather than once per query head
- * inside each dot product.
+ * float32 and bfloat16 rows in place. The rows of another 16-bit, int8 or other cache format are
+ * converted to float32 once per work item, rather than once per query head inside each dot
+ * product: a chunk of tokens at a time into scratch for wide heads, one row at a time for
+ * narrow heads (head_dim <= 32).
  * The caller (kernels/cpu.py) checks shapes, dtypes, strides and tables before every call.
  */
 #include <math.h>
@@ -73,7 +75,7 @@ static inline const void *cached_row(const paged_kv *kv, const void *cache, int6
     return (const char *)cache + (slot * kv->num_kv_heads + kv_head) * row_bytes;
 }
 
-/* q . the cached row of n values of `dtype` (int8: times the row's scale), in float32. */
+/* q . the cached row of n values of `dtype` (int8, fp8: times the row's scale), in float32. */
 static inline __attribute__((always_inline)) float dot_cached(const float *q, const void *row,
                                                               int dtype, int64_t n) {
     if (dtype == KVGATE_F32) return dot(q, row, n);
@@ -89,6 +91,14 @@ static inline __attribute__((always_inline)) float dot_cached(const float *q, co
         for (int64_t i = 0; i < n; ++i) sum += q[i] * f16_to_f32(r[i]);
         return sum;
     }
+    if (dtype == KVGATE_FP8) {
+        const uint8_t *r = row;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) sum += q[i] * fp8_to_f32(r[i]);
+        float scale;
+        memcpy(&scale, r + n, sizeof scale);
+        return sum * scale;
+    }
     const int8_t *r = row;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) sum += q[i] * (float)r[i];
@@ -97,7 +107,7 @@ static inline __attribute__((always_inline)) float dot_cached(const float *q, co
     return sum * scale;
 }
 
-/* y += alpha * the cached row of n values of `dtype` (int8: times the row's scale). */
+/* y += alpha * the cached row of n values of `dtype` (int8, fp8: times the row's scale). */
 static inline __attribute__((always_inline)) void axpy_cached(float *y, float alpha,
                                                               const void *row, int dtype,
                                                               int64_t n) {
@@ -110,6 +120,13 @@ static inline __attribute__((always_inline)) void axpy_cached(float *y, float al
     } else if (dtype == KVGATE_F16) {
         const uint16_t *r = row;
         for (int64_t i = 0; i < n; ++i) y[i] += alpha * f16_to_f32(r[i]);
+    } else if (dtype == KVGATE_FP8) {
+        const uint8_t *r = row;
+        float scale;
+        memcpy(&scale, r + n, sizeof scale);
+        alpha *= scale;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) y[i] += alpha * fp8_to_f32(r[i]);
     } else {
         const int8_t *r = row;
         float scale;
@@ -240,39 +257,83 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
 }
 
-/* Heads up to this wide take attend_small: their narrow rows are converted to float32 once per
- * work item, into kv_rows, rather than once per query head in each dot product. */
+/* Heads up to this wide take attend_small, which converts each cached row of a 16-bit or int8
+ * cache once for every query head of the group, one row at a time. */
 #define SMALL_HEAD_DIM 32
 
-/* attend_rows for a constant head_dim: a float32 cache read in place; another format's rows of
- * this sequence and KV head converted into kv_rows (2 * context_len * head_dim floats) first,
- * the slots then rewritten to index them. */
+/* attend_rows over the rows of a 16-bit, int8 or fp8 cache (`dtype`), each converted to float32 once
+ * into `row` (a few vector stores that stay in the L1 cache, or registers) and then read by
+ * every query head of the group: no scratch pass over the sequence's rows, and no per-element
+ * conversion inside the dot products. The conversions store whole vectors (cpu_common.h), so
+ * the dot product's loads of `row` take the stored values straight from the store buffer. */
+static inline __attribute__((always_inline)) void attend_converted(
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
+    const int64_t *slots, int64_t group, float scale, float *scores, float *out,
+    int64_t head_dim, int dtype) {
+    const int64_t row_bytes = cache_row_bytes(dtype, head_dim);
+    const int64_t slot_bytes = kv->num_kv_heads * row_bytes;
+    const char *keys = (const char *)kv->k_cache + kv_head * row_bytes;
+    const char *values = (const char *)kv->v_cache + kv_head * row_bytes;
+    float row[SMALL_HEAD_DIM];
+    for (int64_t t = 0; t < context_len; ++t) {
+        load_cache_row(keys + slots[t] * slot_bytes, dtype, head_dim, row);
+        for (int64_t h = 0; h < group; ++h)
+            scores[h * context_len + t] = scale * dot(q + h * head_dim, row, head_dim);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+        softmax_in_place(scores + h * context_len, context_len);
+        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
+    }
+    for (int64_t t = 0; t < context_len; ++t) {
+        load_cache_row(values + slots[t] * slot_bytes, dtype, head_dim, row);
+        for (int64_t h = 0; h < group; ++h)
+            axpy(out + h * head_dim, scores[h * context_len + t], row, head_dim);
+    }
+}
+
+/* attend_rows for a constant head_dim: a float32 cache read in place, the other formats through
+ * attend_converted with the format a constant too (so the row conversion unrolls). */
 static inline __attribute__((always_inline)) void attend_small(
-    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len, int64_t *slots,
-    int64_t group, float scale, float *scores, float *out, float *kv_rows, int64_t head_dim) {
-    if (kv->cache_dtype == KVGATE_F32) {
+    const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
+    const int64_t *slots, int64_t group, float scale, float *scores, float *out,
+    int64_t head_dim) {
+    switch (kv->cache_dtype) {
+    case KVGATE_F32:
         attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
                     KVGATE_F32);
-        return;
+        break;
+    case KVGATE_BF16:
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         KVGATE_BF16);
+        break;
+    case KVGATE_F16:
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         KVGATE_F16);
+        break;
+    case KVGATE_I8:
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         KVGATE_I8);
+        break;
+    case KVGATE_FP8:
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         KVGATE_FP8);
+        break;
+    default: /* a format without its own case: the same loops, the conversion chosen per row */
+        attend_converted(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
+                         kv->cache_dtype);
     }
-    float *keys = kv_rows, *values = kv_rows + context_len * head_dim;
-    convert_rows(kv, kv->k_cache, kv_head, slots, context_len, head_dim, keys);
-    convert_rows(kv, kv->v_cache, kv_head, slots, context_len, head_dim, values);
-    for (int64_t t = 0; t < context_len; ++t) slots[t] = t;
-    const paged_kv dense = {keys, values, KVGATE_F32, NULL, 1, head_dim, kv->block_size};
-    attend_rows(q, &dense, 0, context_len, slots, group, scale, scores, out, head_dim, KVGATE_F32);
 }
 
 /*
  * Attention of `group` query heads (q: group * head_dim floats) that share KV head `kv_head`,
  * over a sequence's first `context_len` cached tokens (in `slots`), into out (group * head_dim
- * floats). scores: group * context_len floats of scratch; kv_rows: 2 * context_len * head_dim
- * floats of scratch when head_dim <= SMALL_HEAD_DIM (slots is rewritten then), else
- * (CHUNK_TOKENS + group) * head_dim.
+ * floats). scores: group * context_len floats of scratch; kv_rows: (CHUNK_TOKENS + group) *
+ * head_dim floats of scratch (the rows a wide head converts at a time, then its query in the
+ * form the tiled loops read).
  */
 static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
-                         int64_t *slots, int64_t group, float scale, float *scores, float *out,
-                         float *kv_rows) {
+                         const int64_t *slots, int64_t group, float scale, float *scores,
+                         float *out, float *kv_rows) {
     const int64_t head_dim = kv->head_dim;
 #ifdef KVGATE_ATTEND_WIDE
     float *prepared = kv_rows + CHUNK_TOKENS * head_dim;
@@ -289,14 +350,9 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
 #endif
     /* Constant widths let the compiler unroll the row loops of small heads. */
     switch (head_dim) {
-    case 8: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 8);
-        break;
-    case 16:
-        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 16);
-        break;
-    case 32:
-        attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows, 32);
-        break;
+    case 8: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, 8); break;
+    case 16: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, 16); break;
+    case 32: attend_small(q, kv, kv_head, context_len, slots, group, scale, scores, out, 32); break;
     default:
         attend_rows(q, kv, kv_head, context_len, slots, group, scale, scores, out, head_dim,
                     kv->cache_dtype);
@@ -337,9 +393,9 @@ int64_t kvgate_first_out_of_range(const int64_t *values, int64_t n, int64_t low,
     return -1;
 }
 
-/* Per-thread scratch of the attention loops: scores, a query group and its output, and small
- * heads' converted K/V rows (float32), and a sequence's cache slots. scores is NULL when malloc
- * failed. */
+/* Per-thread scratch of the attention loops: scores, a query group and its output, a chunk of
+ * wide heads' converted K or V rows (float32), and a sequence's cache slots. scores is NULL when
+ * malloc failed. */
 typedef struct {
     float *scores, *q, *out, *kv_rows;
     int64_t *slots;
@@ -347,8 +403,7 @@ typedef struct {
 
 static attention_scratch scratch_alloc(int64_t group, int64_t head_dim, int64_t max_context) {
     attention_scratch s;
-    const int64_t rows =
-        (head_dim <= SMALL_HEAD_DIM ? 2 * max_context : CHUNK_TOKENS + group) * head_dim;
+    const int64_t rows = (CHUNK_TOKENS + group) * head_dim;
     const int64_t floats = group * max_context + 2 * group * head_dim + rows;
     s.slots = malloc(sizeof(int64_t) * (size_t)(max_context > 0 ? max_context : 1));
     s.scores = s.slots == NULL ? NULL : malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));

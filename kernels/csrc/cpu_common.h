@@ -7,6 +7,9 @@
  * rounds where the PyTorch reference rounds gives the same bits. float16 (IEEE binary16) rounds
  * to nearest, ties to even, as torch's c10::Half does; values from 65520 up become infinity.
  * The F16C / AVX-512 instructions convert it where the CPU has them, integer code elsewhere.
+ * float8 e4m3 (torch.float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits, 0x7F and
+ * 0xFF NaN, no infinities) is encoded and decoded by integer code on the float32 bits: nearest,
+ * ties to even, subnormals kept, beyond +-448 saturated (kernels/kv_format.py).
  */
 #ifndef KVGATE_CPU_COMMON_H
 #define KVGATE_CPU_COMMON_H
@@ -14,14 +17,15 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-/* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8 and KVGATE_F16 are KV-cache
- * formats only. An int8 (token, KV head) row is head_dim int8 values, then their float32 scale
- * (4 bytes), and reads back as value * scale (kernels/kv_format.py says why one scale per row). */
-enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2, KVGATE_F16 = 3 };
+/* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8, KVGATE_F16 and KVGATE_FP8 are
+ * KV-cache formats only. An int8 (token, KV head) row is head_dim int8 values, then their float32
+ * scale (4 bytes), and reads back as value * scale (kernels/kv_format.py says why one scale per
+ * row); an fp8 row is the same with e4m3 bytes for values. */
+enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2, KVGATE_F16 = 3, KVGATE_FP8 = 4 };
 
 static inline float bf16_to_f32(uint16_t bits) {
     const uint32_t widened = (uint32_t)bits << 16;
@@ -93,6 +97,41 @@ static inline uint16_t f32_to_f16(float value) {
 #endif
 }
 
+/* value as float8 e4m3 bits. */
+static inline uint8_t f32_to_fp8(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u, magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return (uint8_t)(sign | 0x7fu); /* NaN */
+    if (magnitude >= 0x43e00000u) return (uint8_t)(sign | 0x7eu); /* from 448 (infinity too) */
+    if (magnitude >= 0x3c800000u) { /* normal: rebase the exponent, drop 20 mantissa bits */
+        const uint32_t rebased = magnitude - 0x3c000000u;
+        return (uint8_t)(sign | round_half_even(rebased >> 20, rebased & 0xfffffu, 20));
+    }
+    const int exponent = (int)(magnitude >> 23);
+    if (exponent < 117) return (uint8_t)sign; /* under 2^-10: rounds to zero */
+    /* subnormal: the value in units of 2^-9 */
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const int shift = 141 - exponent;
+    return (uint8_t)(sign | round_half_even(mantissa >> shift, mantissa & ((1u << shift) - 1),
+                                            shift));
+}
+
+/* float8 e4m3 bits as float32: a normal value rebased from exponent bias 7 to 127, a subnormal
+ * k * 2^-9 as the float k times 2^-9 (exact), 0x7F the NaN torch reads it as. No branches and
+ * no table, so a loop of them vectorizes (AVX-512 gathers from a table are slower). */
+static inline float fp8_to_f32(uint8_t byte) {
+    const uint32_t magnitude = byte & 0x7fu;
+    const float subnormal = (float)magnitude * 0x1p-9f;
+    uint32_t bits;
+    memcpy(&bits, &subnormal, sizeof bits);
+    bits = magnitude >= 8u ? (magnitude << 20) + 0x3c000000u : bits;
+    bits = (magnitude == 0x7fu ? 0x7ff00000u : bits) | (uint32_t)(byte & 0x80u) << 24;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
 /* float32 value of element i of an array of `dtype`. */
 static inline float load_elem(const void *base, int dtype, int64_t i) {
     if (dtype == KVGATE_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
@@ -146,12 +185,30 @@ static inline void store_f16_row(uint16_t *dst, const float *src, int64_t n) {
     for (; i < n; ++i) dst[i] = f32_to_f16(src[i]);
 }
 
+/* n contiguous bfloat16 values into float32, with one vector store per 16 (AVX-512) or 8
+ * (AVX2) values: a narrow row stored in halves and then read whole (as the dot products that
+ * follow read it) waits for both stores to retire instead of taking the forwarded value. */
+static inline void load_bf16_row(const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+#endif
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+
 /* n contiguous elements of `dtype` into float32. */
 static inline void load_row(const void *src, int dtype, int64_t n, float *dst) {
     if (dtype == KVGATE_BF16) {
-        const uint16_t *s = src;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+        load_bf16_row(src, n, dst);
     } else if (dtype == KVGATE_F16) {
         load_f16_row(src, n, dst);
     } else {
@@ -172,12 +229,15 @@ static inline void store_row(void *dst, int dtype, const float *src, int64_t n) 
 }
 
 static inline int64_t dtype_size(int dtype) {
-    return dtype == KVGATE_BF16 || dtype == KVGATE_F16 ? 2 : dtype == KVGATE_I8 ? 1 : 4;
+    return dtype == KVGATE_BF16 || dtype == KVGATE_F16       ? 2
+           : dtype == KVGATE_I8 || dtype == KVGATE_FP8 ? 1
+                                                       : 4;
 }
 
-/* Bytes of one cached (token, KV head) row of head_dim values; an int8 row's scale included. */
+/* Bytes of one cached (token, KV head) row of head_dim values; an int8 or fp8 row's scale
+ * included. */
 static inline int64_t cache_row_bytes(int dtype, int64_t head_dim) {
-    return dtype == KVGATE_I8 ? head_dim + 4 : head_dim * dtype_size(dtype);
+    return dtype == KVGATE_I8 || dtype == KVGATE_FP8 ? head_dim + 4 : head_dim * dtype_size(dtype);
 }
 
 /* head_dim values into an int8 cache row: s = max|x| / 127, round(x / s) half to even, 0 where
@@ -195,9 +255,69 @@ __attribute__((optimize("no-fast-math"))) static inline void quantize_row(const 
     memcpy(row + head_dim, &scale, sizeof scale);
 }
 
+/* head_dim values into an fp8 cache row: s = max|x| / 448, x / s as e4m3 (f32_to_fp8), 0
+ * where s = 0, then s. Not fast-math, so x / s rounds as the PyTorch reference's does. */
+__attribute__((optimize("no-fast-math"))) static inline void quantize_fp8_row(const float *x,
+                                                                               int64_t head_dim,
+                                                                               uint8_t *row) {
+    float max_abs = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) max_abs = fabsf(x[i]) > max_abs ? fabsf(x[i]) : max_abs;
+    const float scale = max_abs / 448.0f;
+    for (int64_t i = 0; i < head_dim; ++i) row[i] = f32_to_fp8(scale > 0.0f ? x[i] / scale : 0.0f);
+    memcpy(row + head_dim, &scale, sizeof scale);
+}
+
+#ifdef __AVX512F__
+/* fp8_to_f32 of 16 bytes (widened to 32-bit lanes) times scale, in AVX-512 registers. */
+static inline __m512 fp8x16_to_f32(__m512i bytes, __m512 scale) {
+    const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20),
+                                            _mm512_set1_epi32(0x3c000000));
+    __m512i bits = _mm512_castps_si512(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f)));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(8)),
+                                 normal);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7f)),
+                                 _mm512_set1_epi32(0x7ff00000));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(bits, sign)), scale);
+}
+#endif
+
+/* n e4m3 bytes times scale as float32: 16 at a time in AVX-512 registers (then 8), one at a
+ * time for the rest. */
+static inline void fp8_row_to_f32(const uint8_t *values, int64_t n, float scale, float *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (; i + 16 <= n; i += 16) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(values + i));
+        _mm512_storeu_ps(dst + i, fp8x16_to_f32(_mm512_cvtepu8_epi32(bytes), scale16));
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + i));
+        const __m512 both = fp8x16_to_f32(_mm512_cvtepu8_epi32(bytes), scale16);
+        _mm256_storeu_ps(dst + i, _mm512_castps512_ps256(both));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = fp8_to_f32(values[i]) * scale;
+}
+
+/* An fp8 cache row (head_dim e4m3 bytes, then the scale) as float32. */
+static inline void load_fp8_row(const uint8_t *values, int64_t head_dim, float *dst) {
+    float scale;
+    memcpy(&scale, values + head_dim, sizeof scale);
+    fp8_row_to_f32(values, head_dim, scale, dst);
+}
+
 /* One token's num_heads rows of head_dim float32 values into a cache slot of `dtype`. */
 static inline void store_cache_rows(void *dst, int dtype, const float *src, int64_t num_heads,
                                     int64_t head_dim) {
+    if (dtype == KVGATE_FP8) {
+        for (int64_t h = 0; h < num_heads; ++h)
+            quantize_fp8_row(src + h * head_dim, head_dim, (uint8_t *)dst + h * (head_dim + 4));
+        return;
+    }
     if (dtype != KVGATE_I8) {
         store_row(dst, dtype, src, num_heads * head_dim);
         return;
@@ -208,6 +328,10 @@ static inline void store_cache_rows(void *dst, int dtype, const float *src, int6
 
 /* One cached row of `dtype` (head_dim values) as float32. */
 static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, float *dst) {
+    if (dtype == KVGATE_FP8) {
+        load_fp8_row(src, head_dim, dst);
+        return;
+    }
     if (dtype != KVGATE_I8) {
         load_row(src, dtype, head_dim, dst);
         return;

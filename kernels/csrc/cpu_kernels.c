@@ -415,3 +415,14 @@ void kvgate_silu_and_mul(const void *x, int64_t x_stride, int64_t up_offset, voi
             silu_run_f32((const float *)gate, (const float *)up, (float *)dst, inner);
     }
 }
+
+/* n float32 values as float8 e4m3 bytes, and n bytes back (cpu_common.h's f32_to_fp8 and
+ * fp8_row_to_f32, which the fp8 KV cache's store and attention use), for the tests that hold
+ * them to torch's conversion. */
+void kvgate_fp8_from_f32(const float *x, int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_fp8(x[i]);
+}
+
+void kvgate_fp8_to_f32(const uint8_t *data, int64_t n, float *out) {
+    fp8_row_to_f32(data, n, 1.0f, out);
+}

@@ -6,7 +6,8 @@ The tiled loops take 16 cached tokens a pass and 4 (64 values) or 2 (128) query 
 the cases put contexts on both sides of those tiles and of the cache blocks, and GQA ratios
 that fill a head block, leave a remainder or stay under it. A bfloat16 cache is read in place
 (bfloat16 queries through the AVX512-BF16 dot product, float32 ones widened), float16 and int8
-rows converted a chunk at a time. Tolerances as in test_cpu_dtypes (`close`); every format is
+rows (and fp8 ones, uint8)
+converted a chunk at a time. Tolerances as in test_cpu_dtypes (`close`); every format is
 compared with the reference reading the same cache.
 """
 
@@ -18,7 +19,7 @@ from kernels import reference as ref
 from tests.kernels.paged_cases import cu_seqlens, in_cache_format, make_paged_case
 from tests.kernels.test_cpu_dtypes import close, layer_case
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)  # uint8: fp8
 # (head_dim, GQA ratio): 64 values take 4 heads at a time (one block, a part block), 128 take
 # 2 (a block and a remainder); 48 is the untiled path.
 WIDE_SHAPES = [(64, 1), (64, 3), (64, 4), (128, 3), (48, 3)]

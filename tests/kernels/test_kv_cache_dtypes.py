@@ -1,6 +1,6 @@
-"""KV caches of another format than the model's: 16-bit floats and int8 rows with a float32
-scale per token and head (kernels/kv_format.py), written and read by the C and Triton kernels
-and held against their reference twins (Triton in the interpreter).
+"""KV caches of another format than the model's: 16-bit floats, and int8 or fp8 (uint8 bytes)
+rows with a float32 scale per token and head (kernels/kv_format.py), written and read by the C
+and Triton kernels and held against their reference twins (Triton in the interpreter).
 
 Tolerances: the stores equal the reference bit for bit (except the Triton interpreter's
 bfloat16 conversion, which truncates where torch rounds to nearest: one unit in the last place
@@ -12,13 +12,19 @@ import torch
 
 from kernels import cpu, cpu_attention, triton_attention, triton_cache
 from kernels import reference as ref
-from kernels.kv_format import dequantize_rows, quantize_rows, to_cache_rows
+from kernels.kv_format import (
+    cache_row_width,
+    dequantize_rows,
+    format_name,
+    quantize_rows,
+    to_cache_rows,
+)
 from tests.kernels.paged_cases import in_cache_format, make_paged_case, mixed_prefill_case
 from tests.kernels.test_cpu_dtypes import layer_case
 from tests.kernels.test_triton import assert_close
 
-CPU_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
-TRITON_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+CPU_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8, torch.uint8)
+TRITON_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8, torch.uint8)
 
 
 def store_case(cache_dtype: torch.dtype, activation_dtype: torch.dtype = torch.float32):
@@ -27,7 +33,7 @@ def store_case(cache_dtype: torch.dtype, activation_dtype: torch.dtype = torch.f
     key, value = (3 * torch.randn(9, 2, 16, generator=gen).to(activation_dtype) for _ in "kv")
     key[4] = 0.0  # a row of zeros quantizes with scale 0
     slots = torch.tensor([5, -1, 0, 7, 12, 3, -1, 30, 31])
-    row = 16 + 4 if cache_dtype == torch.int8 else 16
+    row = cache_row_width(16, cache_dtype)
     caches = [torch.zeros(8, 4, 2, row, dtype=cache_dtype) for _ in range(4)]
     return key, value, slots, caches
 
@@ -85,7 +91,7 @@ ATTENTION_CASES = [(cpu_attention, d) for d in CPU_CACHE_DTYPES] + [
 @pytest.mark.parametrize(
     ("kernels", "cache_dtype"),
     ATTENTION_CASES,
-    ids=[f"{k.__name__.split('.')[-1]}-{str(d)[6:]}" for k, d in ATTENTION_CASES],
+    ids=[f"{k.__name__.split('.')[-1]}-{format_name(d)}" for k, d in ATTENTION_CASES],
 )
 def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype):
     decode, prefill = _attention_cases(cache_dtype)
@@ -95,10 +101,11 @@ def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype)
                  ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
 
 
-# Each width takes its own C path: narrow rows converted whole, AVX-512 registers at 64 and 128
-# (bfloat16 rows read in place, float16 and int8 ones converted a chunk of 32 tokens at a
-# time), one row at a time for any other width.
-@pytest.mark.parametrize("head_dim", [8, 48, 128])
+# Each width takes its own C path: narrow rows (8, 16, 32) converted one row at a time for the
+# whole query group, AVX-512 registers at 64 and 128 (bfloat16 rows read in place, other formats
+# converted a chunk of 32 tokens at a time), each element inside the dot products for any other
+# width.
+@pytest.mark.parametrize("head_dim", [8, 16, 48, 128])
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_attention_reads_the_cache_format_at_every_head_width(cache_dtype, head_dim):
     decode, prefill = _attention_cases(cache_dtype, head_dim)
@@ -108,7 +115,7 @@ def test_cpu_attention_reads_the_cache_format_at_every_head_width(cache_dtype, h
                  ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8, torch.uint8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_attention_step_stores_and_reads_the_cache_format_as_the_reference(dtype, cache_dtype):
     step, qkv, k_cache, v_cache = layer_case(12, dtype, torch.float32, "row-major")

@@ -1,10 +1,10 @@
-"""The engine with a KV cache of another format than the model's: 16-bit floats and int8 rows
-with a float32 scale per token and head (kernels/kv_format.py).
+"""The engine with a KV cache of another format than the model's: 16-bit floats, and int8 or
+fp8 (float8 e4m3) rows with a float32 scale per token and head (kernels/kv_format.py).
 
 Greedy tokens must be identical where the numbers are (auto is the model's dtype, as before
-the flag existed; the C kernels against their reference twins on an int8 cache). Where they
-are not (a rounded or quantized cache), the measure is bench/quality.py's teacher-forced top-1
-agreement with the float32 cache along its greedy continuation, computed here on 16 story
+the flag existed; the C kernels against their reference twins on an int8 or fp8 cache). Where
+they are not (a rounded or quantized cache), the measure is bench/quality.py's teacher-forced
+top-1 agreement with the float32 cache along its greedy continuation, computed here on 16 story
 prompts x 128 tokens and held to the bar the bfloat16 and int8 weights meet (>= 95%).
 """
 
@@ -19,10 +19,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.quality import greedy_continuations, measure_quality, tokenized_prompts
 from executor.config import EngineConfig, ExecutorConfig
 from executor.engine import Engine
+from kernels.kv_format import KV_CACHE_DTYPES
 from tests.helpers import STORIES_260K
 
 MIN_TOP1_AGREEMENT = 0.95
-VARIANTS = ("kv-float16", "kv-bfloat16", "kv-int8")
+VARIANTS = ("kv-float16", "kv-bfloat16", "kv-int8", "kv-fp8")
 PROMPTS = [[1, 403, 407, 261, 378], [1, 66, 300, 18], [1, 500, 2, 7, 9, 11, 13, 99, 256]]
 
 
@@ -54,12 +55,12 @@ def test_auto_is_the_model_dtype_token_for_token():
     assert bf16 == _greedy(dtype="bfloat16", kv_cache_dtype="bfloat16")
 
 
-@pytest.mark.parametrize(("name", "row"), [("int8", 8 + 4), ("float16", 8)])
+@pytest.mark.parametrize(("name", "row"), [("int8", 8 + 4), ("float16", 8), ("fp8", 8 + 4)])
 def test_the_c_kernels_on_a_narrow_cache_decode_as_their_reference_twins(name, row):
     engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, kv_cache_dtype=name))
     k_cache = engine.runner.kv_caches[0][0]
-    assert engine.runner.kernels.name == "cpu" and k_cache.dtype == getattr(torch, name)
-    assert k_cache.shape[-1] == row, "stories260K's head_dim 8 (int8: and the row's scale)"
+    assert engine.runner.kernels.name == "cpu" and k_cache.dtype == KV_CACHE_DTYPES[name]
+    assert k_cache.shape[-1] == row, "stories260K's head_dim 8 (int8, fp8: and the row's scale)"
     c_tokens = greedy_continuations(engine, PROMPTS, 48)
     assert c_tokens == _greedy(kv_cache_dtype=name, kernels="reference")
 
@@ -78,7 +79,8 @@ def test_blocks_per_gib_follow_the_format_bytes_scales_included(tmp_path):
     model = str(_head_dim_64_checkpoint(tmp_path))
     blocks, head_dim, layers, kv_heads, block_size = {}, 64, 2, 1, 16
     for name, row_bytes in (("float32", 4 * head_dim), ("bfloat16", 2 * head_dim),
-                            ("float16", 2 * head_dim), ("int8", head_dim + 4)):  # fmt: skip
+                            ("float16", 2 * head_dim), ("int8", head_dim + 4),
+                            ("fp8", head_dim + 4)):  # fmt: skip
         runner = Engine(EngineConfig(model=model, kv_cache_gib=1 / 64, kv_cache_dtype=name)).runner
         block_bytes = 2 * layers * kv_heads * block_size * row_bytes
         assert runner.num_blocks == (1 << 24) // block_bytes, f"{name}: blocks per 16 MiB"
@@ -87,6 +89,7 @@ def test_blocks_per_gib_follow_the_format_bytes_scales_included(tmp_path):
         blocks[name] = runner.num_blocks
     assert blocks["bfloat16"] == blocks["float16"] == 2 * blocks["float32"]
     assert 3.7 < blocks["int8"] / blocks["float32"] < 4, blocks
+    assert blocks["fp8"] == blocks["int8"], "fp8 rows are int8's size: a byte a value, a scale"
 
 
 def test_bad_cache_dtypes_name_the_flag():
@@ -95,5 +98,9 @@ def test_bad_cache_dtypes_name_the_flag():
         == "int8"  # fmt: skip
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float32, "):
         ExecutorConfig.from_args([*model, "--kv-cache-dtype", "fp4"])
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of .*, int8, fp8, got"):
+        ExecutorConfig.from_args([*model, "--kv-cache-dtype", "fp8_e5m2"])
+    assert ExecutorConfig.from_args([*model, "--kv-cache-dtype", "fp8"]).engine.kv_cache_dtype \
+        == "fp8"  # fmt: skip
     assert ExecutorConfig.from_args([*model, "--kv-cache-dtype", "float16"]).engine \
         .kv_cache_dtype == "float16", "the CPU kernels read and write float16"  # fmt: skip

@@ -1,18 +1,24 @@
-"""executor/host_memory: large freed activations stay in the process heap for reuse."""
+"""executor/host_memory: large freed activations stay in the process heap for reuse; the KV
+cache and its host tier are resident only where blocks are written."""
 
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+from common.sampling_params import SamplingParams
 from executor.config import EngineConfig, ExecutorConfig
+from executor.engine import Engine
+from executor.host_memory import resident_nbytes
 from executor.model_runner import ModelRunner
-from tests.helpers import STORIES_260K
+from tests.helpers import STORIES_260K, run_to_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,3 +89,21 @@ def test_the_model_runner_sets_the_thresholds_only_when_asked(monkeypatch: pytes
     assert calls == []
     ModelRunner(EngineConfig(model=str(STORIES_260K)))
     assert calls == ["set"]
+
+
+def test_the_kv_cache_and_its_host_tier_are_resident_only_where_blocks_are_written():
+    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05, swap_space_gib=0.05))
+    caches = [t for layer in engine.runner.kv_caches for t in layer]
+    host = [t for layer in engine.runner.host_pool.host_caches for t in layer]
+    assert sum(resident_nbytes(t) for t in caches + host) == 0, "nothing written yet"
+    params = SamplingParams(max_tokens=27, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", [1, 403, 407, 261, 378], params)  # 32 tokens: blocks 0 and 1
+    assert len(run_to_completion(engine)["r"]) == 27
+    block_bytes = caches[0][0].nbytes
+    bound = (2 * block_bytes + 2 * mmap.PAGESIZE) * len(caches)  # page-rounded, both ends
+    resident = sum(resident_nbytes(t) for t in caches)
+    total = sum(t.nbytes for t in caches)
+    assert 0 < resident <= bound, f"{resident} bytes resident of {total}, expected <= {bound}"
+    assert sum(resident_nbytes(t) for t in host) == 0, "nothing was swapped out"
+    assert all(torch.count_nonzero(t[2:]) == 0 for t in caches), "unwritten blocks read 0"
+    assert sum(resident_nbytes(t) for t in caches) == resident, "reading them took no memory"
