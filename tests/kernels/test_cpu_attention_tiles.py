@@ -6,8 +6,8 @@ The tiled loops take 16 cached tokens a pass and 4 (64 values) or 2 (128) query 
 the cases put contexts on both sides of those tiles and of the cache blocks, and GQA ratios
 that fill a head block, leave a remainder or stay under it. A bfloat16 cache is read in place
 (bfloat16 queries through the AVX512-BF16 dot product, float32 ones widened), float16, int8
-and fp8 (uint8) rows converted a chunk at a time. Tolerances as in test_cpu_dtypes (`close`); every format is
-compared with the reference reading the same cache.
+and fp8 (uint8) rows converted a chunk at a time. Tolerances as in test_cpu_dtypes (`close`);
+every format is compared with the reference reading the same cache.
 """
 
 import pytest
