@@ -24,7 +24,8 @@ SOURCES = tuple(
     CSRC / name for name in ("cpu_attention.c", "cpu_kernels.c", "cpu_linear.c", "cpu_decoder.c")
 )
 HEADERS = tuple(
-    CSRC / name for name in ("cpu_common.h", "cpu_attention_tiles.h", "cpu_transpose.h")
+    CSRC / name
+    for name in ("cpu_common.h", "cpu_attend.h", "cpu_attention_tiles.h", "cpu_transpose.h")
 )
 BUILD_DIR_ENV = "KVGATE_BUILD_DIR"
 # -ffast-math lets the compiler reorder float sums and call vectorized expf. It is given when
