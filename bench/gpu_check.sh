@@ -8,7 +8,8 @@
 # Prints every Triton kernel against its PyTorch reference in bfloat16, float16 and float32,
 # paged decode/prefill attention timings next to PyTorch SDPA, then the engine benchmark
 # (bench/gpu_engine.py): tokens/s at 1 and 64 concurrent requests against transformers
-# generate_batch, and the batch-1 decode step (CUDA graphs and eager) against the bandwidth bound.
+# generate_batch, and the batch-1 decode step (CUDA graphs and eager) against the bandwidth bound;
+# then the KV host tier (bench/gpu_swap.py): requests preempted by swap against no preemption.
 # With two or more GPUs, tensor parallelism last (bench/tensor_parallel.py): two ranks' greedy
 # tokens against one rank's and their tokens/s; with one GPU it says why it is skipped.
 set -euo pipefail
@@ -50,6 +51,9 @@ timeout 420 "$PYTHON" -m bench.gpu_kernels || status=$?
 
 # The engine on a random model shaped like Llama-3.2-1B, against transformers generate_batch.
 timeout 240 "$PYTHON" -m bench.gpu_engine || status=$?
+
+# The KV host tier: pinned memory, copies on a side stream; swap = recompute = no preemption.
+timeout 120 "$PYTHON" -m bench.gpu_swap || status=$?
 
 # Tensor parallelism: two ranks on two GPUs (NCCL) against one.
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
