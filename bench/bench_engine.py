@@ -263,7 +263,6 @@ def run(args: argparse.Namespace) -> dict:
     with benchmark_model(args, dtype) as (engine_model, model):
         vocab_size = model.config.vocab_size
         prompts = workload.prompts(vocab_size)
-        num_params = count_parameters(model)
         # Warm-up prompts of another seed: the measured prompts must not hit the prefix cache.
         warm_up = Workload(4, args.prompt_len, 8, seed=workload.seed + 1).prompts(vocab_size)
 
@@ -287,7 +286,13 @@ def run(args: argparse.Namespace) -> dict:
         )
         engine = fresh_engine()
         step_ms = {str(c): decode_step_ms(engine, c) for c in args.contexts}
+    return _result(args, workload, model, flops, best, samples, step_ms)
+
+
+def _result(args, workload, model, flops, best, samples, step_ms) -> dict:
+    """run's JSON: the rates beside each other and against the roofline."""
     kvgate, hf_one, hf_batch = best["kvgate"], best["hf_generate"], best["hf_generate_batch"]
+    num_params = count_parameters(model)
     roofline = roofline_tokens_per_s(flops, model.config, workload)
     output_only = output_tokens_only_tokens_per_s(flops, num_params)
     return {
