@@ -461,6 +461,9 @@ static void run_rows(const linear_io *io, const weights *wt, int64_t row0, int R
     }
 }
 
+/* Zero elements after the packed x rows (see kvgate_linear). */
+#define X_TAIL 16
+
 /* Whether the bfloat16 kernel multiplies bfloat16 x directly (else x is packed as float32). */
 static int packs_bf16(int kind) { return kind == KVGATE_W_BF16 && has_vector_kernel(kind); }
 
@@ -468,8 +471,13 @@ int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_str
                   int64_t col_stride, int64_t m, void *out, int out_dtype, int num_threads) {
     const int64_t k = wt->in_features, n = wt->out_features, ld = (k + 31) / 32 * 32;
     const int to_bf16 = packs_bf16(wt->kind);
-    void *packed = malloc((size_t)(m * ld) * (to_bf16 ? 2 : 4) + 1);
+    /* A 16-wide load that starts inside an int8 group of a size no multiple of 16 reads up to
+     * 15 elements past the group's end: in the last row, past the packed rows, into X_TAIL zeros
+     * (the weights there are masked to zero, but 0 * NaN from stray memory is NaN). */
+    const size_t elem = to_bf16 ? 2 : 4, bytes = (size_t)(m * ld) * elem;
+    char *packed = malloc(bytes + X_TAIL * elem);
     if (packed == NULL) return 1;
+    memset(packed + bytes, 0, X_TAIL * elem);
     pack_x(x, x_dtype, row_stride, col_stride, m, k, ld, to_bf16, packed);
     const linear_io io = {packed, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
     const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
