@@ -267,37 +267,36 @@ __attribute__((optimize("no-fast-math"))) static inline void quantize_fp8_row(co
     memcpy(row + head_dim, &scale, sizeof scale);
 }
 
-#ifdef __AVX512F__
-/* fp8_to_f32 of 16 bytes (widened to 32-bit lanes) times scale, in AVX-512 registers. */
-static inline __m512 fp8x16_to_f32(__m512i bytes, __m512 scale) {
-    const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7f));
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x80)), 24);
-    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(magnitude, 20),
-                                            _mm512_set1_epi32(0x3c000000));
-    __m512i bits = _mm512_castps_si512(
-        _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f)));
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(8)),
-                                 normal);
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7f)),
-                                 _mm512_set1_epi32(0x7ff00000));
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(bits, sign)), scale);
-}
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* e4m3 bytes (widened to 16-bit lanes) as the float16 of value / 256: the sign moves to bit 15
+ * and the exponent and mantissa bits to bits 7..13, which float16 (exponent bias 15, not 7)
+ * reads as the same value times 2^-8, subnormals included. The NaN pattern (magnitude 0x7f)
+ * becomes a float16 NaN. Every e4m3 value is exact in float16, and the caller's scale times
+ * 256 restores it: one rounding, as fp8_to_f32(byte) * scale. */
+#define FP8_AS_F16(mm, si, bytes)                                                             \
+    mm##_mask_mov_epi16(                                                                      \
+        mm##_or_##si(mm##_and_##si(mm##_slli_epi16(bytes, 8), mm##_set1_epi16((short)0x8000)), \
+                     mm##_and_##si(mm##_slli_epi16(bytes, 7), mm##_set1_epi16(0x3f80))),       \
+        mm##_cmpeq_epi16_mask(mm##_and_##si(bytes, mm##_set1_epi16(0x7f)),                    \
+                              mm##_set1_epi16(0x7f)),                                         \
+        mm##_set1_epi16(0x7e00))
 #endif
 
 /* n e4m3 bytes times scale as float32: 16 at a time in AVX-512 registers (then 8), one at a
  * time for the rest. */
 static inline void fp8_row_to_f32(const uint8_t *values, int64_t n, float scale, float *dst) {
     int64_t i = 0;
-#ifdef __AVX512F__
-    const __m512 scale16 = _mm512_set1_ps(scale);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 scale16 = _mm512_set1_ps(scale * 256.0f);
     for (; i + 16 <= n; i += 16) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(values + i));
-        _mm512_storeu_ps(dst + i, fp8x16_to_f32(_mm512_cvtepu8_epi32(bytes), scale16));
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(values + i)));
+        const __m512 unscaled = _mm512_cvtph_ps(FP8_AS_F16(_mm256, si256, bytes));
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(unscaled, scale16));
     }
     for (; i + 8 <= n; i += 8) {
-        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + i));
-        const __m512 both = fp8x16_to_f32(_mm512_cvtepu8_epi32(bytes), scale16);
-        _mm256_storeu_ps(dst + i, _mm512_castps512_ps256(both));
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(values + i)));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(FP8_AS_F16(_mm, si128, bytes)),
+                                                _mm512_castps512_ps256(scale16)));
     }
 #endif
     for (; i < n; ++i) dst[i] = fp8_to_f32(values[i]) * scale;
