@@ -25,7 +25,13 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     CSRC / name
-    for name in ("cpu_common.h", "cpu_attend.h", "cpu_attention_tiles.h", "cpu_transpose.h")
+    for name in (
+        "cpu_common.h",
+        "cpu_attend.h",
+        "cpu_attention_tiles.h",
+        "cpu_transpose.h",
+        "cpu_int4.h",
+    )
 )
 BUILD_DIR_ENV = "KVGATE_BUILD_DIR"
 # -ffast-math lets the compiler reorder float sums and call vectorized expf. It is given when

@@ -22,7 +22,7 @@ import torch
 
 from kernels.cpu import check_cpu
 from kernels.cpu_build import DTYPE_CODES, WEIGHT_KINDS, LinearWeightsStruct, library
-from kernels.quant import QuantizedWeight
+from kernels.quant import QuantizedWeight, round_activations
 from kernels.validation import check_linear, check_quantized_linear
 
 # Largest batch the C small-batch kernels take; larger ones run a dense matmul.
@@ -74,8 +74,10 @@ def linear_quantized(
 ) -> torch.Tensor:
     """The CPU twin of kernels.reference.linear_quantized, column-major (see the module).
 
-    Small batches accumulate in float32 from the exact weights; larger ones multiply weights
-    dequantized to x.dtype (for bfloat16, rounded to it) with torch.
+    Small batches accumulate in float32 from the exact weights (int4: integer block sums
+    against x rounded to int8 blocks, see kernels/csrc/cpu_int4.h); larger ones multiply weights
+    dequantized to x.dtype (for bfloat16, rounded to it) with torch, for int4 by x rounded to
+    its int8 blocks as well (kernels.quant.round_activations, then to x.dtype).
     """
     check_quantized_linear(x, weight, bias)
     check_cpu({"x": x}, floats=("x",), inner_dims={"x": 0})
@@ -129,6 +131,8 @@ def _dequantized_matmul(
 ) -> torch.Tensor:
     """[out_features, N] = dequantized weight @ x^T (+ bias), a slice of rows at a time."""
     out = torch.empty(weight.out_features, x.shape[0], dtype=x.dtype)
+    if weight.bits == 4:
+        x = round_activations(x).to(x.dtype)
     rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
     x_t = x.t()
     for start in range(0, weight.out_features, rows_per_chunk):

@@ -9,6 +9,11 @@ One format per bit width, read by the C kernels, the Triton kernels and the refe
   `scales` and `zeros` float16 [out, in / group_size]; w = q * scale + zero, q in 0..15 (zero is
   the weight that q = 0 stands for: Q4_1's `m`). group_size is a multiple of 32.
 
+An int4 linear layer multiplies its weights with activations rounded to int8 in blocks of 32
+values (`quantize_activations`, the Q8 blocks llama.cpp pairs with Q4 weights), so that the CPU
+kernel's block products are integer multiply-adds (VNNI); every backend rounds the activations
+the same way, and int8 weights multiply the activations as they are.
+
 A loader that reads already-quantized tensors builds the weight directly (`int4_weight`,
 `int8_weight`, or from GGUF blocks with `from_gguf_q8_0`, `from_gguf_q4_0`, `from_gguf_q4_1`:
 their nibble order is this one, so the bytes are copied, not unpacked and repacked), reorders
@@ -23,6 +28,10 @@ import torch
 
 INT4_BLOCK = 32  # weights per packed block (16 bytes)
 DEFAULT_INT4_GROUP_SIZE = 32
+ACTIVATION_BLOCK = 32  # activation values per int8 scale in an int4 layer
+# 1/127 rounded to float32: an activation block's scale is max |x| times it (a product, which
+# the C kernels compute identically; a division by 127 the compiler may turn into this product).
+_ONE_127TH = torch.tensor(1 / 127, dtype=torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,3 +245,26 @@ def _int4_from_bytes(
 ) -> QuantizedWeight:
     qweight = nibbles.contiguous().reshape(out_features, -1)
     return QuantizedWeight(4, qweight, scales.contiguous(), zeros.contiguous(), INT4_BLOCK)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [N, K] (K a multiple of 32) as int8 in blocks of 32 values: (q [N, K] int8,
+    scales [N, K / 32] float32), x ~ q * scale. In float32: scale = max |x| * float32(1/127),
+    q = round-half-even(x * (1 / scale)) in -127..127 (0 for a block of zeros), the operations
+    the C kernel does (kernels/csrc/cpu_int4.h)."""
+    rows, k = x.shape
+    if k % ACTIVATION_BLOCK != 0:
+        raise ValueError(f"x.shape[1] must be a multiple of {ACTIVATION_BLOCK}, got {k}")
+    blocks = x.float().reshape(rows, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    scales = blocks.abs().amax(dim=-1, keepdim=True) * _ONE_127TH
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round(blocks * inverse).clamp(-127, 127).to(torch.int8)
+    return q.reshape(rows, k), scales.squeeze(-1)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [N, K] as float32 values of its int8 blocks (q * scale, see quantize_activations):
+    what an int4 linear layer multiplies."""
+    q, scales = quantize_activations(x)
+    blocks = q.float().reshape(x.shape[0], -1, ACTIVATION_BLOCK) * scales.unsqueeze(-1)
+    return blocks.reshape(x.shape)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernels.attention_step import AttentionStep
 from kernels.decoder import DecoderKernel, DecoderWeights, decoder_layers_with
 from kernels.kv_format import cache_kv_heads, read_cache, to_cache_rows
-from kernels.quant import QuantizedWeight
+from kernels.quant import QuantizedWeight, round_activations
 from kernels.validation import (
     check_argmax,
     check_decode,
@@ -226,8 +226,9 @@ def linear_quantized(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x @ w^T + bias for a weight-only quantized w, computed in float32 from the dequantized
-    weight and rounded once to the result's dtype.
+    """x @ w^T + bias for a quantized w, computed in float32 from the dequantized weight and
+    rounded once to the result's dtype; for int4 weights x is first rounded to int8 blocks of
+    32 values (kernels.quant.round_activations), for int8 it is used as it is.
 
     Args:
         x: [N, in_features] floats.
@@ -240,7 +241,8 @@ def linear_quantized(
     """
     check_quantized_linear(x, weight, bias)
     bias = None if bias is None else bias.float()
-    out = F.linear(x.float(), weight.dequantize(torch.float32), bias)
+    values = round_activations(x) if weight.bits == 4 else x.float()
+    out = F.linear(values, weight.dequantize(torch.float32), bias)
     return out.to(out_dtype or x.dtype)
 
 

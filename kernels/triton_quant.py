@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QuantizedWeight
+from kernels.quant import QuantizedWeight, round_activations
 from kernels.validation import check_quantized_linear, expect_triton_device
 
 BLOCK_N = 64
@@ -81,6 +81,8 @@ def linear_quantized(
     """
     check_quantized_linear(x, weight, bias)
     expect_triton_device("x", x)
+    if weight.bits == 4:  # int8 blocks of x (see kernels.quant), back in x's dtype
+        x = round_activations(x).to(x.dtype)
     num_rows, k = x.shape
     n = weight.out_features
     out = torch.empty(num_rows, n, dtype=out_dtype or x.dtype, device=x.device)

@@ -356,6 +356,10 @@ static void rms_norm_block(const rms_args *a, int column_major, int64_t first, i
 void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t res_ld,
                      const void *weight, void *out, void *out_residual, int64_t rows,
                      int64_t hidden, int column_major, int dtype, float eps, int num_threads) {
+    /* One row held column-major with no gaps is one contiguous row: the row-major loop reads
+     * it in order (the column-major one would take a masked 16-lane vector per element). */
+    if (column_major && rows == 1 && x_ld == 1 && (residual == NULL || res_ld == 1))
+        column_major = 0;
     const rms_args a = {x, residual, weight, out, out_residual, x_ld, res_ld, rows, hidden,
                         dtype, eps};
     /* A row-major block is one row: its elements are read in order. */

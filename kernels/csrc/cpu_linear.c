@@ -6,11 +6,11 @@
  * read the weights; these kernels keep the weights in their own format all the way into the
  * registers and multiply there, in float32 (bfloat16: AVX512-BF16 dot products, exact products
  * summed in float32). Four weight rows and up to four rows of x are done together, so each
- * weight is loaded and converted once per four rows of x. Quantized weights are read a group at
- * a time, the group's scale (and zero) turned into vector constants once, never per weight: an
- * int4 nibble becomes its float32 weight in one lane permutation (int4_block). For larger
- * batches the caller multiplies with torch instead, quantized weights dequantized first
- * (kvgate_dequantize).
+ * weight is loaded and converted once per four rows of x. int8 weights are read a group at a
+ * time, the group's scale a vector constant, never applied per weight. int4 weights meet x
+ * rounded to int8 blocks of 32 in integer multiply-adds (cpu_int4.h), each block's sums scaled
+ * once. For larger batches the caller multiplies with torch instead, quantized weights
+ * dequantized first (kvgate_dequantize).
  *
  * Quantized formats (kernels/quant.py):
  *   int8  q [n, k] int8, scales [n, k / group_size] float32: w = q * scale (per-channel:
@@ -20,10 +20,12 @@
  *         scales and zeros [n, k / group_size] float16: w = q * scale + zero, q in 0..15.
  *         group_size is a multiple of 32 and divides k.
  * x [m, k] has any strides and the activation dtype; it is copied into a dense float32 (or
- * bfloat16) scratch first. out is column-major: out[r * m + i] is row i's output r, of
+ * bfloat16) scratch first, and for int4 weights rounded to int8 blocks (kernels/quant.py's
+ * quantize_activations). out is column-major: out[r * m + i] is row i's output r, of
  * out_dtype (the activation dtype, or float32 for logits); the bias has the activation dtype.
  * The caller (kernels/cpu_linear.py) checks shapes, dtypes and strides.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,8 +60,11 @@ static void pack_x(const void *x, int x_dtype, int64_t row_stride, int64_t col_s
 }
 
 /* What every kernel below needs besides its weights. */
+struct int4_x;
+
 typedef struct {
     const void *x; /* packed: [m, ld] float32 or bfloat16 */
+    const struct int4_x *xq; /* int4 weights: x rounded to int8 blocks (cpu_int4.h) */
     int64_t m, k, ld, n;
     const void *bias;
     int bias_dtype;
@@ -210,71 +215,6 @@ static inline __attribute__((always_inline)) void f32_block(
     FOR_ROWS(UNSCALED_OUT);
 }
 
-/* n float16 values as float32 (n <= INT4_GROUP_CHUNK). */
-static inline void f16_row(const uint16_t *src, int64_t n, float *dst) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 mask = tail_mask16(n - i);
-        _mm512_mask_storeu_ps(dst + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + i)));
-    }
-}
-
-/* Groups whose float16 scales and zeros are converted at a time (so a broadcast in the inner
- * loop is one load, not a conversion). */
-#define INT4_GROUP_CHUNK 256
-
-/* The 16 weights a group's nibbles stand for: q * scale + zero for q = 0..15, in lane q. */
-static inline __m512 int4_values(float scale, float zero) {
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(zero));
-}
-
-/*
- * int4 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1, one 32-weight block at a time.
- * A nibble becomes its weight with one lane permutation of the group's 16 possible weights
- * (vpermps reads the low 4 bits of each 32-bit index): the bytes widened to 32 bits index the
- * low nibbles as they are and the high ones shifted down, so a block costs a widening, a shift
- * and two permutations before its multiply-adds, and the scale and zero are applied once per
- * group and row rather than per weight.
- */
-static inline __attribute__((always_inline)) void int4_block(
-    const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-    int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
-    const int64_t k = io->k, groups = k / group_size, row_bytes = k / 2;
-    const float *x = (const float *)io->x + i0 * io->ld;
-    float scale_f32[ROW_BLOCK][INT4_GROUP_CHUNK], zero_f32[ROW_BLOCK][INT4_GROUP_CHUNK];
-    DECLARE_ALL_ACCUMULATORS;
-    for (int64_t g0 = 0; g0 < groups; g0 += INT4_GROUP_CHUNK) {
-        const int64_t count = groups - g0 < INT4_GROUP_CHUNK ? groups - g0 : INT4_GROUP_CHUNK;
-        for (int r = 0; r < R; ++r) {
-            f16_row(scales + (row0 + r) * groups + g0, count, scale_f32[r]);
-            f16_row(zeros + (row0 + r) * groups + g0, count, zero_f32[r]);
-        }
-        for (int64_t g = 0; g < count; ++g) {
-#define GROUP_VALUES(r) int4_values(scale_f32[r][g], zero_f32[r][g])
-            ROW_VECTORS(t, GROUP_VALUES);
-#undef GROUP_VALUES
-            const int64_t start = (g0 + g) * group_size;
-            for (int64_t j = start; j < start + group_size; j += 32) {
-                LOAD_X(lo, _mm512_loadu_ps, j);
-                LOAD_X(hi, _mm512_loadu_ps, j + 16);
-#define INT4_ROW(r)                                                                          \
-                do {                                                                         \
-                    const uint8_t *src = q + (row0 + (r)) * row_bytes + j / 2;               \
-                    _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);           \
-                    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src)); \
-                    const __m512 w_lo = _mm512_permutexvar_ps(bytes, t##r);                  \
-                    const __m512 w_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), t##r); \
-                    ACCUMULATE(r, w_lo, xlo);                                                \
-                    ACCUMULATE(r, w_hi, xhi);                                                \
-                } while (0)
-                FOR_ROWS(INT4_ROW);
-#undef INT4_ROW
-            }
-        }
-    }
-    FOR_ROWS(UNSCALED_OUT);
-}
-
 #ifdef __AVX512BF16__
 static inline __m512 bf16_pairs(const uint16_t *p) { return (__m512)_mm512_loadu_si512(p); }
 
@@ -310,6 +250,8 @@ static inline __attribute__((always_inline)) void bf16_block(
 #define KVGATE_BF16_DOT 1
 #endif
 #endif
+
+#include "cpu_int4.h"
 
 typedef kvgate_linear_weights weights;
 
@@ -391,13 +333,17 @@ static void store_row_vector(const float *src, int64_t n, void *dst, int dtype) 
 
 /* Whether this build has a vector kernel for the weights' kind. */
 static int has_vector_kernel(int kind) {
+    int bf16 = 0, int4 = 0;
 #ifdef KVGATE_BF16_DOT
-    (void)kind;
-    return 1;
-#elif defined(KVGATE_AVX512)
-    return kind != KVGATE_W_BF16;
+    bf16 = 1;
+#endif
+#ifdef KVGATE_INT4_VNNI
+    int4 = 1;
+#endif
+#ifdef KVGATE_AVX512
+    return kind == KVGATE_W_BF16 ? bf16 : kind == KVGATE_W_INT4 ? int4 : 1;
 #else
-    (void)kind;
+    (void)kind, (void)bf16, (void)int4;
     return 0;
 #endif
 }
@@ -409,7 +355,7 @@ static int has_vector_kernel(int kind) {
         if (wt->kind == KVGATE_W_INT8)                                                      \
             int8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);              \
         else if (wt->kind == KVGATE_W_INT4)                                                 \
-            int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M);   \
+            INT4_BLOCK(R, M);                                                               \
         else if (wt->kind == KVGATE_W_F32)                                                  \
             f32_block(io, wt->q, row0, R, i0, M);                                           \
         else                                                                                \
@@ -419,6 +365,11 @@ static int has_vector_kernel(int kind) {
 #define BF16_BLOCK(R, M) bf16_block(io, wt->q, row0, R, i0, M)
 #else
 #define BF16_BLOCK(R, M) (void)0
+#endif
+#ifdef KVGATE_INT4_VNNI
+#define INT4_BLOCK(R, M) int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M)
+#else
+#define INT4_BLOCK(R, M) (void)0
 #endif
 
 static void vector_rows_of(const linear_io *io, const weights *wt, int64_t row0, int64_t i0,
@@ -475,11 +426,22 @@ int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_str
      * 15 elements past the group's end: in the last row, past the packed rows, into X_TAIL zeros
      * (the weights there are masked to zero, but 0 * NaN from stray memory is NaN). */
     const size_t elem = to_bf16 ? 2 : 4, bytes = (size_t)(m * ld) * elem;
-    char *packed = malloc(bytes + X_TAIL * elem);
+    const size_t int4_bytes = INT4_X_BYTES(wt->kind, m, k);
+    char *packed = malloc(bytes + X_TAIL * elem + int4_bytes);
     if (packed == NULL) return 1;
-    memset(packed + bytes, 0, X_TAIL * elem);
+    memset(packed + bytes, 0, X_TAIL * elem + int4_bytes);
     pack_x(x, x_dtype, row_stride, col_stride, m, k, ld, to_bf16, packed);
-    const linear_io io = {packed, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
+    linear_io io = {packed, NULL, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
+#ifdef KVGATE_INT4_VNNI
+    int4_x xq;
+    if (wt->kind == KVGATE_W_INT4) {
+        xq = int4_x_layout(packed + bytes + X_TAIL * elem, m, k);
+        quantize_x((const float *)packed, m, k, ld, &xq);
+        io.xq = &xq;
+    }
+#else
+    if (wt->kind == KVGATE_W_INT4) round_x_blocks((float *)packed, m, k, ld);
+#endif
     const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

@@ -1,9 +1,10 @@
 """Weight-only quantization: the int8 and int4 formats, GGUF blocks read into them, and the
 quantized (and bfloat16) linear kernels of the CPU and of Triton against the reference.
 
-The reference multiplies the dequantized weight in float32. The C small-batch kernels do the
-same sums in another order: within 1e-5 relative to the largest output for float32, and equal
-to the reference's rounding (one bfloat16 step) for bfloat16. Larger batches multiply weights
+The reference multiplies the dequantized weight in float32 (int4: by the activations rounded
+to int8 blocks of 32, quant.round_activations). The C small-batch kernels do the same sums in
+another order: within 1e-5 relative to the largest output for float32, and equal to the
+reference's rounding (one bfloat16 step) for bfloat16. Larger batches multiply weights
 dequantized to the activation dtype: for bfloat16 the weights are rounded too (a few steps).
 """
 
@@ -111,6 +112,7 @@ def make_weights(out_features: int, in_features: int, seed: int, odd_int8_groups
         "int8-g24": quant.quantize_int8(dense, 24) if odd_groups else None,
         "int4": quant.quantize_int4(dense, 32) if in_features % 32 == 0 else None,
         "int4-g96": quant.quantize_int4(dense, 96) if in_features % 96 == 0 else None,
+        "int4-row": quant.quantize_int4(dense, in_features) if in_features % 32 == 0 else None,
     }
     return gen, {name: w for name, w in kinds.items() if w is not None}
 
@@ -118,10 +120,14 @@ def make_weights(out_features: int, in_features: int, seed: int, odd_int8_groups
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 20])
-@pytest.mark.parametrize(("out_features", "in_features"), [(36, 96), (38, 96), (37, 172)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(36, 96), (38, 96), (37, 172), (37, 160), (6, 8320)]
+)
 def test_cpu_quantized_linear_matches_the_reference(out_features, in_features, rows, dtype, layout):
-    """Sizes: 96 inputs are three int4 blocks (a pair and one left over), 172 is no multiple of
-    the 16-wide vectors; 37 and 38 outputs leave rows past the last four-row block."""
+    """Sizes: 96 inputs are three int4 blocks (less than the int4 kernel's four-block chunk),
+    160 five (a chunk and one over), 8320 is 260 blocks (past the 256 whose scales the kernel
+    converts at a time); 172 is no multiple of the 16-wide vectors; 37 and 38 outputs leave rows
+    past the last four-row block."""
     seed = in_features + rows
     gen, weights = make_weights(out_features, in_features, seed, odd_int8_groups=True)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
@@ -140,6 +146,43 @@ def test_cpu_quantized_linear_matches_the_reference(out_features, in_features, r
         assert logits.dtype == torch.float32
         logit_bound = 1e-5 if rows <= 8 or dtype == torch.float32 else 4 * BF16_STEP
         assert relative_error(logits, expected_logits) <= logit_bound, f"{name} logits"
+
+
+def test_activations_round_to_int8_blocks_of_32_by_their_largest_value():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 128, generator=gen) * torch.tensor([1e-3, 1.0, 50.0]).unsqueeze(1)
+    x[1, 32:64] = 0.0  # a block of zeros
+    x[2, 64] = -400.0  # a block whose largest magnitude is negative
+    q, scales = quant.quantize_activations(x)
+    assert q.dtype == torch.int8 and scales.shape == (3, 4)
+    blocks = x.reshape(3, 4, 32)
+    assert torch.equal(scales, blocks.abs().amax(-1) * torch.tensor(1 / 127))
+    assert q.reshape(3, 4, 32).abs().amax(-1).tolist() == [[127] * 4, [127, 0, 127, 127],
+                                                            [127] * 4]  # fmt: skip
+    assert q[2, 64] == -127 and (q[1, 32:64] == 0).all()
+    rounded = quant.round_activations(x).reshape(3, 4, 32)
+    assert ((rounded - blocks).abs() <= scales.unsqueeze(-1) * (0.5 + 1e-5)).all()
+    with pytest.raises(ValueError, match="x.shape.1. must be a multiple of 32, got 48"):
+        quant.quantize_activations(torch.zeros(2, 48))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 7, 9])
+def test_int4_layers_round_activations_exactly_as_the_reference(rows, dtype):
+    """An identity int4 weight (scale 1, zero 0) returns the activations it multiplied: the C
+    kernel's int8 blocks (small batches) and the dequantized matmul's (9 rows) are the
+    reference's to the bit."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 256, generator=gen) * torch.rand(rows, 1, generator=gen) * 8).to(dtype)
+    x[0, 96:128] = 0.0
+    identity = quant.int4_weight(torch.eye(256, dtype=torch.uint8), torch.ones(256, 8),
+                                 torch.zeros(256, 8), 32)  # fmt: skip
+    out = cpu_linear.linear_quantized(x, identity, None, torch.float32)
+    expected = quant.round_activations(x)
+    if rows > cpu_linear.SMALL_BATCH_ROWS:  # torch multiplies the rounded x in x's dtype
+        expected = expected.to(dtype).float()
+    assert torch.equal(out, expected), "the int8 blocks differ"
+    assert not torch.equal(out, x.float()), "the activations were not rounded"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 33])

@@ -107,5 +107,7 @@ def test_engine_on_kept_blocks_computes_the_dequantized_models_logits(tmp_path: 
         config = EngineConfig(model=str(path), kv_cache_gib=0.02, quantization=quantization)
         return Engine(config).prompt_logits(PROMPT)
 
+    # int4 layers multiply activations rounded to int8 blocks of 32 (kernels.quant): within a
+    # percent of the largest logit of the dense model (a wrong block layout is off by far more).
     dense = logits("none")
-    torch.testing.assert_close(logits("int4"), dense, atol=1e-3 * dense.abs().max(), rtol=0)
+    torch.testing.assert_close(logits("int4"), dense, atol=1e-2 * dense.abs().max(), rtol=0)

@@ -1,0 +1,245 @@
+/*
+ * int4 weights against activations rounded to int8 (cpu_linear.c's small-batch int4 kernel).
+ *
+ * Each row of x is rounded to int8 in blocks of 32 values, as kernels/quant.py's
+ * quantize_activations does (scale = max |x| * float32(1/127), q = round(x * (1 / scale))), so
+ * that a block of 32 weights meets its 32 x values in integer multiply-adds: VNNI's vpdpbusd
+ * multiplies 64 unsigned bytes (nibbles) by 64 signed bytes and adds each 4 products into a
+ * 32-bit lane. With w = q * scale + zero (kernels/quant.py), a block's share of an output is
+ *     sum_j w_j x_j = scale * dx * sum_j q_j qx_j + zero * dx * sum_j qx_j,
+ * an exact integer sum times two scales, plus the zero times the x block's own sum.
+ *
+ * Quantized x, per row, in chunks of 4 blocks (128 values; the last chunk zero-padded):
+ *   q:     128 bytes a chunk: the 4 blocks' values 0..15 (block b's at 16 b), then their values
+ *          16..31. A weight block's 16 bytes hold its values j and j + 16 in the low and high
+ *          nibbles of byte j, so a chunk's 64 weight bytes masked to their low nibbles line up
+ *          with the first 64 x bytes, and shifted to their high nibbles with the last 64;
+ *   lanes: 16 floats a chunk, block b's dx in lanes 4 b .. 4 b + 3: the lanes into which
+ *          vpdpbusd sums block b's products;
+ *   sums:  4 floats a chunk, dx * sum_j qx_j of each block (what the weight's zero multiplies).
+ *
+ * The scale, its inverse and the rounding use the embedded-rounding intrinsics: -ffast-math may
+ * rewrite plain float divisions (a reciprocal estimate, or a product by an inverse), and the
+ * quantization must equal the reference's to the bit.
+ */
+#ifndef KVGATE_CPU_INT4_H
+#define KVGATE_CPU_INT4_H
+
+#if defined(KVGATE_AVX512) && defined(__AVX512VNNI__)
+#define KVGATE_INT4_VNNI 1
+
+#define INT4_X_CHUNK 128  /* x values (4 blocks of 32) per chunk */
+#define INT4_BLOCK_CHUNK 256 /* blocks whose weight scales and zeros are converted at a time */
+
+typedef struct int4_x {
+    int8_t *q;      /* [m, chunks * 128] */
+    float *lanes;   /* [m, chunks * 16] */
+    float *sums;    /* [m, chunks * 4] */
+    int64_t chunks; /* per row */
+} int4_x;
+
+/* Bytes of the quantized x of m rows of k values (q, then lanes, then sums). */
+static inline size_t int4_x_bytes(int64_t m, int64_t k) {
+    const int64_t chunks = (k + INT4_X_CHUNK - 1) / INT4_X_CHUNK;
+    return (size_t)(m * chunks * (INT4_X_CHUNK + 16 * 4 + 4 * 4));
+}
+
+/* Cut `memory` (int4_x_bytes(m, k), zeroed) into x's arrays. */
+static inline int4_x int4_x_layout(char *memory, int64_t m, int64_t k) {
+    const int64_t chunks = (k + INT4_X_CHUNK - 1) / INT4_X_CHUNK;
+    int4_x x = {(int8_t *)memory, NULL, NULL, chunks};
+    x.lanes = (float *)(memory + m * chunks * INT4_X_CHUNK);
+    x.sums = x.lanes + m * chunks * 16;
+    return x;
+}
+
+#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* Block b of row i (32 floats at src) into x: its int8 values, its scale and its sum. */
+static inline void quantize_x_block(const float *src, int64_t i, int64_t b, const int4_x *x) {
+    const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m128 scale = _mm_mul_round_ss(_mm_set_ss(amax), _mm_set_ss((float)(1.0 / 127.0)), ROUNDED);
+    const float scale_f = _mm_cvtss_f32(scale);
+    const __m512 inverse = scale_f > 0.0f
+        ? _mm512_broadcastss_ps(_mm_div_round_ss(_mm_set_ss(1.0f), scale, ROUNDED))
+        : _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+#define ROUND_HALF(v)                                                                       \
+    _mm512_min_epi32(high, _mm512_max_epi32(low, _mm512_cvt_roundps_epi32(                  \
+                                                      _mm512_mul_round_ps(v, inverse, ROUNDED), ROUNDED)))
+    const __m512i q_lo = ROUND_HALF(lo), q_hi = ROUND_HALF(hi);
+#undef ROUND_HALF
+    const int64_t chunk = i * x->chunks + b / 4, in_chunk = b % 4;
+    int8_t *q = x->q + chunk * INT4_X_CHUNK + 16 * in_chunk;
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q_lo));
+    _mm_storeu_si128((__m128i *)(q + 64), _mm512_cvtepi32_epi8(q_hi));
+    _mm_storeu_ps(x->lanes + chunk * 16 + 4 * in_chunk, _mm_set1_ps(scale_f));
+    x->sums[chunk * 4 + in_chunk] = scale_f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+}
+#undef ROUNDED
+
+/* m dense float32 rows of ld (>= k) into x, k a multiple of 32; x's memory is zeroed. */
+static void quantize_x(const float *xf, int64_t m, int64_t k, int64_t ld, const int4_x *x) {
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t b = 0; b < k / 32; ++b) quantize_x_block(xf + i * ld + 32 * b, i, b, x);
+}
+
+/*
+ * The float16 scales and zeros of a weight row, one per block: the row's own arrays where the
+ * group is a block (32), else (groups of 64, 96, ...) a float32 copy of blocks b0 .. b0 +
+ * count - 1 made by int4_block_scales, zero-padded to whole chunks of 4 blocks.
+ */
+typedef struct {
+    const uint16_t *scales, *zeros; /* group 32: from block b0 on */
+    const float *s, *z;             /* other groups */
+} int4_row_scales;
+
+static void int4_block_scales(const uint16_t *scales, const uint16_t *zeros, int64_t group_size,
+                              int64_t b0, int64_t count, float *s, float *z) {
+    for (int64_t b = 0; b < count; ++b) {
+        const int64_t g = (b0 + b) * 32 / group_size;
+        s[b] = _cvtsh_ss(scales[g]);
+        z[b] = _cvtsh_ss(zeros[g]);
+    }
+    for (int64_t b = count; b % 4 != 0; ++b) s[b] = z[b] = 0.0f;
+}
+
+/* The scales of blocks c .. c + 3 (zero past `left` blocks: nothing past them is read). */
+static inline __m128 int4_scales4(const int4_row_scales *rs, int64_t c, int64_t left) {
+    if (rs->scales == NULL) return _mm_loadu_ps(rs->s + c);
+    const __mmask8 mask = left >= 4 ? 0xf : (__mmask8)((1u << left) - 1u);
+    return _mm_cvtph_ps(_mm_maskz_loadu_epi16(mask, rs->scales + c));
+}
+
+/* The zero terms of `count` blocks: the row's zeros times x's block sums, in 16 lanes that are
+ * summed with the rest at the end (masked loads: nothing past `count` is read). */
+static inline __m512 int4_zero_terms(const int4_row_scales *rs, const float *sums, int64_t count) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < count; b += 16) {
+        const __mmask16 mask = tail_mask16(count - b);
+        const __m512 z = rs->zeros != NULL
+            ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, rs->zeros + b))
+            : _mm512_maskz_loadu_ps(mask, rs->z + b);
+        acc = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(mask, sums + b), acc);
+    }
+    return acc;
+}
+
+/* a##r##i += the zero terms of weight row r against x row i. */
+#define INT4_ZERO_TERM(r, i) \
+    a##r##i = _mm512_add_ps(a##r##i, int4_zero_terms(&rows[r], sums + (i) * sums_ld, count))
+#define INT4_ZERO_TERMS(r)                          \
+    do {                                            \
+        INT4_ZERO_TERM(r, 0);                       \
+        if (M > 1) INT4_ZERO_TERM(r, 1);            \
+        if (M > 2) INT4_ZERO_TERM(r, 2);            \
+        if (M > 3) INT4_ZERO_TERM(r, 3);            \
+    } while (0)
+
+/* a##r##i += block sums of weight row r against x row i, times the blocks' two scales. */
+#define INT4_DOT(r, i)                                                                      \
+    do {                                                                                    \
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo##i), \
+                                              hi, xhi##i);                                  \
+        a##r##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s_lanes, xl##i), a##r##i); \
+    } while (0)
+
+/*
+ * int4 rows row0 .. row0 + R - 1 against quantized x rows i0 .. i0 + M - 1, a chunk of 4 blocks
+ * (64 weight bytes a row) at a time: the nibbles masked and shifted into two vectors of bytes,
+ * two vpdpbusd per row of x, and the 16 lanes' integer sums (4 per block) scaled in float32 by
+ * the weight block's scale times x's (both spread over the block's 4 lanes).
+ */
+static inline __attribute__((always_inline)) void int4_block(
+    const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+    int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
+    const int64_t k = io->k, blocks = k / 32, row_bytes = k / 2, groups = k / group_size;
+    const int4_x *xq = io->xq;
+    float s_blk[ROW_BLOCK][INT4_BLOCK_CHUNK], z_blk[ROW_BLOCK][INT4_BLOCK_CHUNK];
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t b0 = 0; b0 < blocks; b0 += INT4_BLOCK_CHUNK) {
+        const int64_t count = blocks - b0 < INT4_BLOCK_CHUNK ? blocks - b0 : INT4_BLOCK_CHUNK;
+        int4_row_scales rows[ROW_BLOCK];
+        for (int r = 0; r < R; ++r) {
+            const uint16_t *s_row = scales + (row0 + r) * groups, *z_row = zeros + (row0 + r) * groups;
+            if (group_size == 32) {
+                rows[r] = (int4_row_scales){s_row + b0, z_row + b0, NULL, NULL};
+            } else {
+                int4_block_scales(s_row, z_row, group_size, b0, count, s_blk[r], z_blk[r]);
+                rows[r] = (int4_row_scales){NULL, NULL, s_blk[r], z_blk[r]};
+            }
+        }
+        const float *sums = xq->sums + i0 * xq->chunks * 4 + b0;
+        const int64_t sums_ld = xq->chunks * 4;
+        FOR_ROWS(INT4_ZERO_TERMS);
+        for (int64_t c = 0; c < count; c += 4) {
+            const int64_t chunk = (b0 + c) / 4, left = count - c;
+            const __mmask64 wmask = left >= 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * left)) - 1;
+            const int8_t *xb = xq->q + (i0 * xq->chunks + chunk) * INT4_X_CHUNK;
+            const float *xlb = xq->lanes + (i0 * xq->chunks + chunk) * 16;
+            const int64_t xb_ld = xq->chunks * INT4_X_CHUNK, xl_ld = xq->chunks * 16;
+/* x row i's chunk (rows past M: row 0's, never used). */
+#define X_ROW(i)                                                                            \
+            const int64_t at##i = M > (i) ? (i) : 0;                                        \
+            const __m512i xlo##i = _mm512_loadu_si512(xb + at##i * xb_ld);                  \
+            const __m512i xhi##i = _mm512_loadu_si512(xb + at##i * xb_ld + 64);             \
+            const __m512 xl##i = _mm512_loadu_ps(xlb + at##i * xl_ld)
+            X_ROW(0);
+            X_ROW(1);
+            X_ROW(2);
+            X_ROW(3);
+#undef X_ROW
+#define INT4_ROW(r)                                                                         \
+            do {                                                                            \
+                const uint8_t *src = q + (row0 + (r)) * row_bytes + (b0 + c) * 16;          \
+                _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);              \
+                const __m512i bytes = _mm512_maskz_loadu_epi8(wmask, src);                  \
+                const __m512i lo = _mm512_and_si512(bytes, nibble);                         \
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);   \
+                const __m512 s_lanes = _mm512_permutexvar_ps(                               \
+                    spread, _mm512_castps128_ps512(int4_scales4(&rows[r], c, left)));       \
+                INT4_DOT(r, 0);                                                             \
+                if (M > 1) INT4_DOT(r, 1);                                                  \
+                if (M > 2) INT4_DOT(r, 2);                                                  \
+                if (M > 3) INT4_DOT(r, 3);                                                  \
+            } while (0)
+            FOR_ROWS(INT4_ROW);
+#undef INT4_ROW
+        }
+    }
+    FOR_ROWS(UNSCALED_OUT);
+}
+#undef INT4_DOT
+#undef INT4_ZERO_TERM
+#undef INT4_ZERO_TERMS
+
+/* The extra bytes kvgate_linear allocates after packed x for weights of `kind`. */
+#define INT4_X_BYTES(kind, m, k) ((kind) == KVGATE_W_INT4 ? int4_x_bytes(m, k) : 0)
+
+#else
+
+#define INT4_X_BYTES(kind, m, k) 0
+
+/* Without VNNI, int4 weights are dequantized and multiplied in float32 by x rounded in place to
+ * its int8 blocks' values, q * scale (kernels/quant.py's round_activations). Compiled without
+ * -ffast-math, so that the scale, its inverse and the rounding are the reference's operations. */
+__attribute__((optimize("no-fast-math"))) static void round_x_blocks(float *x, int64_t m,
+                                                                      int64_t k, int64_t ld) {
+    for (int64_t i = 0; i < m; ++i) {
+        for (int64_t b = 0; b < k; b += 32) {
+            float *v = x + i * ld + b, amax = 0.0f;
+            for (int j = 0; j < 32; ++j) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+            const float scale = amax * (float)(1.0 / 127.0);
+            const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+            for (int j = 0; j < 32; ++j) {
+                const float q = __builtin_rintf(v[j] * inverse);
+                v[j] = (q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q) * scale;
+            }
+        }
+    }
+}
+#endif
+#endif
