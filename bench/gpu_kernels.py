@@ -245,7 +245,7 @@ def check_fp8_conversions(
 def check_fp8_cache(dtype: torch.dtype, device: torch.device, tk: KernelBackend) -> list[Row]:
     """The store into an fp8 cache (exact) and attention reading it (against the reference)."""
     gen = torch.Generator(device="cpu").manual_seed(3)
-    caches = [torch.zeros(64, 16, 8, 132, dtype=torch.uint8, device=device) for _ in range(4)]
+    caches = [torch.zeros(64, 16, 8 * 128 + 2, dtype=torch.uint8, device=device) for _ in range(4)]
     key, value = (torch.randn(100, 8, 128, generator=gen).to(device, dtype) for _ in "kv")
     slot_mapping = torch.randperm(64 * 16, generator=gen)[:100].to(device)
     tk.store_kvcache(key, value, caches[0], caches[1], slot_mapping)

@@ -35,7 +35,7 @@ POLICIES = ("fcfs", "lpm")
 # the host tier and back when it resumes (swap), or dropped and recomputed (recompute).
 PREEMPTION_MODES = ("swap", "recompute")
 # Formats of the KV cache: auto (the model's dtype), 16-bit floats, or int8 or fp8 (float8 e4m3)
-# with a float32 scale per cached token and KV head (kernels/kv_format.py).
+# with one bfloat16 scale per cached token for all its KV heads (kernels/kv_format.py).
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 
 
@@ -421,7 +421,7 @@ def _add_format_flags(add) -> None:
         "--kv-cache-dtype",
         default=env_str("KVGATE_KV_CACHE_DTYPE", "auto"),
         help="KV cache format: auto (the model's dtype), float32, float16, bfloat16, "
-        "int8 or fp8 (float8 e4m3; both with a float32 scale per token and head)",
+        "int8 or fp8 (float8 e4m3; both with a bfloat16 scale per token)",
     )
     add(
         "--enable-prefix-caching",

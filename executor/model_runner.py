@@ -20,8 +20,8 @@ from kernels import AttentionStep, build_cos_sin_cache, get_kernels
 from kernels.kv_format import (
     KV_CACHE_DTYPES,
     SCALED_DTYPES,
-    bytes_per_token_head,
-    cache_row_width,
+    bytes_per_token,
+    cache_token_shape,
     format_name,
 )
 
@@ -103,8 +103,8 @@ class ModelRunner:
         """Bytes of one KV block on this rank (its key/value heads) over every layer, K and V
         (an int8 or fp8 cache's scales included)."""
         mc = self.rank_config
-        per_head = bytes_per_token_head(mc.head_dim, self.kv_cache_dtype)
-        return 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head * self.block_size
+        per_token = bytes_per_token(mc.num_key_value_heads, mc.head_dim, self.kv_cache_dtype)
+        return 2 * mc.num_hidden_layers * per_token * self.block_size
 
     def _num_blocks_from_memory(self, config: EngineConfig) -> int:
         if self.device.type == "cpu":
@@ -141,8 +141,8 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.rank_config
-        row = cache_row_width(mc.head_dim, self.kv_cache_dtype)
-        shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, row)
+        token = cache_token_shape(mc.num_key_value_heads, mc.head_dim, self.kv_cache_dtype)
+        shape = (2, self.num_blocks, self.block_size, *token)
         if self.device.type == "cpu":  # resident only where blocks are written
             layers = zeroed_tensor((mc.num_hidden_layers, *shape), self.kv_cache_dtype).unbind()
         else:

@@ -19,7 +19,7 @@ import torch
 from kernels.attention_step import AttentionStep
 from kernels.cpu import check_cpu, token_stride
 from kernels.cpu_build import CACHE_DTYPE_CODES, DTYPE_CODES, AttentionStepStruct, library
-from kernels.kv_format import cache_head_dim
+from kernels.kv_format import cache_kv_heads, cache_token_shape
 from kernels.validation import check_decode, check_kv_caches, check_prefill
 
 
@@ -90,7 +90,8 @@ def paged_decode_attention(
         inner_dims={},
     )  # fmt: skip
     num_seqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    num_kv_heads = cache_kv_heads(k_cache, head_dim)
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
@@ -144,7 +145,8 @@ def paged_prefill_attention(
         inner_dims={"q": 2},
     )  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    num_kv_heads = cache_kv_heads(k_cache, head_dim)
     check_query_offsets(cu_seqlens_q, context_lens, num_tokens)
     out = torch.empty(q.shape, dtype=q.dtype)
     if num_tokens == 0:
@@ -182,10 +184,11 @@ def prepare_attention(step: AttentionStep, k_cache: torch.Tensor) -> AttentionSt
             the tensor and entry).
     """
     check_kv_caches(k_cache, k_cache)
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
-    if (num_kv_heads, cache_head_dim(k_cache)) != (step.num_kv_heads, step.head_dim):
-        raise ValueError(f"the cache's heads {tuple(k_cache.shape[2:])} differ from the step's "
-                         f"({step.num_kv_heads}, {step.head_dim})")  # fmt: skip
+    num_blocks, block_size = k_cache.shape[:2]
+    token = cache_token_shape(step.num_kv_heads, step.head_dim, k_cache.dtype)
+    if tuple(k_cache.shape[2:]) != token:
+        raise ValueError(f"the cache's tokens {tuple(k_cache.shape[2:])} are not the step's "
+                         f"{token} ({step.num_kv_heads} KV heads of {step.head_dim})")  # fmt: skip
     _check_step_indices(step, num_blocks * block_size)
     prefill_tokens = step.num_tokens - step.num_decode_tokens
     check_query_offsets(step.prefill_cu_seqlens_q, step.prefill_context_lens, prefill_tokens)

@@ -2,7 +2,7 @@
 
 Attention accumulates in float32 whatever the input dtype and returns the input dtype; the KV
 cache may have another dtype than the activations (values are converted when stored), int8
-included (rows with their scale, kernels/kv_format.py).
+included (tokens with their scale, kernels/kv_format.py).
 """
 
 from collections.abc import Callable
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernels.attention_step import AttentionStep
 from kernels.decoder import DecoderKernel, DecoderWeights, decoder_layers_with
-from kernels.kv_format import read_cache, to_cache_rows
+from kernels.kv_format import cache_kv_heads, read_cache, to_cache_rows
 from kernels.quant import QuantizedWeight, round_activations
 from kernels.validation import (
     check_argmax,
@@ -40,7 +40,8 @@ def store_kvcache(
         key: [N, Hkv, D] new keys.
         value: [N, Hkv, D] new values.
         k_cache: [num_blocks, block_size, Hkv, D] key cache, written in place (converted to
-            its dtype; int8: quantized rows [.., D + 4], kernels/kv_format.py).
+            its dtype; int8, fp8: [num_blocks, block_size, Hkv * D + 2], each token quantized
+            with its scale, kernels/kv_format.py).
         v_cache: [num_blocks, block_size, Hkv, D] value cache, written in place.
         slot_mapping: [N] int64, slot = block_id * block_size + offset; -1 skips the token.
     """
@@ -58,7 +59,7 @@ def _gather_context(
     block_tables: torch.Tensor,
     max_context_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather the first `max_context_len` cached tokens of every sequence: [B, T, Hkv, D] each.
+    """Gather the first `max_context_len` cached tokens of every sequence: [B, T, *token] each.
 
     Block-table entries past a sequence's blocks may hold anything; they are clamped into range
     here and their tokens are masked by the caller.
@@ -97,7 +98,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = cache_kv_heads(k_cache, head_dim)
     max_context_len = int(context_lens.max())
     keys, values = _gather_context(k_cache, v_cache, block_tables, max_context_len)
     positions = torch.arange(max_context_len, device=q.device)
@@ -105,8 +106,8 @@ def paged_decode_attention(
     grouped_q = q.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         grouped_q,
-        read_cache(keys).transpose(1, 2),
-        read_cache(values).transpose(1, 2),
+        read_cache(keys, head_dim).transpose(1, 2),
+        read_cache(values, head_dim).transpose(1, 2),
         attn_mask=valid[:, None, None, :],
         scale=scale,
     )
@@ -116,7 +117,7 @@ def paged_decode_attention(
 def _sequence_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached keys and values, [context_len, Hkv, D] each."""
+    """One sequence's cached keys and values, [context_len, *token] each."""
     block_size = k_cache.shape[1]
     blocks = block_table[: -(-context_len // block_size)].long()
     keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
@@ -131,21 +132,21 @@ def _causal_attention(
 
     Args:
         q: [L, Hq, D] queries at positions T - L .. T - 1.
-        keys: [T, Hkv, D].
-        values: [T, Hkv, D].
+        keys: [T, *token] cached tokens (kernels/kv_format.py).
+        values: [T, *token].
         scale: multiplier of q.k before the softmax.
 
     Returns:
         [L, Hq, D] float32.
     """
-    query_len, context_len = q.shape[0], keys.shape[0]
+    query_len, context_len, head_dim = q.shape[0], keys.shape[0], q.shape[2]
     key_positions = torch.arange(context_len, device=q.device)
     query_positions = torch.arange(query_len, device=q.device) + (context_len - query_len)
     mask = key_positions[None, :] <= query_positions[:, None]
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1).unsqueeze(0),
-        read_cache(keys).transpose(0, 1).unsqueeze(0),
-        read_cache(values).transpose(0, 1).unsqueeze(0),
+        read_cache(keys, head_dim).transpose(0, 1).unsqueeze(0),
+        read_cache(values, head_dim).transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,

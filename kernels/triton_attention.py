@@ -2,15 +2,17 @@
 
 Both read keys and values through the block table a tile of tokens at a time and keep an
 online softmax in float32. The cache may have another dtype than the queries: cached values are
-converted to the queries' dtype as they are read, and int8 or fp8 rows are scaled back first
+converted to the queries' dtype as they are read, and int8 or fp8 values are scaled back first
 (kernels/kv_format.py; fp8 bytes decoded by kernels/triton_fp8.py).
 """
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_format import SCALED_DTYPES, cache_row_width
+from kernels.kv_format import SCALED_DTYPES, cache_kv_heads, cache_token_shape
 from kernels.triton_cache import scale_view
 from kernels.triton_fp8 import fp8_e4m3_decode
 from kernels.validation import (
@@ -31,26 +33,26 @@ def _kv_rows(
     block_table_ptr,
     tokens,
     token_mask,
-    kv_head,
     BLOCK_SIZE: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
     ROW_WIDTH: tl.constexpr,
 ):
-    """Element offsets of `tokens`' rows (ROW_WIDTH elements each) for one kv head in a
-    contiguous paged cache."""
+    """Element offsets of `tokens`' cached tokens (ROW_WIDTH elements each: every kv head, and
+    an int8 or fp8 token's scale) in a contiguous paged cache."""
     blocks = tl.load(block_table_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
     slots = blocks.to(tl.int64) * BLOCK_SIZE + tokens % BLOCK_SIZE
-    return (slots * NUM_KV_HEADS + kv_head) * ROW_WIDTH
+    return slots * ROW_WIDTH
 
 
 @triton.jit
-def _load_kv(cache_ptr, scale_ptr, rows, dims, kv_mask, dtype,
-             HEAD_DIM: tl.constexpr, QUANTIZED: tl.constexpr):  # fmt: skip
-    """A tile of cached rows as `dtype`; int8 and fp8 (uint8) rows times their scale (4 bytes
-    after the row)."""
-    x = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0)
+def _load_kv(cache_ptr, scale_ptr, rows, head_offset, dims, kv_mask, dtype,
+             SCALE_AT: tl.constexpr, QUANTIZED: tl.constexpr):  # fmt: skip
+    """One kv head's values (head_offset elements into each token) of a tile of cached tokens
+    as `dtype`; int8 and fp8 (uint8) values times their token's bfloat16 scale (SCALE_AT bytes
+    into the token, read as int16 bits through scale_ptr)."""
+    x = tl.load(cache_ptr + rows[:, None] + head_offset + dims[None, :], mask=kv_mask, other=0)
     if QUANTIZED:
-        scales = tl.load(scale_ptr + (rows + HEAD_DIM) // 4)
+        bits = tl.load(scale_ptr + (rows + SCALE_AT) // 2).to(tl.int32) & 0xFFFF
+        scales = (bits << 16).to(tl.float32, bitcast=True)
         if cache_ptr.dtype.element_ty == tl.uint8:
             x = fp8_e4m3_decode(x) * scales[:, None]
         else:
@@ -66,6 +68,7 @@ def _attend_tile(
     k_scale_ptr,
     v_scale_ptr,
     rows,
+    head_offset,
     dims,
     kv_mask,
     visible,
@@ -74,18 +77,20 @@ def _attend_tile(
     running_sum,
     acc,
     DOT_PRECISION: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    SCALE_AT: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
     """One online-softmax step over a tile of cached K/V; `visible` masks scores per query."""
-    k = _load_kv(k_cache_ptr, k_scale_ptr, rows, dims, kv_mask, q.dtype, HEAD_DIM, QUANTIZED)
+    k = _load_kv(k_cache_ptr, k_scale_ptr, rows, head_offset, dims, kv_mask, q.dtype, SCALE_AT,
+                 QUANTIZED)  # fmt: skip
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
     rescale = tl.exp(running_max - new_max)
     probs = tl.exp(scores - new_max[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-    v = _load_kv(v_cache_ptr, v_scale_ptr, rows, dims, kv_mask, q.dtype, HEAD_DIM, QUANTIZED)
+    v = _load_kv(v_cache_ptr, v_scale_ptr, rows, head_offset, dims, kv_mask, q.dtype, SCALE_AT,
+                 QUANTIZED)  # fmt: skip
     pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc * rescale[:, None] + pv
 
@@ -141,14 +146,12 @@ def _decode_partition_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        rows = _kv_rows(
-            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, ROW_WIDTH
-        )
+        rows = _kv_rows(block_table, tokens, token_mask, BLOCK_SIZE, ROW_WIDTH)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         running_max, running_sum, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows, dims, kv_mask,
-            token_mask[None, :], scale, running_max, running_sum, acc, DOT_PRECISION, HEAD_DIM,
-            QUANTIZED,
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows, kv_head * HEAD_DIM,
+            dims, kv_mask, token_mask[None, :], scale, running_max, running_sum, acc,
+            DOT_PRECISION, NUM_KV_HEADS * HEAD_DIM, QUANTIZED,
         )  # fmt: skip
     part_index = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + heads) * MAX_PARTITIONS + partition
     out_offsets = part_index[:, None] * HEAD_DIM + dims[None, :]
@@ -197,11 +200,11 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _cache_format(cache: torch.Tensor, head_dim: int) -> dict[str, object]:
-    """The kernels' constants for the cache's format: its row width and whether its rows carry
-    a scale (int8, fp8)."""
+def _cache_format(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> dict[str, object]:
+    """The kernels' constants for the cache's format: the elements of one cached token and
+    whether its tokens carry a scale (int8, fp8)."""
     return {
-        "ROW_WIDTH": cache_row_width(head_dim, cache.dtype),
+        "ROW_WIDTH": math.prod(cache_token_shape(num_kv_heads, head_dim, cache.dtype)),
         "QUANTIZED": cache.dtype in SCALED_DTYPES,
     }
 
@@ -248,8 +251,9 @@ def paged_decode_attention(
 
     Args:
         q: [B, Hq, D] query at position context_lens[b] - 1; the last dim contiguous.
-        k_cache: [num_blocks, block_size, Hkv, D] contiguous, of any cache dtype (int8, fp8: rows
-            of D + 4, kernels/kv_format.py); Hq a multiple of Hkv; D <= 256.
+        k_cache: [num_blocks, block_size, Hkv, D] contiguous, of any cache dtype (int8, fp8:
+            [num_blocks, block_size, Hkv * D + 2], kernels/kv_format.py); Hq a multiple of
+            Hkv; D <= 256.
         v_cache: [num_blocks, block_size, Hkv, D] contiguous.
         block_tables: [B, max_blocks] int32, rows contiguous; entries past a sequence's
             blocks are never read.
@@ -305,7 +309,7 @@ def _decode_partitions(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the partition kernel; returns each partition's output, max and sum (float32)."""
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    block_size, num_kv_heads = k_cache.shape[1], cache_kv_heads(k_cache, head_dim)
     part_shape = (num_seqs, num_heads, max_partitions)
     part_out = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty(part_shape, dtype=torch.float32, device=q.device)
@@ -337,7 +341,7 @@ def _decode_partitions(
         BLOCK_N=min(partition_size, _kv_tile_size(head_dim)),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_num_warps(head_dim),
-        **_cache_format(k_cache, head_dim),
+        **_cache_format(k_cache, num_kv_heads, head_dim),
     )
     return part_out, part_max, part_sum
 
@@ -421,14 +425,13 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
-        rows_kv = _kv_rows(
-            block_table, tokens, token_mask, kv_head, BLOCK_SIZE, NUM_KV_HEADS, ROW_WIDTH
-        )
+        rows_kv = _kv_rows(block_table, tokens, token_mask, BLOCK_SIZE, ROW_WIDTH)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
         running_max, running_sum, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows_kv, dims, kv_mask,
-            visible, scale, running_max, running_sum, acc, DOT_PRECISION, HEAD_DIM, QUANTIZED,
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows_kv, kv_head * HEAD_DIM,
+            dims, kv_mask, visible, scale, running_max, running_sum, acc, DOT_PRECISION,
+            NUM_KV_HEADS * HEAD_DIM, QUANTIZED,
         )  # fmt: skip
     out = acc / running_sum[:, None]
     out_offsets = (tokens_q[:, None] * (GROUP * NUM_KV_HEADS) + head) * HEAD_DIM + dims[None, :]
@@ -471,7 +474,7 @@ def paged_prefill_attention(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    block_size, num_kv_heads = k_cache.shape[1], cache_kv_heads(k_cache, head_dim)
     num_q_blocks = num_tokens // PREFILL_BLOCK_M + num_seqs
     _prefill_kernel[(num_q_blocks, num_heads)](
         q, k_cache, v_cache, scale_view(k_cache), scale_view(v_cache), block_tables,
@@ -486,6 +489,6 @@ def paged_prefill_attention(
         BLOCK_D=_block_d(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_num_warps(head_dim),
-        **_cache_format(k_cache, head_dim),
+        **_cache_format(k_cache, num_kv_heads, head_dim),
     )  # fmt: skip
     return out

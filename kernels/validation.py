@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from kernels.kv_format import SCALE_BYTES, SCALED_DTYPES, cache_head_dim
+from kernels.kv_format import SCALE_BYTES, SCALED_DTYPES, cache_kv_heads, cache_token_shape
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # int8 and uint8 (fp8 bytes): rows with their scale (kernels/kv_format)
@@ -46,22 +46,26 @@ def expect_size(name: str, tensor: torch.Tensor, dim: int, size: int, what: str)
 
 def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Check a paged K/V cache pair: [num_blocks, block_size, Hkv, D], same shape and dtype
-    (int8, or uint8 for fp8: [num_blocks, block_size, Hkv, D + 4], D divisible by 4)."""
-    layout = "[num_blocks, block_size, num_kv_heads, head_dim]"
-    expect_ndim("k_cache", k_cache, 4, layout)
+    (int8, or uint8 for fp8: [num_blocks, block_size, Hkv * D + 2], D divisible by 4)."""
     expect_dtype("k_cache", k_cache, CACHE_DTYPES)
     scaled = k_cache.dtype in SCALED_DTYPES
-    if scaled and (k_cache.shape[3] <= SCALE_BYTES or k_cache.shape[3] % 4):
-        raise ValueError(
-            f"an {SCALED_DTYPES[k_cache.dtype]} k_cache's rows must be head_dim + 4 bytes with "
-            f"head_dim divisible by 4, got shape {tuple(k_cache.shape)}"
-        )
+    if scaled:
+        expect_ndim("k_cache", k_cache, 3, "[num_blocks, block_size, num_kv_heads * head_dim + 2]")
+        if k_cache.shape[2] <= SCALE_BYTES or (k_cache.shape[2] - SCALE_BYTES) % 4:
+            raise ValueError(
+                f"an {SCALED_DTYPES[k_cache.dtype]} k_cache's tokens must be num_kv_heads * "
+                f"head_dim values (head_dim divisible by 4) and a {SCALE_BYTES}-byte scale, got "
+                f"shape {tuple(k_cache.shape)}"
+            )
+    else:
+        expect_ndim("k_cache", k_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"v_cache must match k_cache, got {tuple(v_cache.shape)} {v_cache.dtype} vs "
             f"{tuple(k_cache.shape)} {k_cache.dtype}"
         )
-    for dim, what in enumerate(("block_size", "num_kv_heads", "head_dim"), start=1):
+    names = ("block_size", "token width") if scaled else ("block_size", "num_kv_heads", "head_dim")
+    for dim, what in enumerate(names, start=1):
         if k_cache.shape[dim] < 1:
             raise ValueError(f"k_cache {what} must be at least 1, got shape {tuple(k_cache.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -81,10 +85,11 @@ def check_store_kvcache(
     expect_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     if value.shape != key.shape:
         raise ValueError(f"value must match key, got {tuple(value.shape)} vs {tuple(key.shape)}")
-    cache_heads = (k_cache.shape[2], cache_head_dim(k_cache))
-    if tuple(key.shape[1:]) != cache_heads:
+    token = cache_token_shape(key.shape[1], key.shape[2], k_cache.dtype)
+    if tuple(k_cache.shape[2:]) != token:
         raise ValueError(
-            f"key heads/head_dim {tuple(key.shape[1:])} differ from the cache's {cache_heads}"
+            f"key heads/head_dim {tuple(key.shape[1:])} make cached tokens of {token}, the "
+            f"cache's are {tuple(k_cache.shape[2:])}"
         )
     expect_dtype("key", key, FLOAT_DTYPES)
     if value.dtype != key.dtype:
@@ -101,8 +106,9 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Check queries [tokens, Hq, D] against the cache: dtype, head_dim, GQA divisibility."""
     expect_ndim("q", q, 3, "[num_tokens, num_heads, head_dim]")
     expect_dtype("q", q, FLOAT_DTYPES)
-    expect_size("q", q, 2, cache_head_dim(k_cache), "the cache's head_dim")
-    num_kv_heads = k_cache.shape[2]
+    if k_cache.dtype not in SCALED_DTYPES:
+        expect_size("q", q, 2, k_cache.shape[3], "the cache's head_dim")
+    num_kv_heads = cache_kv_heads(k_cache, q.shape[2])
     if q.shape[1] % num_kv_heads != 0:
         raise ValueError(
             f"q heads ({q.shape[1]}) must be a multiple of the cache's kv heads ({num_kv_heads})"

@@ -49,13 +49,16 @@ typedef struct {
 /* Head `kv_head` of the cached token in slot `slot` of one cache (k or v): its row. */
 static inline const void *cached_row(const paged_kv *kv, const void *cache, int64_t slot,
                                      int64_t kv_head) {
-    const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, kv->head_dim);
-    return (const char *)cache + (slot * kv->num_kv_heads + kv_head) * row_bytes;
+    const int64_t slot_bytes = cache_slot_bytes(kv->cache_dtype, kv->num_kv_heads, kv->head_dim);
+    return (const char *)cache + slot * slot_bytes +
+           kv_head * kv->head_dim * dtype_size(kv->cache_dtype);
 }
 
-/* q . the cached row of n values of `dtype` (int8, fp8: times the row's scale), in float32. */
+/* q . the cached row of n values of `dtype` (int8, fp8: times the token's scale, to_scale
+ * bytes after the row's start), in float32. */
 static inline __attribute__((always_inline)) float dot_cached(const float *q, const void *row,
-                                                              int dtype, int64_t n) {
+                                                              int dtype, int64_t n,
+                                                              int64_t to_scale) {
     if (dtype == KVGATE_F32) return dot(q, row, n);
     float sum = 0.0f;
     if (dtype == KVGATE_BF16) {
@@ -73,22 +76,19 @@ static inline __attribute__((always_inline)) float dot_cached(const float *q, co
         const uint8_t *r = row;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) sum += q[i] * fp8_to_f32(r[i]);
-        float scale;
-        memcpy(&scale, r + n, sizeof scale);
-        return sum * scale;
+        return sum * token_scale(r + to_scale);
     }
     const int8_t *r = row;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) sum += q[i] * (float)r[i];
-    float scale;
-    memcpy(&scale, r + n, sizeof scale);
-    return sum * scale;
+    return sum * token_scale(r + to_scale);
 }
 
-/* y += alpha * the cached row of n values of `dtype` (int8, fp8: times the row's scale). */
+/* y += alpha * the cached row of n values of `dtype` (int8, fp8: times the token's scale,
+ * to_scale bytes after the row's start). */
 static inline __attribute__((always_inline)) void axpy_cached(float *y, float alpha,
                                                               const void *row, int dtype,
-                                                              int64_t n) {
+                                                              int64_t n, int64_t to_scale) {
     if (dtype == KVGATE_F32) {
         axpy(y, alpha, row, n);
     } else if (dtype == KVGATE_BF16) {
@@ -100,16 +100,12 @@ static inline __attribute__((always_inline)) void axpy_cached(float *y, float al
         for (int64_t i = 0; i < n; ++i) y[i] += alpha * f16_to_f32(r[i]);
     } else if (dtype == KVGATE_FP8) {
         const uint8_t *r = row;
-        float scale;
-        memcpy(&scale, r + n, sizeof scale);
-        alpha *= scale;
+        alpha *= token_scale(r + to_scale);
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) y[i] += alpha * fp8_to_f32(r[i]);
     } else {
         const int8_t *r = row;
-        float scale;
-        memcpy(&scale, r + n, sizeof scale);
-        alpha *= scale;
+        alpha *= token_scale(r + to_scale);
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) y[i] += alpha * (float)r[i];
     }
@@ -144,11 +140,11 @@ static inline __attribute__((always_inline)) void convert_rows(const paged_kv *k
                                                                const void *cache, int64_t kv_head,
                                                                const int64_t *slots, int64_t n,
                                                                int64_t head_dim, float *rows) {
-    const int64_t row_bytes = cache_row_bytes(kv->cache_dtype, head_dim);
-    const char *base = (const char *)cache + kv_head * row_bytes;
-    const int64_t slot_bytes = kv->num_kv_heads * row_bytes;
+    const char *base = (const char *)cache + kv_head * head_dim * dtype_size(kv->cache_dtype);
+    const int64_t slot_bytes = cache_slot_bytes(kv->cache_dtype, kv->num_kv_heads, head_dim);
+    const int64_t to_scale = scale_offset(kv->num_kv_heads, kv_head, head_dim);
     for (int64_t t = 0; t < n; ++t)
-        load_cache_row(base + slots[t] * slot_bytes, kv->cache_dtype, head_dim,
+        load_cache_row(base + slots[t] * slot_bytes, kv->cache_dtype, head_dim, to_scale,
                        rows + t * head_dim);
 }
 
@@ -218,11 +214,12 @@ static inline __attribute__((always_inline)) void attend_rows(
     const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
     const int64_t *slots, int64_t group, float scale, float *scores, float *out,
     int64_t head_dim, int dtype) {
+    const int64_t to_scale = scale_offset(kv->num_kv_heads, kv_head, head_dim);
     for (int64_t t = 0; t < context_len; ++t) {
         const void *key = cached_row(kv, kv->k_cache, slots[t], kv_head);
         for (int64_t h = 0; h < group; ++h)
             scores[h * context_len + t] =
-                scale * dot_cached(q + h * head_dim, key, dtype, head_dim);
+                scale * dot_cached(q + h * head_dim, key, dtype, head_dim, to_scale);
     }
     for (int64_t h = 0; h < group; ++h) {
         softmax_in_place(scores + h * context_len, context_len);
@@ -231,7 +228,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int64_t t = 0; t < context_len; ++t) {
         const void *value = cached_row(kv, kv->v_cache, slots[t], kv_head);
         for (int64_t h = 0; h < group; ++h)
-            axpy_cached(out + h * head_dim, scores[h * context_len + t], value, dtype, head_dim);
+            axpy_cached(out + h * head_dim, scores[h * context_len + t], value, dtype, head_dim,
+                        to_scale);
     }
 }
 
@@ -248,13 +246,14 @@ static inline __attribute__((always_inline)) void attend_converted(
     const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
     const int64_t *slots, int64_t group, float scale, float *scores, float *out,
     int64_t head_dim, int dtype) {
-    const int64_t row_bytes = cache_row_bytes(dtype, head_dim);
-    const int64_t slot_bytes = kv->num_kv_heads * row_bytes;
+    const int64_t row_bytes = head_dim * dtype_size(dtype);
+    const int64_t slot_bytes = cache_slot_bytes(dtype, kv->num_kv_heads, head_dim);
+    const int64_t to_scale = scale_offset(kv->num_kv_heads, kv_head, head_dim);
     const char *keys = (const char *)kv->k_cache + kv_head * row_bytes;
     const char *values = (const char *)kv->v_cache + kv_head * row_bytes;
     float row[SMALL_HEAD_DIM];
     for (int64_t t = 0; t < context_len; ++t) {
-        load_cache_row(keys + slots[t] * slot_bytes, dtype, head_dim, row);
+        load_cache_row(keys + slots[t] * slot_bytes, dtype, head_dim, to_scale, row);
         for (int64_t h = 0; h < group; ++h)
             scores[h * context_len + t] = scale * dot(q + h * head_dim, row, head_dim);
     }
@@ -263,7 +262,7 @@ static inline __attribute__((always_inline)) void attend_converted(
         for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] = 0.0f;
     }
     for (int64_t t = 0; t < context_len; ++t) {
-        load_cache_row(values + slots[t] * slot_bytes, dtype, head_dim, row);
+        load_cache_row(values + slots[t] * slot_bytes, dtype, head_dim, to_scale, row);
         for (int64_t h = 0; h < group; ++h)
             axpy(out + h * head_dim, scores[h * context_len + t], row, head_dim);
     }

@@ -11,8 +11,8 @@
  * Layouts (contiguous unless a stride is passed):
  *   q            [num_tokens, num_heads, head_dim]        (activation dtype: float32, bfloat16)
  *   k_cache      [num_blocks, block_size, num_kv_heads, head_dim], v_cache the same (cache dtype:
- *                float32, bfloat16, float16, or int8 or fp8 rows of head_dim + 4 bytes,
- *                cpu_common.h)
+ *                float32, bfloat16, float16; an int8 or fp8 cache's tokens are
+ *                num_kv_heads * head_dim bytes and a bfloat16 scale, cpu_common.h)
  *   block_tables [num_seqs, max_blocks] int32
  *   context_lens [num_seqs] int32, tokens in the cache for each sequence (>= 1)
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
@@ -225,7 +225,7 @@ static void rotate_and_store(const kvgate_attention_step *st, const char *row, i
                         q_rotated + t * q_width);
     const int64_t slot = st->slot_mapping[t];
     if (slot < 0) return;
-    const int64_t slot_bytes = st->num_kv_heads * cache_row_bytes(cache_dtype, d);
+    const int64_t slot_bytes = cache_slot_bytes(cache_dtype, st->num_kv_heads, d);
     kvgate_rotate_heads(row + q_width * element, act_dtype, feature_stride, st->num_kv_heads, d,
                         cos_sin, key);
     store_cache_rows((char *)k_cache + slot * slot_bytes, cache_dtype, key, st->num_kv_heads, d);

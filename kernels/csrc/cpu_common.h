@@ -234,37 +234,65 @@ static inline int64_t dtype_size(int dtype) {
                                                        : 4;
 }
 
-/* Bytes of one cached (token, KV head) row of head_dim values; an int8 or fp8 row's scale
- * included. */
-static inline int64_t cache_row_bytes(int dtype, int64_t head_dim) {
-    return dtype == KVGATE_I8 || dtype == KVGATE_FP8 ? head_dim + 4 : head_dim * dtype_size(dtype);
+static inline int is_scaled(int dtype) { return dtype == KVGATE_I8 || dtype == KVGATE_FP8; }
+
+/* Bytes of one cached token's K (or V) in a cache of `dtype`: num_kv_heads rows of head_dim
+ * values, and after them an int8 or fp8 token's bfloat16 scale (kernels/kv_format.py). */
+static inline int64_t cache_slot_bytes(int dtype, int64_t num_kv_heads, int64_t head_dim) {
+    return num_kv_heads * head_dim * dtype_size(dtype) + (is_scaled(dtype) ? 2 : 0);
 }
 
-/* head_dim values into an int8 cache row: s = max|x| / 127, round(x / s) half to even, 0 where
- * s = 0, then s. Not fast-math, so x / s rounds as the PyTorch reference's does. */
-__attribute__((optimize("no-fast-math"))) static inline void quantize_row(const float *x,
-                                                                           int64_t head_dim,
-                                                                           int8_t *row) {
+/* Bytes from the start of head kv_head's row to its token's scale (int8, fp8). */
+static inline int64_t scale_offset(int64_t num_kv_heads, int64_t kv_head, int64_t head_dim) {
+    return (num_kv_heads - kv_head) * head_dim;
+}
+
+/* The bfloat16 scale of a cached int8 or fp8 token, at `at`, as float32. */
+static inline float token_scale(const void *at) {
+    uint16_t bits;
+    memcpy(&bits, at, sizeof bits);
+    return bf16_to_f32(bits);
+}
+
+/* max|x| over n values divided by `max_code` (127 or 448), rounded up to a bfloat16 (so that no
+ * value is pushed past max_code by the scale's rounding): its 16 bits, and the float32 it is. */
+__attribute__((optimize("no-fast-math"))) static inline uint16_t token_scale_bits(
+    const float *x, int64_t n, float max_code, float *scale) {
     float max_abs = 0.0f;
-    for (int64_t i = 0; i < head_dim; ++i) max_abs = fabsf(x[i]) > max_abs ? fabsf(x[i]) : max_abs;
-    const float scale = max_abs / 127.0f;
-    for (int64_t i = 0; i < head_dim; ++i) {
+    for (int64_t i = 0; i < n; ++i) max_abs = fabsf(x[i]) > max_abs ? fabsf(x[i]) : max_abs;
+    const float exact = max_abs / max_code;
+    uint32_t bits;
+    memcpy(&bits, &exact, sizeof bits);
+    bits = (bits + 0xFFFFu) & 0xFFFF0000u;
+    memcpy(scale, &bits, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
+/* n values (one token's heads) into int8 cache bytes: s = max|x| / 127 rounded up to a
+ * bfloat16, round(x / s) half to even, 0 where s = 0, then s's 2 bytes. Not fast-math, so x / s
+ * rounds as the PyTorch reference's does. */
+__attribute__((optimize("no-fast-math"))) static inline void quantize_row(const float *x,
+                                                                           int64_t n,
+                                                                           int8_t *row) {
+    float scale;
+    const uint16_t bits = token_scale_bits(x, n, 127.0f, &scale);
+    for (int64_t i = 0; i < n; ++i) {
         const float q = scale > 0.0f ? nearbyintf(x[i] / scale) : 0.0f;
         row[i] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q);
     }
-    memcpy(row + head_dim, &scale, sizeof scale);
+    memcpy(row + n, &bits, sizeof bits);
 }
 
-/* head_dim values into an fp8 cache row: s = max|x| / 448, x / s as e4m3 (f32_to_fp8), 0
- * where s = 0, then s. Not fast-math, so x / s rounds as the PyTorch reference's does. */
+/* n values (one token's heads) into fp8 cache bytes: s = max|x| / 448 rounded up to a
+ * bfloat16, x / s as e4m3 (f32_to_fp8), 0 where s = 0, then s's 2 bytes. Not fast-math, so
+ * x / s rounds as the PyTorch reference's does. */
 __attribute__((optimize("no-fast-math"))) static inline void quantize_fp8_row(const float *x,
-                                                                               int64_t head_dim,
+                                                                               int64_t n,
                                                                                uint8_t *row) {
-    float max_abs = 0.0f;
-    for (int64_t i = 0; i < head_dim; ++i) max_abs = fabsf(x[i]) > max_abs ? fabsf(x[i]) : max_abs;
-    const float scale = max_abs / 448.0f;
-    for (int64_t i = 0; i < head_dim; ++i) row[i] = f32_to_fp8(scale > 0.0f ? x[i] / scale : 0.0f);
-    memcpy(row + head_dim, &scale, sizeof scale);
+    float scale;
+    const uint16_t bits = token_scale_bits(x, n, 448.0f, &scale);
+    for (int64_t i = 0; i < n; ++i) row[i] = f32_to_fp8(scale > 0.0f ? x[i] / scale : 0.0f);
+    memcpy(row + n, &bits, sizeof bits);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -302,33 +330,24 @@ static inline void fp8_row_to_f32(const uint8_t *values, int64_t n, float scale,
     for (; i < n; ++i) dst[i] = fp8_to_f32(values[i]) * scale;
 }
 
-/* An fp8 cache row (head_dim e4m3 bytes, then the scale) as float32. */
-static inline void load_fp8_row(const uint8_t *values, int64_t head_dim, float *dst) {
-    float scale;
-    memcpy(&scale, values + head_dim, sizeof scale);
-    fp8_row_to_f32(values, head_dim, scale, dst);
-}
-
-/* One token's num_heads rows of head_dim float32 values into a cache slot of `dtype`. */
+/* One token's num_heads rows of head_dim float32 values into a cache slot of `dtype` (int8,
+ * fp8: quantized together, with one scale). */
 static inline void store_cache_rows(void *dst, int dtype, const float *src, int64_t num_heads,
                                     int64_t head_dim) {
-    if (dtype == KVGATE_FP8) {
-        for (int64_t h = 0; h < num_heads; ++h)
-            quantize_fp8_row(src + h * head_dim, head_dim, (uint8_t *)dst + h * (head_dim + 4));
-        return;
-    }
-    if (dtype != KVGATE_I8) {
+    if (dtype == KVGATE_FP8)
+        quantize_fp8_row(src, num_heads * head_dim, dst);
+    else if (dtype == KVGATE_I8)
+        quantize_row(src, num_heads * head_dim, dst);
+    else
         store_row(dst, dtype, src, num_heads * head_dim);
-        return;
-    }
-    for (int64_t h = 0; h < num_heads; ++h)
-        quantize_row(src + h * head_dim, head_dim, (int8_t *)dst + h * (head_dim + 4));
 }
 
-/* One cached row of `dtype` (head_dim values) as float32. */
-static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, float *dst) {
+/* One cached row of `dtype` (head_dim values) as float32; an int8 or fp8 row times its token's
+ * scale, `to_scale` bytes after the row's start (scale_offset). */
+static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, int64_t to_scale,
+                                  float *dst) {
     if (dtype == KVGATE_FP8) {
-        load_fp8_row(src, head_dim, dst);
+        fp8_row_to_f32(src, head_dim, token_scale((const char *)src + to_scale), dst);
         return;
     }
     if (dtype != KVGATE_I8) {
@@ -336,8 +355,7 @@ static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, 
         return;
     }
     const int8_t *values = src;
-    float scale;
-    memcpy(&scale, values + head_dim, sizeof scale);
+    const float scale = token_scale(values + to_scale);
     int64_t i = 0;
 #ifdef __AVX512F__
     const __m512 scale16 = _mm512_set1_ps(scale);

@@ -100,7 +100,7 @@ int64_t kvgate_rotary(const int64_t *positions, const float *cos_sin, int64_t ma
 /*
  * Copy each token's key and value rows (num_kv_heads * head_dim elements of src_dtype,
  * contiguous; tokens key_stride / value_stride elements apart) into the cache slot
- * slot_mapping[t] as cache_dtype (int8: quantized per head, cpu_common.h); -1 skips. Returns
+ * slot_mapping[t] as cache_dtype (int8, fp8: quantized per token, cpu_common.h); -1 skips. Returns
  * the index of the first token whose slot is outside [-1, num_slots), or -1 (and then every
  * row was written; on an error nothing is).
  */
@@ -111,7 +111,7 @@ int64_t kvgate_store_kvcache(const void *key, int64_t key_stride, const void *va
     for (int64_t t = 0; t < num_tokens; ++t)
         if (slot_mapping[t] < -1 || slot_mapping[t] >= num_slots) return t;
     const int64_t src_size = dtype_size(src_dtype);
-    const int64_t row_bytes = num_kv_heads * cache_row_bytes(cache_dtype, head_dim);
+    const int64_t row_bytes = cache_slot_bytes(cache_dtype, num_kv_heads, head_dim);
     const int64_t width = num_kv_heads * head_dim;
     float *row = malloc(sizeof(float) * (size_t)width);
     if (row == NULL) return -2;

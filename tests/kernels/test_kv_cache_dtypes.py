@@ -1,6 +1,7 @@
 """KV caches of another format than the model's: 16-bit floats, and int8 or fp8 (uint8 bytes)
-rows with a float32 scale per token and head (kernels/kv_format.py), written and read by the C
-and Triton kernels and held against their reference twins (Triton in the interpreter).
+tokens with one bfloat16 scale per token for all its KV heads (kernels/kv_format.py), written
+and read by the C and Triton kernels and held against their reference twins (Triton in the
+interpreter).
 
 Tolerances: the stores equal the reference bit for bit (except the Triton interpreter's
 bfloat16 conversion, which truncates where torch rounds to nearest: one unit in the last place
@@ -13,11 +14,12 @@ import torch
 from kernels import cpu, cpu_attention, triton_attention, triton_cache
 from kernels import reference as ref
 from kernels.kv_format import (
-    cache_row_width,
+    cache_token_shape,
     dequantize_rows,
     format_name,
     quantize_rows,
     to_cache_rows,
+    token_scales,
 )
 from tests.kernels.paged_cases import in_cache_format, make_paged_case, mixed_prefill_case
 from tests.kernels.test_cpu_dtypes import layer_case
@@ -33,21 +35,50 @@ def store_case(cache_dtype: torch.dtype, activation_dtype: torch.dtype = torch.f
     key, value = (3 * torch.randn(9, 2, 16, generator=gen).to(activation_dtype) for _ in "kv")
     key[4] = 0.0  # a row of zeros quantizes with scale 0
     slots = torch.tensor([5, -1, 0, 7, 12, 3, -1, 30, 31])
-    row = cache_row_width(16, cache_dtype)
-    caches = [torch.zeros(8, 4, 2, row, dtype=cache_dtype) for _ in range(4)]
+    key[6, 0] *= 1e4  # heads of very different magnitude in one token
+    value[3, 1] *= 1e-4
+    caches = [torch.zeros(8, 4, *cache_token_shape(2, 16, cache_dtype), dtype=cache_dtype)
+              for _ in range(4)]  # fmt: skip
     return key, value, slots, caches
 
 
-def test_int8_rows_hold_each_value_within_half_a_step_of_its_row_scale():
+def assert_scale_is_the_bfloat16_at_or_above(scales: torch.Tensor, exact: torch.Tensor) -> None:
+    """Each scale is a bfloat16 no smaller than `exact` (max|x| / code max, float32) and no
+    bfloat16 lies between them."""
+    assert torch.equal(scales.to(torch.bfloat16).float(), scales), "the scale is a bfloat16"
+    assert (scales >= exact).all(), "rounded up, never down"
+    below = (scales.to(torch.bfloat16).view(torch.int16) - 1).view(torch.bfloat16).float()
+    assert (below[exact > 0] < exact[exact > 0]).all(), "the nearest bfloat16 above"
+
+
+def test_int8_tokens_hold_each_value_within_half_a_step_of_the_token_scale():
     gen = torch.Generator().manual_seed(10)
     x = torch.randn(50, 4, 64, generator=gen) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7, 2] *= 1e-3  # one head far below the token's others
     rows = quantize_rows(x)
-    assert rows.dtype == torch.int8 and rows.shape == (50, 4, 68)
-    scales = rows.view(torch.float32)[..., -1:]
-    assert torch.equal(scales, x.abs().amax(dim=-1, keepdim=True) / 127)
-    error = (dequantize_rows(rows) - x).abs()
-    assert (error <= scales / 2 * (1 + 1e-6)).all(), f"worst error {error.max():.3g}"
-    assert torch.equal(dequantize_rows(quantize_rows(torch.zeros(3, 8))), torch.zeros(3, 8))
+    assert rows.dtype == torch.int8 and rows.shape == (50, 4 * 64 + 2)
+    scales = token_scales(rows)
+    assert_scale_is_the_bfloat16_at_or_above(scales, x.abs().amax(dim=(-2, -1))[:, None] / 127)
+    error = (dequantize_rows(rows, 64) - x).abs()
+    assert (error <= scales[..., None] / 2 * (1 + 1e-6)).all(), f"worst error {error.max():.3g}"
+    zeros = torch.zeros(3, 2, 8)
+    assert torch.equal(dequantize_rows(quantize_rows(zeros), 8), zeros)
+
+
+def test_a_scale_that_is_not_a_bfloat16_rounds_up_and_clips_nothing():
+    """max|x| / 127 = 1 / 127 lies between two bfloat16s: the scale is the larger one, so the
+    largest value stays within half a step (a scale rounded down would push it past 127)."""
+    x = torch.tensor([[[1.0, -0.5, 0.25, 0.0], [-0.999, 0.1, 0.0, 0.003]]])
+    exact = torch.tensor([[1.0 / 127]])
+    assert exact.to(torch.bfloat16).float() != exact, "the case needs a scale between bfloat16s"
+    rows = quantize_rows(x)
+    scale = token_scales(rows)
+    assert_scale_is_the_bfloat16_at_or_above(scale, exact)
+    assert (scale > exact).all()
+    values = rows[..., :-2].int()
+    assert values.abs().max() <= 127 and values[0, 0].item() == round(1.0 / scale.item())
+    error = (dequantize_rows(rows, 4) - x).abs()
+    assert (error <= scale / 2 * (1 + 1e-6)).all(), f"worst error {error.max():.3g}"
 
 
 @pytest.mark.parametrize("activation_dtype", [torch.float32, torch.bfloat16])
@@ -57,6 +88,21 @@ def test_cpu_store_writes_the_cache_format_as_the_reference(cache_dtype, activat
     cpu.store_kvcache(key, value, caches[0], caches[1], slots)
     ref.store_kvcache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+STORES = [ref.store_kvcache, cpu.store_kvcache, triton_cache.store_kvcache]
+
+
+@pytest.mark.parametrize("store", STORES, ids=["reference", "c", "triton"])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.uint8], ids=["int8", "fp8"])
+def test_a_zero_token_is_stored_as_zero_values_and_scale_0(store, cache_dtype):
+    key = torch.zeros(2, 2, 16)
+    key[1, 1, 3] = 5.0  # beside a token that is not zero
+    caches = [torch.full((2, 4, 2 * 16 + 2), 7, dtype=cache_dtype) for _ in "kv"]
+    store(key, -key, *caches, torch.tensor([2, 5]))
+    for cache in caches:
+        assert (cache.flatten(0, 1)[2] == 0).all(), "values and scale bytes all 0"
+        assert token_scales(cache.flatten(0, 1)[5]).item() > 0
 
 
 @pytest.mark.parametrize("cache_dtype", TRITON_CACHE_DTYPES)
@@ -132,6 +178,13 @@ def test_an_int8_cache_with_rows_of_the_wrong_width_is_refused():
     gen = torch.Generator().manual_seed(13)
     case = make_paged_case(gen, [5], 4, 2, 16)
     q = torch.randn(1, 2, 16, generator=gen)
-    bad = case.k_cache.to(torch.int8)  # no room for the scales: rows of 16, not 20
+    bad = case.k_cache.to(torch.int8).flatten(2)  # no room for the scale: 32 bytes, not 34
     with pytest.raises(ValueError, match="head_dim"):
         ref.paged_decode_attention(q, bad, bad, case.block_tables, case.context_lens, 0.25)
+    four_d = case.k_cache.to(torch.int8)  # the float layout
+    with pytest.raises(ValueError, match="num_kv_heads \\* head_dim \\+ 2"):
+        ref.paged_decode_attention(q, four_d, four_d, case.block_tables, case.context_lens, 0.25)
+    good = to_cache_rows(case.k_cache, torch.int8)  # 2 heads of 16 and the scale
+    with pytest.raises(ValueError, match="head_dim 12"):
+        ref.paged_decode_attention(q[..., :12], good, good, case.block_tables,
+                                   case.context_lens, 0.25)  # fmt: skip

@@ -1,5 +1,5 @@
 """The engine with a KV cache of another format than the model's: 16-bit floats, and int8 or
-fp8 (float8 e4m3) rows with a float32 scale per token and head (kernels/kv_format.py).
+fp8 (float8 e4m3) values with one bfloat16 scale per token (kernels/kv_format.py).
 
 Greedy tokens must be identical where the numbers are (auto is the model's dtype, as before
 the flag existed; the C kernels against their reference twins on an int8 or fp8 cache). Where
@@ -55,41 +55,57 @@ def test_auto_is_the_model_dtype_token_for_token():
     assert bf16 == _greedy(dtype="bfloat16", kv_cache_dtype="bfloat16")
 
 
-@pytest.mark.parametrize(("name", "row"), [("int8", 8 + 4), ("float16", 8), ("fp8", 8 + 4)])
-def test_the_c_kernels_on_a_narrow_cache_decode_as_their_reference_twins(name, row):
+@pytest.mark.parametrize(
+    ("name", "token"),
+    [("int8", (4 * 8 + 2,)), ("float16", (4, 8)), ("fp8", (4 * 8 + 2,))],
+    ids=["int8", "float16", "fp8"],
+)
+def test_the_c_kernels_on_a_narrow_cache_decode_as_their_reference_twins(name, token):
     engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, kv_cache_dtype=name))
     k_cache = engine.runner.kv_caches[0][0]
     assert engine.runner.kernels.name == "cpu" and k_cache.dtype == KV_CACHE_DTYPES[name]
-    assert k_cache.shape[-1] == row, "stories260K's head_dim 8 (int8, fp8: and the row's scale)"
+    assert k_cache.shape[2:] == token, "stories260K's 4 KV heads of 8 (int8, fp8: one scale)"
     c_tokens = greedy_continuations(engine, PROMPTS, 48)
     assert c_tokens == _greedy(kv_cache_dtype=name, kernels="reference")
 
 
-def _head_dim_64_checkpoint(folder: Path) -> Path:
-    """A seeded random Llama whose heads are SmolLM2's width (head_dim 64)."""
+def _smollm2_shaped_checkpoint(folder: Path) -> Path:
+    """A seeded random Llama with SmolLM2-135M's attention shape (9 heads, 3 KV heads of 64)."""
     torch.manual_seed(0)
-    shape = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1,
+    shape = dict(vocab_size=128, hidden_size=576, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=9, num_key_value_heads=3,
                  max_position_embeddings=256)  # fmt: skip
     LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
     return folder
 
 
-def test_blocks_per_gib_follow_the_format_bytes_scales_included(tmp_path):
-    model = str(_head_dim_64_checkpoint(tmp_path))
-    blocks, head_dim, layers, kv_heads, block_size = {}, 64, 2, 1, 16
-    for name, row_bytes in (("float32", 4 * head_dim), ("bfloat16", 2 * head_dim),
-                            ("float16", 2 * head_dim), ("int8", head_dim + 4),
-                            ("fp8", head_dim + 4)):  # fmt: skip
+def _blocks_per_16_mib(model: str, layers: int, kv_heads: int, head_dim: int) -> dict[str, int]:
+    """The engine's blocks in 16 MiB for each cache format, checked against the format's bytes
+    per token (int8, fp8: a byte a value and one 2-byte scale per token, K and V each) and
+    against the bytes its caches allocate."""
+    blocks, values = {}, kv_heads * head_dim
+    for name, token_bytes in (("float32", 4 * values), ("bfloat16", 2 * values),
+                              ("float16", 2 * values), ("int8", values + 2),
+                              ("fp8", values + 2)):  # fmt: skip
         runner = Engine(EngineConfig(model=model, kv_cache_gib=1 / 64, kv_cache_dtype=name)).runner
-        block_bytes = 2 * layers * kv_heads * block_size * row_bytes
+        block_bytes = 2 * layers * runner.block_size * token_bytes
         assert runner.num_blocks == (1 << 24) // block_bytes, f"{name}: blocks per 16 MiB"
         allocated = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
         assert allocated == runner.num_blocks * block_bytes, f"{name}: allocated bytes"
         blocks[name] = runner.num_blocks
     assert blocks["bfloat16"] == blocks["float16"] == 2 * blocks["float32"]
-    assert 3.7 < blocks["int8"] / blocks["float32"] < 4, blocks
-    assert blocks["fp8"] == blocks["int8"], "fp8 rows are int8's size: a byte a value, a scale"
+    assert blocks["fp8"] == blocks["int8"], "fp8 tokens are int8's size: a byte a value, a scale"
+    return blocks
+
+
+def test_blocks_per_gib_are_about_4x_float32_for_8_bit_caches_at_smollm2_shape(tmp_path):
+    blocks = _blocks_per_16_mib(str(_smollm2_shaped_checkpoint(tmp_path)), 2, 3, 64)
+    assert 3.95 < blocks["int8"] / blocks["float32"] < 3.97, blocks  # 768 / 194 bytes a token
+
+
+def test_blocks_per_gib_are_about_4x_float32_for_8_bit_caches_on_stories260k():
+    blocks = _blocks_per_16_mib(str(STORIES_260K), 5, 4, 8)
+    assert 3.75 < blocks["int8"] / blocks["float32"] < 3.77, blocks  # 128 / 34 bytes a token
 
 
 def test_bad_cache_dtypes_name_the_flag():
