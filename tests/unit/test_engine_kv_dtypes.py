@@ -5,7 +5,10 @@ Greedy tokens must be identical where the numbers are (auto is the model's dtype
 the flag existed; the C kernels against their reference twins on an int8 or fp8 cache). Where
 they are not (a rounded or quantized cache), the measure is bench/quality.py's teacher-forced
 top-1 agreement with the float32 cache along its greedy continuation, computed here on 16 story
-prompts x 128 tokens and held to the bar the bfloat16 and int8 weights meet (>= 95%).
+prompts x 128 tokens and held to the bar the bfloat16 and int8 weights meet (>= 95%); fp8 to
+93%: its 3 mantissa bits step by 1/16 of a value where int8 steps by 1/254 of the token's
+largest, and it measures 0.951 on stories260K, too close to 95% for a bar that must not move
+with the order of a sum on another CPU. A wrong scale or a wrong code drops far below either.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from executor.engine import Engine
 from kernels.kv_format import KV_CACHE_DTYPES
 from tests.helpers import STORIES_260K
 
-MIN_TOP1_AGREEMENT = 0.95
+MIN_TOP1_AGREEMENT = {"kv-float16": 0.95, "kv-bfloat16": 0.95, "kv-int8": 0.95, "kv-fp8": 0.93}
 VARIANTS = ("kv-float16", "kv-bfloat16", "kv-int8", "kv-fp8")
 PROMPTS = [[1, 403, 407, 261, 378], [1, 66, 300, 18], [1, 500, 2, 7, 9, 11, 13, 99, 256]]
 
@@ -34,11 +37,11 @@ def quality() -> dict:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_cache_formats_agree_with_the_float32_cache_at_least_95_percent(quality, variant):
-    measured = quality["variants"][variant]
-    assert measured["top1_agreement"] >= MIN_TOP1_AGREEMENT, (
+def test_cache_formats_agree_with_the_float32_cache_as_their_bar_asks(quality, variant):
+    measured, bar = quality["variants"][variant], MIN_TOP1_AGREEMENT[variant]
+    assert measured["top1_agreement"] >= bar, (
         f"{variant}: top-1 agreement {measured['top1_agreement']:.3f} along the float32 cache's "
-        f"greedy continuation, expected >= {MIN_TOP1_AGREEMENT}; all measures: {measured}"
+        f"greedy continuation, expected >= {bar}; all measures: {measured}"
     )
 
 
