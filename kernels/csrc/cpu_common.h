@@ -22,9 +22,10 @@
 #endif
 
 /* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8, KVGATE_F16 and KVGATE_FP8 are
- * KV-cache formats only. An int8 (token, KV head) row is head_dim int8 values, then their float32
- * scale (4 bytes), and reads back as value * scale (kernels/kv_format.py says why one scale per
- * row); an fp8 row is the same with e4m3 bytes for values. */
+ * KV-cache formats only. An int8 cached token (K or V) is num_kv_heads * head_dim int8 values,
+ * then one bfloat16 scale for all of them (2 bytes), and reads back as value * scale
+ * (kernels/kv_format.py says why one scale per token); an fp8 token is the same with e4m3 bytes
+ * for values. */
 enum { KVGATE_F32 = 0, KVGATE_BF16 = 1, KVGATE_I8 = 2, KVGATE_F16 = 3, KVGATE_FP8 = 4 };
 
 static inline float bf16_to_f32(uint16_t bits) {

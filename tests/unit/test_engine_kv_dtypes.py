@@ -72,11 +72,12 @@ def test_the_c_kernels_on_a_narrow_cache_decode_as_their_reference_twins(name, t
     assert c_tokens == _greedy(kv_cache_dtype=name, kernels="reference")
 
 
-def _smollm2_shaped_checkpoint(folder: Path) -> Path:
+def _smollm2_shaped_checkpoint(folder: Path, hidden: int = 576, heads: int = 9,
+                               kv_heads: int = 3) -> Path:  # fmt: skip
     """A seeded random Llama with SmolLM2-135M's attention shape (9 heads, 3 KV heads of 64)."""
     torch.manual_seed(0)
-    shape = dict(vocab_size=128, hidden_size=576, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=9, num_key_value_heads=3,
+    shape = dict(vocab_size=128, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads,
                  max_position_embeddings=256)  # fmt: skip
     LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(folder)
     return folder
@@ -123,3 +124,11 @@ def test_bad_cache_dtypes_name_the_flag():
         == "fp8"  # fmt: skip
     assert ExecutorConfig.from_args([*model, "--kv-cache-dtype", "float16"]).engine \
         .kv_cache_dtype == "float16", "the CPU kernels read and write float16"  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_8_bit_caches_refuse_a_head_dim_they_cannot_take_naming_the_flag(tmp_path, name):
+    model = str(_smollm2_shaped_checkpoint(tmp_path, hidden=12, heads=2, kv_heads=2))  # head_dim 6
+    with pytest.raises(ValueError, match=f"--kv-cache-dtype {name} needs a head_dim divisible by 4"):
+        Engine(EngineConfig(model=model, kv_cache_gib=0.01, kv_cache_dtype=name))
+    Engine(EngineConfig(model=model, kv_cache_gib=0.01, kv_cache_dtype="float16"))  # 16-bit can
