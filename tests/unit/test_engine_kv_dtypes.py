@@ -129,6 +129,7 @@ def test_bad_cache_dtypes_name_the_flag():
 @pytest.mark.parametrize("name", ["int8", "fp8"])
 def test_8_bit_caches_refuse_a_head_dim_they_cannot_take_naming_the_flag(tmp_path, name):
     model = str(_smollm2_shaped_checkpoint(tmp_path, hidden=12, heads=2, kv_heads=2))  # head_dim 6
-    with pytest.raises(ValueError, match=f"--kv-cache-dtype {name} needs a head_dim divisible by 4"):
+    refused = f"--kv-cache-dtype {name} needs a head_dim divisible by 4"
+    with pytest.raises(ValueError, match=refused):
         Engine(EngineConfig(model=model, kv_cache_gib=0.01, kv_cache_dtype=name))
     Engine(EngineConfig(model=model, kv_cache_gib=0.01, kv_cache_dtype="float16"))  # 16-bit can
