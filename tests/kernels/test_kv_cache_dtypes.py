@@ -147,6 +147,18 @@ def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype)
                  ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
 
 
+# The Triton kernels index a token's heads and its scale from head_dim: stories260K's width (8),
+# where the scale is a large share of the token, and one that is no power of 2.
+@pytest.mark.parametrize("head_dim", [8, 12])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.uint8], ids=["int8", "fp8"])
+def test_triton_attention_reads_8_bit_caches_of_narrow_heads(cache_dtype, head_dim):
+    decode, prefill = _attention_cases(cache_dtype, head_dim)
+    assert_close(triton_attention.paged_decode_attention(*decode),
+                 ref.paged_decode_attention(*decode), 1e-5, "decode")  # fmt: skip
+    assert_close(triton_attention.paged_prefill_attention(*prefill),
+                 ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
+
+
 # Each width takes its own C path: narrow rows (8, 16, 32) converted one row at a time for the
 # whole query group, AVX-512 registers at 64 and 128 (bfloat16 rows read in place, other formats
 # converted a chunk of 32 tokens at a time), each element inside the dot products for any other
