@@ -129,6 +129,15 @@ def _attention_cases(cache_dtype: torch.dtype, head_dim: int = 64):
     return decode, prefill
 
 
+def assert_reads_as_the_reference(kernels, cache_dtype: torch.dtype, head_dim: int = 64):
+    """Decode and prefill attention of `kernels` over a cache of cache_dtype, as the reference."""
+    decode, prefill = _attention_cases(cache_dtype, head_dim)
+    assert_close(kernels.paged_decode_attention(*decode),
+                 ref.paged_decode_attention(*decode), 1e-5, "decode")  # fmt: skip
+    assert_close(kernels.paged_prefill_attention(*prefill),
+                 ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
+
+
 ATTENTION_CASES = [(cpu_attention, d) for d in CPU_CACHE_DTYPES] + [
     (triton_attention, d) for d in TRITON_CACHE_DTYPES
 ]
@@ -140,11 +149,7 @@ ATTENTION_CASES = [(cpu_attention, d) for d in CPU_CACHE_DTYPES] + [
     ids=[f"{k.__name__.split('.')[-1]}-{format_name(d)}" for k, d in ATTENTION_CASES],
 )
 def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype):
-    decode, prefill = _attention_cases(cache_dtype)
-    assert_close(kernels.paged_decode_attention(*decode),
-                 ref.paged_decode_attention(*decode), 1e-5, "decode")  # fmt: skip
-    assert_close(kernels.paged_prefill_attention(*prefill),
-                 ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
+    assert_reads_as_the_reference(kernels, cache_dtype)
 
 
 # The Triton kernels index a token's heads and its scale from head_dim: stories260K's width (8),
@@ -152,11 +157,7 @@ def test_attention_reads_the_cache_format_as_the_reference(kernels, cache_dtype)
 @pytest.mark.parametrize("head_dim", [8, 12])
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.uint8], ids=["int8", "fp8"])
 def test_triton_attention_reads_8_bit_caches_of_narrow_heads(cache_dtype, head_dim):
-    decode, prefill = _attention_cases(cache_dtype, head_dim)
-    assert_close(triton_attention.paged_decode_attention(*decode),
-                 ref.paged_decode_attention(*decode), 1e-5, "decode")  # fmt: skip
-    assert_close(triton_attention.paged_prefill_attention(*prefill),
-                 ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
+    assert_reads_as_the_reference(triton_attention, cache_dtype, head_dim)
 
 
 # Each width takes its own C path: narrow rows (8, 16, 32) converted one row at a time for the
@@ -166,11 +167,7 @@ def test_triton_attention_reads_8_bit_caches_of_narrow_heads(cache_dtype, head_d
 @pytest.mark.parametrize("head_dim", [8, 16, 48, 128])
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_attention_reads_the_cache_format_at_every_head_width(cache_dtype, head_dim):
-    decode, prefill = _attention_cases(cache_dtype, head_dim)
-    assert_close(cpu_attention.paged_decode_attention(*decode),
-                 ref.paged_decode_attention(*decode), 1e-5, "decode")  # fmt: skip
-    assert_close(cpu_attention.paged_prefill_attention(*prefill),
-                 ref.paged_prefill_attention(*prefill), 1e-5, "prefill")  # fmt: skip
+    assert_reads_as_the_reference(cpu_attention, cache_dtype, head_dim)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8, torch.uint8])
