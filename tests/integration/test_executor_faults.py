@@ -3,8 +3,9 @@ that kills every executor it lands on; and a scheduler paused past its leader lo
 
 Two real executors run stories260K with faults switched on (executor/faults.py): a prompt
 holding POISON_TOKEN makes the forward pass raise, one holding CRASH_TOKEN kills the process,
-and executor-1's step stalls for a minute once its stall file exists. Every text is compared
-with an undisturbed run of the same requests.
+an executor's step stalls for a minute once its stall file exists, and each step sleeps 50 ms
+while its slow file exists. Every text is compared with an undisturbed run of the same
+requests.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def stall_dir(tmp_path_factory) -> Path:
 def start_faulty_executor(stack: Stack, executor_id: str, stall_dir: Path) -> None:
     faults = (
         f"raise_on_token={POISON_TOKEN},exit_on_token={CRASH_TOKEN},"
-        f"stall_when_file={stall_dir / executor_id}:60"
+        f"stall_when_file={stall_dir / executor_id}:60,"
+        f"slow_while_file={stall_dir / executor_id}.slow:0.05"
     )
     stack.start_executor(executor_id, wait=False, extra_env={"KVGATE_FAULTS": faults})
 
@@ -145,18 +147,27 @@ def test_kill_9_of_an_executor_mid_stream_greedy_and_seeded_texts_are_undisturbe
 def test_a_wedged_executor_loses_its_requests_to_the_other(stack, stall_dir):
     """executor-1's step stalls for a minute: within --step-stall-s it withdraws its
     heartbeat and reports NOT_SERVING, its requests resume on executor-0, and every text
-    equals its undisturbed run."""
+    equals its undisturbed run. executor-1 runs slowly until the stall, so its requests are
+    still running when it wedges (its heartbeat's count of running requests may be a beat
+    old)."""
     requests = [request(i, 300, seeded=i % 2 == 0) for i in range(10)]
     want = run_all(stack.address, requests)
-    with ThreadPoolExecutor(10) as pool:
-        futures = [pool.submit(run, stack.address, r) for r in requests]
-        wait_for(lambda: running_on(stack, "executor-1") > 0, "work on executor-1", 60.0)
-        (stall_dir / "executor-1").touch()
-        got = [f.result(timeout=120) for f in futures]
-        assert stack.health("executor-1") == "NOT_SERVING", "a stuck step loop must show"
-    assert_same_texts(got, want, "executor-1 wedged mid-stream")
-    assert stack.executor_status("executor-1") is None, "the wedged executor still beats"
-    restart_executors(stack, stall_dir, "executor-1")
+    slow = stall_dir / "executor-1.slow"
+    slow.touch()
+    try:
+        with ThreadPoolExecutor(10) as pool:
+            futures = [pool.submit(run, stack.address, r) for r in requests]
+            wait_for(lambda: running_on(stack, "executor-1") > 0, "work on executor-1", 60.0)
+            (stall_dir / "executor-1").touch()
+            slow.unlink()
+            got = [f.result(timeout=120) for f in futures]
+            assert stack.health("executor-1") == "NOT_SERVING", "a stuck step loop must show"
+        assert_same_texts(got, want, "executor-1 wedged mid-stream")
+        assert stack.executor_status("executor-1") is None, "the wedged executor still beats"
+    finally:
+        slow.unlink(missing_ok=True)
+        (stall_dir / "executor-1").unlink(missing_ok=True)
+        restart_executors(stack, stall_dir, "executor-1")
 
 
 def test_a_request_that_kills_executors_stops_at_max_attempts(stack, stall_dir):
