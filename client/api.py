@@ -301,11 +301,11 @@ class ChatSession:
                 rest.add(response.chunk)
         return rest
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Close the stream (the session stays until EndSession or its TTL).
 
         Between turns the stream is half-closed and the server ends the call with OK (it is
-        cancelled if that takes over CLOSE_WAIT_S); with a turn still running, or after the
+        cancelled if that takes over `wait_s` seconds); with a turn still running, or after the
         call failed, it is cancelled. Closing again does nothing.
         """
         if self._closed:
@@ -316,6 +316,6 @@ class ChatSession:
             self._responses.cancel()
             return
         try:
-            self._responses.exception(timeout=CLOSE_WAIT_S)
+            self._responses.exception(timeout=wait_s)
         except grpc.FutureTimeoutError:
             self._responses.cancel()

@@ -185,6 +185,8 @@ class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.procs: dict[str, subprocess.Popen] = {}
+        # When each executor was last started (Unix ms): its first heartbeat comes after it.
+        self._executor_started_ms: dict[str, int] = {}
         self.argvs: dict[str, list[str]] = {}  # the command each process was started with
         self.envs: dict[str, dict[str, str]] = {}  # environment variables it got besides
         self.redis_port = config.redis_port or free_port()
@@ -331,13 +333,19 @@ class Stack:
             *self._health_flags(executor_id),
             *self.config.executor_flags,
         ]
+        self._executor_started_ms[executor_id] = int(time.time() * 1000)
         self.spawn(executor_id, argv, {**self.config.executor_env, **(extra_env or {})})
         if wait:
             self.wait_executor(executor_id)
 
     def wait_executor(self, executor_id: str) -> None:
+        """Waits for the first heartbeat of the executor process started last under this id (a
+        killed predecessor's status stays in Redis until its TTL runs out)."""
+        started_ms = self._executor_started_ms.get(executor_id, 0)
+
         def ready() -> bool:
-            return self.executor_status(executor_id) is not None
+            status = self.executor_status(executor_id)
+            return status is not None and status.heartbeat_unix_ms >= started_ms
 
         wait_until(ready, self.config.start_timeout_s, executor_id, self.procs[executor_id])
 

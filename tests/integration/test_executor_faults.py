@@ -97,9 +97,27 @@ def assert_same_texts(got: list[Completion], want: list[Completion], what: str) 
         )
 
 
-def running_on(stack: Stack, executor_id: str) -> int:
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def running_on(stack: Stack, executor_id: str, since_ms: int = 0) -> int | None:
+    """Requests running on the executor by its last heartbeat; None when it has no heartbeat
+    taken at or after `since_ms` (a heartbeat is up to a beat old)."""
     status = stack.executor_status(executor_id)
-    return status.num_running if status is not None else 0
+    if status is None or status.heartbeat_unix_ms < since_ms:
+        return None
+    return status.num_running
+
+
+def wait_idle(stack: Stack, *executor_ids: str) -> None:
+    """Waits for a heartbeat of each executor taken after now that shows nothing running, so
+    that the scheduler's view of them is current (both are free to take the next requests)."""
+    since_ms = now_ms()
+    for executor_id in executor_ids:
+        wait_for(
+            lambda e=executor_id: running_on(stack, e, since_ms) == 0, f"{executor_id} idle", 30.0
+        )
 
 
 def test_a_poison_request_fails_alone_and_the_executors_stay_up(stack):
@@ -137,7 +155,7 @@ def test_kill_9_of_an_executor_mid_stream_greedy_and_seeded_texts_are_undisturbe
     with ThreadPoolExecutor(20) as pool:
         futures = [pool.submit(run, stack.address, r, streaming) for r in requests]
         wait_for(lambda: len(streaming) == 20, "all 20 streams streaming", timeout_s=60.0)
-        victim = max(("executor-0", "executor-1"), key=lambda name: running_on(stack, name))
+        victim = max(("executor-0", "executor-1"), key=lambda name: running_on(stack, name) or 0)
         stack.stop(victim, sig=signal.SIGKILL)
         got = [f.result(timeout=120) for f in futures]
     assert_same_texts(got, want, f"{victim} killed mid-stream")
@@ -147,17 +165,24 @@ def test_kill_9_of_an_executor_mid_stream_greedy_and_seeded_texts_are_undisturbe
 def test_a_wedged_executor_loses_its_requests_to_the_other(stack, stall_dir):
     """executor-1's step stalls for a minute: within --step-stall-s it withdraws its
     heartbeat and reports NOT_SERVING, its requests resume on executor-0, and every text
-    equals its undisturbed run. executor-1 runs slowly until the stall, so its requests are
-    still running when it wedges (its heartbeat's count of running requests may be a beat
-    old)."""
+    equals its undisturbed run. Both executors are idle by fresh heartbeats before the requests
+    are sent (so the scheduler places some on each), executor-1 is seen running some by a
+    heartbeat taken after they were sent, and it runs slowly until the stall, so they are still
+    running when it wedges."""
     requests = [request(i, 300, seeded=i % 2 == 0) for i in range(10)]
     want = run_all(stack.address, requests)
+    wait_idle(stack, "executor-0", "executor-1")
     slow = stall_dir / "executor-1.slow"
     slow.touch()
     try:
         with ThreadPoolExecutor(10) as pool:
+            sent_ms = now_ms()
             futures = [pool.submit(run, stack.address, r) for r in requests]
-            wait_for(lambda: running_on(stack, "executor-1") > 0, "work on executor-1", 60.0)
+            wait_for(
+                lambda: (running_on(stack, "executor-1", sent_ms) or 0) > 0,
+                "work on executor-1",
+                60.0,
+            )
             (stall_dir / "executor-1").touch()
             slow.unlink()
             got = [f.result(timeout=120) for f in futures]
