@@ -2,8 +2,10 @@
 
     python -m bench.bench_linear [--rows 1 4 8 16 64] [--out bench/results/linear.json]
 
-For one decoder layer's four weights (q/k/v, o, gate/up, down) times 30 layers, measures the
-time of: float32 (MKL, as kvgate runs it), bfloat16 (kvgate: C kernel up to 8 rows, then torch;
+For 30 decoder layers' four weights each (q/k/v, o, gate/up, down; distinct weights per layer,
+so that a pass reads them from memory as a decode step does, not from the cache), measures the
+time of: float32 (kvgate: C kernels up to 64 rows, then MKL; torch: MKL's w @ x^T, which kvgate
+ran at every batch above 8 rows before), bfloat16 (kvgate: C kernel up to 8 rows, then torch;
 torch: x @ w^T), int8 (kvgate; torch's _weight_int8pack_mm) and int4 (kvgate; torch's
 _weight_int4pack_mm_for_cpu, groups of 32), each with bfloat16 and float32 activations where
 torch accepts them. Reports each as ms per model pass and as weight GB/s (bytes read / time),
@@ -77,12 +79,16 @@ def candidates(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, lis
     runs[f"kvgate {str(dtype)[6:]}"] = [lambda x, w=w: cpu_linear.linear(x, w) for w in dense]
     if dtype == torch.bfloat16:
         runs["torch bfloat16"] = [lambda x, w=w: x @ w.t() for w in dense]
+    else:
+        runs["torch float32"] = [lambda x, w=w: torch.mm(w, x.t()) for w in dense]
     return runs
 
 
 def measure(rows: list[int], repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in SHAPES]
+    weights = [
+        torch.randn(n, k, generator=gen) * 0.02 for _ in range(NUM_LAYERS) for n, k in SHAPES
+    ]
     params = NUM_LAYERS * sum(n * k for n, k in SHAPES)
     bytes_per_weight = {"int8": 1.0, "int4": 0.5, "float32": 4.0, "bfloat16": 2.0}
     results: dict = {}
@@ -90,7 +96,7 @@ def measure(rows: list[int], repeats: int) -> dict:
         for name, calls in candidates(weights, dtype).items():
             for n in rows:
                 xs = {k: torch.randn(n, k, generator=gen).to(dtype) for k in (576, 1536)}
-                seconds = NUM_LAYERS * best_seconds(
+                seconds = best_seconds(
                     lambda calls=calls, xs=xs: [c(xs[w.shape[1]]) for c, w in zip(calls, weights,
                                                 strict=True)], repeats,
                 )  # fmt: skip

@@ -21,7 +21,14 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    CSRC / name for name in ("cpu_attention.c", "cpu_kernels.c", "cpu_linear.c", "cpu_decoder.c")
+    CSRC / name
+    for name in (
+        "cpu_attention.c",
+        "cpu_kernels.c",
+        "cpu_linear.c",
+        "cpu_linear_columns.c",
+        "cpu_decoder.c",
+    )
 )
 HEADERS = tuple(
     CSRC / name
@@ -153,6 +160,10 @@ _SIGNATURES = {
     "kvgate_silu_and_mul": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _int, _int], None),
     "kvgate_linear": ([_linear_p, _ptr, _int, _i64, _i64, _i64, _ptr, _int, _int], _int),
     "kvgate_dequantize": ([_linear_p, _i64, _i64, _ptr, _int, _int], _int),
+    "kvgate_linear_columns_available": ([], _int),
+    "kvgate_linear_columns": (
+        [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _int], _int,
+    ),
     "kvgate_decoder_timing": ([_int, _ptr], None),
     "kvgate_decode_layers": (
         [ctypes.POINTER(DecoderStruct), ctypes.POINTER(AttentionStepStruct), _ptr, _ptr, _ptr,

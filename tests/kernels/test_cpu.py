@@ -338,6 +338,30 @@ def test_linear_matches_torch_and_is_column_major(rows, bias):
     assert again.shape == (rows, 8)
 
 
+@pytest.mark.parametrize("rows", [9, 16, 17, 33, 48, 49, 63, 64])
+@pytest.mark.parametrize("layout", ["column-major", "row-major", "strided"])
+def test_float32_linear_up_to_64_rows_runs_the_outer_product_kernel(rows, layout):
+    """9..64 float32 rows go through cpu_linear_columns.c: every count of vectors of 16 rows
+    and a partial last one; 300 features are two chunks of 128 and a partial third; 37 weight
+    rows leave a block of one past six blocks of six; with and without a bias. float64 is the
+    reference."""
+    assert cpu_linear._takes_columns(
+        torch.zeros(rows, 8), torch.zeros(4, 8), None, torch.float32
+    ), "the outer-product kernel must be built on this machine"
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 300, generator=gen)
+    if layout == "column-major":
+        x = x.t().contiguous().t()
+    elif layout == "strided":
+        x = torch.randn(rows, 600, generator=gen)[:, ::2]
+    weight, b = torch.randn(37, 300, generator=gen), torch.randn(37, generator=gen)
+    for bias in (None, b):
+        out = cpu_linear.linear(x, weight, bias)
+        expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+        assert out.t().is_contiguous(), "the result is column-major"
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
 def test_linear_checks_its_input():
     with pytest.raises(ValueError, match=r"weight.shape\[1\]"):
         cpu_linear.linear(torch.randn(2, 4), torch.randn(3, 5))

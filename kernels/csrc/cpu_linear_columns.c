@@ -1,0 +1,179 @@
+/*
+ * Dense float32 linear layers at decode batch sizes above the small-batch kernels' (9 to 64
+ * rows of x): out = w @ x^T as an outer-product kernel that reads the weights where they lie.
+ *
+ * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
+ * and each step's weights come from memory, not the cache: on a 2-core AVX-512 machine it runs
+ * the layers of a 64-row decode step at 130-150 GFLOP/s where it multiplies a 2048-square
+ * matrix at 220-320. Here 6 weight rows meet all the rows of x (up to 4 vectors of 16) in up
+ * to 24 registers: at 64 rows each step of the inner loop loads 4 vectors of x and broadcasts
+ * one weight of each of the 6 rows into 24 multiply-adds. x goes through in chunks of
+ * COLUMNS_K_CHUNK features (32 KB at 64 rows) that stay in the L1 cache while every block of
+ * a thread's weight rows passes over them; the partial sums wait in `out` between chunks. The next
+ * block's weight rows are prefetched while the current block runs.
+ *
+ * x: element (i, j) (row i, feature j) at x[i * row_stride + j * col_stride], float32; the
+ * engine's activations are column-major (row_stride 1, col_stride m) and are read in place,
+ * any other layout is copied first. out: [n, m] float32, out[r * m + i] row i's output r (the
+ * column-major result of kernels/cpu_linear.py). bias: [n] float32 or NULL.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_common.h"
+
+#define COLUMNS_MAX_ROWS 64 /* rows of x: 4 vectors of 16 */
+#define COLUMNS_K_CHUNK 128 /* features of x a pass over the blocks takes */
+
+/* Weight rows a block multiplies at once: 24 accumulators at 64 rows of x. Taller blocks for
+ * fewer rows of x (8 or 12 rows of weights, as many accumulators) ran 5-25% slower: more
+ * streams of weights than the prefetchers follow. */
+#define COLUMNS_W_ROWS 6
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* The accumulators of weight row r: a##r##v for vectors v < V (V a constant at every call, so
+ * the unused ones compile away). */
+#define COLUMNS_DECLARE(r)                                                                  \
+    __m512 a##r##0, a##r##1, a##r##2, a##r##3;                                              \
+    const float *w##r = w + (row0 + ((r) < rows ? (r) : 0)) * k;                            \
+    columns_start(out + (row0 + ((r) < rows ? (r) : 0)) * m, V, last, first, &a##r##0,      \
+                  &a##r##1, &a##r##2, &a##r##3)
+#define COLUMNS_FMA(r)                                                                      \
+    do {                                                                                    \
+        const __m512 b = _mm512_set1_ps(w##r[j]);                                           \
+        a##r##0 = _mm512_fmadd_ps(b, x0, a##r##0);                                          \
+        if (V > 1) a##r##1 = _mm512_fmadd_ps(b, x1, a##r##1);                               \
+        if (V > 2) a##r##2 = _mm512_fmadd_ps(b, x2, a##r##2);                               \
+        if (V > 3) a##r##3 = _mm512_fmadd_ps(b, x3, a##r##3);                               \
+    } while (0)
+#define COLUMNS_STORE(r)                                                                    \
+    if ((r) < rows)                                                                         \
+    columns_finish(out + (row0 + (r)) * m, V, last,                                         \
+                   bias != NULL && end == k ? bias[row0 + (r)] : 0.0f, a##r##0, a##r##1,    \
+                   a##r##2, a##r##3)
+#define COLUMNS_PREFETCH(r)                                                                 \
+    _mm_prefetch((const char *)(w##r + next + j), _MM_HINT_T0)
+#define COLUMNS_EACH_ROW(STEP) STEP(0); STEP(1); STEP(2); STEP(3); STEP(4); STEP(5)
+
+/* The lanes of vector v of a row of m values: all 16 but in the last vector. */
+static inline __attribute__((always_inline)) __mmask16 columns_mask(int v, int V, __mmask16 last) {
+    return v == V - 1 ? last : (__mmask16)0xffff;
+}
+
+/* A block row's partial sums: zero for the first chunk, else what the last chunk left. */
+static inline __attribute__((always_inline)) void columns_start(const float *row, int V,
+                                                                __mmask16 last, int first,
+                                                                __m512 *a0, __m512 *a1,
+                                                                __m512 *a2, __m512 *a3) {
+    __m512 *acc[4] = {a0, a1, a2, a3};
+    for (int v = 0; v < 4; ++v)
+        *acc[v] = first || v >= V ? _mm512_setzero_ps()
+                                  : _mm512_maskz_loadu_ps(columns_mask(v, V, last), row + 16 * v);
+}
+
+static inline __attribute__((always_inline)) void columns_finish(float *row, int V,
+                                                                 __mmask16 last, float bias,
+                                                                 __m512 a0, __m512 a1,
+                                                                 __m512 a2, __m512 a3) {
+    const __m512 acc[4] = {a0, a1, a2, a3}, b = _mm512_set1_ps(bias);
+    for (int v = 0; v < V; ++v)
+        _mm512_mask_storeu_ps(row + 16 * v, columns_mask(v, V, last), _mm512_add_ps(acc[v], b));
+}
+
+/*
+ * Weight rows row0 .. row0 + rows - 1 (rows <= COLUMNS_W_ROWS) over features begin .. end - 1
+ * of x (dense [k, m]), added to what `out` holds unless `first`; `next` is the offset from a
+ * row of this block to the same row of the block that follows (0: none).
+ */
+static inline __attribute__((always_inline)) void columns_block(
+    const float *w, const float *x, const float *bias, float *out, int64_t k, int64_t m,
+    int64_t row0, int rows, int64_t begin, int64_t end, int64_t next, int first, const int V,
+    __mmask16 last) {
+    COLUMNS_EACH_ROW(COLUMNS_DECLARE);
+    for (int64_t j = begin; j < end; ++j) {
+        if (((j - begin) & 15) == 0) {
+            COLUMNS_EACH_ROW(COLUMNS_PREFETCH);
+        }
+        const float *xj = x + j * m;
+        const __m512 x0 = _mm512_maskz_loadu_ps(columns_mask(0, V, last), xj);
+        const __m512 x1 = V > 1 ? _mm512_maskz_loadu_ps(columns_mask(1, V, last), xj + 16) : x0;
+        const __m512 x2 = V > 2 ? _mm512_maskz_loadu_ps(columns_mask(2, V, last), xj + 32) : x0;
+        const __m512 x3 = V > 3 ? _mm512_maskz_loadu_ps(columns_mask(3, V, last), xj + 48) : x0;
+        COLUMNS_EACH_ROW(COLUMNS_FMA);
+    }
+    COLUMNS_EACH_ROW(COLUMNS_STORE);
+}
+
+/* A thread's blocks first .. first + count - 1, chunk by chunk of x's features. */
+static void columns_blocks(const float *w, const float *x, const float *bias, float *out,
+                           int64_t n, int64_t k, int64_t m, int64_t first, int64_t count) {
+    const int V = (int)((m + 15) / 16), R = COLUMNS_W_ROWS;
+    const __mmask16 last = (__mmask16)((1u << (m - 16 * (V - 1))) - 1u);
+    for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
+        const int64_t end = begin + COLUMNS_K_CHUNK < k ? begin + COLUMNS_K_CHUNK : k;
+        for (int64_t b = first; b < first + count; ++b) {
+            const int64_t row0 = b * R;
+            const int rows = n - row0 < R ? (int)(n - row0) : R;
+            const int64_t next = b + 1 < first + count ? R * k : 0;
+            /* V a constant in each case. */
+#define COLUMNS_CASE(v)                                                                     \
+    case v:                                                                                 \
+        columns_block(w, x, bias, out, k, m, row0, rows, begin, end, next, begin == 0, v,   \
+                      last);                                                                \
+        break
+            switch (V) {
+                COLUMNS_CASE(1);
+                COLUMNS_CASE(2);
+                COLUMNS_CASE(3);
+                COLUMNS_CASE(4);
+            }
+        }
+    }
+}
+#endif
+
+/* Whether kvgate_linear_columns is built (it needs AVX-512). */
+int kvgate_linear_columns_available(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/*
+ * out = w @ x^T (+ bias) for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] float32.
+ * Returns 0, 1 when out of memory, 2 when m is out of range or the kernel is not built.
+ */
+int kvgate_linear_columns(const float *w, const float *bias, const float *x, int64_t row_stride,
+                          int64_t col_stride, int64_t m, int64_t n, int64_t k, float *out,
+                          int num_threads) {
+#if defined(__AVX512F__)
+    if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
+    float *packed = NULL;
+    if (row_stride != 1 || col_stride != m) { /* not column-major: copied to [k, m] */
+        packed = malloc(sizeof(float) * (size_t)(k * m));
+        if (packed == NULL) return 1;
+        for (int64_t j = 0; j < k; ++j)
+            for (int64_t i = 0; i < m; ++i) packed[j * m + i] = x[i * row_stride + j * col_stride];
+        x = packed;
+    }
+    const int64_t blocks = (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
+    const int threads = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        const int64_t first = blocks * t / count, stop = blocks * (t + 1) / count;
+        columns_blocks(w, x, bias, out, n, k, m, first, stop - first);
+    }
+    free(packed);
+    return 0;
+#else
+    (void)w, (void)bias, (void)x, (void)row_stride, (void)col_stride, (void)m, (void)n, (void)k;
+    (void)out, (void)num_threads;
+    return 2;
+#endif
+}
