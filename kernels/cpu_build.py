@@ -161,6 +161,7 @@ _SIGNATURES = {
     "kvgate_linear": ([_linear_p, _ptr, _int, _i64, _i64, _i64, _ptr, _int, _int], _int),
     "kvgate_dequantize": ([_linear_p, _i64, _i64, _ptr, _int, _int], _int),
     "kvgate_linear_columns_available": ([], _int),
+    "kvgate_linear_columns_quantized": ([_linear_p, _ptr, _i64, _ptr, _int], _int),
     "kvgate_linear_columns": (
         [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _int], _int,
     ),

@@ -182,16 +182,20 @@ def _dequantized_matmul(
     out = torch.empty(weight.out_features, x.shape[0], dtype=x.dtype)
     if weight.bits == 4:
         x = round_activations(x).to(x.dtype)
-    rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
-    columns = x.shape[0] <= COLUMNS_MAX_ROWS and x.dtype == torch.float32 and _columns_built()
-    x_t = x.t().contiguous() if columns else x.t()  # [in, rows]: the kernel's layout
-    for start in range(0, weight.out_features, rows_per_chunk):
-        rows = slice(start, min(start + rows_per_chunk, weight.out_features))
-        dense = dequantize(weight, x.dtype, rows)
-        if columns:
-            _columns_into(x_t, dense, None, out[rows])
-        else:
-            torch.mm(dense, x_t, out=out[rows])
+    if x.shape[0] <= COLUMNS_MAX_ROWS and x.dtype == torch.float32 and _columns_built():
+        # Slices of weight rows dequantized in cache-sized pieces into the outer-product kernel.
+        x_t = x.t().contiguous()  # held until the call returns
+        failed = library().kvgate_linear_columns_quantized(
+            ctypes.byref(weights_struct(weight, None)), x_t.data_ptr(), x.shape[0],
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("linear could not allocate its scratch buffer")
+    else:
+        rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
+        for start in range(0, weight.out_features, rows_per_chunk):
+            rows = slice(start, min(start + rows_per_chunk, weight.out_features))
+            torch.mm(dequantize(weight, x.dtype, rows), x.t(), out=out[rows])
     if bias is not None:
         out += bias.unsqueeze(1)
     return out

@@ -398,6 +398,10 @@ typedef struct {
 int kvgate_linear(const kvgate_linear_weights *w, const void *x, int x_dtype, int64_t row_stride,
                   int64_t col_stride, int64_t m, void *out, int out_dtype, int num_threads);
 
+/* Defined in cpu_linear_columns.c (see there). */
+void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
+                         int64_t k, int64_t m);
+
 /* Defined in cpu_kernels.c (see there). */
 void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t res_ld,
                      const void *weight, void *out, void *out_residual, int64_t rows,

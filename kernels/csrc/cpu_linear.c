@@ -492,3 +492,44 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
     }
     return failed;
 }
+
+/* Weight rows a thread dequantizes at a time for kvgate_linear_columns_quantized: 8 blocks of
+ * the outer-product kernel, 48 x k floats (288 KB at k = 1536: the L2 cache). */
+#define COLUMNS_QUANTIZED_ROWS 48
+
+/*
+ * out = w @ x^T for int8 or int4 weights and m (1 .. 64) rows of float32 x, given as x^T: dense
+ * [k, m] (for int4 already rounded to int8 blocks, kernels/quant.py's round_activations): a
+ * slice of weight rows dequantized to float32 into a thread's buffer, then multiplied by the
+ * outer-product kernel (cpu_linear_columns.c). out: [n, m]. Returns 0, 1 when out of memory, 2
+ * when the weights are not int8 or int4 or the kernels are not built (no AVX-512).
+ */
+int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m, float *out,
+                                    int num_threads) {
+#ifdef KVGATE_AVX512
+    if (wt->kind != KVGATE_W_INT8 && wt->kind != KVGATE_W_INT4) return 2;
+    const int64_t k = wt->in_features, n = wt->out_features;
+    const int64_t slices = (n + COLUMNS_QUANTIZED_ROWS - 1) / COLUMNS_QUANTIZED_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *rows = malloc(sizeof(float) * (size_t)(COLUMNS_QUANTIZED_ROWS * k));
+        if (rows == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < slices; ++s) {
+            if (rows == NULL) continue;
+            const int64_t row0 = s * COLUMNS_QUANTIZED_ROWS;
+            const int64_t count =
+                n - row0 < COLUMNS_QUANTIZED_ROWS ? n - row0 : COLUMNS_QUANTIZED_ROWS;
+            for (int64_t r = 0; r < count; ++r)
+                dequantize_row_vector(wt, row0 + r, k, rows + r * k);
+            kvgate_columns_rows(rows, k, x, out + row0 * m, count, k, m);
+        }
+        free(rows);
+    }
+    return failed;
+#else
+    (void)wt, (void)x, (void)m, (void)out, (void)num_threads;
+    return 2;
+#endif
+}

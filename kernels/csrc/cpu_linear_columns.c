@@ -38,7 +38,7 @@
  * the unused ones compile away). */
 #define COLUMNS_DECLARE(r)                                                                  \
     __m512 a##r##0, a##r##1, a##r##2, a##r##3;                                              \
-    const float *w##r = w + (row0 + ((r) < rows ? (r) : 0)) * k;                            \
+    const float *w##r = w + (row0 + ((r) < rows ? (r) : 0)) * w_ld;                         \
     columns_start(out + (row0 + ((r) < rows ? (r) : 0)) * m, V, last, first, &a##r##0,      \
                   &a##r##1, &a##r##2, &a##r##3)
 #define COLUMNS_FMA(r)                                                                      \
@@ -84,14 +84,15 @@ static inline __attribute__((always_inline)) void columns_finish(float *row, int
 }
 
 /*
- * Weight rows row0 .. row0 + rows - 1 (rows <= COLUMNS_W_ROWS) over features begin .. end - 1
- * of x (dense [k, m]), added to what `out` holds unless `first`; `next` is the offset from a
- * row of this block to the same row of the block that follows (0: none).
+ * Weight rows row0 .. row0 + rows - 1 (rows <= COLUMNS_W_ROWS; w_ld floats apart) over
+ * features begin .. end - 1 of x (dense [k, m]), added to what `out` holds unless `first`;
+ * `next` is the offset from a row of this block to the same row of the block that follows (0:
+ * none).
  */
 static inline __attribute__((always_inline)) void columns_block(
-    const float *w, const float *x, const float *bias, float *out, int64_t k, int64_t m,
-    int64_t row0, int rows, int64_t begin, int64_t end, int64_t next, int first, const int V,
-    __mmask16 last) {
+    const float *w, int64_t w_ld, const float *x, const float *bias, float *out, int64_t k,
+    int64_t m, int64_t row0, int rows, int64_t begin, int64_t end, int64_t next, int first,
+    const int V, __mmask16 last) {
     COLUMNS_EACH_ROW(COLUMNS_DECLARE);
     for (int64_t j = begin; j < end; ++j) {
         if (((j - begin) & 15) == 0) {
@@ -108,8 +109,9 @@ static inline __attribute__((always_inline)) void columns_block(
 }
 
 /* A thread's blocks first .. first + count - 1, chunk by chunk of x's features. */
-static void columns_blocks(const float *w, const float *x, const float *bias, float *out,
-                           int64_t n, int64_t k, int64_t m, int64_t first, int64_t count) {
+static void columns_blocks(const float *w, int64_t w_ld, const float *x, const float *bias,
+                           float *out, int64_t n, int64_t k, int64_t m, int64_t first,
+                           int64_t count) {
     const int V = (int)((m + 15) / 16), R = COLUMNS_W_ROWS;
     const __mmask16 last = (__mmask16)((1u << (m - 16 * (V - 1))) - 1u);
     for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
@@ -117,12 +119,12 @@ static void columns_blocks(const float *w, const float *x, const float *bias, fl
         for (int64_t b = first; b < first + count; ++b) {
             const int64_t row0 = b * R;
             const int rows = n - row0 < R ? (int)(n - row0) : R;
-            const int64_t next = b + 1 < first + count ? R * k : 0;
+            const int64_t next = b + 1 < first + count ? R * w_ld : 0;
             /* V a constant in each case. */
 #define COLUMNS_CASE(v)                                                                     \
     case v:                                                                                 \
-        columns_block(w, x, bias, out, k, m, row0, rows, begin, end, next, begin == 0, v,   \
-                      last);                                                                \
+        columns_block(w, w_ld, x, bias, out, k, m, row0, rows, begin, end, next, begin == 0,\
+                      v, last);                                                             \
         break
             switch (V) {
                 COLUMNS_CASE(1);
@@ -134,6 +136,20 @@ static void columns_blocks(const float *w, const float *x, const float *bias, fl
     }
 }
 #endif
+
+/*
+ * n weight rows (float32, w_ld floats apart; dequantized rows of a quantized layer) times x
+ * (dense [k, m], 1 <= m <= COLUMNS_MAX_ROWS) into out (n rows of m), on the calling thread
+ * (kvgate_linear_columns_quantized in cpu_linear.c). Does nothing without AVX-512.
+ */
+void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
+                         int64_t k, int64_t m) {
+#if defined(__AVX512F__)
+    columns_blocks(w, w_ld, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
+#else
+    (void)w, (void)w_ld, (void)x, (void)out, (void)n, (void)k, (void)m;
+#endif
+}
 
 /* Whether kvgate_linear_columns is built (it needs AVX-512). */
 int kvgate_linear_columns_available(void) {
@@ -167,7 +183,7 @@ int kvgate_linear_columns(const float *w, const float *bias, const float *x, int
     {
         const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
         const int64_t first = blocks * t / count, stop = blocks * (t + 1) / count;
-        columns_blocks(w, x, bias, out, n, k, m, first, stop - first);
+        columns_blocks(w, k, x, bias, out, n, k, m, first, stop - first);
     }
     free(packed);
     return 0;
