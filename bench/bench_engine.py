@@ -21,6 +21,8 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -286,7 +288,35 @@ def run(args: argparse.Namespace) -> dict:
         )
         engine = fresh_engine()
         step_ms = {str(c): decode_step_ms(engine, c) for c in args.contexts}
-    return _result(args, workload, model, flops, best, samples, step_ms)
+        del engine
+        resident = resident_under_workload(engine_model, args) if args.device == "cpu" else {}
+    result = _result(args, workload, model, flops, best, samples, step_ms)
+    return result | {"kvgate_resident_bytes": resident}
+
+
+def resident_under_workload(model: str, args: argparse.Namespace) -> dict[str, int]:
+    """The executor's memory for this model and workload: VmRSS at the end and VmHWM (the
+    peak) of a fresh process that builds the Engine as this benchmark does and runs the whole
+    workload once (a CPU Engine keeps freed memory, so the end is near the peak)."""
+    code = (
+        "import argparse, json, sys\n"
+        "from bench.bench_engine import Engine, Workload, _engine_config, kvgate_tokens_per_s\n"
+        "args = argparse.Namespace(**json.loads(sys.argv[2]))\n"
+        "workload = Workload(args.num_requests, args.prompt_len, args.output_len)\n"
+        "engine = Engine(_engine_config(sys.argv[1], args))\n"
+        "kvgate_tokens_per_s(engine, workload.prompts(engine.model_config.vocab_size),\n"
+        "                    workload.output_len)\n"
+        "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
+        "print(json.dumps({k: int(status[k].split()[0]) * 1024\n"
+        "                  for k in ('VmRSS', 'VmHWM', 'RssAnon', 'RssFile')}))\n"
+    )
+    fields = ("num_requests", "prompt_len", "output_len", "max_num_batched_tokens", "kv_cache_gib",
+              "device")  # fmt: skip
+    settings = json.dumps({name: getattr(args, name) for name in fields})
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code, model, settings], capture_output=True,
+                         text=True, check=True, cwd=root)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _result(args, workload, model, flops, best, samples, step_ms) -> dict:
@@ -342,6 +372,11 @@ def print_summary(result: dict) -> None:
     print(f"kvgate / generate          {result['kvgate_over_hf_generate']:.2f}x")
     print(f"kvgate / generate_batch    {result['kvgate_over_hf_generate_batch']:.2f}x")
     print(f"kvgate / roofline          {100 * result['kvgate_fraction_of_roofline']:.1f}%")
+    if resident := result.get("kvgate_resident_bytes"):
+        print(
+            f"executor resident          {resident['VmRSS'] / 2**20:.0f} MiB "
+            f"(peak {resident['VmHWM'] / 2**20:.0f} MiB)"
+        )
     old = result["kvgate_fraction_of_roofline_output_tokens_only"]
     print(f"  (FLOP/s / 2 x params, output tokens only: {100 * old:.1f}%)")
     medians = result["medians_tokens_per_s"]
@@ -382,10 +417,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cpu-speed", dest="run_cpu_speed", action="store_false",
                         help="skip the CPU decode-latency and number-format runs")  # fmt: skip
     cpu_speed.add_arguments(parser)
+    parser.add_argument("--resident-only", action="store_true",
+                        help="only the executor's resident memory under the workload (CPU), "
+                             "in a fresh process")  # fmt: skip
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if args.resident_only:
+        with benchmark_model(args, torch.float32) as (engine_model, _):
+            resident = resident_under_workload(engine_model, args)
+        workload = Workload(args.num_requests, args.prompt_len, args.output_len)
+        result = {
+            "model": args.model or "random",
+            "workload": vars(workload),
+            "kv_cache_gib": args.kv_cache_gib,
+            "load_average_at_end": os.getloadavg(),
+            "kvgate_resident_bytes": resident,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(
+            f"resident {resident['VmRSS'] / 2**20:.0f} MiB, peak "
+            f"{resident['VmHWM'] / 2**20:.0f} MiB; wrote {args.out}"
+        )
+        return
     result = run(args)
     print_summary(result)
     if args.run_cpu_speed and args.device == "cpu":

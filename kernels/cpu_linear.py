@@ -10,8 +10,8 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
   or less on this machine: bench/bench_linear.py measures them side by side).
 - Dense float32 weights at up to COLUMNS_MAX_ROWS rows (a decode step of up to 64 streams) go
   through the outer-product kernel of kernels/csrc/cpu_linear_columns.c, which reads the weights
-  where they lie (MKL's sgemm copies them into packed panels on every call; at these row counts
-  that kernel runs a decode step's layers 1.2-1.8x faster, bench/bench_linear.py).
+  where they lie (MKL's sgemm copies them into packed panels on every call, and a decode
+  step's weights come from memory; bench/bench_linear.py measures both).
 - At larger batches dense weights are multiplied by torch as weight @ x^T (MKL, 20-40% faster
   than x @ weight^T on this kind of CPU; oneDNN with AMX for bfloat16 where the CPU has it),
   and quantized ones are first dequantized into the activation dtype, a slice of rows at a
@@ -116,6 +116,7 @@ def _takes_columns(
     tensors = [x, weight] + ([] if bias is None else [bias])
     return (
         all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+        and weight.shape[1] > 0
         and out_dtype == torch.float32
         and weight.is_contiguous()
         and (bias is None or bias.is_contiguous())
@@ -139,8 +140,15 @@ def _columns_into(
         weight.data_ptr(), _pointer(bias), x_t.data_ptr(), x_t.stride(1), x_t.stride(0),
         x_t.shape[1], weight.shape[0], weight.shape[1], out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    _raise_for(failed, "kvgate_linear_columns")
+
+
+def _raise_for(failed: int, kernel: str) -> None:
+    """The C kernels' return codes: 0 done, 1 out of memory, 2 not built or not applicable."""
+    if failed == 1:
+        raise MemoryError(f"{kernel} could not allocate its scratch buffer")
     if failed:
-        raise MemoryError("linear could not allocate its scratch buffer")
+        raise RuntimeError(f"{kernel} cannot run these arguments on this build (code {failed})")
 
 
 def _small_batch(
@@ -189,8 +197,7 @@ def _dequantized_matmul(
             ctypes.byref(weights_struct(weight, None)), x_t.data_ptr(), x.shape[0],
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        if failed:
-            raise MemoryError("linear could not allocate its scratch buffer")
+        _raise_for(failed, "kvgate_linear_columns_quantized")
     else:
         rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
         for start in range(0, weight.out_features, rows_per_chunk):

@@ -3,9 +3,8 @@
  * rows of x): out = w @ x^T as an outer-product kernel that reads the weights where they lie.
  *
  * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
- * and each step's weights come from memory, not the cache: on a 2-core AVX-512 machine it runs
- * the layers of a 64-row decode step at 130-150 GFLOP/s where it multiplies a 2048-square
- * matrix at 220-320. Here 6 weight rows meet all the rows of x (up to 4 vectors of 16) in up
+ * and each step's weights come from memory, not the cache: it runs the layers of a 64-row
+ * decode step well below the rate it multiplies a 2048-square matrix at. Here 6 weight rows meet all the rows of x (up to 4 vectors of 16) in up
  * to 24 registers: at 64 rows each step of the inner loop loads 4 vectors of x and broadcasts
  * one weight of each of the 6 rows into 24 multiply-adds. x goes through in chunks of
  * COLUMNS_K_CHUNK features (32 KB at 64 rows) that stay in the L1 cache while every block of
@@ -31,7 +30,7 @@
  * streams of weights than the prefetchers follow. */
 #define COLUMNS_W_ROWS 6
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 /* The accumulators of weight row r: a##r##v for vectors v < V (V a constant at every call, so
@@ -144,16 +143,17 @@ static void columns_blocks(const float *w, int64_t w_ld, const float *x, const f
  */
 void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
                          int64_t k, int64_t m) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     columns_blocks(w, w_ld, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
 #else
     (void)w, (void)w_ld, (void)x, (void)out, (void)n, (void)k, (void)m;
 #endif
 }
 
-/* Whether kvgate_linear_columns is built (it needs AVX-512). */
+/* Whether kvgate_linear_columns is built (it needs AVX-512 F and BW, as cpu_linear.c's vector
+ * kernels and kvgate_linear_columns_quantized do). */
 int kvgate_linear_columns_available(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     return 1;
 #else
     return 0;
@@ -167,7 +167,7 @@ int kvgate_linear_columns_available(void) {
 int kvgate_linear_columns(const float *w, const float *bias, const float *x, int64_t row_stride,
                           int64_t col_stride, int64_t m, int64_t n, int64_t k, float *out,
                           int num_threads) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
     float *packed = NULL;
     if (row_stride != 1 || col_stride != m) { /* not column-major: copied to [k, m] */

@@ -340,7 +340,7 @@ def test_linear_matches_torch_and_is_column_major(rows, bias):
 
 @pytest.mark.parametrize("rows", [9, 16, 17, 33, 48, 49, 63, 64])
 @pytest.mark.parametrize("layout", ["column-major", "row-major", "strided"])
-def test_float32_linear_up_to_64_rows_runs_the_outer_product_kernel(rows, layout):
+def test_float32_linear_up_to_64_rows_runs_the_outer_product_kernel(rows, layout, monkeypatch):
     """9..64 float32 rows go through cpu_linear_columns.c: every count of vectors of 16 rows
     and a partial last one; 300 features are two chunks of 128 and a partial third; 37 weight
     rows leave a block of one past six blocks of six; with and without a bias. float64 is the
@@ -355,11 +355,33 @@ def test_float32_linear_up_to_64_rows_runs_the_outer_product_kernel(rows, layout
     elif layout == "strided":
         x = torch.randn(rows, 600, generator=gen)[:, ::2]
     weight, b = torch.randn(37, 300, generator=gen), torch.randn(37, generator=gen)
+    calls = count_calls(monkeypatch, cpu_linear, "_columns_into")
     for bias in (None, b):
         out = cpu_linear.linear(x, weight, bias)
         expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
         assert out.t().is_contiguous(), "the result is column-major"
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert calls == [1, 1], "both products must have run the outer-product kernel"
+
+
+def count_calls(monkeypatch, module, name: str) -> list[int]:
+    """A list that gets a 1 each time module.name is called (the function still runs)."""
+    calls: list[int] = []
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_float32_linear_of_no_features_gives_the_bias():
+    """k = 0: the outer-product kernel's chunk loop would never run; the product is the bias."""
+    for rows in (4, 16, 100):
+        out = cpu_linear.linear(torch.randn(rows, 0), torch.randn(5, 0), torch.arange(5.0))
+        assert torch.equal(out, torch.arange(5.0).expand(rows, 5)), rows
 
 
 def test_linear_checks_its_input():

@@ -206,6 +206,30 @@ def test_cpu_dequantize_equals_the_format_definition():
         assert torch.equal(rows, weight.dequantize(torch.bfloat16)[5:17]), name
 
 
+@pytest.mark.parametrize("rows", [33, 64])
+def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, monkeypatch):
+    """100 output rows are three of the kernel's 48-row dequantized slices (the last one
+    partial); int8 per channel and in groups of 24, int4 in groups of 32; float32 x."""
+    gen, weights = make_weights(100, 96, rows, odd_int8_groups=True)
+    x = torch.randn(rows, 96, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    lib = cpu_linear.library()
+    calls: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "kvgate_linear_columns_quantized":
+                calls.append(1)
+            return getattr(lib, name)
+
+    monkeypatch.setattr(cpu_linear, "library", lambda: Counting())
+    for name, weight in weights.items():
+        out = cpu_linear.linear_quantized(x, weight, bias)
+        expected = ref.linear_quantized(x, weight, bias)
+        assert relative_error(out, expected) <= 1e-5, f"{name}, {rows} rows"
+    assert len(calls) == len(weights), "every format must have run the outer-product kernel"
+
+
 @pytest.mark.parametrize("rows", [1, 19])
 def test_triton_quantized_linear_matches_the_reference(rows):
     gen, weights = make_weights(70, 96, seed=rows)

@@ -40,3 +40,26 @@ def test_generate_batch_gets_a_cache_that_holds_the_workload_and_no_more(monkeyp
     assert len(sized) == 2, sized
     assert workload_bytes <= sized[1] <= 2 * workload_bytes, (sized, workload_bytes)
     assert sized[0] <= sized[1]
+
+
+def test_the_executor_resident_memory_grows_with_the_kv_cache_the_workload_writes():
+    """bench_engine's resident memory: a fresh process runs the workload; a workload that
+    writes 64x the KV blocks is resident by about their bytes more (the KV cache is resident
+    only where written), so the figure is measured, not a constant."""
+    import argparse
+
+    from bench.bench_engine import resident_under_workload
+    from tests.helpers import STORIES_260K
+
+    def resident(num_requests: int) -> dict[str, int]:
+        args = argparse.Namespace(num_requests=num_requests, prompt_len=256, output_len=4,
+                                  max_num_batched_tokens=2048, kv_cache_gib=0.25,
+                                  device="cpu")  # fmt: skip
+        return resident_under_workload(str(STORIES_260K), args)
+
+    small, large = resident(1), resident(64)
+    assert set(small) == {"VmRSS", "VmHWM", "RssAnon", "RssFile"}
+    assert small["VmHWM"] >= small["VmRSS"] > 0
+    # stories260K: 5 layers x K and V x 4 KV heads x 8 values x 4 bytes = 1,280 bytes a token.
+    written = (64 - 1) * (256 + 4) * 1280
+    assert large["VmRSS"] - small["VmRSS"] > written / 2, (small, large)
