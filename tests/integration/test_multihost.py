@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ PORT = 50051
 SINK_PORT = 50052
 # Few batch slots: a stream waits its turn, so the load is still running at the unplugging.
 EXECUTOR_FLAGS = ["--num-gpu-blocks", "512", "--max-num-seqs", "16", "--torch-threads", "1"]
+SLOW_STEP_S = 0.01  # a 480-token stream takes at least 4.8 s until the unplugging
 
 # Root is needed to create namespaces (CI runs as root); iproute2 comes with `make setup`, so
 # a missing `ip` fails the test rather than skipping it.
@@ -49,8 +51,9 @@ def hosts():
 @pytest.fixture
 def cluster(hosts, tmp_path):
     stack = Stack(StackConfig(model=str(MODEL), log_dir=tmp_path / "logs", log_format="text"))
+    slow_steps(tmp_path).touch()
     try:
-        start_cluster(stack, hosts)
+        start_cluster(stack, hosts, slow_steps(tmp_path))
         yield stack
     finally:
         stack.stop_all()
@@ -61,7 +64,14 @@ def log_has(stack: Stack, name: str, needle: str) -> bool:
     return path.exists() and needle in path.read_text()
 
 
-def start_cluster(stack: Stack, hosts: Hosts) -> None:
+def slow_steps(folder: Path) -> Path:
+    """While this file exists, each executor step sleeps SLOW_STEP_S first (executor/faults.py):
+    stories260K's 480 tokens would otherwise end in about a second, before the test sees the
+    load under way."""
+    return folder / "slow-steps"
+
+
+def start_cluster(stack: Stack, hosts: Hosts, slow_file: Path) -> None:
     """Redis, a scheduler, two executors and two gateways, each on its own host."""
     redis_url = f"redis://{hosts.addresses['redis']}:6379/0"
     python = [sys.executable, "-m"]
@@ -72,7 +82,8 @@ def start_cluster(stack: Stack, hosts: Hosts) -> None:
     stack.spawn("scheduler", hosts.command("scheduler", [*python, "scheduler", *common]))
     for name in ("executor-1", "executor-2"):
         argv = [*python, "executor", "--model", str(MODEL), "--executor-id", name, *common]
-        stack.spawn(name, hosts.command(name, argv + EXECUTOR_FLAGS))
+        faults = {"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SLOW_STEP_S}"}
+        stack.spawn(name, hosts.command(name, argv + EXECUTOR_FLAGS), faults)
     for name in ("gateway-1", "gateway-2"):
         address = hosts.addresses[name]
         argv = [*python, "gateway", "--model", str(MODEL), "--host", address, "--port", str(PORT)]
@@ -117,7 +128,7 @@ class Client:
             return len(self.events[event])
 
 
-def test_streams_survive_an_executor_host_unplugged_mid_stream(hosts, cluster):
+def test_streams_survive_an_executor_host_unplugged_mid_stream(hosts, cluster, tmp_path):
     client = Client(hosts)
     try:
         # Mid-stream: both executors run streams, many have tokens, none has finished.
@@ -129,6 +140,7 @@ def test_streams_survive_an_executor_host_unplugged_mid_stream(hosts, cluster):
         )
         assert client.count("done") == 0, "the load ended before the unplugging"
         hosts.pull_the_plug("executor-1")
+        slow_steps(tmp_path).unlink()  # the rest at full speed
         assert client.proc.wait(240) == 0
     finally:
         if client.proc.poll() is None:
