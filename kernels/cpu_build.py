@@ -27,6 +27,7 @@ SOURCES = tuple(
         "cpu_kernels.c",
         "cpu_linear.c",
         "cpu_linear_columns.c",
+        "cpu_linear_tiles.c",
         "cpu_decoder.c",
     )
 )
@@ -161,6 +162,8 @@ _SIGNATURES = {
     "kvgate_linear": ([_linear_p, _ptr, _int, _i64, _i64, _i64, _ptr, _int, _int], _int),
     "kvgate_dequantize": ([_linear_p, _i64, _i64, _ptr, _int, _int], _int),
     "kvgate_linear_columns_available": ([], _int),
+    "kvgate_linear_tiles_available": ([], _int),
+    "kvgate_linear_tiles": ([_linear_p, _ptr, _int, _i64, _ptr, _int, _int], _int),
     "kvgate_linear_columns_quantized": ([_linear_p, _ptr, _i64, _ptr, _int], _int),
     "kvgate_linear_columns": (
         [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _int], _int,

@@ -12,6 +12,11 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
   through the outer-product kernel of kernels/csrc/cpu_linear_columns.c, which reads the weights
   where they lie (MKL's sgemm copies them into packed panels on every call, and a decode
   step's weights come from memory; bench/bench_linear.py measures both).
+- Per-channel int8 weights above SMALL_BATCH_ROWS rows go through the AMX tile kernel of
+  kernels/csrc/cpu_linear_tiles.c where the CPU has one (the exact int8 values as bfloat16, x
+  split into two bfloat16 parts, float32 sums). Without it, and for other quantized layers, at
+  up to COLUMNS_MAX_ROWS rows a thread dequantizes slices of weight rows into the
+  outer-product kernel.
 - At larger batches dense weights are multiplied by torch as weight @ x^T (MKL, 20-40% faster
   than x @ weight^T on this kind of CPU; oneDNN with AMX for bfloat16 where the CPU has it),
   and quantized ones are first dequantized into the activation dtype, a slice of rows at a
@@ -84,13 +89,17 @@ def linear_quantized(
     """The CPU twin of kernels.reference.linear_quantized, column-major (see the module).
 
     Small batches accumulate in float32 from the exact weights (int4: integer block sums
-    against x rounded to int8 blocks, see kernels/csrc/cpu_int4.h); larger ones multiply weights
-    dequantized to x.dtype (for bfloat16, rounded to it) with torch, for int4 by x rounded to
-    its int8 blocks as well (kernels.quant.round_activations, then to x.dtype).
+    against x rounded to int8 blocks, see kernels/csrc/cpu_int4.h), and so do per-channel int8
+    layers on the AMX tile kernel (x to 16 significant bits). Other larger ones multiply weights
+    dequantized to float32 (9-64 rows of float32 x) or to x.dtype (for bfloat16, rounded to it)
+    with torch, for int4 by x rounded to its int8 blocks as well
+    (kernels.quant.round_activations, then to x.dtype).
     """
     check_quantized_linear(x, weight, bias)
     check_cpu({"x": x}, floats=("x",), inner_dims={"x": 0})
     out_dtype = out_dtype or x.dtype
+    if x.shape[0] > SMALL_BATCH_ROWS and _takes_tiles(weight):
+        return _tiles(x, weight, bias, out_dtype)
     if x.shape[0] > SMALL_BATCH_ROWS:
         return _dequantized_matmul(x, weight, bias).t().to(out_dtype)
     if x.shape[0] == 0:
@@ -126,10 +135,14 @@ def _takes_columns(
 
 def _columns(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(weight.shape[0], x.shape[0], dtype=torch.float32)
-    # x^T as the kernel reads it, [in, rows] contiguous: the engine's column-major activations
-    # as they are, others (the attention's row-major output) transposed by torch first.
-    _columns_into(x.t().contiguous(), weight, bias, out)
+    _columns_into(_features_major(x), weight, bias, out)
     return out.t()
+
+
+def _features_major(x: torch.Tensor) -> torch.Tensor:
+    """x^T as the 9-64-row kernels read it, [in, rows] contiguous: the engine's column-major
+    activations as they are, others (the attention's row-major output) transposed by torch."""
+    return x.t().contiguous()
 
 
 def _columns_into(
@@ -186,26 +199,58 @@ def dequantize(
 def _dequantized_matmul(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """[out_features, N] = dequantized weight @ x^T (+ bias), a slice of rows at a time."""
-    out = torch.empty(weight.out_features, x.shape[0], dtype=x.dtype)
+    """[out_features, N] = dequantized weight @ x^T (+ bias) in x.dtype (see the module)."""
     if weight.bits == 4:
         x = round_activations(x).to(x.dtype)
-    if x.shape[0] <= COLUMNS_MAX_ROWS and x.dtype == torch.float32 and _columns_built():
-        # Slices of weight rows dequantized in cache-sized pieces into the outer-product kernel.
-        x_t = x.t().contiguous()  # held until the call returns
-        failed = library().kvgate_linear_columns_quantized(
-            ctypes.byref(weights_struct(weight, None)), x_t.data_ptr(), x.shape[0],
-            out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        _raise_for(failed, "kvgate_linear_columns_quantized")
+    rows = x.shape[0]
+    if rows <= COLUMNS_MAX_ROWS and x.dtype == torch.float32 and _columns_built():
+        out = torch.empty(weight.out_features, rows, dtype=torch.float32)
+        _quantized_columns_into(_features_major(x), weight, out)
     else:
+        out = torch.empty(weight.out_features, rows, dtype=x.dtype)
         rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
         for start in range(0, weight.out_features, rows_per_chunk):
-            rows = slice(start, min(start + rows_per_chunk, weight.out_features))
-            torch.mm(dequantize(weight, x.dtype, rows), x.t(), out=out[rows])
+            chunk = slice(start, min(start + rows_per_chunk, weight.out_features))
+            torch.mm(dequantize(weight, x.dtype, chunk), x.t(), out=out[chunk])
     if bias is not None:
         out += bias.unsqueeze(1)
     return out
+
+
+@functools.cache
+def _tiles_built() -> bool:
+    return bool(library().kvgate_linear_tiles_available())
+
+
+def _takes_tiles(weight: QuantizedWeight) -> bool:
+    """Whether the AMX tile kernel takes this layer (above SMALL_BATCH_ROWS rows): per-channel
+    int8, on a CPU with AMX whose kernel lets the process use it."""
+    return weight.bits == 8 and weight.group_size == weight.in_features and _tiles_built()
+
+
+def _tiles(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) on the AMX tile kernel, column-major [rows, out_features]."""
+    weights = weights_struct(weight, bias)
+    out = torch.empty(weights.out_features, x.shape[0], dtype=out_dtype)
+    x_t = _features_major(x)
+    failed = library().kvgate_linear_tiles(
+        ctypes.byref(weights), x_t.data_ptr(), DTYPE_CODES[x.dtype], x.shape[0], out.data_ptr(),
+        DTYPE_CODES[out_dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    _raise_for(failed, "kvgate_linear_tiles")
+    return out.t()
+
+
+def _quantized_columns_into(x_t: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
+    """out (contiguous [out_features, rows] float32) = weight @ x_t, x_t [in, rows] float32:
+    slices of weight rows dequantized in cache-sized pieces into the outer-product kernel."""
+    failed = library().kvgate_linear_columns_quantized(
+        ctypes.byref(weights_struct(weight, None)), x_t.data_ptr(), x_t.shape[1],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    _raise_for(failed, "kvgate_linear_columns_quantized")
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -4,21 +4,22 @@
  *
  * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
  * and each step's weights come from memory, not the cache: it runs the layers of a 64-row
- * decode step well below the rate it multiplies a 2048-square matrix at. Here 6 weight rows meet all the rows of x (up to 4 vectors of 16) in up
- * to 24 registers: at 64 rows each step of the inner loop loads 4 vectors of x and broadcasts
- * one weight of each of the 6 rows into 24 multiply-adds. x goes through in chunks of
- * COLUMNS_K_CHUNK features (32 KB at 64 rows) that stay in the L1 cache while every block of
- * a thread's weight rows passes over them; the partial sums wait in `out` between chunks. The next
- * block's weight rows are prefetched while the current block runs.
+ * decode step well below the rate it multiplies a 2048-square matrix at. Here 6 weight rows
+ * meet all the rows of x (up to 4 vectors of 16) in up to 24 registers: at 64 rows each step
+ * of the inner loop loads 4 vectors of x and broadcasts one weight of each of the 6 rows into
+ * 24 multiply-adds. x goes through in chunks of COLUMNS_K_CHUNK features (32 KB at 64 rows)
+ * that stay in the L1 cache while every block of a thread's weight rows passes over them; the
+ * partial sums wait in `out` between chunks. The next block's weight rows are prefetched while
+ * the current block runs.
  *
- * x: element (i, j) (row i, feature j) at x[i * row_stride + j * col_stride], float32; the
- * engine's activations are column-major (row_stride 1, col_stride m) and are read in place,
- * any other layout is copied first. out: [n, m] float32, out[r * m + i] row i's output r (the
- * column-major result of kernels/cpu_linear.py). bias: [n] float32 or NULL.
+ * x: element (i, j) (row i, feature j) at x[i * row_stride + j * col_stride], float32, dense
+ * [k, m] (row_stride 1, col_stride m): the engine's column-major activations, read in place
+ * (kernels/cpu_linear.py transposes any other layout first). out: [n, m] float32,
+ * out[r * m + i] row i's output r (the column-major result of kernels/cpu_linear.py). bias:
+ * [n] float32 or NULL.
  */
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "cpu_common.h"
 
@@ -162,21 +163,13 @@ int kvgate_linear_columns_available(void) {
 
 /*
  * out = w @ x^T (+ bias) for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] float32.
- * Returns 0, 1 when out of memory, 2 when m is out of range or the kernel is not built.
+ * Returns 0, 2 when m is out of range, x is not dense [k, m] or the kernel is not built.
  */
 int kvgate_linear_columns(const float *w, const float *bias, const float *x, int64_t row_stride,
                           int64_t col_stride, int64_t m, int64_t n, int64_t k, float *out,
                           int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
-    float *packed = NULL;
-    if (row_stride != 1 || col_stride != m) { /* not column-major: copied to [k, m] */
-        packed = malloc(sizeof(float) * (size_t)(k * m));
-        if (packed == NULL) return 1;
-        for (int64_t j = 0; j < k; ++j)
-            for (int64_t i = 0; i < m; ++i) packed[j * m + i] = x[i * row_stride + j * col_stride];
-        x = packed;
-    }
+    if (m < 1 || m > COLUMNS_MAX_ROWS || row_stride != 1 || col_stride != m) return 2;
     const int64_t blocks = (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
     const int threads = num_threads > 0 ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
@@ -185,7 +178,6 @@ int kvgate_linear_columns(const float *w, const float *bias, const float *x, int
         const int64_t first = blocks * t / count, stop = blocks * (t + 1) / count;
         columns_blocks(w, k, x, bias, out, n, k, m, first, stop - first);
     }
-    free(packed);
     return 0;
 #else
     (void)w, (void)bias, (void)x, (void)row_stride, (void)col_stride, (void)m, (void)n, (void)k;

@@ -15,6 +15,7 @@ import torch
 
 from kernels import cpu_linear, quant, triton_quant
 from kernels import reference as ref
+from tests.kernels.test_cpu import on_one_and_two_threads
 
 BF16_STEP = 2.0**-7
 
@@ -206,28 +207,67 @@ def test_cpu_dequantize_equals_the_format_definition():
         assert torch.equal(rows, weight.dequantize(torch.bfloat16)[5:17]), name
 
 
-@pytest.mark.parametrize("rows", [33, 64])
-def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, monkeypatch):
-    """100 output rows are three of the kernel's 48-row dequantized slices (the last one
-    partial); int8 per channel and in groups of 24, int4 in groups of 32; float32 x."""
-    gen, weights = make_weights(100, 96, rows, odd_int8_groups=True)
-    x = torch.randn(rows, 96, generator=gen)
-    bias = torch.randn(100, generator=gen)
+def counting_library(monkeypatch, *names: str) -> dict[str, int]:
+    """Calls of the named C functions through cpu_linear.library() (they still run)."""
     lib = cpu_linear.library()
-    calls: list[int] = []
+    calls = dict.fromkeys(names, 0)
 
     class Counting:
         def __getattr__(self, name):
-            if name == "kvgate_linear_columns_quantized":
-                calls.append(1)
+            if name in calls:
+                calls[name] += 1
             return getattr(lib, name)
 
     monkeypatch.setattr(cpu_linear, "library", lambda: Counting())
+    return calls
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "no-amx"])
+@pytest.mark.parametrize("rows", [33, 64])
+def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, tiles, monkeypatch):
+    """100 output rows are three of the kernel's 48-row dequantized slices (the last one
+    partial); int8 in groups of 32 and 24, int4 in groups of 32; float32 x. Per-channel int8
+    runs the AMX tile kernel where there is one, and the outer-product kernel without it."""
+    gen, weights = make_weights(100, 96, rows, odd_int8_groups=True)
+    x = torch.randn(rows, 96, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    if not tiles:
+        monkeypatch.setattr(cpu_linear, "_tiles_built", lambda: False)
+    calls = counting_library(monkeypatch, "kvgate_linear_columns_quantized", "kvgate_linear_tiles")
     for name, weight in weights.items():
         out = cpu_linear.linear_quantized(x, weight, bias)
         expected = ref.linear_quantized(x, weight, bias)
         assert relative_error(out, expected) <= 1e-5, f"{name}, {rows} rows"
-    assert len(calls) == len(weights), "every format must have run the outer-product kernel"
+    assert calls == {
+        "kvgate_linear_columns_quantized": len(weights) - tiles,
+        "kvgate_linear_tiles": int(tiles),
+    }, "per-channel int8 on the tile kernel with AMX, every other layer on the outer-product one"
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 33, 48, 49, 63, 64, 65, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 100), (16, 64), (150, 576)])
+def test_int8_tile_kernel_keeps_the_weights_exact_and_x_to_16_bits(rows, out_features, in_features):
+    """The AMX kernel against float64 on the dequantized weights: every count of 16-row tiles
+    of x and a partial last one, more than one group of 64 rows (work items of 128 weight
+    rows, 150 a partial second), weight rows past a block of 16, features past a 32-feature
+    tile. Its error stays far below what x rounded to bfloat16 alone would give (so the low
+    bfloat16 part of x is summed), and it does not depend on the thread count."""
+    if not cpu_linear._tiles_built():
+        pytest.skip("this CPU has no AMX (the tile kernel's fallback is tested by the no-amx "
+                    "case of the 9-64-row test)")  # fmt: skip
+    gen = torch.Generator().manual_seed(rows * in_features)
+    weight = quant.quantize_int8(torch.randn(out_features, in_features, generator=gen))
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    exact = x.double() @ weight.dequantize().double().t() + bias.double()
+    one, two = on_one_and_two_threads(lambda: cpu_linear.linear_quantized(x, weight, bias))
+    assert torch.equal(one, two), "the result depends on the thread count"
+    assert relative_error(one, exact) <= 1e-5
+    x_bf16_only = x.bfloat16().double() @ weight.dequantize().double().t() + bias.double()
+    assert relative_error(x_bf16_only, exact) > 30 * relative_error(one, exact)
+    halves = cpu_linear.linear_quantized(x.bfloat16(), weight, bias.bfloat16())
+    assert halves.dtype == torch.bfloat16
+    assert relative_error(halves, x_bf16_only) <= BF16_STEP
 
 
 @pytest.mark.parametrize("rows", [1, 19])
