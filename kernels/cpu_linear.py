@@ -199,14 +199,15 @@ def dequantize(
 def _dequantized_matmul(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """[out_features, N] = dequantized weight @ x^T (+ bias) in x.dtype (see the module)."""
-    if weight.bits == 4:
-        x = round_activations(x).to(x.dtype)
+    """[out_features, N] = dequantized weight @ x^T (+ bias) in x.dtype (see the module); int4
+    layers multiply x rounded to its int8 blocks (in C on the 9-64-row path)."""
     rows = x.shape[0]
     if rows <= COLUMNS_MAX_ROWS and x.dtype == torch.float32 and _columns_built():
         out = torch.empty(weight.out_features, rows, dtype=torch.float32)
         _quantized_columns_into(_features_major(x), weight, out)
     else:
+        if weight.bits == 4:
+            x = round_activations(x).to(x.dtype)
         out = torch.empty(weight.out_features, rows, dtype=x.dtype)
         rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
         for start in range(0, weight.out_features, rows_per_chunk):
@@ -244,8 +245,9 @@ def _tiles(
 
 
 def _quantized_columns_into(x_t: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
-    """out (contiguous [out_features, rows] float32) = weight @ x_t, x_t [in, rows] float32:
-    slices of weight rows dequantized in cache-sized pieces into the outer-product kernel."""
+    """out (contiguous [out_features, rows] float32) = weight @ x_t, x_t [in, rows] float32
+    (int4: rounded to its rows' int8 blocks by the C function): slices of weight rows
+    dequantized in cache-sized pieces into the outer-product kernel."""
     failed = library().kvgate_linear_columns_quantized(
         ctypes.byref(weights_struct(weight, None)), x_t.data_ptr(), x_t.shape[1],
         out.data_ptr(), torch.get_num_threads(),

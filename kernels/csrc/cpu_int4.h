@@ -25,6 +25,49 @@
 #ifndef KVGATE_CPU_INT4_H
 #define KVGATE_CPU_INT4_H
 
+#ifdef KVGATE_AVX512
+/* The activations' rounding (AVX-512 F; the VNNI kernel below and the 9-64-row path of
+ * cpu_linear.c use it). */
+#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* A block of 32 floats at src rounded to int8: its scale (max |x| * float32(1/127)) and
+ * values q_lo (the first 16) and q_hi, each round-half-even(x * (1 / scale)) in -127..127. */
+static inline float round_x_block(const float *src, __m512i *q_lo, __m512i *q_hi) {
+    const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m128 scale =
+        _mm_mul_round_ss(_mm_set_ss(amax), _mm_set_ss((float)(1.0 / 127.0)), ROUNDED);
+    const float scale_f = _mm_cvtss_f32(scale);
+    const __m512 inverse = scale_f > 0.0f
+        ? _mm512_broadcastss_ps(_mm_div_round_ss(_mm_set_ss(1.0f), scale, ROUNDED))
+        : _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+#define ROUND_HALF(v)                                                                       \
+    _mm512_min_epi32(high, _mm512_max_epi32(low, _mm512_cvt_roundps_epi32(                  \
+                                                      _mm512_mul_round_ps(v, inverse, ROUNDED), ROUNDED)))
+    *q_lo = ROUND_HALF(lo);
+    *q_hi = ROUND_HALF(hi);
+#undef ROUND_HALF
+    return scale_f;
+}
+
+/* x^T (dense [k, m] float32, k a multiple of 32) as the float32 values of its rows' int8
+ * blocks (q * scale: kernels/quant.py's round_activations) into out, also [k, m]. */
+static void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
+    float block[32], rounded[32];
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j0 = 0; j0 < k; j0 += 32) {
+            for (int j = 0; j < 32; ++j) block[j] = x[(j0 + j) * m + i];
+            __m512i q_lo, q_hi;
+            const __m512 scale = _mm512_set1_ps(round_x_block(block, &q_lo, &q_hi));
+            _mm512_storeu_ps(rounded, _mm512_mul_ps(_mm512_cvtepi32_ps(q_lo), scale));
+            _mm512_storeu_ps(rounded + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q_hi), scale));
+            for (int j = 0; j < 32; ++j) out[(j0 + j) * m + i] = rounded[j];
+        }
+}
+#undef ROUNDED
+#endif
+
 #if defined(KVGATE_AVX512) && defined(__AVX512VNNI__)
 #define KVGATE_INT4_VNNI 1
 
@@ -53,23 +96,10 @@ static inline int4_x int4_x_layout(char *memory, int64_t m, int64_t k) {
     return x;
 }
 
-#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
 /* Block b of row i (32 floats at src) into x: its int8 values, its scale and its sum. */
 static inline void quantize_x_block(const float *src, int64_t i, int64_t b, const int4_x *x) {
-    const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m128 scale = _mm_mul_round_ss(_mm_set_ss(amax), _mm_set_ss((float)(1.0 / 127.0)), ROUNDED);
-    const float scale_f = _mm_cvtss_f32(scale);
-    const __m512 inverse = scale_f > 0.0f
-        ? _mm512_broadcastss_ps(_mm_div_round_ss(_mm_set_ss(1.0f), scale, ROUNDED))
-        : _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
-#define ROUND_HALF(v)                                                                       \
-    _mm512_min_epi32(high, _mm512_max_epi32(low, _mm512_cvt_roundps_epi32(                  \
-                                                      _mm512_mul_round_ps(v, inverse, ROUNDED), ROUNDED)))
-    const __m512i q_lo = ROUND_HALF(lo), q_hi = ROUND_HALF(hi);
-#undef ROUND_HALF
+    __m512i q_lo, q_hi;
+    const float scale_f = round_x_block(src, &q_lo, &q_hi);
     const int64_t chunk = i * x->chunks + b / 4, in_chunk = b % 4;
     int8_t *q = x->q + chunk * INT4_X_CHUNK + 16 * in_chunk;
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q_lo));
@@ -77,7 +107,7 @@ static inline void quantize_x_block(const float *src, int64_t i, int64_t b, cons
     _mm_storeu_ps(x->lanes + chunk * 16 + 4 * in_chunk, _mm_set1_ps(scale_f));
     x->sums[chunk * 4 + in_chunk] = scale_f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
 }
-#undef ROUNDED
+
 
 /* m dense float32 rows of ld (>= k) into x, k a multiple of 32; x's memory is zeroed. */
 static void quantize_x(const float *xf, int64_t m, int64_t k, int64_t ld, const int4_x *x) {

@@ -499,10 +499,11 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
 
 /*
  * out = w @ x^T for int8 or int4 weights and m (1 .. 64) rows of float32 x, given as x^T: dense
- * [k, m] (for int4 already rounded to int8 blocks, kernels/quant.py's round_activations): a
- * slice of weight rows dequantized to float32 into a thread's buffer, then multiplied by the
- * outer-product kernel (cpu_linear_columns.c). out: [n, m]. Returns 0, 1 when out of memory, 2
- * when the weights are not int8 or int4 or the kernels are not built (no AVX-512).
+ * [k, m] (for int4 rounded here to its rows' int8 blocks, kernels/quant.py's
+ * round_activations): a slice of weight rows dequantized to float32 into a thread's buffer,
+ * then multiplied by the outer-product kernel (cpu_linear_columns.c). out: [n, m]. Returns 0,
+ * 1 when out of memory, 2 when the weights are not int8 or int4 or the kernels are not built
+ * (no AVX-512).
  */
 int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m, float *out,
                                     int num_threads) {
@@ -510,6 +511,13 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
     if (wt->kind != KVGATE_W_INT8 && wt->kind != KVGATE_W_INT4) return 2;
     const int64_t k = wt->in_features, n = wt->out_features;
     const int64_t slices = (n + COLUMNS_QUANTIZED_ROWS - 1) / COLUMNS_QUANTIZED_ROWS;
+    float *rounded = NULL;
+    if (wt->kind == KVGATE_W_INT4) {
+        rounded = malloc(sizeof(float) * (size_t)(k * m));
+        if (rounded == NULL) return 1;
+        round_x_columns(x, k, m, rounded);
+        x = rounded;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -527,6 +535,7 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
         }
         free(rows);
     }
+    free(rounded);
     return failed;
 #else
     (void)wt, (void)x, (void)m, (void)out, (void)num_threads;

@@ -168,11 +168,11 @@ def test_activations_round_to_int8_blocks_of_32_by_their_largest_value():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 4, 7, 9])
+@pytest.mark.parametrize("rows", [1, 4, 7, 9, 64, 65])
 def test_int4_layers_round_activations_exactly_as_the_reference(rows, dtype):
     """An identity int4 weight (scale 1, zero 0) returns the activations it multiplied: the C
-    kernel's int8 blocks (small batches) and the dequantized matmul's (9 rows) are the
-    reference's to the bit."""
+    kernels' int8 blocks (small batches; 9-64 float32 rows, rounded beside the outer-product
+    kernel) and the dequantized matmul's (bfloat16, 65 rows) are the reference's to the bit."""
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 256, generator=gen) * torch.rand(rows, 1, generator=gen) * 8).to(dtype)
     x[0, 96:128] = 0.0
