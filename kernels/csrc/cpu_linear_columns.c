@@ -169,7 +169,8 @@ int kvgate_linear_columns(const float *w, const float *bias, const float *x, int
                           int64_t col_stride, int64_t m, int64_t n, int64_t k, float *out,
                           int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (m < 1 || m > COLUMNS_MAX_ROWS || row_stride != 1 || col_stride != m) return 2;
+    /* One feature's col_stride says nothing: torch gives a size-1 dim any stride (here 1). */
+    if (m < 1 || m > COLUMNS_MAX_ROWS || row_stride != 1 || (k > 1 && col_stride != m)) return 2;
     const int64_t blocks = (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
     const int threads = num_threads > 0 ? num_threads : 1;
 #pragma omp parallel num_threads(threads)

@@ -364,6 +364,16 @@ def test_float32_linear_up_to_64_rows_runs_the_outer_product_kernel(rows, layout
     assert calls == [1, 1], "both products must have run the outer-product kernel"
 
 
+@pytest.mark.parametrize("rows", [9, 64])
+def test_float32_linear_of_9_to_64_rows_takes_one_feature(rows):
+    """The outer-product kernel takes x^T of one feature: [1, rows], contiguous, with the
+    stride torch gives its size-1 dim (1, not rows)."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 1, generator=gen), torch.randn(5, 1, generator=gen)
+    out = cpu_linear.linear(x, weight)
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().t())
+
+
 def count_calls(monkeypatch, module, name: str) -> list[int]:
     """A list that gets a 1 each time module.name is called (the function still runs)."""
     calls: list[int] = []
