@@ -14,7 +14,7 @@ values (`quantize_activations`, the Q8 blocks llama.cpp pairs with Q4 weights), 
 kernel's block products are integer multiply-adds (VNNI); every backend rounds the activations
 the same way, and int8 weights multiply the activations as they are (the CPU's AMX kernel above
 8 rows keeps float32 activations to 16 significant bits, a relative error of at most 2^-17 a
-value: kernels/csrc/cpu_linear_tiles.c).
+value of magnitude 2^-109 to 3.39e38: kernels/csrc/cpu_linear_tiles.c).
 
 A loader that reads already-quantized tensors builds the weight directly (`int4_weight`,
 `int8_weight`, or from GGUF blocks with `from_gguf_q8_0`, `from_gguf_q4_0`, `from_gguf_q4_1`:

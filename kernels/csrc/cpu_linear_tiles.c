@@ -9,7 +9,11 @@
  * - float32 x is split into two bfloat16 parts, x = hi + lo (hi x rounded to bfloat16, lo the
  *   rest rounded to bfloat16: 16 significant bits together, a relative error of at most 2^-17
  *   a value), and both parts' products with a weight tile go into the same float32
- *   accumulator tile; bfloat16 x is exact in one part.
+ *   accumulator tile; bfloat16 x is exact in one part. The bound holds for |x| from 2^-109
+ *   to 3.39e38: the conversion and the tile unit flush denormals to zero (an error under
+ *   2^-126 a value below), and hi of a larger x rounds to inf (its outputs NaN). An infinite
+ *   x gives the reference's infinities; a sum q . x past float32's largest value is inf
+ *   before the scale makes it small (the reference's x . (q * scale) is not).
  *
  * A tile product costs the tile unit what a sixteenth of its products would cost the vector
  * unit in float32, so two of them per value still leave a decode step's time mostly to
@@ -34,7 +38,7 @@
 #define TILE_K 32         /* features a tile product takes (32 bfloat16 = 64 bytes a row) */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) &&         \
-    defined(__AVX512BW__) && defined(__AVX512VL__)
+    defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define KVGATE_TILES 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -81,6 +85,13 @@ static inline __m512i pair_lanes(__m512i a, __m512i b) {
     return _mm512_mask_blend_epi16((__mmask32)0xaaaaaaaau, _mm512_srli_epi32(a, 16), b);
 }
 
+/* x - hi, the part of x that its bfloat16 high part hi leaves: 0 where x is infinite (hi is
+ * then x, and inf - inf would make every output of its row NaN where the reference has inf). */
+static inline __m512 low_part(__m512 x, __m512i hi) {
+    const __mmask16 infinite = _mm512_fpclass_ps_mask(x, 0x18); /* +inf, -inf */
+    return _mm512_maskz_sub_ps((__mmask16)~infinite, x, _mm512_castsi512_ps(hi));
+}
+
 /*
  * x^T [k, m] into the tiles' layout: for x's rows 16 v .. 16 v + 15 and feature pair p (2 p,
  * 2 p + 1), 64 bytes at part + (v * pairs + p) * 32 bfloat16 hold (row j, feature 2 p + e) at
@@ -100,8 +111,7 @@ static void pack_pairs(const void *x, int dtype, int64_t k, int64_t m, int64_t p
             const __m512i ah = bf16_high(a), bh = bf16_high(b);
             _mm512_storeu_si512(hi + at, pair_lanes(ah, bh));
             if (lo == NULL) continue;
-            const __m512i al = bf16_high(_mm512_sub_ps(a, _mm512_castsi512_ps(ah)));
-            const __m512i bl = bf16_high(_mm512_sub_ps(b, _mm512_castsi512_ps(bh)));
+            const __m512i al = bf16_high(low_part(a, ah)), bl = bf16_high(low_part(b, bh));
             _mm512_storeu_si512(lo + at, pair_lanes(al, bl));
         }
     }

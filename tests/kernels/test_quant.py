@@ -244,17 +244,25 @@ def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, ti
     }, "per-channel int8 on the tile kernel with AMX, every other layer on the outer-product one"
 
 
-@pytest.mark.parametrize("rows", [9, 16, 17, 33, 48, 49, 63, 64, 65, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(37, 100), (16, 64), (150, 576)])
-def test_int8_tile_kernel_keeps_the_weights_exact_and_x_to_16_bits(rows, out_features, in_features):
-    """The AMX kernel against float64 on the dequantized weights: every count of 16-row tiles
-    of x and a partial last one, more than one group of 64 rows (work items of 128 weight
-    rows, 150 a partial second), weight rows past a block of 16, features past a 32-feature
-    tile. Its error stays far below what x rounded to bfloat16 alone would give (so the low
-    bfloat16 part of x is summed), and it does not depend on the thread count."""
+def skip_without_tiles() -> None:
     if not cpu_linear._tiles_built():
         pytest.skip("this CPU has no AMX (the tile kernel's fallback is tested by the no-amx "
                     "case of the 9-64-row test)")  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 33, 48, 49, 63, 64, 65, 300])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(37, 100), (16, 64), (150, 576), (17, 31), (15, 1)]
+)
+def test_int8_tile_kernel_keeps_the_weights_exact_and_x_to_16_bits(rows, out_features, in_features):
+    """The AMX kernel against float64 on the dequantized weights: every count of 16-row tiles
+    of x and a partial last one, more than one group of 64 rows (work items of 128 weight
+    rows, 150 a partial second), weight rows past a block of 16 and a block of fewer, features
+    past a 32-feature tile and fewer than one. Its error stays far below what x rounded to
+    bfloat16 alone would give (so the low bfloat16 part of x is summed), and it does not
+    depend on the thread count. bfloat16 x is exact in one part: float32 logits from it carry
+    no more than float32's error."""
+    skip_without_tiles()
     gen = torch.Generator().manual_seed(rows * in_features)
     weight = quant.quantize_int8(torch.randn(out_features, in_features, generator=gen))
     x = torch.randn(rows, in_features, generator=gen)
@@ -268,6 +276,25 @@ def test_int8_tile_kernel_keeps_the_weights_exact_and_x_to_16_bits(rows, out_fea
     halves = cpu_linear.linear_quantized(x.bfloat16(), weight, bias.bfloat16())
     assert halves.dtype == torch.bfloat16
     assert relative_error(halves, x_bf16_only) <= BF16_STEP
+    logits = cpu_linear.linear_quantized(x.bfloat16(), weight, bias.bfloat16(), torch.float32)
+    bias_bf16 = bias.bfloat16().double() - bias.double()
+    assert relative_error(logits, x_bf16_only + bias_bf16) <= 1e-5
+
+
+def test_int8_tile_kernel_gives_the_reference_infinities_for_an_infinite_x():
+    """x = hi + lo: where x is infinite, lo must be 0, not inf - inf (NaN in every output)."""
+    skip_without_tiles()
+    gen = torch.Generator().manual_seed(3)
+    weight = quant.quantize_int8(torch.randn(20, 40, generator=gen))
+    x = torch.randn(9, 40, generator=gen)
+    x[0, 3], x[1, 5] = float("inf"), float("-inf")
+    out = cpu_linear.linear_quantized(x, weight)
+    expected = ref.linear_quantized(x, weight)
+    assert expected[:2].isinf().any(), "the test needs infinities from the reference"
+    finite = expected.isfinite()
+    assert torch.equal(out[~finite].nan_to_num(), expected[~finite].nan_to_num())
+    assert torch.equal(out[~finite].isnan(), expected[~finite].isnan())
+    assert relative_error(out[finite], expected[finite]) <= 1e-5
 
 
 @pytest.mark.parametrize("rows", [1, 19])
