@@ -258,6 +258,7 @@ static void tiles_item(const tiles_io *io, int64_t item, uint16_t *w, float *sum
                 TILES_CASE(3);
                 TILES_CASE(4);
             }
+#undef TILES_CASE
             store_block(io, sums, V, first + b, rows - b < TILE_ROWS ? (int)(rows - b) : TILE_ROWS,
                         64 * g);
         }
@@ -265,15 +266,19 @@ static void tiles_item(const tiles_io *io, int64_t item, uint16_t *w, float *sum
 }
 #endif
 
-static int tiles_permitted = -1; /* -1 not asked yet, then 0 or 1 */
-
 /* Whether kvgate_linear_tiles runs here: built with AMX and the kernel lets this process use
  * the tile registers (asked once). */
 int kvgate_linear_tiles_available(void) {
 #ifdef KVGATE_TILES
-    if (tiles_permitted < 0)
-        tiles_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return tiles_permitted;
+    /* -1 not asked yet, then 0 or 1; atomic: first callers may race, and each stores the same
+     * answer. */
+    static int tiles_permitted = -1;
+    int permitted = __atomic_load_n(&tiles_permitted, __ATOMIC_ACQUIRE);
+    if (permitted < 0) {
+        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&tiles_permitted, permitted, __ATOMIC_RELEASE);
+    }
+    return permitted;
 #else
     return 0;
 #endif
