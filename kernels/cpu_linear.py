@@ -98,6 +98,8 @@ def linear_quantized(
     check_quantized_linear(x, weight, bias)
     check_cpu({"x": x}, floats=("x",), inner_dims={"x": 0})
     out_dtype = out_dtype or x.dtype
+    if bias is not None:
+        bias = bias.contiguous()  # the C kernels read it by its pointer
     if x.shape[0] > SMALL_BATCH_ROWS and _takes_tiles(weight):
         return _tiles(x, weight, bias, out_dtype)
     if x.shape[0] > SMALL_BATCH_ROWS:

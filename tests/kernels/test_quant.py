@@ -297,6 +297,18 @@ def test_int8_tile_kernel_gives_the_reference_infinities_for_an_infinite_x():
     assert relative_error(out[finite], expected[finite]) <= 1e-5
 
 
+@pytest.mark.parametrize("rows", [2, 20, 80])
+def test_quantized_linear_reads_a_strided_bias_by_its_values(rows):
+    """A bias that is a strided view: the C kernels read it by its pointer, so it must be
+    made contiguous first (small batches, the tile kernel, the dequantized matmul)."""
+    gen, weights = make_weights(16, 64, seed=rows)
+    x = torch.randn(rows, 64, generator=gen)
+    bias = torch.randn(32, generator=gen)[::2]
+    for name, weight in weights.items():
+        out = cpu_linear.linear_quantized(x, weight, bias)
+        assert relative_error(out, ref.linear_quantized(x, weight, bias)) <= 1e-5, name
+
+
 @pytest.mark.parametrize("rows", [1, 19])
 def test_triton_quantized_linear_matches_the_reference(rows):
     gen, weights = make_weights(70, 96, seed=rows)
