@@ -5,14 +5,15 @@ transformers generate_batch in bfloat16, in one run on SmolLM2-135M's shape.
 
 Each measure is the best of --repeats interleaved rounds (bench.bench_engine.best_rates), on
 64 requests of 128 prompt and 128 output tokens (EOS ignored). The roofline of a format is the
-workload's matmul FLOPs at the machine's best matmul FLOP/s in it (2048 x 2048 x 2048),
-bench/roofline.py. int8
-and int4 run with float32 activations (the CPU default) and with bfloat16 ones.
+workload's matmul FLOPs at the machine's best matmul FLOP/s in it (2048 x 2048 x 2048, read in
+every round beside the formats), bench/roofline.py. int8 runs with float32 activations (the
+CPU default) and with bfloat16 ones, int4 with bfloat16 ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -35,6 +36,7 @@ from executor.config import EngineConfig
 from executor.engine import Engine
 from executor.host_memory import retain_freed_memory
 
+ROOFLINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KVGATE_FORMATS = {
     "kvgate float32": {},
     "kvgate bfloat16": {"dtype": "bfloat16"},
@@ -66,9 +68,13 @@ def run(model: str, workload: Workload, repeats: int, formats: list[str]) -> dic
     measures["transformers bfloat16 generate_batch"] = lambda: hf_generate_batch_tokens_per_s(
         hf, prompts, workload.output_len
     )
+    # The rooflines' matmul rates, read in every round beside the formats: their best reading
+    # is the machine's limit, whatever the moment of one reading was like.
+    for dtype in ROOFLINE_DTYPES:
+        measures[f"matmul {dtype}"] = functools.partial(matmul_flops_per_s, ROOFLINE_DTYPES[dtype])
     best, samples = best_rates(measures, repeats)
-    flops = {str(d).removeprefix("torch."): matmul_flops_per_s(d) for d in (torch.float32,
-             torch.bfloat16)}  # fmt: skip
+    flops = {dtype: best.pop(f"matmul {dtype}") for dtype in ROOFLINE_DTYPES}
+    flops_samples = {dtype: samples.pop(f"matmul {dtype}") for dtype in ROOFLINE_DTYPES}
     roofline = {name: roofline_tokens_per_s(f, hf.config, workload) for name, f in flops.items()}
     output_only = {name: output_tokens_only_tokens_per_s(f, num_params)
                    for name, f in flops.items()}  # fmt: skip
@@ -78,6 +84,7 @@ def run(model: str, workload: Workload, repeats: int, formats: list[str]) -> dic
         "torch_threads": torch.get_num_threads(),
         "load_average_at_end": os.getloadavg(),
         "matmul_flops_per_s": flops,
+        "samples_matmul_flops_per_s": flops_samples,
         "roofline_tokens_per_s": roofline,
         "roofline_output_tokens_only_tokens_per_s": output_only,
         "tokens_per_s": best,

@@ -10,8 +10,8 @@ which transformers loads too (from_pretrained, with gguf_file= for a GGUF file),
 Measures output tokens/s of (a) `transformers` generate one request at a time, (b)
 `transformers` generate_batch (its continuous batching), (c) kvgate's Engine, each the best of
 `--repeats` interleaved rounds; the machine's limit (bench/roofline.py: the workload's matmul
-FLOPs at the best measured matmul FLOP/s); and the decode step time at batch 8 for several
-context lengths. Prints the ratios and writes them as JSON.
+FLOPs at the best matmul FLOP/s, read in every round beside the peers); and the decode step
+time at batch 8 for several context lengths. Prints the ratios and writes them as JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation import ContinuousBatchingConfig
 
+from bench.machine import matmul_flops_per_s
 from bench.roofline import output_tokens_only_tokens_per_s, roofline_tokens_per_s
 from bench.scratch import scratch_folder
 from common.model_files import default_gguf_path, gguf_file
@@ -111,22 +112,6 @@ def benchmark_model(args: argparse.Namespace, dtype: torch.dtype) -> Iterator[tu
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def matmul_flops_per_s(
-    device: str, dtype: torch.dtype, size: int = 2048, repeats: int = 10
-) -> float:
-    """Best measured FLOP/s of a square matmul: the machine's practical compute limit."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
 def _sync(device: str) -> None:
@@ -260,7 +245,6 @@ def run(args: argparse.Namespace) -> dict:
         # Process-wide, as every CPU Engine sets it: all peers measure with the same malloc.
         retain_freed_memory()
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
-    flops = matmul_flops_per_s(args.device, dtype)
     output_len = workload.output_len
     with benchmark_model(args, dtype) as (engine_model, model):
         vocab_size = model.config.vocab_size
@@ -283,15 +267,22 @@ def run(args: argparse.Namespace) -> dict:
                 "hf_generate_batch": lambda: hf_generate_batch_tokens_per_s(
                     model, prompts, output_len
                 ),
+                # The roofline's rate, read in every round beside the peers: its best reading
+                # is the machine's limit, whatever the moment of one reading was like.
+                "matmul": lambda: matmul_flops_per_s(dtype, device=args.device),
             },
             args.repeats,
         )
+        flops, matmul_samples = best.pop("matmul"), samples.pop("matmul")
         engine = fresh_engine()
         step_ms = {str(c): decode_step_ms(engine, c) for c in args.contexts}
         del engine
         resident = resident_under_workload(engine_model, args) if args.device == "cpu" else {}
     result = _result(args, workload, model, flops, best, samples, step_ms)
-    return result | {"kvgate_resident_bytes": resident}
+    return result | {
+        "samples_matmul_flops_per_s": matmul_samples,
+        "kvgate_resident_bytes": resident,
+    }
 
 
 def resident_under_workload(model: str, args: argparse.Namespace) -> dict[str, int]:
