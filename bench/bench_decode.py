@@ -165,7 +165,8 @@ def resident_bytes(model: str, variant: str) -> dict:
     KV cache (0.5 GiB in every variant, resident only where written) is resident."""
     code = (
         "import json, sys\n"
-        "from bench.bench_decode import engine_for, kv_resident, rss, start_decoding\n"
+        "from bench.bench_decode import engine_for, kv_resident, start_decoding\n"
+        "from bench.machine import rss\n"
         "before = rss()\n"
         "engine = engine_for(sys.argv[1], sys.argv[2])\n"
         "start_decoding(engine, 1, 16, 8)\n"
@@ -178,19 +179,6 @@ def resident_bytes(model: str, variant: str) -> dict:
     command = [sys.executable, "-c", code, model, variant]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def rss() -> dict[str, int]:
-    """This process's resident set size in bytes (VmRSS) and its parts (RssAnon, RssFile,
-    RssShmem), from /proc/self/status."""
-    sizes = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-            sizes[name] = int(value.split()[0]) * 1024
-    if "VmRSS" not in sizes:
-        raise RuntimeError("no VmRSS in /proc/self/status")
-    return sizes
 
 
 def kv_resident(engine: Engine) -> dict[str, int]:

@@ -297,9 +297,8 @@ def resident_under_workload(model: str, args: argparse.Namespace) -> dict[str, i
         "engine = Engine(_engine_config(sys.argv[1], args))\n"
         "kvgate_tokens_per_s(engine, workload.prompts(engine.model_config.vocab_size),\n"
         "                    workload.output_len)\n"
-        "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
-        "print(json.dumps({k: int(status[k].split()[0]) * 1024\n"
-        "                  for k in ('VmRSS', 'VmHWM', 'RssAnon', 'RssFile')}))\n"
+        "from bench.machine import rss\n"
+        "print(json.dumps(rss(('VmRSS', 'VmHWM', 'RssAnon', 'RssFile'))))\n"
     )
     fields = ("num_requests", "prompt_len", "output_len", "max_num_batched_tokens", "kv_cache_gib",
               "device")  # fmt: skip

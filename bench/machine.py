@@ -7,10 +7,27 @@ torch's current thread count.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
 READ_BYTES = 1 << 30  # larger than any cache of the machines this runs on
+
+
+RSS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def rss(fields: tuple[str, ...] = RSS_FIELDS) -> dict[str, int]:
+    """This process's resident set size in bytes (VmRSS) and its parts (RssAnon, RssFile,
+    RssShmem), or other fields of /proc/self/status given in kB (VmHWM: the peak)."""
+    sizes = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in fields:
+            sizes[name] = int(value.split()[0]) * 1024
+    if missing := set(fields) - set(sizes):
+        raise RuntimeError(f"no {', '.join(sorted(missing))} in /proc/self/status")
+    return sizes
 
 
 def read_bandwidth_bytes_per_s(num_bytes: int = READ_BYTES, repeats: int = 10) -> float:

@@ -150,10 +150,11 @@ def _features_major(x: torch.Tensor) -> torch.Tensor:
 def _columns_into(
     x_t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
-    """out (contiguous [out_features, rows]) = weight @ x_t (+ bias), x_t [in, rows] float32."""
+    """out (contiguous [out_features, rows]) = weight @ x_t (+ bias), x_t [in, rows] float32
+    contiguous (_features_major)."""
     failed = library().kvgate_linear_columns(
-        weight.data_ptr(), _pointer(bias), x_t.data_ptr(), x_t.stride(1), x_t.stride(0),
-        x_t.shape[1], weight.shape[0], weight.shape[1], out.data_ptr(), torch.get_num_threads(),
+        weight.data_ptr(), _pointer(bias), x_t.data_ptr(), x_t.shape[1], weight.shape[0],
+        weight.shape[1], out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _raise_for(failed, "kvgate_linear_columns")
 

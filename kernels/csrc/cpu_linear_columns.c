@@ -12,9 +12,9 @@
  * partial sums wait in `out` between chunks. The next block's weight rows are prefetched while
  * the current block runs.
  *
- * x: element (i, j) (row i, feature j) at x[i * row_stride + j * col_stride], float32, dense
- * [k, m] (row_stride 1, col_stride m): the engine's column-major activations, read in place
- * (kernels/cpu_linear.py transposes any other layout first). out: [n, m] float32,
+ * x: x^T, dense [k, m] float32 (element (i, j), row i and feature j, at x[j * m + i]): the
+ * engine's column-major activations, read in place (kernels/cpu_linear.py transposes any other
+ * layout first). out: [n, m] float32,
  * out[r * m + i] row i's output r (the column-major result of kernels/cpu_linear.py). bias:
  * [n] float32 or NULL.
  */
@@ -163,14 +163,12 @@ int kvgate_linear_columns_available(void) {
 
 /*
  * out = w @ x^T (+ bias) for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] float32.
- * Returns 0, 2 when m is out of range, x is not dense [k, m] or the kernel is not built.
+ * x: x^T, dense [k, m]. Returns 0, or 2 when m is out of range or the kernel is not built.
  */
-int kvgate_linear_columns(const float *w, const float *bias, const float *x, int64_t row_stride,
-                          int64_t col_stride, int64_t m, int64_t n, int64_t k, float *out,
-                          int num_threads) {
+int kvgate_linear_columns(const float *w, const float *bias, const float *x, int64_t m,
+                          int64_t n, int64_t k, float *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    /* One feature's col_stride says nothing: torch gives a size-1 dim any stride (here 1). */
-    if (m < 1 || m > COLUMNS_MAX_ROWS || row_stride != 1 || (k > 1 && col_stride != m)) return 2;
+    if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
     const int64_t blocks = (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
     const int threads = num_threads > 0 ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
@@ -181,7 +179,7 @@ int kvgate_linear_columns(const float *w, const float *bias, const float *x, int
     }
     return 0;
 #else
-    (void)w, (void)bias, (void)x, (void)row_stride, (void)col_stride, (void)m, (void)n, (void)k;
+    (void)w, (void)bias, (void)x, (void)m, (void)n, (void)k;
     (void)out, (void)num_threads;
     return 2;
 #endif
