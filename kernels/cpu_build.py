@@ -165,7 +165,7 @@ _SIGNATURES = {
     "kvgate_linear_tiles_available": ([], _int),
     "kvgate_linear_tiles": ([_linear_p, _ptr, _int, _i64, _ptr, _int, _int], _int),
     "kvgate_linear_columns_quantized": ([_linear_p, _ptr, _i64, _ptr, _int], _int),
-    "kvgate_linear_columns": ([_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int], _int),
+    "kvgate_linear_columns": ([_ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int], _int),
     "kvgate_decoder_timing": ([_int, _ptr], None),
     "kvgate_decode_layers": (
         [ctypes.POINTER(DecoderStruct), ctypes.POINTER(AttentionStepStruct), _ptr, _ptr, _ptr,

@@ -12,6 +12,12 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
   through the outer-product kernel of kernels/csrc/cpu_linear_columns.c, which reads the weights
   where they lie (MKL's sgemm copies them into packed panels on every call, and a decode
   step's weights come from memory; bench/bench_linear.py measures both).
+- Dense bfloat16 products above SMALL_BATCH_ROWS rows on CPUs without AMX tiles are summed in
+  float32 from the exact widened values (_widens_bfloat16): up to COLUMNS_MAX_ROWS rows on the
+  outer-product kernel, which widens each bfloat16 weight in a register, more by torch's
+  float32 matmul on widened slices of weight rows. There one vdpbf16ps (32 multiply-adds)
+  issues at a quarter of the rate of a float32 vfmadd (16), so oneDNN's bfloat16 matmul runs at
+  half the float32 rate. With AMX tiles oneDNN's bfloat16 matmul is the fast one and runs them.
 - Per-channel int8 weights above SMALL_BATCH_ROWS rows go through the AMX tile kernel of
   kernels/csrc/cpu_linear_tiles.c where the CPU has one (the exact int8 values as bfloat16, x
   split into two bfloat16 parts, float32 sums). Without it, and for other quantized layers, at
@@ -71,6 +77,8 @@ def linear(
     if 0 < x.shape[0] <= SMALL_BATCH_ROWS:
         _check_small_batch(x, weight, bias)
         return _small_batch(x, weights_struct(weight, bias), weight.shape[0], out_dtype)
+    if _widens_bfloat16(x, weight, out_dtype):
+        return _widened(x, weight, bias, out_dtype)
     if x.shape[0] <= COLUMNS_MAX_ROWS and _takes_columns(x, weight, bias, out_dtype):
         return _columns(x, weight, bias)
     if bias is None:
@@ -150,11 +158,12 @@ def _features_major(x: torch.Tensor) -> torch.Tensor:
 def _columns_into(
     x_t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
-    """out (contiguous [out_features, rows]) = weight @ x_t (+ bias), x_t [in, rows] float32
-    contiguous (_features_major)."""
+    """out (contiguous [out_features, rows] float32) = weight @ x_t (+ bias), x_t [in, rows]
+    float32 contiguous (_features_major); weight and bias float32, or weight bfloat16 (widened
+    in the kernel's registers) and bias float32."""
     failed = library().kvgate_linear_columns(
-        weight.data_ptr(), _pointer(bias), x_t.data_ptr(), x_t.shape[1], weight.shape[0],
-        weight.shape[1], out.data_ptr(), torch.get_num_threads(),
+        weight.data_ptr(), int(weight.dtype == torch.bfloat16), _pointer(bias), x_t.data_ptr(),
+        x_t.shape[1], weight.shape[0], weight.shape[1], out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _raise_for(failed, "kvgate_linear_columns")
 
@@ -245,6 +254,45 @@ def _tiles(
     )  # fmt: skip
     _raise_for(failed, "kvgate_linear_tiles")
     return out.t()
+
+
+def _widens_bfloat16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether this bfloat16 product (more than SMALL_BATCH_ROWS rows, checked by the caller) is
+    summed in float32 from the exact widened values: on CPUs with AVX-512 and without AMX
+    tiles, where one vdpbf16ps (32 multiply-adds) issues at a quarter of the rate of a float32
+    vfmadd (16), so oneDNN's bfloat16 matmul runs at half the float32 one's rate."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.shape[0] > 0
+        and weight.device.type == "cpu"
+        and weight.shape[1] > 0
+        and out_dtype in (torch.float32, torch.bfloat16)
+        and weight.is_contiguous()
+        and _columns_built()
+        and not _tiles_built()
+    )
+
+
+def _widened(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) for bfloat16 x and weight, column-major, summed in float32 from the
+    exact widened values and rounded once to out_dtype: up to COLUMNS_MAX_ROWS rows on the
+    outer-product kernel (which widens each weight in a register), more by torch's float32
+    matmul on DEQUANTIZE_CHUNK_ELEMENTS-sized slices of weight rows widened by torch."""
+    rows, x32 = x.shape[0], x.float()
+    bias32 = None if bias is None else bias.float().contiguous()
+    out = torch.empty(weight.shape[0], rows, dtype=torch.float32)
+    if rows <= COLUMNS_MAX_ROWS:
+        _columns_into(_features_major(x32), weight, bias32, out)
+        return out.t().to(out_dtype)
+    rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.shape[1])
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        chunk = slice(start, start + rows_per_chunk)
+        torch.mm(weight[chunk].float(), x32.t(), out=out[chunk])
+    if bias32 is not None:
+        out += bias32.unsqueeze(1)
+    return out.t().to(out_dtype)
 
 
 def _quantized_columns_into(x_t: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:

@@ -1,6 +1,10 @@
 /*
  * Dense float32 linear layers at decode batch sizes above the small-batch kernels' (9 to 64
  * rows of x): out = w @ x^T as an outer-product kernel that reads the weights where they lie.
+ * bfloat16 weights too, for CPUs without AMX tiles (kernels/cpu_linear.py routes them here with
+ * x widened to float32): each weight is widened exactly in a register as it is broadcast, so the
+ * sums are float32 sums of exact products. That costs one vector instruction per broadcast (a
+ * shift or a mask), 30 for every 24 multiply-adds where float32 weights take 24.
  *
  * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
  * and each step's weights come from memory, not the cache: it runs the layers of a 64-row
@@ -41,14 +45,23 @@
     const float *w##r = w + (row0 + ((r) < rows ? (r) : 0)) * w_ld;                         \
     columns_start(out + (row0 + ((r) < rows ? (r) : 0)) * m, V, last, first, &a##r##0,      \
                   &a##r##1, &a##r##2, &a##r##3)
-#define COLUMNS_FMA(r)                                                                      \
+/* The 4 multiply-adds of weight row r's broadcast `weight` into its accumulators. */
+#define COLUMNS_FMA_WITH(r, weight)                                                         \
     do {                                                                                    \
-        const __m512 b = _mm512_set1_ps(w##r[j]);                                           \
+        const __m512 b = (weight);                                                          \
         a##r##0 = _mm512_fmadd_ps(b, x0, a##r##0);                                          \
         if (V > 1) a##r##1 = _mm512_fmadd_ps(b, x1, a##r##1);                               \
         if (V > 2) a##r##2 = _mm512_fmadd_ps(b, x2, a##r##2);                               \
         if (V > 3) a##r##3 = _mm512_fmadd_ps(b, x3, a##r##3);                               \
     } while (0)
+#define COLUMNS_FMA(r) COLUMNS_FMA_WITH(r, _mm512_set1_ps(w##r[j]))
+/* The (up to) 4 vectors of x's feature j. */
+#define COLUMNS_LOAD_X(j)                                                                   \
+    const float *xj = x + (j) * m;                                                          \
+    const __m512 x0 = _mm512_maskz_loadu_ps(columns_mask(0, V, last), xj);                  \
+    const __m512 x1 = V > 1 ? _mm512_maskz_loadu_ps(columns_mask(1, V, last), xj + 16) : x0;\
+    const __m512 x2 = V > 2 ? _mm512_maskz_loadu_ps(columns_mask(2, V, last), xj + 32) : x0;\
+    const __m512 x3 = V > 3 ? _mm512_maskz_loadu_ps(columns_mask(3, V, last), xj + 48) : x0
 #define COLUMNS_STORE(r)                                                                    \
     if ((r) < rows)                                                                         \
     columns_finish(out + (row0 + (r)) * m, V, last,                                         \
@@ -98,20 +111,66 @@ static inline __attribute__((always_inline)) void columns_block(
         if (((j - begin) & 15) == 0) {
             COLUMNS_EACH_ROW(COLUMNS_PREFETCH);
         }
-        const float *xj = x + j * m;
-        const __m512 x0 = _mm512_maskz_loadu_ps(columns_mask(0, V, last), xj);
-        const __m512 x1 = V > 1 ? _mm512_maskz_loadu_ps(columns_mask(1, V, last), xj + 16) : x0;
-        const __m512 x2 = V > 2 ? _mm512_maskz_loadu_ps(columns_mask(2, V, last), xj + 32) : x0;
-        const __m512 x3 = V > 3 ? _mm512_maskz_loadu_ps(columns_mask(3, V, last), xj + 48) : x0;
+        COLUMNS_LOAD_X(j);
         COLUMNS_EACH_ROW(COLUMNS_FMA);
     }
     COLUMNS_EACH_ROW(COLUMNS_STORE);
 }
 
+#define COLUMNS_DECLARE_BF16(r)                                                             \
+    __m512 a##r##0, a##r##1, a##r##2, a##r##3;                                              \
+    const uint16_t *w##r = w + (row0 + ((r) < rows ? (r) : 0)) * w_ld;                      \
+    columns_start(out + (row0 + ((r) < rows ? (r) : 0)) * m, V, last, first, &a##r##0,      \
+                  &a##r##1, &a##r##2, &a##r##3)
+/* The weight of feature j (even) of row r, widened: its pair's word shifted up; of feature j + 1:
+ * the word's top half. Each a broadcast load folded into one vector instruction. */
+#define COLUMNS_FMA_EVEN(r) COLUMNS_FMA_WITH(r, _mm512_castsi512_ps(_mm512_slli_epi32(     \
+                                                   columns_word(w##r + j), 16)))
+#define COLUMNS_FMA_ODD(r) COLUMNS_FMA_WITH(r, _mm512_castsi512_ps(_mm512_and_si512(       \
+                                                  columns_word(w##r + j), top)))
+#define COLUMNS_FMA_LAST(r) COLUMNS_FMA_WITH(r, _mm512_castsi512_ps(_mm512_set1_epi32(     \
+                                                   (int)((uint32_t)w##r[j] << 16))))
+/* Two adjacent bfloat16 weights as one word broadcast to every lane, the first in the low
+ * half. */
+static inline __attribute__((always_inline)) __m512i columns_word(const uint16_t *pair) {
+    uint32_t word;
+    __builtin_memcpy(&word, pair, sizeof word);
+    return _mm512_set1_epi32((int)word);
+}
+
+/* columns_block for bfloat16 weights (w_ld elements apart), widened exactly in registers; a
+ * chunk's features come in pairs (begin even) but for an odd k's last one. */
+static inline __attribute__((always_inline)) void columns_block_bf16(
+    const uint16_t *w, int64_t w_ld, const float *x, const float *bias, float *out, int64_t k,
+    int64_t m, int64_t row0, int rows, int64_t begin, int64_t end, int64_t next, int first,
+    const int V, __mmask16 last) {
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    COLUMNS_EACH_ROW(COLUMNS_DECLARE_BF16);
+    int64_t j = begin;
+    for (; j + 1 < end; j += 2) {
+        if (((j - begin) & 31) == 0) {
+            COLUMNS_EACH_ROW(COLUMNS_PREFETCH);
+        }
+        {
+            COLUMNS_LOAD_X(j);
+            COLUMNS_EACH_ROW(COLUMNS_FMA_EVEN);
+        }
+        {
+            COLUMNS_LOAD_X(j + 1);
+            COLUMNS_EACH_ROW(COLUMNS_FMA_ODD);
+        }
+    }
+    if (j < end) { /* an odd k's last feature */
+        COLUMNS_LOAD_X(j);
+        COLUMNS_EACH_ROW(COLUMNS_FMA_LAST);
+    }
+    COLUMNS_EACH_ROW(COLUMNS_STORE);
+}
+
 /* A thread's blocks first .. first + count - 1, chunk by chunk of x's features. */
-static void columns_blocks(const float *w, int64_t w_ld, const float *x, const float *bias,
-                           float *out, int64_t n, int64_t k, int64_t m, int64_t first,
-                           int64_t count) {
+static void columns_blocks(const void *w, int bf16, int64_t w_ld, const float *x,
+                           const float *bias, float *out, int64_t n, int64_t k, int64_t m,
+                           int64_t first, int64_t count) {
     const int V = (int)((m + 15) / 16), R = COLUMNS_W_ROWS;
     const __mmask16 last = (__mmask16)((1u << (m - 16 * (V - 1))) - 1u);
     for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
@@ -123,8 +182,12 @@ static void columns_blocks(const float *w, int64_t w_ld, const float *x, const f
             /* V a constant in each case. */
 #define COLUMNS_CASE(v)                                                                     \
     case v:                                                                                 \
-        columns_block(w, w_ld, x, bias, out, k, m, row0, rows, begin, end, next, begin == 0,\
-                      v, last);                                                             \
+        if (bf16)                                                                           \
+            columns_block_bf16(w, w_ld, x, bias, out, k, m, row0, rows, begin, end, next,   \
+                               begin == 0, v, last);                                        \
+        else                                                                                \
+            columns_block(w, w_ld, x, bias, out, k, m, row0, rows, begin, end, next,        \
+                          begin == 0, v, last);                                             \
         break
             switch (V) {
                 COLUMNS_CASE(1);
@@ -145,7 +208,7 @@ static void columns_blocks(const float *w, int64_t w_ld, const float *x, const f
 void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
                          int64_t k, int64_t m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    columns_blocks(w, w_ld, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
+    columns_blocks(w, 0, w_ld, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
 #else
     (void)w, (void)w_ld, (void)x, (void)out, (void)n, (void)k, (void)m;
 #endif
@@ -162,10 +225,11 @@ int kvgate_linear_columns_available(void) {
 }
 
 /*
- * out = w @ x^T (+ bias) for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] float32.
- * x: x^T, dense [k, m]. Returns 0, or 2 when m is out of range or the kernel is not built.
+ * out = w @ x^T (+ bias) for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] float32, or
+ * bfloat16 when `bf16` (widened exactly in registers: float32 sums of exact products). x: x^T,
+ * dense [k, m]. Returns 0, or 2 when m is out of range or the kernel is not built.
  */
-int kvgate_linear_columns(const float *w, const float *bias, const float *x, int64_t m,
+int kvgate_linear_columns(const void *w, int bf16, const float *bias, const float *x, int64_t m,
                           int64_t n, int64_t k, float *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
@@ -175,11 +239,11 @@ int kvgate_linear_columns(const float *w, const float *bias, const float *x, int
     {
         const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
         const int64_t first = blocks * t / count, stop = blocks * (t + 1) / count;
-        columns_blocks(w, k, x, bias, out, n, k, m, first, stop - first);
+        columns_blocks(w, bf16, k, x, bias, out, n, k, m, first, stop - first);
     }
     return 0;
 #else
-    (void)w, (void)bias, (void)x, (void)m, (void)n, (void)k;
+    (void)w, (void)bf16, (void)bias, (void)x, (void)m, (void)n, (void)k;
     (void)out, (void)num_threads;
     return 2;
 #endif

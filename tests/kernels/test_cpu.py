@@ -374,6 +374,55 @@ def test_float32_linear_of_9_to_64_rows_takes_one_feature(rows):
     torch.testing.assert_close(out.double(), x.double() @ weight.double().t())
 
 
+@pytest.mark.parametrize("rows", [9, 16, 17, 33, 63, 64, 65, 300])
+@pytest.mark.parametrize("features", [1, 301])
+def test_bfloat16_linear_above_8_rows_sums_exact_products_in_float32(rows, features):
+    """bfloat16 x and weights widened to float32 (exact), summed in float32, rounded once:
+    9..64 rows on the outer-product kernel's bfloat16 weights (each pair of features one
+    broadcast word: the low half shifted up, the high half masked; 301 features are two chunks
+    of 128, a partial third and an odd last feature, 1 feature only that last one), more on
+    torch's float32 matmul. 37 weight rows leave a block of one past six blocks of six. The
+    float32 result is held to float64 of the same bfloat16 values, and the bfloat16 one is
+    that float32 result rounded. Run directly: the engine routes here only without AMX tiles."""
+    gen = torch.Generator().manual_seed(rows * features)
+    x = torch.randn(rows, features, generator=gen).bfloat16()
+    weight = torch.randn(37, features, generator=gen).bfloat16()
+    b = torch.randn(37, generator=gen).bfloat16()
+    for layout in ("column-major", "row-major"):
+        x = x.t().contiguous().t() if layout == "column-major" else x.contiguous()
+        for bias in (None, b):
+            out = cpu_linear._widened(x, weight, bias, torch.float32)
+            expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+            assert out.dtype == torch.float32 and out.t().is_contiguous(), "column-major float32"
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+            rounded = cpu_linear._widened(x, weight, bias, torch.bfloat16)
+            assert rounded.dtype == torch.bfloat16 and rounded.t().is_contiguous()
+            assert torch.equal(rounded, out.bfloat16()), "rounded once from the float32 sums"
+
+
+def test_bfloat16_linear_above_8_rows_does_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 200, generator=gen).bfloat16()
+    weight = torch.randn(100, 200, generator=gen).bfloat16()
+    one, two = on_one_and_two_threads(lambda: cpu_linear._widened(x, weight, None, torch.float32))
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("rows", [9, 64, 65])
+def test_bfloat16_linear_above_8_rows_routes_by_the_cpu(rows, monkeypatch):
+    """Without AMX tiles bfloat16 products above 8 rows are summed from widened values (oneDNN's
+    bfloat16 matmul runs at half the float32 rate there); with them oneDNN runs them. Either way
+    the result is within bfloat16 rounding of float64."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    weight = torch.randn(40, 64, generator=gen).bfloat16()
+    calls = count_calls(monkeypatch, cpu_linear, "_widened")
+    out = cpu_linear.linear(x, weight)
+    assert calls == ([] if cpu_linear._tiles_built() else [1])
+    expected = x.double() @ weight.double().t()
+    torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=1e-2)
+
+
 def count_calls(monkeypatch, module, name: str) -> list[int]:
     """A list that gets a 1 each time module.name is called (the function still runs)."""
     calls: list[int] = []

@@ -222,17 +222,19 @@ def counting_library(monkeypatch, *names: str) -> dict[str, int]:
     return calls
 
 
-@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "no-amx"])
+@pytest.mark.parametrize("routing", ["this-cpu", "no-amx"])
 @pytest.mark.parametrize("rows", [33, 64])
-def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, tiles, monkeypatch):
+def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, routing, monkeypatch):
     """100 output rows are three of the kernel's 48-row dequantized slices (the last one
     partial); int8 in groups of 32 and 24, int4 in groups of 32; float32 x. Per-channel int8
-    runs the AMX tile kernel where there is one, and the outer-product kernel without it."""
+    runs the AMX tile kernel where there is one (this-cpu: as this CPU has it or not), and the
+    outer-product kernel without it (no-amx: the tile kernel turned off)."""
     gen, weights = make_weights(100, 96, rows, odd_int8_groups=True)
     x = torch.randn(rows, 96, generator=gen)
     bias = torch.randn(100, generator=gen)
-    if not tiles:
+    if routing == "no-amx":
         monkeypatch.setattr(cpu_linear, "_tiles_built", lambda: False)
+    tiles = int(cpu_linear._tiles_built())
     calls = counting_library(monkeypatch, "kvgate_linear_columns_quantized", "kvgate_linear_tiles")
     for name, weight in weights.items():
         out = cpu_linear.linear_quantized(x, weight, bias)
@@ -240,7 +242,7 @@ def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, ti
         assert relative_error(out, expected) <= 1e-5, f"{name}, {rows} rows"
     assert calls == {
         "kvgate_linear_columns_quantized": len(weights) - tiles,
-        "kvgate_linear_tiles": int(tiles),
+        "kvgate_linear_tiles": tiles,
     }, "per-channel int8 on the tile kernel with AMX, every other layer on the outer-product one"
 
 
