@@ -1,15 +1,16 @@
 """Linear layers of SmolLM2's shape, kvgate's CPU kernels beside torch's, per batch size.
 
-    python -m bench.bench_linear [--rows 1 4 8 16 64] [--out bench/results/linear.json]
+    python -m bench.bench_linear [--rows 1 4 8 16 64 256] [--out bench/results/linear.json]
 
 For 30 decoder layers' four weights each (q/k/v, o, gate/up, down; distinct weights per layer,
 so that a pass reads them from memory as a decode step does, not from the cache), measures the
 time of: float32 (kvgate: C kernels up to 64 rows, then MKL; torch: MKL's w @ x^T, which kvgate
-ran at every batch above 8 rows before), bfloat16 (kvgate: C kernel up to 8 rows, then torch;
-torch: x @ w^T), int8 (kvgate; torch's _weight_int8pack_mm) and int4 (kvgate; torch's
-_weight_int4pack_mm_for_cpu, groups of 32), each with bfloat16 and float32 activations where
-torch accepts them. Reports each as ms per model pass and as weight GB/s (bytes read / time),
-best of --repeats.
+ran at every batch above 8 rows before), bfloat16 (kvgate: C kernel up to 8 rows, then, on
+CPUs without AMX tiles, float32 sums of the widened values: the outer-product kernel up to 64
+rows and MKL on widened slices above, else oneDNN; torch: x @ w^T), int8 (kvgate; torch's
+_weight_int8pack_mm) and int4 (kvgate; torch's _weight_int4pack_mm_for_cpu, groups of 32),
+each with bfloat16 and float32 activations where torch accepts them. Reports each as ms per
+model pass and as weight GB/s (bytes read / time), best of --repeats.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.machine import cpu_features
 from kernels import cpu_linear, quant
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
@@ -110,13 +112,13 @@ def measure(rows: list[int], repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench/results/linear.json")
     args = parser.parse_args(argv)
     results = measure(args.rows, args.repeats)
-    out = {"torch_threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg(),
-           "ms_per_model_pass": results}  # fmt: skip
+    out = {"torch_threads": torch.get_num_threads(), "cpu": cpu_features(),
+           "load_average_at_end": os.getloadavg(), "ms_per_model_pass": results}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"{'weights, activations':<36}" + "".join(f"{n:>16}" for n in args.rows))

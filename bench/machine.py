@@ -77,9 +77,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def cpu_features() -> dict:
+    """The CPU's model name and which of the number-format extensions the kernels route by it
+    reports (/proc/cpuinfo): AVX-512 BF16 (vdpbf16ps), AMX tiles for bfloat16 and int8."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.partition(":")[2].strip() for line in info.splitlines()
+                  if line.startswith("model name")), "unknown")  # fmt: skip
+    flags = next((set(line.partition(":")[2].split()) for line in info.splitlines()
+                  if line.startswith("flags")), set())  # fmt: skip
+    wanted = ("avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+    return {"model_name": model, **{name: name in flags for name in wanted}}
+
+
 def machine_limits() -> dict:
-    """Read bandwidth, float32 / bfloat16 matmul FLOP/s (64 and 2048 rows), int8 matmul op/s."""
-    limits: dict = {"torch_threads": torch.get_num_threads()}
+    """The CPU's features, read bandwidth, float32 / bfloat16 matmul FLOP/s (64 and 2048 rows),
+    int8 matmul op/s."""
+    limits: dict = {"torch_threads": torch.get_num_threads(), "cpu": cpu_features()}
     limits["read_bytes_per_s"] = read_bandwidth_bytes_per_s()
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")

@@ -2,9 +2,9 @@
  * Dense float32 linear layers at decode batch sizes above the small-batch kernels' (9 to 64
  * rows of x): out = w @ x^T as an outer-product kernel that reads the weights where they lie.
  * bfloat16 weights too, for CPUs without AMX tiles (kernels/cpu_linear.py routes them here with
- * x widened to float32): each weight is widened exactly in a register as it is broadcast, so the
- * sums are float32 sums of exact products. That costs one vector instruction per broadcast (a
- * shift or a mask), 30 for every 24 multiply-adds where float32 weights take 24.
+ * x widened to float32): a block's chunk of weights is widened exactly into an L1 buffer just
+ * before the block runs over it, so the sums are float32 sums of exact products and the weights
+ * come from memory at half float32's bytes.
  *
  * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
  * and each step's weights come from memory, not the cache: it runs the layers of a 64-row
@@ -42,30 +42,20 @@
  * the unused ones compile away). */
 #define COLUMNS_DECLARE(r)                                                                  \
     __m512 a##r##0, a##r##1, a##r##2, a##r##3;                                              \
-    const float *w##r = w + (row0 + ((r) < rows ? (r) : 0)) * w_ld;                         \
-    columns_start(out + (row0 + ((r) < rows ? (r) : 0)) * m, V, last, first, &a##r##0,      \
-                  &a##r##1, &a##r##2, &a##r##3)
-/* The 4 multiply-adds of weight row r's broadcast `weight` into its accumulators. */
-#define COLUMNS_FMA_WITH(r, weight)                                                         \
+    const float *w##r = w + ((r) < rows ? (r) : 0) * w_ld;                                  \
+    columns_start(out + ((r) < rows ? (r) : 0) * m, V, last, first, &a##r##0, &a##r##1,     \
+                  &a##r##2, &a##r##3)
+#define COLUMNS_FMA(r)                                                                      \
     do {                                                                                    \
-        const __m512 b = (weight);                                                          \
+        const __m512 b = _mm512_set1_ps(w##r[j]);                                           \
         a##r##0 = _mm512_fmadd_ps(b, x0, a##r##0);                                          \
         if (V > 1) a##r##1 = _mm512_fmadd_ps(b, x1, a##r##1);                               \
         if (V > 2) a##r##2 = _mm512_fmadd_ps(b, x2, a##r##2);                               \
         if (V > 3) a##r##3 = _mm512_fmadd_ps(b, x3, a##r##3);                               \
     } while (0)
-#define COLUMNS_FMA(r) COLUMNS_FMA_WITH(r, _mm512_set1_ps(w##r[j]))
-/* The (up to) 4 vectors of x's feature j. */
-#define COLUMNS_LOAD_X(j)                                                                   \
-    const float *xj = x + (j) * m;                                                          \
-    const __m512 x0 = _mm512_maskz_loadu_ps(columns_mask(0, V, last), xj);                  \
-    const __m512 x1 = V > 1 ? _mm512_maskz_loadu_ps(columns_mask(1, V, last), xj + 16) : x0;\
-    const __m512 x2 = V > 2 ? _mm512_maskz_loadu_ps(columns_mask(2, V, last), xj + 32) : x0;\
-    const __m512 x3 = V > 3 ? _mm512_maskz_loadu_ps(columns_mask(3, V, last), xj + 48) : x0
 #define COLUMNS_STORE(r)                                                                    \
     if ((r) < rows)                                                                         \
-    columns_finish(out + (row0 + (r)) * m, V, last,                                         \
-                   bias != NULL && end == k ? bias[row0 + (r)] : 0.0f, a##r##0, a##r##1,    \
+    columns_finish(out + (r) * m, V, last, bias != NULL ? bias[r] : 0.0f, a##r##0, a##r##1, \
                    a##r##2, a##r##3)
 #define COLUMNS_PREFETCH(r)                                                                 \
     _mm_prefetch((const char *)(w##r + next + j), _MM_HINT_T0)
@@ -97,97 +87,83 @@ static inline __attribute__((always_inline)) void columns_finish(float *row, int
 }
 
 /*
- * Weight rows row0 .. row0 + rows - 1 (rows <= COLUMNS_W_ROWS; w_ld floats apart) over
- * features begin .. end - 1 of x (dense [k, m]), added to what `out` holds unless `first`;
- * `next` is the offset from a row of this block to the same row of the block that follows (0:
- * none).
+ * A block of `rows` (<= COLUMNS_W_ROWS) weight rows, w_ld floats apart (w: the first row's
+ * weight of the chunk's first feature), over `count` features of x (x: that feature's row of
+ * x^T, rows m floats apart), added to the block's `out` rows unless `first`. bias: the block's
+ * biases, added (on the last chunk) unless NULL. `next`: the offset from a row of this block
+ * to the same row of the block that follows, prefetched (0: none).
  */
 static inline __attribute__((always_inline)) void columns_block(
-    const float *w, int64_t w_ld, const float *x, const float *bias, float *out, int64_t k,
-    int64_t m, int64_t row0, int rows, int64_t begin, int64_t end, int64_t next, int first,
-    const int V, __mmask16 last) {
+    const float *w, int64_t w_ld, const float *x, const float *bias, float *out, int64_t m,
+    int rows, int64_t count, int64_t next, int first, const int V, __mmask16 last) {
     COLUMNS_EACH_ROW(COLUMNS_DECLARE);
-    for (int64_t j = begin; j < end; ++j) {
-        if (((j - begin) & 15) == 0) {
+    for (int64_t j = 0; j < count; ++j) {
+        if ((j & 15) == 0 && next != 0) {
             COLUMNS_EACH_ROW(COLUMNS_PREFETCH);
         }
-        COLUMNS_LOAD_X(j);
+        const float *xj = x + j * m;
+        const __m512 x0 = _mm512_maskz_loadu_ps(columns_mask(0, V, last), xj);
+        const __m512 x1 = V > 1 ? _mm512_maskz_loadu_ps(columns_mask(1, V, last), xj + 16) : x0;
+        const __m512 x2 = V > 2 ? _mm512_maskz_loadu_ps(columns_mask(2, V, last), xj + 32) : x0;
+        const __m512 x3 = V > 3 ? _mm512_maskz_loadu_ps(columns_mask(3, V, last), xj + 48) : x0;
         COLUMNS_EACH_ROW(COLUMNS_FMA);
     }
     COLUMNS_EACH_ROW(COLUMNS_STORE);
 }
 
-#define COLUMNS_DECLARE_BF16(r)                                                             \
-    __m512 a##r##0, a##r##1, a##r##2, a##r##3;                                              \
-    const uint16_t *w##r = w + (row0 + ((r) < rows ? (r) : 0)) * w_ld;                      \
-    columns_start(out + (row0 + ((r) < rows ? (r) : 0)) * m, V, last, first, &a##r##0,      \
-                  &a##r##1, &a##r##2, &a##r##3)
-/* The weight of feature j (even) of row r, widened: its pair's word shifted up; of feature j + 1:
- * the word's top half. Each a broadcast load folded into one vector instruction. */
-#define COLUMNS_FMA_EVEN(r) COLUMNS_FMA_WITH(r, _mm512_castsi512_ps(_mm512_slli_epi32(     \
-                                                   columns_word(w##r + j), 16)))
-#define COLUMNS_FMA_ODD(r) COLUMNS_FMA_WITH(r, _mm512_castsi512_ps(_mm512_and_si512(       \
-                                                  columns_word(w##r + j), top)))
-#define COLUMNS_FMA_LAST(r) COLUMNS_FMA_WITH(r, _mm512_castsi512_ps(_mm512_set1_epi32(     \
-                                                   (int)((uint32_t)w##r[j] << 16))))
-/* Two adjacent bfloat16 weights as one word broadcast to every lane, the first in the low
- * half. */
-static inline __attribute__((always_inline)) __m512i columns_word(const uint16_t *pair) {
-    uint32_t word;
-    __builtin_memcpy(&word, pair, sizeof word);
-    return _mm512_set1_epi32((int)word);
-}
-
-/* columns_block for bfloat16 weights (w_ld elements apart), widened exactly in registers; a
- * chunk's features come in pairs (begin even) but for an odd k's last one. */
+/*
+ * The same block for bfloat16 weights (w: as above, rows w_ld elements apart): each row's
+ * chunk widened exactly into `wide` (float32 rows COLUMNS_K_CHUNK apart, which stay in the L1
+ * cache) with the next block's chunk prefetched, then the float32 block over `wide`. Widening
+ * takes 3 vector instructions per 16 weights, which meet 64 multiply-adds at 64 rows of x.
+ */
 static inline __attribute__((always_inline)) void columns_block_bf16(
-    const uint16_t *w, int64_t w_ld, const float *x, const float *bias, float *out, int64_t k,
-    int64_t m, int64_t row0, int rows, int64_t begin, int64_t end, int64_t next, int first,
-    const int V, __mmask16 last) {
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
-    COLUMNS_EACH_ROW(COLUMNS_DECLARE_BF16);
-    int64_t j = begin;
-    for (; j + 1 < end; j += 2) {
-        if (((j - begin) & 31) == 0) {
-            COLUMNS_EACH_ROW(COLUMNS_PREFETCH);
-        }
-        {
-            COLUMNS_LOAD_X(j);
-            COLUMNS_EACH_ROW(COLUMNS_FMA_EVEN);
-        }
-        {
-            COLUMNS_LOAD_X(j + 1);
-            COLUMNS_EACH_ROW(COLUMNS_FMA_ODD);
+    const uint16_t *w, int64_t w_ld, const float *x, const float *bias, float *out, int64_t m,
+    int rows, int64_t count, int64_t next, int first, const int V, __mmask16 last,
+    float *wide) {
+    for (int r = 0; r < rows; ++r) {
+        const uint16_t *src = w + r * w_ld;
+        for (int64_t j = 0; j < count; j += 16) {
+            const __mmask16 mask =
+                count - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - j)) - 1u);
+            const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src + j));
+            _mm512_mask_storeu_ps(wide + r * COLUMNS_K_CHUNK + j, mask,
+                                  _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+            if (next != 0 && (j & 31) == 0)
+                _mm_prefetch((const char *)(src + next + j), _MM_HINT_T0);
         }
     }
-    if (j < end) { /* an odd k's last feature */
-        COLUMNS_LOAD_X(j);
-        COLUMNS_EACH_ROW(COLUMNS_FMA_LAST);
-    }
-    COLUMNS_EACH_ROW(COLUMNS_STORE);
+    columns_block(wide, COLUMNS_K_CHUNK, x, bias, out, m, rows, count, 0, first, V, last);
 }
 
-/* A thread's blocks first .. first + count - 1, chunk by chunk of x's features. */
+/* A thread's blocks first .. first + count - 1, chunk by chunk of x's features; w float32, or
+ * bfloat16 when `bf16`. */
 static void columns_blocks(const void *w, int bf16, int64_t w_ld, const float *x,
                            const float *bias, float *out, int64_t n, int64_t k, int64_t m,
                            int64_t first, int64_t count) {
     const int V = (int)((m + 15) / 16), R = COLUMNS_W_ROWS;
     const __mmask16 last = (__mmask16)((1u << (m - 16 * (V - 1))) - 1u);
+    float wide[COLUMNS_W_ROWS * COLUMNS_K_CHUNK] __attribute__((aligned(64)));
     for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
-        const int64_t end = begin + COLUMNS_K_CHUNK < k ? begin + COLUMNS_K_CHUNK : k;
+        const int64_t width = k - begin < COLUMNS_K_CHUNK ? k - begin : COLUMNS_K_CHUNK;
+        const int first_chunk = begin == 0, last_chunk = begin + width == k;
         for (int64_t b = first; b < first + count; ++b) {
             const int64_t row0 = b * R;
             const int rows = n - row0 < R ? (int)(n - row0) : R;
             const int64_t next = b + 1 < first + count ? R * w_ld : 0;
+            const float *block_bias = bias != NULL && last_chunk ? bias + row0 : NULL;
+            const float *xc = x + begin * m;
+            float *block_out = out + row0 * m;
             /* V a constant in each case. */
 #define COLUMNS_CASE(v)                                                                     \
     case v:                                                                                 \
         if (bf16)                                                                           \
-            columns_block_bf16(w, w_ld, x, bias, out, k, m, row0, rows, begin, end, next,   \
-                               begin == 0, v, last);                                        \
+            columns_block_bf16((const uint16_t *)w + row0 * w_ld + begin, w_ld, xc,         \
+                               block_bias, block_out, m, rows, width, next, first_chunk, v, \
+                               last, wide);                                                 \
         else                                                                                \
-            columns_block(w, w_ld, x, bias, out, k, m, row0, rows, begin, end, next,        \
-                          begin == 0, v, last);                                             \
+            columns_block((const float *)w + row0 * w_ld + begin, w_ld, xc, block_bias,     \
+                          block_out, m, rows, width, next, first_chunk, v, last);           \
         break
             switch (V) {
                 COLUMNS_CASE(1);
@@ -226,8 +202,8 @@ int kvgate_linear_columns_available(void) {
 
 /*
  * out = w @ x^T (+ bias) for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] float32, or
- * bfloat16 when `bf16` (widened exactly in registers: float32 sums of exact products). x: x^T,
- * dense [k, m]. Returns 0, or 2 when m is out of range or the kernel is not built.
+ * bfloat16 when `bf16` (widened exactly a chunk at a time: float32 sums of exact products).
+ * x: x^T, dense [k, m]. Returns 0, or 2 when m is out of range or the kernel is not built.
  */
 int kvgate_linear_columns(const void *w, int bf16, const float *bias, const float *x, int64_t m,
                           int64_t n, int64_t k, float *out, int num_threads) {
