@@ -99,9 +99,9 @@ def linear_quantized(
     Small batches accumulate in float32 from the exact weights (int4: integer block sums
     against x rounded to int8 blocks, see kernels/csrc/cpu_int4.h), and so do per-channel int8
     layers on the AMX tile kernel (x to 16 significant bits). Other larger ones multiply weights
-    dequantized to float32 (9-64 rows of float32 x) or to x.dtype (for bfloat16, rounded to it)
-    with torch, for int4 by x rounded to its int8 blocks as well
-    (kernels.quant.round_activations, then to x.dtype).
+    dequantized to float32 (float32 x, and bfloat16 x widened to float32 on CPUs without AMX)
+    or to x.dtype (bfloat16 with AMX, rounded to it) with torch, for int4 by x rounded to its
+    int8 blocks as well (kernels.quant.round_activations, then to x.dtype).
     """
     check_quantized_linear(x, weight, bias)
     check_cpu({"x": x}, floats=("x",), inner_dims={"x": 0})
@@ -110,6 +110,10 @@ def linear_quantized(
         bias = bias.contiguous()  # the C kernels read it by its pointer
     if x.shape[0] > SMALL_BATCH_ROWS and _takes_tiles(weight):
         return _tiles(x, weight, bias, out_dtype)
+    if x.shape[0] > SMALL_BATCH_ROWS and x.dtype == torch.bfloat16 and not _tiles_built():
+        # bfloat16 products run at half the float32 rate there (_widens_bfloat16): x widened to
+        # float32 takes the float32 paths, which are the reference's own arithmetic.
+        return _dequantized_matmul(x.float(), weight, bias).t().to(out_dtype)
     if x.shape[0] > SMALL_BATCH_ROWS:
         return _dequantized_matmul(x, weight, bias).t().to(out_dtype)
     if x.shape[0] == 0:
