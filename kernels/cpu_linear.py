@@ -14,10 +14,11 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
   step's weights come from memory; bench/bench_linear.py measures both).
 - Dense bfloat16 products above SMALL_BATCH_ROWS rows on CPUs without AMX tiles are summed in
   float32 from the exact widened values (_widens_bfloat16): up to COLUMNS_MAX_ROWS rows on the
-  outer-product kernel, which widens each bfloat16 weight in a register, more by torch's
-  float32 matmul on widened slices of weight rows. There one vdpbf16ps (32 multiply-adds)
-  issues at a quarter of the rate of a float32 vfmadd (16), so oneDNN's bfloat16 matmul runs at
-  half the float32 rate. With AMX tiles oneDNN's bfloat16 matmul is the fast one and runs them.
+  outer-product kernel, which widens each block's chunk of weights into a buffer in the L1
+  cache, more by torch's float32 matmul on widened slices of weight rows. There one vdpbf16ps
+  (32 multiply-adds) issues at a quarter of the rate of a float32 vfmadd (16), so oneDNN's
+  bfloat16 matmul runs at half the float32 rate. With AMX tiles oneDNN's bfloat16 matmul is
+  the fast one and runs them.
 - Per-channel int8 weights above SMALL_BATCH_ROWS rows go through the AMX tile kernel of
   kernels/csrc/cpu_linear_tiles.c where the CPU has one (the exact int8 values as bfloat16, x
   split into two bfloat16 parts, float32 sums). Without it, and for other quantized layers, at
@@ -164,7 +165,7 @@ def _columns_into(
 ) -> None:
     """out (contiguous [out_features, rows] float32) = weight @ x_t (+ bias), x_t [in, rows]
     float32 contiguous (_features_major); weight and bias float32, or weight bfloat16 (widened
-    in the kernel's registers) and bias float32."""
+    exactly by the kernel) and bias float32."""
     failed = library().kvgate_linear_columns(
         weight.data_ptr(), int(weight.dtype == torch.bfloat16), _pointer(bias), x_t.data_ptr(),
         x_t.shape[1], weight.shape[0], weight.shape[1], out.data_ptr(), torch.get_num_threads(),
@@ -282,7 +283,7 @@ def _widened(
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) for bfloat16 x and weight, column-major, summed in float32 from the
     exact widened values and rounded once to out_dtype: up to COLUMNS_MAX_ROWS rows on the
-    outer-product kernel (which widens each weight in a register), more by torch's float32
+    outer-product kernel (which widens them a block's chunk at a time), more by torch's float32
     matmul on DEQUANTIZE_CHUNK_ELEMENTS-sized slices of weight rows widened by torch."""
     rows, x32 = x.shape[0], x.float()
     bias32 = None if bias is None else bias.float().contiguous()

@@ -378,12 +378,12 @@ def test_float32_linear_of_9_to_64_rows_takes_one_feature(rows):
 @pytest.mark.parametrize("features", [1, 301])
 def test_bfloat16_linear_above_8_rows_sums_exact_products_in_float32(rows, features):
     """bfloat16 x and weights widened to float32 (exact), summed in float32, rounded once:
-    9..64 rows on the outer-product kernel's bfloat16 weights (each pair of features one
-    broadcast word: the low half shifted up, the high half masked; 301 features are two chunks
-    of 128, a partial third and an odd last feature, 1 feature only that last one), more on
-    torch's float32 matmul. 37 weight rows leave a block of one past six blocks of six. The
-    float32 result is held to float64 of the same bfloat16 values, and the bfloat16 one is
-    that float32 result rounded. Run directly: the engine routes here only without AMX tiles."""
+    9..64 rows on the outer-product kernel's bfloat16 weights (a block's chunk of 128 features
+    widened at a time: 301 features are two chunks and a partial third that ends in a partial
+    vector, 1 feature is a chunk of one), more on torch's float32 matmul. 37 weight rows leave
+    a block of one past six blocks of six. The float32 result is held to float64 of the same
+    bfloat16 values, and the bfloat16 one is that float32 result rounded. Run directly: the
+    engine routes here only without AMX tiles."""
     gen = torch.Generator().manual_seed(rows * features)
     x = torch.randn(rows, features, generator=gen).bfloat16()
     weight = torch.randn(37, features, generator=gen).bfloat16()
