@@ -400,6 +400,19 @@ def test_bfloat16_linear_above_8_rows_sums_exact_products_in_float32(rows, featu
             assert torch.equal(rounded, out.bfloat16()), "rounded once from the float32 sums"
 
 
+def test_bfloat16_linear_above_8_rows_rounds_nan_and_infinity_as_torch():
+    """A NaN in x makes every output of its row NaN, an infinity infinities, in the bfloat16
+    result as in the float32 one it is rounded from."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(20, 64, generator=gen).bfloat16()
+    weight = torch.rand(10, 64, generator=gen).bfloat16() + 0.5  # positive: no inf - inf
+    x[3, 7], x[11, 0] = float("nan"), float("inf")
+    out = cpu_linear._widened(x, weight, None, torch.bfloat16)
+    assert out[3].isnan().all() and out[11].isposinf().all()
+    rounded = cpu_linear._widened(x, weight, None, torch.float32).bfloat16()
+    torch.testing.assert_close(out, rounded, rtol=0, atol=0, equal_nan=True)
+
+
 def test_bfloat16_linear_above_8_rows_does_not_depend_on_the_thread_count():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(64, 200, generator=gen).bfloat16()
