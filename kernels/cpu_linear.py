@@ -27,7 +27,8 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
 - At larger batches dense weights are multiplied by torch as weight @ x^T (MKL, 20-40% faster
   than x @ weight^T on this kind of CPU; oneDNN with AMX for bfloat16 where the CPU has it),
   and quantized ones are first dequantized into the activation dtype, a slice of rows at a
-  time.
+  time. On CPUs without AMX tiles, quantized layers above SMALL_BATCH_ROWS rows with bfloat16
+  activations widen them to float32 and take the float32 paths (the reference's arithmetic).
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def linear_quantized(
     if x.shape[0] > SMALL_BATCH_ROWS and _takes_tiles(weight):
         return _tiles(x, weight, bias, out_dtype)
     if x.shape[0] > SMALL_BATCH_ROWS and x.dtype == torch.bfloat16 and not _tiles_built():
-        # bfloat16 products run at half the float32 rate there (_widens_bfloat16): x widened to
-        # float32 takes the float32 paths, which are the reference's own arithmetic.
+        # Without AMX, bfloat16 products run at half the float32 rate (see _widens_bfloat16): x
+        # widened to float32 takes the float32 paths, which are the reference's own arithmetic.
         return _dequantized_matmul(x.float(), weight, bias).t().to(out_dtype)
     if x.shape[0] > SMALL_BATCH_ROWS:
         return _dequantized_matmul(x, weight, bias).t().to(out_dtype)
