@@ -141,10 +141,19 @@ def _takes_columns(
     tensors = [x, weight] + ([] if bias is None else [bias])
     return (
         all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-        and weight.shape[1] > 0
         and out_dtype == torch.float32
-        and weight.is_contiguous()
         and (bias is None or bias.is_contiguous())
+        and _columns_read(weight)
+    )
+
+
+def _columns_read(weight: torch.Tensor) -> bool:
+    """Whether the outer-product kernel is built and can read `weight` where it lies (a
+    contiguous CPU matrix with at least one input feature)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.shape[1] > 0
+        and weight.is_contiguous()
         and _columns_built()
     )
 
@@ -270,11 +279,8 @@ def _widens_bfloat16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
     return (
         x.dtype == torch.bfloat16
         and x.shape[0] > 0
-        and weight.device.type == "cpu"
-        and weight.shape[1] > 0
         and out_dtype in (torch.float32, torch.bfloat16)
-        and weight.is_contiguous()
-        and _columns_built()
+        and _columns_read(weight)
         and not _tiles_built()
     )
 

@@ -96,6 +96,54 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_range(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_table,
+    start,
+    end,
+    positions,
+    head_offset,
+    dims,
+    dim_mask,
+    scale,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROW_WIDTH: tl.constexpr,
+    SCALE_AT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Online-softmax attention of q's BLOCK_Q rows over cached tokens start .. end - 1 of one
+    sequence (`block_table`), BLOCK_N at a time (a quantized token's scale SCALE_AT bytes into
+    it); with CAUSAL, row i sees tokens up to positions[i]. Returns the running max, the running
+    sum and the unnormalized output."""
+    running_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        rows = _kv_rows(block_table, tokens, token_mask, BLOCK_SIZE, ROW_WIDTH)
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        visible = token_mask[None, :]
+        if CAUSAL:
+            visible = visible & (tokens[None, :] <= positions[:, None])
+        running_max, running_sum, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows, head_offset, dims,
+            kv_mask, visible, scale, running_max, running_sum, acc, DOT_PRECISION, SCALE_AT,
+            QUANTIZED,
+        )  # fmt: skip
+    return running_max, running_sum, acc
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
@@ -139,20 +187,12 @@ def _decode_partition_kernel(
     dim_mask = dims < HEAD_DIM
     q_offsets = seq.to(tl.int64) * q_stride_seq + heads[:, None] * q_stride_head + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
-    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        rows = _kv_rows(block_table, tokens, token_mask, BLOCK_SIZE, ROW_WIDTH)
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        running_max, running_sum, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows, kv_head * HEAD_DIM,
-            dims, kv_mask, token_mask[None, :], scale, running_max, running_sum, acc,
-            DOT_PRECISION, NUM_KV_HEADS * HEAD_DIM, QUANTIZED,
-        )  # fmt: skip
+    running_max, running_sum, acc = _attend_range(
+        q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        block_tables_ptr + seq.to(tl.int64) * block_tables_stride, start, end, groups,
+        kv_head * HEAD_DIM, dims, dim_mask, scale, BLOCK_G, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+        ROW_WIDTH, NUM_KV_HEADS * HEAD_DIM, DOT_PRECISION, QUANTIZED, False,
+    )  # fmt: skip
     part_index = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + heads) * MAX_PARTITIONS + partition
     out_offsets = part_index[:, None] * HEAD_DIM + dims[None, :]
     out_mask = head_mask[:, None] & dim_mask[None, :]
@@ -418,21 +458,12 @@ def _prefill_kernel(
     q = _load_queries(q_ptr, tokens_q, head, dims, q_mask, q_stride_token, q_stride_head)
     kv_head = head // GROUP
     kv_end = tl.minimum(context_len, context_len - query_len + (local_block + 1) * BLOCK_M)
-    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    for tile_start in range(0, kv_end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < kv_end
-        rows_kv = _kv_rows(block_table, tokens, token_mask, BLOCK_SIZE, ROW_WIDTH)
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
-        running_max, running_sum, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows_kv, kv_head * HEAD_DIM,
-            dims, kv_mask, visible, scale, running_max, running_sum, acc, DOT_PRECISION,
-            NUM_KV_HEADS * HEAD_DIM, QUANTIZED,
-        )  # fmt: skip
+    running_max, running_sum, acc = _attend_range(
+        q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+        block_tables_ptr + seq.to(tl.int64) * block_tables_stride, 0, kv_end, positions,
+        kv_head * HEAD_DIM, dims, dim_mask, scale, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE,
+        ROW_WIDTH, NUM_KV_HEADS * HEAD_DIM, DOT_PRECISION, QUANTIZED, True,
+    )  # fmt: skip
     out = acc / running_sum[:, None]
     out_offsets = (tokens_q[:, None] * (GROUP * NUM_KV_HEADS) + head) * HEAD_DIM + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
