@@ -39,10 +39,12 @@
 
 #define ROW_BLOCK 4 /* weight rows per work item */
 #define X_BLOCK 4   /* rows of x per pass over a work item's weights */
-/* How far ahead of the weights being multiplied the quantized kernels ask for the next ones:
- * their rows are short (a few hundred bytes), too short for the hardware prefetcher to reach
- * full speed on each, but a thread's rows follow one another in memory. */
-#define PREFETCH_BYTES 2048
+/* How far ahead of the weights being multiplied the quantized kernels ask for the next ones,
+ * once per cache line: their rows are short (a few hundred bytes), too short for the hardware
+ * prefetcher to reach full speed on each, but a thread's rows follow one another in memory.
+ * At one stream of SmolLM2 with int8 weights, 8 KB ahead took the layers' weight reads from
+ * 8.7 to 7.4 ms a step (median of 8 rounds) against 2 KB ahead with a prefetch per 16 bytes. */
+#define PREFETCH_BYTES 8192
 
 /* Copy x (m rows, k columns, element (i, j) at x[i * row_stride + j * col_stride] of x_dtype)
  * into dense row-major float32 (or bfloat16 when to_bf16) rows of `ld` elements, zero-padded. */
@@ -181,7 +183,8 @@ static inline __attribute__((always_inline)) void int8_block(
 #define INT8_ROW(r)                                                                     \
             do {                                                                        \
                 const int8_t *src = q + (row0 + (r)) * k + j;                           \
-                _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);          \
+                if ((j & 63) == 0)                                                      \
+                    _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);      \
                 __m512 w = int8_weights(src, mask);                                     \
                 if (!per_channel) w = _mm512_mul_ps(w, s##r);                           \
                 ACCUMULATE(r, w, xv);                                                   \
