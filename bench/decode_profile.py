@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from executor.engine import Engine
-from kernels import cpu_linear
+from kernels import cpu_decoder
 from kernels.decoder import decoder_layers_with
 
 
@@ -99,7 +99,7 @@ def _visible_stack(kernels, timed) -> Callable:
                                    timed.attention, timed.silu_and_mul)  # fmt: skip
 
     def decoder_layers(weights, hidden, step):
-        if kernels.name == "cpu" and hidden.shape[0] <= cpu_linear.SMALL_BATCH_ROWS:
+        if kernels.name == "cpu" and hidden.shape[0] <= cpu_decoder.one_call_rows(weights):
             return one_call(weights, hidden, step)
         return per_call(weights, hidden, step)
 
@@ -111,6 +111,4 @@ def _c_stack_timing(kernels, start: bool) -> dict[str, float] | None:
     when the kernels are not the CPU ones."""
     if kernels.name != "cpu":
         return None
-    from kernels import cpu_decoder
-
     return cpu_decoder.kernel_seconds(keep_timing=start)

@@ -82,7 +82,7 @@ def decode_round(model: str, formats: list[str], args: argparse.Namespace) -> di
     for fmt in formats:
         engines[fmt] = Engine(EngineConfig(model=model, kv_cache_gib=0.5, max_num_seqs=args.batch,
                                            kv_cache_dtype=fmt))  # fmt: skip
-        # Up to cpu_linear.SMALL_BATCH_ROWS streams a step is one C call, above that one call
+        # Up to cpu_decoder.one_call_rows streams a step is one C call, above that one call
         # per kernel: the warm-up runs the measured batch, so it warms the measured path.
         decode_step_ms(engines[fmt], 8, batch=args.batch, steps=2)
         start_decoding(engines[fmt], args.context, args.batch, args.steps)

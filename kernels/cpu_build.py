@@ -128,6 +128,7 @@ class DecoderStruct(ctypes.Structure):
         ("eps", _float),
         ("act_dtype", _int),
         ("cache_dtype", _int),
+        ("small_rows", _i64),
     ]
 
 

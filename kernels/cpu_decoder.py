@@ -1,9 +1,12 @@
 """Every decoder layer of a small-batch CPU step in one C call (kernels/csrc/cpu_decoder.c).
 
 `prepare_decoder` describes the model's weights and KV caches to the C code once;
-`decoder_layers` then runs a step of at most SMALL_BATCH_ROWS tokens in one call, and larger
-steps one kernel call at a time with the other CPU kernels. Both run the same C kernels, so a
-token's results do not depend on which path ran. The twin is kernels.reference.decoder_layers.
+`decoder_layers` then runs a step of at most `one_call_rows` tokens in one call, and larger
+steps one kernel call at a time with the other CPU kernels. That is SMALL_BATCH_ROWS, or
+COLUMNS_MAX_ROWS (a decode step of up to 64 streams) when kernels/cpu_linear.py runs every
+layer's weights on the outer-product kernels at those sizes (`takes_columns`), which the C
+stack calls the same way. Both paths run the same C kernels, so a token's results do not depend
+on which one ran. The twin is kernels.reference.decoder_layers.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class PreparedDecoder:
     hidden_size: int
     act_dtype: torch.dtype
     cache_shape: tuple[int, ...]
+    one_call_rows: int  # the most tokens a step runs in one call
 
 
 def prepare_decoder(weights: DecoderWeights) -> DecoderWeights:
@@ -58,9 +62,20 @@ def prepare_decoder(weights: DecoderWeights) -> DecoderWeights:
             layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
         )  # fmt: skip
     struct = DecoderStruct(layers, len(weights.layers), hidden, intermediate, weights.eps,
-                           DTYPE_CODES[act_dtype], CACHE_DTYPE_CODES[cache.dtype])  # fmt: skip
-    weights.prepared = PreparedDecoder(struct, layers, hidden, act_dtype, tuple(cache.shape))
+                           DTYPE_CODES[act_dtype], CACHE_DTYPE_CODES[cache.dtype],
+                           cpu_linear.SMALL_BATCH_ROWS)  # fmt: skip
+    names = ("qkv", "o", "gate_up", "down")
+    columns = all(cpu_linear.takes_columns(getattr(layer, name), act_dtype)
+                  for layer in weights.layers for name in names)  # fmt: skip
+    rows = cpu_linear.COLUMNS_MAX_ROWS if columns else cpu_linear.SMALL_BATCH_ROWS
+    weights.prepared = PreparedDecoder(struct, layers, hidden, act_dtype, tuple(cache.shape), rows)
     return weights
+
+
+def one_call_rows(weights: DecoderWeights) -> int:
+    """The most tokens `decoder_layers` runs in one call for these weights (0: unprepared)."""
+    prepared = weights.prepared
+    return prepared.one_call_rows if isinstance(prepared, PreparedDecoder) else 0
 
 
 def _out_features(weight: torch.Tensor | QuantizedWeight) -> int:
@@ -90,7 +105,7 @@ def decoder_layers(
     """The CPU twin of kernels.reference.decoder_layers, for weights made by prepare_decoder
     and a step made by kernels.cpu_attention.prepare_attention. Results are column-major."""
     prepared, num_tokens = weights.prepared, hidden.shape[0]
-    if num_tokens > cpu_linear.SMALL_BATCH_ROWS:
+    if num_tokens > max(one_call_rows(weights), cpu_linear.SMALL_BATCH_ROWS):
         return _one_call_at_a_time(weights, hidden, step)
     if not isinstance(prepared, PreparedDecoder):
         raise ValueError("weights were not prepared by kernels.cpu_decoder.prepare_decoder")
@@ -111,8 +126,10 @@ def decoder_layers(
         ctypes.byref(prepared.struct), ctypes.byref(step.prepared.struct), hidden.data_ptr(),
         out.data_ptr(), residual.data_ptr(), num_tokens, torch.get_num_threads(),
     )  # fmt: skip
-    if failed:
+    if failed == 1:
         raise MemoryError("the decoder layers could not allocate their buffers")
+    if failed:
+        raise RuntimeError(f"the decoder layers' kernels refused this step (code {failed})")
     return out.t(), residual.t()
 
 

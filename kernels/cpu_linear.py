@@ -147,6 +147,21 @@ def _takes_columns(
     )
 
 
+def takes_columns(weight: torch.Tensor | QuantizedWeight, act_dtype: torch.dtype) -> bool:
+    """Whether `linear` / `linear_quantized` run this weight (with its bias, of act_dtype) over
+    SMALL_BATCH_ROWS < rows <= COLUMNS_MAX_ROWS rows of act_dtype x on the outer-product kernels:
+    x widened to float32 where it is bfloat16, float32 sums, the bias added in float32 and the
+    result rounded once. The one-call decoder stack (kernels/csrc/cpu_decoder.c) does the same
+    in C for such steps when every layer's weights take this path."""
+    if not _columns_built() or act_dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if isinstance(weight, QuantizedWeight):
+        return not _takes_tiles(weight) and (act_dtype == torch.float32 or not _tiles_built())
+    if weight.dtype != act_dtype or not _columns_read(weight):
+        return False
+    return act_dtype == torch.float32 or not _tiles_built()
+
+
 def _columns_read(weight: torch.Tensor) -> bool:
     """Whether the outer-product kernel is built and can read `weight` where it lies (a
     contiguous CPU matrix with at least one input feature)."""

@@ -401,6 +401,12 @@ int kvgate_linear(const kvgate_linear_weights *w, const void *x, int x_dtype, in
 /* Defined in cpu_linear_columns.c (see there). */
 void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
                          int64_t k, int64_t m);
+int kvgate_linear_columns(const void *w, int bf16, const float *bias, const float *x, int64_t m,
+                          int64_t n, int64_t k, float *out, int num_threads);
+
+/* Defined in cpu_linear.c (see there). */
+int kvgate_linear_columns_quantized(const kvgate_linear_weights *wt, const float *x, int64_t m,
+                                    float *out, int num_threads);
 
 /* Defined in cpu_kernels.c (see there). */
 void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t res_ld,

@@ -9,7 +9,7 @@ but a one-step difference early on grows through the layers).
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_decoder, quant
+from kernels import cpu_attention, cpu_decoder, cpu_linear, quant
 from kernels import reference as ref
 from kernels.decoder import DecoderLayerWeights, DecoderWeights
 from tests.kernels.test_cpu_dtypes import layer_case
@@ -95,14 +95,63 @@ def test_one_call_stack_matches_the_reference_and_fills_the_same_caches(dtype, f
         assert relative_error(layer.v_cache, expected_layer.v_cache) <= bound, "stored values"
 
 
+LARGER_STEP = (1, 1, 6, 8, 1)  # 17 tokens
+
+
+def expected_one_call_rows(fmt: str, dtype: torch.dtype) -> int:
+    """What cpu_linear routes 9-64-row products of these weights to, by hand: the outer-product
+    kernels (so the C stack takes up to 64 tokens) unless the CPU has AMX tiles and the layer
+    is bfloat16 (oneDNN) or per-channel int8 (the tile kernel)."""
+    if not cpu_linear._columns_built():
+        return cpu_linear.SMALL_BATCH_ROWS
+    if not cpu_linear._tiles_built():
+        return cpu_linear.COLUMNS_MAX_ROWS
+    on_columns = fmt == "int4" if dtype == torch.bfloat16 else fmt != "int8"
+    return cpu_linear.COLUMNS_MAX_ROWS if on_columns else cpu_linear.SMALL_BATCH_ROWS
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_up_to_64_tokens_gives_in_one_call_what_it_gives_a_kernel_call_at_a_time(
+    dtype, fmt, biases
+):
+    weights, expected_weights, step, hidden = stacks(fmt, dtype, dtype, biases, LARGER_STEP)
+    per_call, _, per_call_step, _ = stacks(fmt, dtype, dtype, biases, LARGER_STEP)
+    cpu_attention.prepare_attention(step, weights.layers[0].k_cache)
+    cpu_attention.prepare_attention(per_call_step, per_call.layers[0].k_cache)
+    cpu_decoder.prepare_decoder(weights)
+    assert cpu_decoder.one_call_rows(weights) == expected_one_call_rows(fmt, dtype)
+    assert step.num_tokens == 17
+    out, residual = cpu_decoder.decoder_layers(weights, hidden, step)
+    # The stack holds the embeddings column-major as the linear layers' outputs; given so, the
+    # per-call path's first norm sums each token's squares in the same order as well.
+    expected_out, expected_residual = cpu_decoder._one_call_at_a_time(
+        per_call, hidden.t().contiguous().t(), per_call_step
+    )
+    assert torch.equal(out, expected_out), "hidden"
+    assert torch.equal(residual, expected_residual), "residual"
+    for layer, expected_layer in zip(weights.layers, per_call.layers, strict=True):
+        assert torch.equal(layer.k_cache, expected_layer.k_cache), "stored keys"
+        assert torch.equal(layer.v_cache, expected_layer.v_cache), "stored values"
+    # int4 layers round x to int8 blocks: a last-bit difference upstream can move one of its
+    # values by a step of its block (test_quant holds the 9-64-row path to its reference).
+    bound = 1e-2 if fmt == "int4" else 1e-4 if dtype == torch.float32 else 8 * 2.0**-8
+    reference, _ = ref.decoder_layers(expected_weights, hidden, step)
+    assert relative_error(out, reference) <= bound
+
+
 def test_a_larger_step_runs_one_kernel_call_at_a_time_and_a_bfloat16_cache_serves_float32():
     weights, expected_weights, step, hidden = stacks(
-        "int8", torch.float32, torch.bfloat16, True, (1, 1, 6, 8, 1)
+        "int8", torch.float32, torch.bfloat16, True, LARGER_STEP
     )
     cpu_attention.prepare_attention(step, weights.layers[0].k_cache)
     cpu_decoder.prepare_decoder(weights)
-    assert step.num_tokens > 8, "17 tokens: more than the one-call stack takes"
+    weights.prepared.one_call_rows = cpu_linear.SMALL_BATCH_ROWS  # as for weights on oneDNN
+    timed = cpu_decoder.kernel_seconds(keep_timing=True)
     out, _ = cpu_decoder.decoder_layers(weights, hidden, step)
+    timed = cpu_decoder.kernel_seconds(keep_timing=False)
+    assert not any(timed.values()), "17 tokens ran in the one-call stack"
     expected, _ = ref.decoder_layers(expected_weights, hidden, step)
     assert relative_error(out, expected) <= 1e-4
 
