@@ -5,8 +5,10 @@
 steps one kernel call at a time with the other CPU kernels. That is SMALL_BATCH_ROWS, or
 COLUMNS_MAX_ROWS (a decode step of up to 64 streams) when kernels/cpu_linear.py runs every
 layer's weights on the outer-product kernels at those sizes (`takes_columns`), which the C
-stack calls the same way. Both paths run the same C kernels, so a token's results do not depend
-on which one ran. The twin is kernels.reference.decoder_layers.
+stack calls the same way. Both paths run the same C kernels on the same layouts and give equal
+results, but for one thing: the stack holds the embeddings column-major, and in float32 the
+first norm's sums of squares over row-major ones run in another order (the last bit may
+differ). The twin is kernels.reference.decoder_layers.
 """
 
 from __future__ import annotations
