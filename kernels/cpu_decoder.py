@@ -1,4 +1,4 @@
-"""Every decoder layer of a small-batch CPU step in one C call (kernels/csrc/cpu_decoder.c).
+"""Every decoder layer of a CPU decode step in one C call (kernels/csrc/cpu_decoder.c).
 
 `prepare_decoder` describes the model's weights and KV caches to the C code once;
 `decoder_layers` then runs a step of at most `one_call_rows` tokens in one call, and larger
@@ -6,9 +6,9 @@ steps one kernel call at a time with the other CPU kernels. That is SMALL_BATCH_
 COLUMNS_MAX_ROWS (a decode step of up to 64 streams) when kernels/cpu_linear.py runs every
 layer's weights on the outer-product kernels at those sizes (`takes_columns`), which the C
 stack calls the same way. Both paths run the same C kernels on the same layouts and give equal
-results, but for one thing: the stack holds the embeddings column-major, and in float32 the
-first norm's sums of squares over row-major ones run in another order (the last bit may
-differ). The twin is kernels.reference.decoder_layers.
+results (finite ones: NaN's bits may differ), but for one thing: the stack holds the
+embeddings column-major, and the first norm's float32 sums of squares over row-major ones run
+in another order (the last bit may differ). The twin is kernels.reference.decoder_layers.
 """
 
 from __future__ import annotations

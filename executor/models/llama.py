@@ -2,7 +2,7 @@
 
 q/k/v and gate/up projections are fused into one matmul each; the loader concatenates the
 checkpoint's separate weights. The modules hold the weights; the decoder layers run as one
-kernel of `kernels` (kernels/decoder.py: on the CPU one C call for a small-batch step), over
+kernel of `kernels` (kernels/decoder.py: on the CPU one C call for a step of up to 64 tokens), over
 the stack's weights and caches described once (`decoder_weights`). Kernels may return another
 memory layout (column-major on the CPU); the batch is packed as one-token sequences first (the
 decode kernel), then multi-token chunks (the prefill kernel). A linear layer's weight is dense

@@ -1,5 +1,5 @@
 /*
- * Every decoder layer of a small-batch step in one call: for each layer, RMSNorm with the
+ * Every decoder layer of a decode step in one call: for each layer, RMSNorm with the
  * residual add, the fused q/k/v projection, rotary + KV store + attention, the output
  * projection, RMSNorm, the fused gate/up projection, SiLU-and-multiply and the down projection,
  * each by the kernel the step would run one call at a time (cpu_kernels.c, cpu_linear.c,
@@ -186,21 +186,26 @@ static int run_layer(const kvgate_decoder *d, const kvgate_layer *layer,
     TIMED(TIMED_NORM, kvgate_rms_norm(b->hidden, m, first ? NULL : residual, m, layer->input_norm,
                                       b->normed, first ? NULL : residual, m, d->hidden, 1, dtype,
                                       d->eps, threads));
+    /* A failed kernel ends the layer: nothing after it reads its unwritten output. */
     TIMED(TIMED_LINEAR,
-          failed |= layer_linear(d, &layer->qkv, b->normed, 1, m, m, b->qkv, b, threads));
+          failed = layer_linear(d, &layer->qkv, b->normed, 1, m, m, b->qkv, b, threads));
+    if (failed) return failed;
     TIMED(TIMED_ATTENTION,
-          failed |= kvgate_attention_layer(st, b->qkv, dtype, 1, m, layer->k_cache,
-                                           layer->v_cache, d->cache_dtype, b->attn, b->q_rotated));
+          failed = kvgate_attention_layer(st, b->qkv, dtype, 1, m, layer->k_cache,
+                                          layer->v_cache, d->cache_dtype, b->attn, b->q_rotated));
+    if (failed) return failed;
     TIMED(TIMED_LINEAR,
-          failed |= layer_linear(d, &layer->o, b->attn, q_width, 1, m, b->hidden, b, threads));
+          failed = layer_linear(d, &layer->o, b->attn, q_width, 1, m, b->hidden, b, threads));
+    if (failed) return failed;
     TIMED(TIMED_NORM, kvgate_rms_norm(b->hidden, m, residual, m, layer->post_norm, b->normed,
                                       residual, m, d->hidden, 1, dtype, d->eps, threads));
-    TIMED(TIMED_LINEAR, failed |= layer_linear(d, &layer->gate_up, b->normed, 1, m, m,
-                                                b->gate_up, b, threads));
+    TIMED(TIMED_LINEAR, failed = layer_linear(d, &layer->gate_up, b->normed, 1, m, m,
+                                               b->gate_up, b, threads));
+    if (failed) return failed;
     TIMED(TIMED_ACTIVATION, kvgate_silu_and_mul(b->gate_up, m, d->intermediate * m, b->act, m,
                                                 d->intermediate, m, dtype, threads));
     TIMED(TIMED_LINEAR,
-          failed |= layer_linear(d, &layer->down, b->act, 1, m, m, b->hidden, b, threads));
+          failed = layer_linear(d, &layer->down, b->act, 1, m, m, b->hidden, b, threads));
     return failed;
 }
 
@@ -208,7 +213,8 @@ static int run_layer(const kvgate_decoder *d, const kvgate_layer *layer,
  * Run every layer on the step's m tokens. hidden_in: [m, hidden] row-major embeddings.
  * hidden_out and residual_out: [hidden, m] column-major, the last layer's output and the
  * running residual sum (what the final norm takes). Returns 0 on success, 1 when out of
- * memory. The caller (kernels/cpu_decoder.py) has checked the step and the weights.
+ * memory, 2 when a linear kernel cannot take its weights (the caller's routing rules that
+ * out). The caller (kernels/cpu_decoder.py) has checked the step and the weights.
  */
 int kvgate_decode_layers(const kvgate_decoder *d, const kvgate_attention_step *st,
                          const void *hidden_in, void *hidden_out, void *residual_out, int64_t m,

@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void int8_block(
 #define INT8_ROW(r)                                                                     \
             do {                                                                        \
                 const int8_t *src = q + (row0 + (r)) * k + j;                           \
-                if ((j & 63) == 0)                                                      \
+                if ((j & 63) < 16) /* once per 64 bytes, whatever the group size */     \
                     _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);      \
                 __m512 w = int8_weights(src, mask);                                     \
                 if (!per_channel) w = _mm512_mul_ps(w, s##r);                           \

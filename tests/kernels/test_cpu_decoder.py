@@ -1,4 +1,4 @@
-"""The CPU decoder stack (every layer of a small step in one C call) against its reference twin
+"""The CPU decoder stack (every layer of a step in one C call) against its reference twin
 (the same layers one reference kernel call at a time), and the caches both leave behind.
 
 Tolerances: float32 within 1e-4 relative to the largest output (two layers of sums in another
@@ -81,7 +81,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_stack_matches_the_reference_and_fills_the_same_caches(dtype, fmt, biases):
     weights, expected_weights, step, hidden = stacks(fmt, dtype, dtype, biases)
-    assert step.num_tokens == 8, "the one-call stack takes up to 8 tokens"
+    assert step.num_tokens == 8, "the small-batch kernels' whole range"
     expected, expected_residual = ref.decoder_layers(expected_weights, hidden, step)
     cpu_attention.prepare_attention(step, weights.layers[0].k_cache)
     cpu_decoder.prepare_decoder(weights)
@@ -100,13 +100,14 @@ LARGER_STEP = (1, 1, 6, 8, 1)  # 17 tokens
 
 def expected_one_call_rows(fmt: str, dtype: torch.dtype) -> int:
     """What cpu_linear routes 9-64-row products of these weights to, by hand: the outer-product
-    kernels (so the C stack takes up to 64 tokens) unless the CPU has AMX tiles and the layer
-    is bfloat16 (oneDNN) or per-channel int8 (the tile kernel)."""
+    kernels (so the C stack takes up to 64 tokens) unless the CPU has AMX tiles and the
+    activations are bfloat16 (oneDNN, or torch on weights dequantized to bfloat16) or the layer
+    is per-channel int8 (the tile kernel)."""
     if not cpu_linear._columns_built():
         return cpu_linear.SMALL_BATCH_ROWS
     if not cpu_linear._tiles_built():
         return cpu_linear.COLUMNS_MAX_ROWS
-    on_columns = fmt == "int4" if dtype == torch.bfloat16 else fmt != "int8"
+    on_columns = dtype == torch.float32 and fmt != "int8"
     return cpu_linear.COLUMNS_MAX_ROWS if on_columns else cpu_linear.SMALL_BATCH_ROWS
 
 
