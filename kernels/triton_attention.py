@@ -61,25 +61,10 @@ def _load_kv(cache_ptr, scale_ptr, rows, head_offset, dims, kv_mask, dtype,
 
 
 @triton.jit
-def _attend_tile(
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    rows,
-    head_offset,
-    dims,
-    kv_mask,
-    visible,
-    scale,
-    running_max,
-    running_sum,
-    acc,
-    DOT_PRECISION: tl.constexpr,
-    SCALE_AT: tl.constexpr,
-    QUANTIZED: tl.constexpr,
-):
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows, head_offset, dims,
+                 kv_mask, visible, scale, running_max, running_sum, acc,
+                 DOT_PRECISION: tl.constexpr, SCALE_AT: tl.constexpr,
+                 QUANTIZED: tl.constexpr):  # fmt: skip
     """One online-softmax step over a tile of cached K/V; `visible` masks scores per query."""
     k = _load_kv(k_cache_ptr, k_scale_ptr, rows, head_offset, dims, kv_mask, q.dtype, SCALE_AT,
                  QUANTIZED)  # fmt: skip
@@ -96,30 +81,11 @@ def _attend_tile(
 
 
 @triton.jit
-def _attend_range(
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    block_table,
-    start,
-    end,
-    positions,
-    head_offset,
-    dims,
-    dim_mask,
-    scale,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    ROW_WIDTH: tl.constexpr,
-    SCALE_AT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
+def _attend_range(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table, start, end,
+                  positions, head_offset, dims, dim_mask, scale, BLOCK_Q: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  ROW_WIDTH: tl.constexpr, SCALE_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  QUANTIZED: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
     """Online-softmax attention of q's BLOCK_Q rows over cached tokens start .. end - 1 of one
     sequence (`block_table`), BLOCK_N at a time (a quantized token's scale SCALE_AT bytes into
     it); with CAUSAL, row i sees tokens up to positions[i]. Returns the running max, the running

@@ -38,10 +38,10 @@ typedef struct {
 } kvgate_decoder;
 
 /* The activation buffers of one call, column-major [features, m]; above small_rows tokens also
- * the linear layers' float32 scratch: x^T [in, m], the sums [out, m] and the bias [out]. */
+ * the linear layers' float32 scratch: x^T [in, m] and the sums [out, m]. */
 typedef struct {
     char *hidden, *normed, *qkv, *attn, *gate_up, *act;
-    float *q_rotated, *x32, *sums32, *bias32;
+    float *q_rotated, *x32, *sums32;
 } buffers;
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) {
@@ -65,7 +65,7 @@ static void *alloc_buffers(const kvgate_decoder *d, const kvgate_attention_step 
     const int64_t wide = m > d->small_rows;
     const int64_t widths[] = {d->hidden, d->hidden, qkv_width, q_width, 2 * d->intermediate,
                               d->intermediate, q_width, wide * inputs, wide * outputs};
-    int64_t total = (wide * outputs * 4 + 63) / 64 * 64;
+    int64_t total = 0;
     for (int i = 0; i < 9; ++i) total += (widths[i] * m * (i >= 6 ? 4 : size) + 63) / 64 * 64;
     char *block = aligned_alloc(64, (size_t)(total > 0 ? total : 64));
     if (block == NULL) return NULL;
@@ -79,7 +79,6 @@ static void *alloc_buffers(const kvgate_decoder *d, const kvgate_attention_step 
     b->q_rotated = (float *)take(&cursor, q_width * m, 4);
     b->x32 = (float *)take(&cursor, wide * inputs * m, 4);
     b->sums32 = (float *)take(&cursor, wide * outputs * m, 4);
-    b->bias32 = (float *)take(&cursor, wide * outputs, 4);
     return block;
 }
 
@@ -157,20 +156,12 @@ static int layer_linear(const kvgate_decoder *d, const kvgate_linear_weights *w,
     const int dense = w->kind == KVGATE_W_F32 || w->kind == KVGATE_W_BF16;
     if (dense && dtype == KVGATE_F32)
         return kvgate_linear_columns(w->q, 0, w->bias, x_t, m, n, k, out, threads);
-    int failed;
-    if (dense) {
-        const float *bias = NULL;
-        if (w->bias != NULL) {
-            load_row(w->bias, dtype, n, b->bias32);
-            bias = b->bias32;
-        }
-        failed = kvgate_linear_columns(w->q, w->kind == KVGATE_W_BF16, bias, x_t, m, n, k,
-                                       b->sums32, threads);
-        if (!failed) finish_sums(b->sums32, NULL, dtype, n, m, out, threads);
-    } else {
-        failed = kvgate_linear_columns_quantized(w, x_t, m, b->sums32, threads);
-        if (!failed) finish_sums(b->sums32, w->bias, dtype, n, m, out, threads);
-    }
+    /* The kernel would add the bias to the finished float32 sum: the same one addition. */
+    const int failed =
+        dense ? kvgate_linear_columns(w->q, w->kind == KVGATE_W_BF16, NULL, x_t, m, n, k,
+                                      b->sums32, threads)
+              : kvgate_linear_columns_quantized(w, x_t, m, b->sums32, threads);
+    if (!failed) finish_sums(b->sums32, w->bias, dtype, n, m, out, threads);
     return failed;
 }
 
