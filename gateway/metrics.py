@@ -30,6 +30,14 @@ def _split_method(full_method: str) -> tuple[str, str]:
     return service, method
 
 
+# The server learns a call's deadline when its headers arrive, so its deadline falls later
+# than the client's by the headers' transit time, and the client's own cancellation at its
+# deadline can reach the server first. A call cancelled this close to its deadline is
+# counted as past it: the client saw DEADLINE_EXCEEDED. (A client that cancels by itself
+# within this margin of its deadline is counted the same way.)
+DEADLINE_MARGIN_S = 1.0
+
+
 def _code_of(context: aio.ServicerContext, ended: str) -> str:
     """The status code a call ended with, as a label value.
 
@@ -41,11 +49,12 @@ def _code_of(context: aio.ServicerContext, ended: str) -> str:
     if code is not None:
         return code.name if isinstance(code, grpc.StatusCode) else str(code)
     remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    cancelled = ended == "cancelled" or context.cancelled()
+    if remaining is not None and (remaining <= 0 or cancelled and remaining <= DEADLINE_MARGIN_S):
         # The client's deadline passed: it got DEADLINE_EXCEEDED, even when the handler then
         # ended by itself (a Chat ends when its request stream breaks off).
         return grpc.StatusCode.DEADLINE_EXCEEDED.name
-    if ended == "cancelled" or context.cancelled():
+    if cancelled:
         # The client cancelled, even when the handler then ended by itself (seen now and
         # then for a Generate cancelled mid-stream).
         return grpc.StatusCode.CANCELLED.name

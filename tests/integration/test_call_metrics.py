@@ -1,11 +1,15 @@
 """The gateway's MetricsInterceptor on a real grpc.aio server and channel: a call the client
-cancels mid-stream is counted CANCELLED, never UNKNOWN; a call counted UNKNOWN is logged with
-its exception."""
+cancels mid-stream is counted CANCELLED, never UNKNOWN; a call whose deadline passed is counted
+DEADLINE_EXCEEDED even when the client's cancellation reaches the server before the server's own
+deadline; a call counted UNKNOWN is logged with its exception."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -22,6 +26,12 @@ async def endless(request: bytes, context: aio.ServicerContext) -> AsyncIterator
     """Streams until the client goes: it awaits nothing but its own yields."""
     while True:
         yield b"x" * 1024
+
+
+async def idle(request: bytes, context: aio.ServicerContext) -> AsyncIterator[bytes]:
+    """Sends nothing until the call ends."""
+    await asyncio.Event().wait()
+    yield b""
 
 
 async def broken(request: bytes, context: aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -43,6 +53,7 @@ def served() -> Iterator[tuple[str, GatewayMetrics]]:
         handlers = {
             "Stream": grpc.unary_stream_rpc_method_handler(endless),
             "Broken": grpc.unary_stream_rpc_method_handler(broken),
+            "Idle": grpc.unary_stream_rpc_method_handler(idle),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -78,6 +89,52 @@ def test_a_stream_cancelled_by_its_client_counts_cancelled(served):
              f"{num_calls} cancelled calls counted")  # fmt: skip
     assert calls(metrics, "UNKNOWN") == 0, "a cancelled call was counted UNKNOWN"
     assert calls(metrics, "CANCELLED") == num_calls
+
+
+class SlowStartProxy:
+    """A TCP proxy that holds what the client sends in its connection's first `slow_s` for
+    `slow_s`, then passes everything on at once: the call's headers reach the server late, so
+    the server's deadline falls `slow_s` after the client's."""
+
+    def __init__(self, upstream: str, slow_s: float) -> None:
+        self.upstream = upstream.rsplit(":", 1)
+        self.slow_s = slow_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection((self.upstream[0], int(self.upstream[1])))
+        threading.Thread(target=self._pump, args=(client, server, self.slow_s), daemon=True).start()
+        threading.Thread(target=self._pump, args=(server, client, 0.0), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, slow_s: float) -> None:
+        started = time.monotonic()
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if time.monotonic() - started < slow_s:
+                    time.sleep(max(0.0, started + slow_s - time.monotonic()))
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+def test_a_call_past_its_deadline_counts_deadline_exceeded_when_its_cancel_arrives_first(served):
+    address, metrics = served
+    proxy = SlowStartProxy(address, slow_s=0.5)
+    with grpc.insecure_channel(proxy.address) as channel:
+        call = channel.unary_stream(f"/{SERVICE}/Idle")(b"", timeout=2.0)
+        with pytest.raises(grpc.RpcError) as raised:
+            next(call)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        codes = ("DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN")
+        wait_for(lambda: sum(calls(metrics, code, "Idle") for code in codes) == 1,
+                 "the call counted")  # fmt: skip
+    assert calls(metrics, "DEADLINE_EXCEEDED", "Idle") == 1, {
+        code: calls(metrics, code, "Idle") for code in codes
+    }
 
 
 def test_a_call_counted_unknown_is_logged_with_its_exception(served, caplog):
