@@ -403,6 +403,9 @@ void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *ou
                          int64_t k, int64_t m);
 int kvgate_linear_columns(const void *w, int bf16, const float *bias, const float *x, int64_t m,
                           int64_t n, int64_t k, float *out, int num_threads);
+int kvgate_linear_columns_int8(const int8_t *q, const float *scales, int64_t group_size,
+                               const float *x, int64_t m, int64_t n, int64_t k, float *out,
+                               int num_threads);
 
 /* Defined in cpu_linear.c (see there). */
 int kvgate_linear_columns_quantized(const kvgate_linear_weights *wt, const float *x, int64_t m,

@@ -503,8 +503,10 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
 /*
  * out = w @ x^T for int8 or int4 weights and m (1 .. 64) rows of float32 x, given as x^T: dense
  * [k, m] (for int4 rounded here to its rows' int8 blocks, kernels/quant.py's
- * round_activations): a slice of weight rows dequantized to float32 into a thread's buffer,
- * then multiplied by the outer-product kernel (cpu_linear_columns.c). out: [n, m]. Returns 0,
+ * round_activations): int8 in groups of a multiple of 16 runs kvgate_linear_columns_int8
+ * (cpu_linear_columns.c: each block's chunk dequantized into the L1 cache); other groups and
+ * int4 dequantize a slice of weight rows to float32 into a thread's buffer, then run the
+ * outer-product kernel over it. out: [n, m]. Returns 0,
  * 1 when out of memory, 2 when the weights are not int8 or int4 or the kernels are not built
  * (no AVX-512).
  */
@@ -513,6 +515,9 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
 #ifdef KVGATE_AVX512
     if (wt->kind != KVGATE_W_INT8 && wt->kind != KVGATE_W_INT4) return 2;
     const int64_t k = wt->in_features, n = wt->out_features;
+    if (wt->kind == KVGATE_W_INT8 && wt->group_size % 16 == 0)
+        return kvgate_linear_columns_int8(wt->q, wt->scales, wt->group_size, x, m, n, k, out,
+                                          num_threads);
     const int64_t slices = (n + COLUMNS_QUANTIZED_ROWS - 1) / COLUMNS_QUANTIZED_ROWS;
     float *rounded = NULL;
     if (wt->kind == KVGATE_W_INT4) {

@@ -4,7 +4,10 @@
  * bfloat16 weights too, for CPUs without AMX tiles (kernels/cpu_linear.py routes them here with
  * x widened to float32): a block's chunk of weights is widened exactly into an L1 buffer just
  * before the block runs over it, so the sums are float32 sums of exact products and the weights
- * come from memory at half float32's bytes.
+ * come from memory at half float32's bytes. int8 weights in groups of a multiple of 16 the same
+ * way (kvgate_linear_columns_int8): a block's chunk dequantized into the L1 buffer, exactly the
+ * float32 products q * scale, so its sums equal the float32 kernel's over the dequantized
+ * weights, at a quarter of float32's bytes.
  *
  * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
  * and each step's weights come from memory, not the cache: it runs the layers of a 64-row
@@ -136,13 +139,55 @@ static inline __attribute__((always_inline)) void columns_block_bf16(
     columns_block(wide, COLUMNS_K_CHUNK, x, bias, out, m, rows, count, 0, first, V, last);
 }
 
-/* A thread's blocks first .. first + count - 1, chunk by chunk of x's features; w float32, or
- * bfloat16 when `bf16`. */
-static void columns_blocks(const void *w, int bf16, int64_t w_ld, const float *x,
-                           const float *bias, float *out, int64_t n, int64_t k, int64_t m,
-                           int64_t first, int64_t count) {
+/*
+ * The same block for int8 weights with a float32 scale per group of `group_size` features (a
+ * multiple of 16): q and scales point at the block's first row (rows q_ld and `groups` apart),
+ * the chunk starts at feature `begin`. Each row's chunk is dequantized (q * scale, the float32
+ * product kvgate_dequantize makes) into `wide`, in the L1 cache, then the float32 block runs
+ * over it; the next block's chunk is prefetched once per 64 bytes.
+ */
+static inline __attribute__((always_inline)) void columns_block_int8(
+    const int8_t *q, int64_t q_ld, const float *scales, int64_t groups, int64_t group_size,
+    int64_t begin, const float *x, float *out, int64_t m, int rows, int64_t count, int64_t next,
+    int first, const int V, __mmask16 last, float *wide) {
+    for (int r = 0; r < rows; ++r) {
+        const int8_t *src = q + r * q_ld;
+        int64_t g = begin / group_size, group_end = (g + 1) * group_size;
+        __m512 scale = _mm512_set1_ps(scales[r * groups + g]);
+        for (int64_t j = 0; j < count; j += 16) {
+            if (begin + j == group_end) {
+                group_end += group_size;
+                scale = _mm512_set1_ps(scales[r * groups + ++g]);
+            }
+            const __mmask16 mask =
+                count - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (count - j)) - 1u);
+            const __m512 values =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src + j)));
+            _mm512_mask_storeu_ps(wide + r * COLUMNS_K_CHUNK + j, mask,
+                                  _mm512_mul_ps(values, scale));
+            if (next != 0 && (j & 63) == 0)
+                _mm_prefetch((const char *)(src + next + j), _MM_HINT_T0);
+        }
+    }
+    columns_block(wide, COLUMNS_K_CHUNK, x, NULL, out, m, rows, count, 0, first, V, last);
+}
+
+/* Where a layer's weight rows come from. */
+typedef struct {
+    const void *w;        /* [n, k], rows `ld` elements apart: float32, bfloat16 or int8 */
+    int64_t ld;
+    int bf16;             /* bfloat16 weights */
+    const float *scales;  /* int8 weights: their scales [n, k / group_size]; else NULL */
+    int64_t group_size;   /* int8: a multiple of 16 that divides k */
+} columns_weights;
+
+/* A thread's blocks first .. first + count - 1, chunk by chunk of x's features. */
+static void columns_blocks(const columns_weights *cw, const float *x, const float *bias,
+                           float *out, int64_t n, int64_t k, int64_t m, int64_t first,
+                           int64_t count) {
     const int V = (int)((m + 15) / 16), R = COLUMNS_W_ROWS;
     const __mmask16 last = (__mmask16)((1u << (m - 16 * (V - 1))) - 1u);
+    const int64_t w_ld = cw->ld, groups = cw->scales != NULL ? k / cw->group_size : 0;
     float wide[COLUMNS_W_ROWS * COLUMNS_K_CHUNK] __attribute__((aligned(64)));
     for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
         const int64_t width = k - begin < COLUMNS_K_CHUNK ? k - begin : COLUMNS_K_CHUNK;
@@ -157,12 +202,17 @@ static void columns_blocks(const void *w, int bf16, int64_t w_ld, const float *x
             /* V a constant in each case. */
 #define COLUMNS_CASE(v)                                                                     \
     case v:                                                                                 \
-        if (bf16)                                                                           \
-            columns_block_bf16((const uint16_t *)w + row0 * w_ld + begin, w_ld, xc,         \
+        if (cw->scales != NULL)                                                             \
+            columns_block_int8((const int8_t *)cw->w + row0 * w_ld + begin, w_ld,           \
+                               cw->scales + row0 * groups, groups, cw->group_size, begin,   \
+                               xc, block_out, m, rows, width, next, first_chunk, v, last,   \
+                               wide);                                                       \
+        else if (cw->bf16)                                                                  \
+            columns_block_bf16((const uint16_t *)cw->w + row0 * w_ld + begin, w_ld, xc,     \
                                block_bias, block_out, m, rows, width, next, first_chunk, v, \
                                last, wide);                                                 \
         else                                                                                \
-            columns_block((const float *)w + row0 * w_ld + begin, w_ld, xc, block_bias,     \
+            columns_block((const float *)cw->w + row0 * w_ld + begin, w_ld, xc, block_bias, \
                           block_out, m, rows, width, next, first_chunk, v, last);           \
         break
             switch (V) {
@@ -172,6 +222,18 @@ static void columns_blocks(const void *w, int bf16, int64_t w_ld, const float *x
                 COLUMNS_CASE(4);
             }
         }
+    }
+}
+
+/* Each thread's share of the blocks of cw's n rows. */
+static void columns_threads(const columns_weights *cw, const float *bias, const float *x,
+                            int64_t m, int64_t n, int64_t k, float *out, int num_threads) {
+    const int64_t blocks = (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        const int64_t first = blocks * t / count, stop = blocks * (t + 1) / count;
+        columns_blocks(cw, x, bias, out, n, k, m, first, stop - first);
     }
 }
 #endif
@@ -184,7 +246,8 @@ static void columns_blocks(const void *w, int bf16, int64_t w_ld, const float *x
 void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
                          int64_t k, int64_t m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    columns_blocks(w, 0, w_ld, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
+    const columns_weights cw = {w, w_ld, 0, NULL, 0};
+    columns_blocks(&cw, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
 #else
     (void)w, (void)w_ld, (void)x, (void)out, (void)n, (void)k, (void)m;
 #endif
@@ -209,17 +272,33 @@ int kvgate_linear_columns(const void *w, int bf16, const float *bias, const floa
                           int64_t n, int64_t k, float *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
-    const int64_t blocks = (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
-    const int threads = num_threads > 0 ? num_threads : 1;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        const int64_t first = blocks * t / count, stop = blocks * (t + 1) / count;
-        columns_blocks(w, bf16, k, x, bias, out, n, k, m, first, stop - first);
-    }
+    const columns_weights cw = {w, k, bf16, NULL, 0};
+    columns_threads(&cw, bias, x, m, n, k, out, num_threads);
     return 0;
 #else
     (void)w, (void)bf16, (void)bias, (void)x, (void)m, (void)n, (void)k;
+    (void)out, (void)num_threads;
+    return 2;
+#endif
+}
+
+/*
+ * out = w @ x^T for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] int8, w = q * scale with
+ * scales [n, k / group_size], group_size a multiple of 16. x: x^T, dense [k, m]. Returns 0, or
+ * 2 when m or group_size is out of range or the kernel is not built.
+ */
+int kvgate_linear_columns_int8(const int8_t *q, const float *scales, int64_t group_size,
+                               const float *x, int64_t m, int64_t n, int64_t k, float *out,
+                               int num_threads) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (m < 1 || m > COLUMNS_MAX_ROWS || group_size < 16 || group_size % 16 != 0 ||
+        k % group_size != 0)
+        return 2;
+    const columns_weights cw = {q, k, 0, scales, group_size};
+    columns_threads(&cw, NULL, x, m, n, k, out, num_threads);
+    return 0;
+#else
+    (void)q, (void)scales, (void)group_size, (void)x, (void)m, (void)n, (void)k;
     (void)out, (void)num_threads;
     return 2;
 #endif
