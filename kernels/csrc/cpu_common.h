@@ -406,6 +406,9 @@ int kvgate_linear_columns(const void *w, int bf16, const float *bias, const floa
 int kvgate_linear_columns_int8(const int8_t *q, const float *scales, int64_t group_size,
                                const float *x, int64_t m, int64_t n, int64_t k, float *out,
                                int num_threads);
+int kvgate_linear_columns_int4(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                               int64_t group_size, const float *x, int64_t m, int64_t n, int64_t k,
+                               float *out, int num_threads);
 
 /* Defined in cpu_linear.c (see there). */
 int kvgate_linear_columns_quantized(const kvgate_linear_weights *wt, const float *x, int64_t m,

@@ -52,18 +52,33 @@ static inline float round_x_block(const float *src, __m512i *q_lo, __m512i *q_hi
 }
 
 /* x^T (dense [k, m] float32, k a multiple of 32) as the float32 values of its rows' int8
- * blocks (q * scale: kernels/quant.py's round_activations) into out, also [k, m]. */
+ * blocks (q * scale: kernels/quant.py's round_activations) into out, also [k, m]. 16 rows of x
+ * at a time, one in each lane: round_x_block's arithmetic, lane by lane. */
 static void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
-    float block[32], rounded[32];
-    for (int64_t i = 0; i < m; ++i)
+    const __m512 inverse_127 = _mm512_set1_ps((float)(1.0 / 127.0)), one = _mm512_set1_ps(1.0f);
+    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+    for (int64_t i = 0; i < m; i += 16) {
+        const __mmask16 rows = m - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (m - i)) - 1u);
         for (int64_t j0 = 0; j0 < k; j0 += 32) {
-            for (int j = 0; j < 32; ++j) block[j] = x[(j0 + j) * m + i];
-            __m512i q_lo, q_hi;
-            const __m512 scale = _mm512_set1_ps(round_x_block(block, &q_lo, &q_hi));
-            _mm512_storeu_ps(rounded, _mm512_mul_ps(_mm512_cvtepi32_ps(q_lo), scale));
-            _mm512_storeu_ps(rounded + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q_hi), scale));
-            for (int j = 0; j < 32; ++j) out[(j0 + j) * m + i] = rounded[j];
+            const float *src = x + j0 * m + i;
+            __m512 amax = _mm512_setzero_ps();
+            for (int j = 0; j < 32; ++j) {
+                const __m512 v = _mm512_maskz_loadu_ps(rows, src + j * m);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+            }
+            const __m512 scale = _mm512_mul_round_ps(amax, inverse_127, ROUNDED);
+            const __mmask16 positive = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_GT_OQ);
+            const __m512 inverse = _mm512_maskz_div_round_ps(positive, one, scale, ROUNDED);
+            for (int j = 0; j < 32; ++j) {
+                const __m512 v = _mm512_maskz_loadu_ps(rows, src + j * m);
+                const __m512i nearest =
+                    _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(v, inverse, ROUNDED), ROUNDED);
+                const __m512i q = _mm512_min_epi32(high, _mm512_max_epi32(low, nearest));
+                _mm512_mask_storeu_ps(out + (j0 + j) * m + i, rows,
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale));
+            }
         }
+    }
 }
 #undef ROUNDED
 #endif

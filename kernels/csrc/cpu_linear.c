@@ -496,36 +496,39 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
     return failed;
 }
 
-/* Weight rows a thread dequantizes at a time for kvgate_linear_columns_quantized: 8 blocks of
- * the outer-product kernel, 48 x k floats (288 KB at k = 1536: the L2 cache). */
+/* Weight rows a thread dequantizes at a time for kvgate_linear_columns_quantized's int8 layers
+ * in groups that are no multiple of 16: 8 blocks of the outer-product kernel, 48 x k floats
+ * (288 KB at k = 1536: the L2 cache). */
 #define COLUMNS_QUANTIZED_ROWS 48
 
 /*
  * out = w @ x^T for int8 or int4 weights and m (1 .. 64) rows of float32 x, given as x^T: dense
  * [k, m] (for int4 rounded here to its rows' int8 blocks, kernels/quant.py's
- * round_activations): int8 in groups of a multiple of 16 runs kvgate_linear_columns_int8
- * (cpu_linear_columns.c: each block's chunk dequantized into the L1 cache); other groups and
- * int4 dequantize a slice of weight rows to float32 into a thread's buffer, then run the
- * outer-product kernel over it. out: [n, m]. Returns 0,
- * 1 when out of memory, 2 when the weights are not int8 or int4 or the kernels are not built
- * (no AVX-512).
+ * round_activations). int8 in groups of a multiple of 16 and int4 run the outer-product kernel
+ * with each block's chunk dequantized into the L1 cache (kvgate_linear_columns_int8 and
+ * _int4, cpu_linear_columns.c); int8 in other groups dequantizes a slice of weight rows to
+ * float32 into a thread's buffer, then runs the kernel over it. out: [n, m]. Returns 0, 1 when
+ * out of memory, 2 when the weights are not int8 or int4 or the kernels are not built (no
+ * AVX-512).
  */
 int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m, float *out,
                                     int num_threads) {
 #ifdef KVGATE_AVX512
     if (wt->kind != KVGATE_W_INT8 && wt->kind != KVGATE_W_INT4) return 2;
     const int64_t k = wt->in_features, n = wt->out_features;
-    if (wt->kind == KVGATE_W_INT8 && wt->group_size % 16 == 0)
+    if (wt->kind == KVGATE_W_INT4) {
+        float *rounded = malloc(sizeof(float) * (size_t)(k * m));
+        if (rounded == NULL) return 1;
+        round_x_columns(x, k, m, rounded);
+        const int failed = kvgate_linear_columns_int4(wt->q, wt->scales, wt->zeros, wt->group_size,
+                                                      rounded, m, n, k, out, num_threads);
+        free(rounded);
+        return failed;
+    }
+    if (wt->group_size % 16 == 0)
         return kvgate_linear_columns_int8(wt->q, wt->scales, wt->group_size, x, m, n, k, out,
                                           num_threads);
     const int64_t slices = (n + COLUMNS_QUANTIZED_ROWS - 1) / COLUMNS_QUANTIZED_ROWS;
-    float *rounded = NULL;
-    if (wt->kind == KVGATE_W_INT4) {
-        rounded = malloc(sizeof(float) * (size_t)(k * m));
-        if (rounded == NULL) return 1;
-        round_x_columns(x, k, m, rounded);
-        x = rounded;
-    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -543,7 +546,6 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
         }
         free(rows);
     }
-    free(rounded);
     return failed;
 #else
     (void)wt, (void)x, (void)m, (void)out, (void)num_threads;

@@ -7,7 +7,8 @@
  * come from memory at half float32's bytes. int8 weights in groups of a multiple of 16 the same
  * way (kvgate_linear_columns_int8): a block's chunk dequantized into the L1 buffer, exactly the
  * float32 products q * scale, so its sums equal the float32 kernel's over the dequantized
- * weights, at a quarter of float32's bytes.
+ * weights, at a quarter of float32's bytes. int4 weights too (kvgate_linear_columns_int4),
+ * against x rounded to its rows' int8 blocks by the caller.
  *
  * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
  * and each step's weights come from memory, not the cache: it runs the layers of a 64-row
@@ -172,14 +173,81 @@ static inline __attribute__((always_inline)) void columns_block_int8(
     columns_block(wide, COLUMNS_K_CHUNK, x, NULL, out, m, rows, count, 0, first, V, last);
 }
 
+/*
+ * The same block for int4 weights (kernels/quant.py's layout: a block of 32 weights in 16 bytes,
+ * value j in byte j's low nibble and value j + 16 in its high one; w = q * scale + zero with a
+ * float16 scale and zero per group of `group_size`, a multiple of 32): q, scales and zeros
+ * point at the block's first row (rows q_ld bytes and `groups` apart), the chunk (whole blocks
+ * of 32) starts at feature `begin`. Dequantized into `wide` as kvgate_dequantize does it.
+ */
+static inline __attribute__((always_inline)) void columns_block_int4(
+    const uint8_t *q, int64_t q_ld, const uint16_t *scales, const uint16_t *zeros, int64_t groups,
+    int64_t group_size, int64_t begin, const float *x, float *out, int64_t m, int rows,
+    int64_t count, int64_t next, int first, const int V, __mmask16 last, float *wide) {
+    const __m512i low_nibble = _mm512_set1_epi32(15);
+    for (int r = 0; r < rows; ++r) {
+        const uint8_t *src = q + r * q_ld;
+        int64_t g = begin / group_size, group_end = (g + 1) * group_size;
+        __m512 scale = _mm512_set1_ps(_cvtsh_ss(scales[r * groups + g]));
+        __m512 zero = _mm512_set1_ps(_cvtsh_ss(zeros[r * groups + g]));
+        for (int64_t j = 0; j < count; j += 32) {
+            if (begin + j == group_end) {
+                group_end += group_size, ++g;
+                scale = _mm512_set1_ps(_cvtsh_ss(scales[r * groups + g]));
+                zero = _mm512_set1_ps(_cvtsh_ss(zeros[r * groups + g]));
+            }
+            const __m512i bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j / 2)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+            float *dst = wide + r * COLUMNS_K_CHUNK + j;
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(lo, scale, zero));
+            _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(hi, scale, zero));
+            if (next != 0 && (j & 127) == 0)
+                _mm_prefetch((const char *)(src + next + j / 2), _MM_HINT_T0);
+        }
+    }
+    columns_block(wide, COLUMNS_K_CHUNK, x, NULL, out, m, rows, count, 0, first, V, last);
+}
+
 /* Where a layer's weight rows come from. */
+enum { COLUMNS_F32, COLUMNS_BF16, COLUMNS_INT8, COLUMNS_INT4 };
 typedef struct {
-    const void *w;        /* [n, k], rows `ld` elements apart: float32, bfloat16 or int8 */
+    const void *w;          /* [n, k] weights of `kind`, rows `ld` elements apart (int4: bytes) */
     int64_t ld;
-    int bf16;             /* bfloat16 weights */
-    const float *scales;  /* int8 weights: their scales [n, k / group_size]; else NULL */
-    int64_t group_size;   /* int8: a multiple of 16 that divides k */
+    int kind;
+    const void *scales;     /* int8: float32 [n, k / group_size]; int4: float16; else NULL */
+    const uint16_t *zeros;  /* int4: float16 [n, k / group_size] */
+    int64_t group_size;     /* int8: a multiple of 16 that divides k; int4: of 32 */
 } columns_weights;
+
+/* The block of rows row0 .. row0 + rows - 1 over the chunk at feature `begin`, by kind. */
+static inline __attribute__((always_inline)) void columns_block_of(
+    const columns_weights *cw, int64_t row0, int64_t begin, int64_t groups, const float *xc,
+    const float *bias, float *out, int64_t m, int rows, int64_t width, int64_t next,
+    int first, const int V, __mmask16 last, float *wide) {
+    const int64_t ld = cw->ld, at = row0 * ld + begin;
+    switch (cw->kind) {
+    case COLUMNS_INT8:
+        columns_block_int8((const int8_t *)cw->w + at, ld,
+                           (const float *)cw->scales + row0 * groups, groups, cw->group_size,
+                           begin, xc, out, m, rows, width, next, first, V, last, wide);
+        break;
+    case COLUMNS_INT4:
+        columns_block_int4((const uint8_t *)cw->w + row0 * ld + begin / 2, ld,
+                           (const uint16_t *)cw->scales + row0 * groups, cw->zeros + row0 * groups,
+                           groups, cw->group_size, begin, xc, out, m, rows, width, next, first,
+                           V, last, wide);
+        break;
+    case COLUMNS_BF16:
+        columns_block_bf16((const uint16_t *)cw->w + at, ld, xc, bias, out, m, rows, width, next,
+                           first, V, last, wide);
+        break;
+    default:
+        columns_block((const float *)cw->w + at, ld, xc, bias, out, m, rows, width, next, first,
+                      V, last);
+    }
+}
 
 /* A thread's blocks first .. first + count - 1, chunk by chunk of x's features. */
 static void columns_blocks(const columns_weights *cw, const float *x, const float *bias,
@@ -202,18 +270,8 @@ static void columns_blocks(const columns_weights *cw, const float *x, const floa
             /* V a constant in each case. */
 #define COLUMNS_CASE(v)                                                                     \
     case v:                                                                                 \
-        if (cw->scales != NULL)                                                             \
-            columns_block_int8((const int8_t *)cw->w + row0 * w_ld + begin, w_ld,           \
-                               cw->scales + row0 * groups, groups, cw->group_size, begin,   \
-                               xc, block_out, m, rows, width, next, first_chunk, v, last,   \
-                               wide);                                                       \
-        else if (cw->bf16)                                                                  \
-            columns_block_bf16((const uint16_t *)cw->w + row0 * w_ld + begin, w_ld, xc,     \
-                               block_bias, block_out, m, rows, width, next, first_chunk, v, \
-                               last, wide);                                                 \
-        else                                                                                \
-            columns_block((const float *)cw->w + row0 * w_ld + begin, w_ld, xc, block_bias, \
-                          block_out, m, rows, width, next, first_chunk, v, last);           \
+        columns_block_of(cw, row0, begin, groups, xc, block_bias, block_out, m, rows,       \
+                         width, next, first_chunk, v, last, wide);                          \
         break
             switch (V) {
                 COLUMNS_CASE(1);
@@ -246,7 +304,7 @@ static void columns_threads(const columns_weights *cw, const float *bias, const 
 void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
                          int64_t k, int64_t m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    const columns_weights cw = {w, w_ld, 0, NULL, 0};
+    const columns_weights cw = {.w = w, .ld = w_ld, .kind = COLUMNS_F32};
     columns_blocks(&cw, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
 #else
     (void)w, (void)w_ld, (void)x, (void)out, (void)n, (void)k, (void)m;
@@ -272,7 +330,7 @@ int kvgate_linear_columns(const void *w, int bf16, const float *bias, const floa
                           int64_t n, int64_t k, float *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
-    const columns_weights cw = {w, k, bf16, NULL, 0};
+    const columns_weights cw = {.w = w, .ld = k, .kind = bf16 ? COLUMNS_BF16 : COLUMNS_F32};
     columns_threads(&cw, bias, x, m, n, k, out, num_threads);
     return 0;
 #else
@@ -294,11 +352,37 @@ int kvgate_linear_columns_int8(const int8_t *q, const float *scales, int64_t gro
     if (m < 1 || m > COLUMNS_MAX_ROWS || group_size < 16 || group_size % 16 != 0 ||
         k % group_size != 0)
         return 2;
-    const columns_weights cw = {q, k, 0, scales, group_size};
+    const columns_weights cw = {
+        .w = q, .ld = k, .kind = COLUMNS_INT8, .scales = scales, .group_size = group_size};
     columns_threads(&cw, NULL, x, m, n, k, out, num_threads);
     return 0;
 #else
     (void)q, (void)scales, (void)group_size, (void)x, (void)m, (void)n, (void)k;
+    (void)out, (void)num_threads;
+    return 2;
+#endif
+}
+
+/*
+ * out = w @ x^T for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: int4 [n, k] in kernels/quant.py's
+ * layout (q: [n, k / 2] bytes), w = q * scale + zero with float16 scales and zeros
+ * [n, k / group_size], group_size a multiple of 32. x: x^T, dense [k, m] (the caller has
+ * rounded it to its rows' int8 blocks). Returns 0, or 2 when m or group_size is out of range
+ * or the kernel is not built.
+ */
+int kvgate_linear_columns_int4(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+                               int64_t group_size, const float *x, int64_t m, int64_t n, int64_t k,
+                               float *out, int num_threads) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (m < 1 || m > COLUMNS_MAX_ROWS || group_size < 32 || group_size % 32 != 0 ||
+        k % group_size != 0)
+        return 2;
+    const columns_weights cw = {.w = q, .ld = k / 2, .kind = COLUMNS_INT4, .scales = scales,
+                                .zeros = zeros, .group_size = group_size};
+    columns_threads(&cw, NULL, x, m, n, k, out, num_threads);
+    return 0;
+#else
+    (void)q, (void)scales, (void)zeros, (void)group_size, (void)x, (void)m, (void)n, (void)k;
     (void)out, (void)num_threads;
     return 2;
 #endif

@@ -233,7 +233,7 @@ def counting_library(monkeypatch, *names: str) -> dict[str, int]:
 @pytest.mark.parametrize("rows", [33, 64])
 def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, routing, monkeypatch):
     """100 output rows are three of the 48-row dequantized slices (the last one partial) for
-    int4 and int8 in groups of 24, 17 blocks of 6 for int8 in groups of 32; float32 x.
+    int8 in groups of 24, 17 blocks of 6 for int8 in groups of 32 and int4; float32 x.
     Per-channel int8 runs the AMX tile kernel where there is one (this-cpu: as this CPU has it
     or not), and the outer-product kernel without it (no-amx: the tile kernel turned off)."""
     gen, weights = make_weights(100, 96, rows, odd_int8_groups=True)
@@ -253,23 +253,33 @@ def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, ro
     }, "per-channel int8 on the tile kernel with AMX, every other layer on the outer-product one"
 
 
-@pytest.mark.parametrize("group_size", [288, 48, 32, 24])
+@pytest.mark.parametrize(
+    "weight_format", ["int8-288", "int8-48", "int8-32", "int8-24", "int4-32", "int4-96", "int4-288"]
+)
 @pytest.mark.parametrize("rows", [9, 33, 64])
-def test_int8_outer_product_sums_equal_the_float32_kernels_over_the_dequantized_weights(
-    rows, group_size, monkeypatch
+def test_quantized_outer_product_sums_equal_the_float32_kernels_over_the_dequantized_weights(
+    rows, weight_format, monkeypatch
 ):
-    """int8 layers of 9-64 rows dequantize each 128-feature chunk of a block into the L1 cache
-    (groups a multiple of 16) or 48 whole rows at a time (others): either way the products are
-    the dequantized weights' and the sums run in the float32 kernel's order, so the results are
-    equal to it, bit for bit. 288 features are two chunks and a part; groups of 48 straddle the
-    chunks' edges; 100 outputs leave a partial block of 6."""
+    """Quantized layers of 9-64 rows dequantize each 128-feature chunk of a block into the L1
+    cache (int8 in groups of a multiple of 16, int4) or 48 whole rows at a time (int8 in other
+    groups): either way the products are the dequantized weights' (int4: against x rounded to
+    its int8 blocks) and the sums run in the float32 kernel's order, so the results are equal
+    to it, bit for bit. 288 features are two chunks and a part; groups of 48 and 96 straddle
+    the chunks' edges; 100 outputs leave a partial block of 6."""
     monkeypatch.setattr(cpu_linear, "_tiles_built", lambda: False)
+    bits, group_size = (int(part) for part in weight_format.removeprefix("int").split("-"))
     gen = torch.Generator().manual_seed(rows + group_size)
-    weight = quant.quantize_int8(torch.randn(100, 288, generator=gen), group_size)
+    dense = torch.randn(100, 288, generator=gen)
+    weight = (
+        quant.quantize_int8(dense, group_size)
+        if bits == 8
+        else quant.quantize_int4(dense, group_size)
+    )
     x = torch.randn(rows, 288, generator=gen)
     bias = torch.randn(100, generator=gen)
     out = cpu_linear.linear_quantized(x, weight, bias)
-    assert torch.equal(out, cpu_linear.linear(x, weight.dequantize(), bias))
+    x_multiplied = x if bits == 8 else quant.round_activations(x)
+    assert torch.equal(out, cpu_linear.linear(x_multiplied, weight.dequantize(), bias))
 
 
 def skip_without_tiles() -> None:
