@@ -324,8 +324,9 @@ def _widened(
 
 def _quantized_columns_into(x_t: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
     """out (contiguous [out_features, rows] float32) = weight @ x_t, x_t [in, rows] float32
-    (int4: rounded to its rows' int8 blocks by the C function): slices of weight rows
-    dequantized in cache-sized pieces into the outer-product kernel."""
+    (int4: rounded to its rows' int8 blocks by the C function): the outer-product kernel over
+    weight rows dequantized a block's chunk at a time into the L1 cache (int8 in groups that
+    are no multiple of 16: 48 whole rows at a time into the L2 cache)."""
     failed = library().kvgate_linear_columns_quantized(
         ctypes.byref(weights_struct(weight, None)), x_t.data_ptr(), x_t.shape[1],
         out.data_ptr(), torch.get_num_threads(),

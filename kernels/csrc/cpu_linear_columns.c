@@ -16,9 +16,10 @@
  * meet all the rows of x (up to 4 vectors of 16) in up to 24 registers: at 64 rows each step
  * of the inner loop loads 4 vectors of x and broadcasts one weight of each of the 6 rows into
  * 24 multiply-adds. x goes through in chunks of COLUMNS_K_CHUNK features (32 KB at 64 rows)
- * that stay in the L1 cache while every block of a thread's weight rows passes over them; the
- * partial sums wait in `out` between chunks. The next block's weight rows are prefetched while
- * the current block runs.
+ * that stay in the L1 cache while a panel of a thread's blocks (up to 1020 weight rows) passes
+ * over them; the panel's partial sums wait in `out` between chunks (up to 255 KB: the L2
+ * cache, where a whole output layer's, 12 MB for SmolLM2's at 64 rows, would not stay). The
+ * next block's weight rows are prefetched while the current block runs.
  *
  * x: x^T, dense [k, m] float32 (element (i, j), row i and feature j, at x[j * m + i]): the
  * engine's column-major activations, read in place (kernels/cpu_linear.py transposes any other
@@ -38,6 +39,10 @@
  * fewer rows of x (8 or 12 rows of weights, as many accumulators) ran 5-25% slower: more
  * streams of weights than the prefetchers follow. */
 #define COLUMNS_W_ROWS 6
+
+/* Blocks whose partial sums a pass over x's chunks keeps (170 blocks, 1020 rows: 255 KB of
+ * sums at 64 rows of x, in the L2 cache). */
+#define COLUMNS_PANEL_BLOCKS 170
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -249,21 +254,20 @@ static inline __attribute__((always_inline)) void columns_block_of(
     }
 }
 
-/* A thread's blocks first .. first + count - 1, chunk by chunk of x's features. */
-static void columns_blocks(const columns_weights *cw, const float *x, const float *bias,
-                           float *out, int64_t n, int64_t k, int64_t m, int64_t first,
-                           int64_t count) {
+/* Blocks p0 .. p1 - 1 (a panel), chunk by chunk of x's features. */
+static void columns_panel(const columns_weights *cw, const float *x, const float *bias,
+                          float *out, int64_t n, int64_t k, int64_t m, int64_t p0, int64_t p1,
+                          float *wide) {
     const int V = (int)((m + 15) / 16), R = COLUMNS_W_ROWS;
     const __mmask16 last = (__mmask16)((1u << (m - 16 * (V - 1))) - 1u);
-    const int64_t w_ld = cw->ld, groups = cw->scales != NULL ? k / cw->group_size : 0;
-    float wide[COLUMNS_W_ROWS * COLUMNS_K_CHUNK] __attribute__((aligned(64)));
+    const int64_t groups = cw->scales != NULL ? k / cw->group_size : 0;
     for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
         const int64_t width = k - begin < COLUMNS_K_CHUNK ? k - begin : COLUMNS_K_CHUNK;
         const int first_chunk = begin == 0, last_chunk = begin + width == k;
-        for (int64_t b = first; b < first + count; ++b) {
+        for (int64_t b = p0; b < p1; ++b) {
             const int64_t row0 = b * R;
             const int rows = n - row0 < R ? (int)(n - row0) : R;
-            const int64_t next = b + 1 < first + count ? R * w_ld : 0;
+            const int64_t next = b + 1 < p1 ? R * cw->ld : 0;
             const float *block_bias = bias != NULL && last_chunk ? bias + row0 : NULL;
             const float *xc = x + begin * m;
             float *block_out = out + row0 * m;
@@ -280,6 +284,18 @@ static void columns_blocks(const columns_weights *cw, const float *x, const floa
                 COLUMNS_CASE(4);
             }
         }
+    }
+}
+
+/* A thread's blocks first .. first + count - 1, a panel at a time. */
+static void columns_blocks(const columns_weights *cw, const float *x, const float *bias,
+                           float *out, int64_t n, int64_t k, int64_t m, int64_t first,
+                           int64_t count) {
+    float wide[COLUMNS_W_ROWS * COLUMNS_K_CHUNK] __attribute__((aligned(64)));
+    for (int64_t p0 = first; p0 < first + count; p0 += COLUMNS_PANEL_BLOCKS) {
+        const int64_t p1 = p0 + COLUMNS_PANEL_BLOCKS < first + count ? p0 + COLUMNS_PANEL_BLOCKS
+                                                                     : first + count;
+        columns_panel(cw, x, bias, out, n, k, m, p0, p1, wide);
     }
 }
 

@@ -364,6 +364,41 @@ def test_float32_linear_up_to_64_rows_runs_the_outer_product_kernel(rows, layout
     assert calls == [1, 1], "both products must have run the outer-product kernel"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [17, 64])
+def test_linear_of_many_output_rows_runs_the_outer_product_kernel_a_panel_at_a_time(rows, threads):
+    """An output layer's worth of weight rows: the kernel keeps the partial sums of a panel of
+    170 blocks (1020 rows) between x's chunks, so 2083 rows are 3 panels on one thread (the
+    last one 7 blocks, its last block one row) and 2 on each of two. float32, bfloat16, int8
+    and int4 weights; float64 is the reference (for int4, of x rounded to its int8 blocks)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 288, generator=gen)
+    dense, b = torch.randn(2083, 288, generator=gen), torch.randn(2083, generator=gen)
+    int8, int4 = quant.quantize_int8(dense, 32), quant.quantize_int4(dense, 32)
+    cases = {  # the product, and the x and weights it multiplies
+        "float32": (lambda: cpu_linear.linear(x, dense, b), x, dense),
+        "bfloat16": (
+            lambda: cpu_linear._widened(x.bfloat16(), dense.bfloat16(), b, torch.float32),
+            x.bfloat16(),
+            dense.bfloat16(),
+        ),
+        "int8": (lambda: cpu_linear.linear_quantized(x, int8, b), x, int8.dequantize()),
+        "int4": (
+            lambda: cpu_linear.linear_quantized(x, int4, b),
+            quant.round_activations(x),
+            int4.dequantize(),
+        ),
+    }
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, (product, x_multiplied, values) in cases.items():
+            expected = x_multiplied.double() @ values.double().t() + b.double()
+            torch.testing.assert_close(product().double(), expected, rtol=1e-5, atol=1e-4, msg=name)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [9, 64])
 def test_float32_linear_of_9_to_64_rows_takes_one_feature(rows):
     """The outer-product kernel takes x^T of one feature: [1, rows], contiguous, with the
