@@ -32,25 +32,34 @@ def _split_method(full_method: str) -> tuple[str, str]:
 
 # The server learns a call's deadline when its headers arrive, so its deadline falls later
 # than the client's by the headers' transit time, and the client's own cancellation at its
-# deadline can reach the server first. A call cancelled this close to its deadline is
-# counted as past it: the client saw DEADLINE_EXCEEDED. (A client that cancels by itself
-# within this margin of its deadline is counted the same way.)
+# deadline can reach the server first. A call cancelled within this margin of its deadline
+# (at most this share of the time it was given) is counted as past it: the client saw
+# DEADLINE_EXCEEDED. (A client that cancels by itself that close to its deadline is counted
+# the same way.)
 DEADLINE_MARGIN_S = 1.0
+DEADLINE_MARGIN_SHARE = 0.25
 
 
-def _code_of(context: aio.ServicerContext, ended: str) -> str:
+def deadline_margin_s(context: aio.ServicerContext) -> float | None:
+    """The margin for a call that is starting (None when it has no deadline)."""
+    given_s = context.time_remaining()
+    return None if given_s is None else min(DEADLINE_MARGIN_S, DEADLINE_MARGIN_SHARE * given_s)
+
+
+def _code_of(context: aio.ServicerContext, ended: str, margin_s: float | None) -> str:
     """The status code a call ended with, as a label value.
 
     Args:
         ended: "completed", "cancelled" (its task was cancelled, or grpc closed its response
             stream early) or "raised".
+        margin_s: deadline_margin_s, read when the call started.
     """
     code = context.code()
     if code is not None:
         return code.name if isinstance(code, grpc.StatusCode) else str(code)
     remaining = context.time_remaining()
     cancelled = ended == "cancelled" or context.cancelled()
-    if remaining is not None and (remaining <= 0 or cancelled and remaining <= DEADLINE_MARGIN_S):
+    if remaining is not None and (remaining <= 0 or (cancelled and remaining <= (margin_s or 0))):
         # The client's deadline passed: it got DEADLINE_EXCEEDED, even when the handler then
         # ended by itself (a Chat ends when its request stream breaks off).
         return grpc.StatusCode.DEADLINE_EXCEEDED.name
@@ -78,16 +87,17 @@ class MetricsInterceptor(WrappingInterceptor):
         context: aio.ServicerContext,
         ended: str,
         error: BaseException | None,
+        margin_s: float | None,
     ) -> None:
         service, method = _split_method(full_method)
-        code = _code_of(context, ended)
+        code = _code_of(context, ended, margin_s)
         if code == grpc.StatusCode.UNKNOWN.name:
             log.warning("%s ended without a status code: UNKNOWN", full_method, exc_info=error)
         self.metrics.requests.labels(service, method, code).inc()
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str) -> Callable:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
-            ended, error = "raised", None
+            ended, error, margin_s = "raised", None, deadline_margin_s(context)
             try:
                 response = await behavior(request_or_iterator, context)
                 ended = "completed"
@@ -99,7 +109,7 @@ class MetricsInterceptor(WrappingInterceptor):
                 error = exc
                 raise
             finally:
-                self._count(full_method, context, ended, error)
+                self._count(full_method, context, ended, error, margin_s)
 
         return wrapper
 
@@ -109,7 +119,7 @@ class MetricsInterceptor(WrappingInterceptor):
         active = self.metrics.active_streams.labels(_split_method(full_method)[1])
 
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
-            ended, error = "raised", None
+            ended, error, margin_s = "raised", None, deadline_margin_s(context)
             active.inc()
             try:
                 # aclosing: the handler's own cleanup runs now, not when it is collected.
@@ -128,6 +138,6 @@ class MetricsInterceptor(WrappingInterceptor):
                 raise
             finally:
                 active.dec()
-                self._count(full_method, context, ended, error)
+                self._count(full_method, context, ended, error, margin_s)
 
         return wrapper

@@ -22,8 +22,9 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
 - Per-channel int8 weights above SMALL_BATCH_ROWS rows go through the AMX tile kernel of
   kernels/csrc/cpu_linear_tiles.c where the CPU has one (the exact int8 values as bfloat16, x
   split into two bfloat16 parts, float32 sums). Without it, and for other quantized layers, at
-  up to COLUMNS_MAX_ROWS rows a thread dequantizes slices of weight rows into the
-  outer-product kernel.
+  up to COLUMNS_MAX_ROWS rows the outer-product kernel dequantizes each block's chunk of
+  weights into the L1 cache (int8 in groups that are no multiple of 16: slices of 48 weight
+  rows at a time into the L2 cache).
 - At larger batches dense weights are multiplied by torch as weight @ x^T (MKL, 20-40% faster
   than x @ weight^T on this kind of CPU; oneDNN with AMX for bfloat16 where the CPU has it),
   and quantized ones are first dequantized into the activation dtype, a slice of rows at a

@@ -508,8 +508,8 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
  * with each block's chunk dequantized into the L1 cache (kvgate_linear_columns_int8 and
  * _int4, cpu_linear_columns.c); int8 in other groups dequantizes a slice of weight rows to
  * float32 into a thread's buffer, then runs the kernel over it. out: [n, m]. Returns 0, 1 when
- * out of memory, 2 when the weights are not int8 or int4 or the kernels are not built (no
- * AVX-512).
+ * out of memory, 2 when the weights are not int8 or int4, m is out of range or the kernels are
+ * not built (no AVX-512).
  */
 int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m, float *out,
                                     int num_threads) {

@@ -101,13 +101,24 @@ class SlowStartProxy:
         self.slow_s = slow_s
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets = [self.listener]
         threading.Thread(target=self._accept, daemon=True).start()
 
+    def __enter__(self) -> SlowStartProxy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sock in self.sockets:  # ends the accept and the pumps
+            sock.close()
+
     def _accept(self) -> None:
-        client, _ = self.listener.accept()
-        server = socket.create_connection((self.upstream[0], int(self.upstream[1])))
-        threading.Thread(target=self._pump, args=(client, server, self.slow_s), daemon=True).start()
-        threading.Thread(target=self._pump, args=(server, client, 0.0), daemon=True).start()
+        with contextlib.suppress(OSError):
+            client, _ = self.listener.accept()
+            server = socket.create_connection((self.upstream[0], int(self.upstream[1])))
+            self.sockets += [client, server]
+            pumps = [(client, server, self.slow_s), (server, client, 0.0)]
+            for args in pumps:
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
 
     @staticmethod
     def _pump(source: socket.socket, sink: socket.socket, slow_s: float) -> None:
@@ -122,10 +133,14 @@ class SlowStartProxy:
 
 
 def test_a_call_past_its_deadline_counts_deadline_exceeded_when_its_cancel_arrives_first(served):
+    """The server's deadline falls 0.5 s after the client's: within the margin (1 s for a call
+    given 4 s)."""
     address, metrics = served
-    proxy = SlowStartProxy(address, slow_s=0.5)
-    with grpc.insecure_channel(proxy.address) as channel:
-        call = channel.unary_stream(f"/{SERVICE}/Idle")(b"", timeout=2.0)
+    with (
+        SlowStartProxy(address, slow_s=0.5) as proxy,
+        grpc.insecure_channel(proxy.address) as channel,
+    ):
+        call = channel.unary_stream(f"/{SERVICE}/Idle")(b"", timeout=4.0)
         with pytest.raises(grpc.RpcError) as raised:
             next(call)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -133,6 +148,26 @@ def test_a_call_past_its_deadline_counts_deadline_exceeded_when_its_cancel_arriv
         wait_for(lambda: sum(calls(metrics, code, "Idle") for code in codes) == 1,
                  "the call counted")  # fmt: skip
     assert calls(metrics, "DEADLINE_EXCEEDED", "Idle") == 1, {
+        code: calls(metrics, code, "Idle") for code in codes
+    }
+
+
+def test_a_call_cancelled_early_in_a_short_deadline_counts_cancelled(served):
+    """The margin is at most a quarter of the time a call was given: a call given 1 s and
+    cancelled as soon as the server holds it is CANCELLED."""
+    address, metrics = served
+
+    def open_idle_calls() -> float:
+        labels = {"method": "Idle"}
+        return metrics.registry.get_sample_value("kvgate_gateway_active_streams", labels) or 0.0
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_stream(f"/{SERVICE}/Idle")(b"", timeout=1.0)
+        wait_for(lambda: open_idle_calls() == 1, "the server to hold the call")
+        call.cancel()
+    codes = ("DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN")
+    wait_for(lambda: sum(calls(metrics, code, "Idle") for code in codes) == 1, "the call counted")
+    assert calls(metrics, "CANCELLED", "Idle") == 1, {
         code: calls(metrics, code, "Idle") for code in codes
     }
 
