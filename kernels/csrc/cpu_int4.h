@@ -30,15 +30,29 @@
  * cpu_linear.c use it). */
 #define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-/* A block of 32 floats at src rounded to int8: its scale (max |x| * float32(1/127)) and
- * values q_lo (the first 16) and q_hi, each round-half-even(x * (1 / scale)) in -127..127. */
+/* The lanes of v that hold a NaN, by an integer test (-ffast-math lets the compiler assume a
+ * float comparison never meets one). A block that holds a NaN gets a NaN scale, as the
+ * reference's (torch.amax passes it on), so every output of its row is NaN. */
+static inline __mmask16 nan_lanes(__m512 v) {
+    const __m512i magnitude =
+        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+}
+
+static inline __m512 quiet_nans(void) { return _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)); }
+
+/* A block of 32 floats at src rounded to int8: its scale (max |x| * float32(1/127), NaN when
+ * the block holds one) and values q_lo (the first 16) and q_hi, each round-half-even(x * (1 /
+ * scale)) in -127..127. */
 static inline float round_x_block(const float *src, __m512i *q_lo, __m512i *q_hi) {
     const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m128 scale =
-        _mm_mul_round_ss(_mm_set_ss(amax), _mm_set_ss((float)(1.0 / 127.0)), ROUNDED);
+    const int has_nan = (nan_lanes(lo) | nan_lanes(hi)) != 0;
+    const __m128 scale = has_nan
+        ? _mm512_castps512_ps128(quiet_nans())
+        : _mm_mul_round_ss(_mm_set_ss(amax), _mm_set_ss((float)(1.0 / 127.0)), ROUNDED);
     const float scale_f = _mm_cvtss_f32(scale);
-    const __m512 inverse = scale_f > 0.0f
+    const __m512 inverse = !has_nan && scale_f > 0.0f
         ? _mm512_broadcastss_ps(_mm_div_round_ss(_mm_set_ss(1.0f), scale, ROUNDED))
         : _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
@@ -62,12 +76,16 @@ static void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
         for (int64_t j0 = 0; j0 < k; j0 += 32) {
             const float *src = x + j0 * m + i;
             __m512 amax = _mm512_setzero_ps();
+            __mmask16 nan = 0;
             for (int j = 0; j < 32; ++j) {
                 const __m512 v = _mm512_maskz_loadu_ps(rows, src + j * m);
                 amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+                nan |= nan_lanes(v);
             }
-            const __m512 scale = _mm512_mul_round_ps(amax, inverse_127, ROUNDED);
-            const __mmask16 positive = _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_GT_OQ);
+            const __m512 scale = _mm512_mask_mov_ps(
+                _mm512_mul_round_ps(amax, inverse_127, ROUNDED), nan, quiet_nans());
+            const __mmask16 positive =
+                _mm512_cmp_ps_mask(scale, _mm512_setzero_ps(), _CMP_GT_OQ) & (__mmask16)~nan;
             const __m512 inverse = _mm512_maskz_div_round_ps(positive, one, scale, ROUNDED);
             for (int j = 0; j < 32; ++j) {
                 const __m512 v = _mm512_maskz_loadu_ps(rows, src + j * m);
@@ -276,7 +294,8 @@ __attribute__((optimize("no-fast-math"))) static void round_x_blocks(float *x, i
     for (int64_t i = 0; i < m; ++i) {
         for (int64_t b = 0; b < k; b += 32) {
             float *v = x + i * ld + b, amax = 0.0f;
-            for (int j = 0; j < 32; ++j) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+            for (int j = 0; j < 32; ++j)  /* a NaN, once met, stays: the reference's amax */
+                amax = fabsf(v[j]) > amax || v[j] != v[j] ? fabsf(v[j]) : amax;
             const float scale = amax * (float)(1.0 / 127.0);
             const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
             for (int j = 0; j < 32; ++j) {

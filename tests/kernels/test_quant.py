@@ -191,6 +191,24 @@ def test_int4_layers_round_activations_exactly_as_the_reference(rows, dtype):
     assert not torch.equal(out, x.float()), "the activations were not rounded"
 
 
+@pytest.mark.parametrize("rows", [4, 9, 20, 64, 65])
+def test_int4_layers_give_nan_rows_where_the_activations_hold_a_nan(rows):
+    """A NaN in a row of x makes every output of that row NaN, as in the reference (the NaN's
+    block gets a NaN scale), and leaves the other rows finite: the small-batch kernel, 9-64
+    rows (x rounded 16 rows at a time, NaNs in the first and last lanes of a vector) and more
+    (torch)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = quant.quantize_int4(torch.randn(40, 256, generator=gen), 32)
+    x = torch.randn(rows, 256, generator=gen)
+    nan_rows = sorted({0, rows - 1})
+    x[0, 3] = float("nan")
+    x[rows - 1, 255] = float("nan")
+    out = cpu_linear.linear_quantized(x, weight, None, torch.float32)
+    expected = ref.linear_quantized(x, weight, None, torch.float32)
+    assert expected[nan_rows].isnan().all() and torch.isfinite(expected[1:-1]).all()
+    assert torch.equal(out.isnan(), expected.isnan()), "rows with and without NaN"
+
+
 @pytest.mark.parametrize("rows", [1, 5, 8, 33])
 def test_cpu_bfloat16_linear_matches_the_reference(rows):
     gen = torch.Generator().manual_seed(rows)
