@@ -294,8 +294,12 @@ __attribute__((optimize("no-fast-math"))) static void round_x_blocks(float *x, i
     for (int64_t i = 0; i < m; ++i) {
         for (int64_t b = 0; b < k; b += 32) {
             float *v = x + i * ld + b, amax = 0.0f;
-            for (int j = 0; j < 32; ++j)  /* a NaN, once met, stays: the reference's amax */
-                amax = fabsf(v[j]) > amax || v[j] != v[j] ? fabsf(v[j]) : amax;
+            for (int j = 0; j < 32; ++j) {  /* a NaN, once met, stays: the reference's amax */
+                uint32_t bits;
+                memcpy(&bits, v + j, sizeof bits);  /* a NaN by its bits, whatever the flags */
+                const int nan = (bits & 0x7fffffffu) > 0x7f800000u;
+                amax = fabsf(v[j]) > amax || nan ? fabsf(v[j]) : amax;
+            }
             const float scale = amax * (float)(1.0 / 127.0);
             const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
             for (int j = 0; j < 32; ++j) {

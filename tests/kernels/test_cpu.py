@@ -364,13 +364,19 @@ def test_float32_linear_up_to_64_rows_runs_the_outer_product_kernel(rows, layout
     assert calls == [1, 1], "both products must have run the outer-product kernel"
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [17, 64])
-def test_linear_of_many_output_rows_runs_the_outer_product_kernel_a_panel_at_a_time(rows, threads):
+def test_linear_of_many_output_rows_runs_the_outer_product_kernel_a_panel_at_a_time(
+    rows, monkeypatch
+):
     """An output layer's worth of weight rows: the kernel keeps the partial sums of a panel of
-    170 blocks (1020 rows) between x's chunks, so 2083 rows are 3 panels on one thread (the
-    last one 7 blocks, its last block one row) and 2 on each of two. float32, bfloat16, int8
-    and int4 weights; float64 is the reference (for int4, of x rounded to its int8 blocks)."""
+    170 blocks (1020 rows) between x's chunks, so 2083 rows (348 blocks, the last of one row)
+    are panels of 170, 170 and 8 blocks on one thread and of 170 and 4 on each of two.
+    float32, bfloat16, int8 and int4 weights, against float64 (for int4, of x rounded to its
+    int8 blocks); one thread and two give equal sums (each output's are summed in the same
+    order whatever the split)."""
+    assert cpu_linear._takes_columns(
+        torch.zeros(rows, 8), torch.zeros(4, 8), None, torch.float32
+    ), "the outer-product kernel must be built on this machine"
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 288, generator=gen)
     dense, b = torch.randn(2083, 288, generator=gen), torch.randn(2083, generator=gen)
@@ -390,13 +396,22 @@ def test_linear_of_many_output_rows_runs_the_outer_product_kernel_a_panel_at_a_t
         ),
     }
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    dense_calls = count_calls(monkeypatch, cpu_linear, "_columns_into")
+    quantized_calls = count_calls(monkeypatch, cpu_linear, "_quantized_columns_into")
     try:
         for name, (product, x_multiplied, values) in cases.items():
+            torch.set_num_threads(1)
+            one_thread = product()
+            torch.set_num_threads(2)
+            two_threads = product()
+            assert torch.equal(one_thread, two_threads), name
             expected = x_multiplied.double() @ values.double().t() + b.double()
-            torch.testing.assert_close(product().double(), expected, rtol=1e-5, atol=1e-4, msg=name)
+            torch.testing.assert_close(
+                two_threads.double(), expected, rtol=1e-5, atol=1e-4, msg=name
+            )
     finally:
         torch.set_num_threads(before)
+    assert (len(dense_calls), len(quantized_calls)) == (4, 4), "each ran the outer-product kernel"
 
 
 @pytest.mark.parametrize("rows", [9, 64])
