@@ -20,6 +20,7 @@ import grpc
 
 from client.api import (
     ChatSession,
+    Completion,
     Credentials,
     KvgateClient,
     TLSFiles,
@@ -122,13 +123,22 @@ def _params(args: argparse.Namespace) -> object:
 
 def run_generate(client: KvgateClient, args: argparse.Namespace) -> int:
     """Print the completion as it streams."""
+    completion = Completion()
     for chunk in client.generate_stream(args.text, _params(args), priority=args.priority):
+        completion.add(chunk)
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         if chunk.error_message:
             print(f"\nkvgate: {chunk.error_message}", file=sys.stderr)
             return 1
     sys.stdout.write("\n")
+    if not completion.text and completion.finish_reason == "stop":
+        # An instruction-tuned model given raw text often ends it at once.
+        print(
+            "kvgate: the completion is empty: the model stopped (end of sequence or a stop "
+            "string) before any text; `kvgate chat` sends text through the model's chat template",
+            file=sys.stderr,
+        )
     return 0
 
 

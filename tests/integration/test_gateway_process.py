@@ -85,6 +85,18 @@ def test_kvgate_generate_prints_the_completion(
     assert capsys.readouterr().out == STORY + "\n"
 
 
+def test_kvgate_generate_says_why_a_completion_is_empty(
+    gateway: GatewayThread, executor: ExecutorPeer, capsys
+):
+    answering = answer_in_background(executor, [])  # the model's first token ends it
+    exit_code = cli.main(["generate", PROMPT, "--target", gateway.gateway.address])
+    answering.join()
+    printed = capsys.readouterr()
+    assert exit_code == 0 and printed.out == "\n"
+    assert "the completion is empty: the model stopped" in printed.err, printed.err
+    assert "kvgate chat" in printed.err, printed.err
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--max-tokens", "-1"), ("--seed", "-3")])
 def test_kvgate_generate_names_an_out_of_range_flag_without_a_traceback(
     flag: str, value: str, capsys
