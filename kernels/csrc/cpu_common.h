@@ -399,16 +399,13 @@ int kvgate_linear(const kvgate_linear_weights *w, const void *x, int x_dtype, in
                   int64_t col_stride, int64_t m, void *out, int out_dtype, int num_threads);
 
 /* Defined in cpu_linear_columns.c (see there). */
-void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
-                         int64_t k, int64_t m);
+void kvgate_columns_rows(const float *w, const float *x, float *out, int64_t n, int64_t k,
+                         int64_t m);
 int kvgate_linear_columns(const void *w, int bf16, const float *bias, const float *x, int64_t m,
                           int64_t n, int64_t k, float *out, int num_threads);
-int kvgate_linear_columns_int8(const int8_t *q, const float *scales, int64_t group_size,
-                               const float *x, int64_t m, int64_t n, int64_t k, float *out,
-                               int num_threads);
-int kvgate_linear_columns_int4(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-                               int64_t group_size, const float *x, int64_t m, int64_t n, int64_t k,
-                               float *out, int num_threads);
+int kvgate_columns_takes_chunks(const kvgate_linear_weights *wt);
+int kvgate_linear_columns_chunks(const kvgate_linear_weights *wt, const float *x, int64_t m,
+                                 float *out, int num_threads);
 
 /* Defined in cpu_linear.c (see there). */
 int kvgate_linear_columns_quantized(const kvgate_linear_weights *wt, const float *x, int64_t m,

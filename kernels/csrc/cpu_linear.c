@@ -505,8 +505,8 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
  * out = w @ x^T for int8 or int4 weights and m (1 .. 64) rows of float32 x, given as x^T: dense
  * [k, m] (for int4 rounded here to its rows' int8 blocks, kernels/quant.py's
  * round_activations). int8 in groups of a multiple of 16 and int4 run the outer-product kernel
- * with each block's chunk dequantized into the L1 cache (kvgate_linear_columns_int8 and
- * _int4, cpu_linear_columns.c); int8 in other groups dequantizes a slice of weight rows to
+ * with each block's chunk dequantized into the L1 cache (kvgate_linear_columns_chunks,
+ * cpu_linear_columns.c); int8 in other groups dequantizes a slice of weight rows to
  * float32 into a thread's buffer, then runs the kernel over it. out: [n, m]. Returns 0, 1 when
  * out of memory, 2 when the weights are not int8 or int4, m is out of range or the kernels are
  * not built (no AVX-512).
@@ -520,14 +520,12 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
         float *rounded = malloc(sizeof(float) * (size_t)(k * m));
         if (rounded == NULL) return 1;
         round_x_columns(x, k, m, rounded);
-        const int failed = kvgate_linear_columns_int4(wt->q, wt->scales, wt->zeros, wt->group_size,
-                                                      rounded, m, n, k, out, num_threads);
+        const int failed = kvgate_linear_columns_chunks(wt, rounded, m, out, num_threads);
         free(rounded);
         return failed;
     }
-    if (wt->group_size % 16 == 0)
-        return kvgate_linear_columns_int8(wt->q, wt->scales, wt->group_size, x, m, n, k, out,
-                                          num_threads);
+    if (kvgate_columns_takes_chunks(wt))
+        return kvgate_linear_columns_chunks(wt, x, m, out, num_threads);
     const int64_t slices = (n + COLUMNS_QUANTIZED_ROWS - 1) / COLUMNS_QUANTIZED_ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -542,7 +540,7 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
                 n - row0 < COLUMNS_QUANTIZED_ROWS ? n - row0 : COLUMNS_QUANTIZED_ROWS;
             for (int64_t r = 0; r < count; ++r)
                 dequantize_row_vector(wt, row0 + r, k, rows + r * k);
-            kvgate_columns_rows(rows, k, x, out + row0 * m, count, k, m);
+            kvgate_columns_rows(rows, x, out + row0 * m, count, k, m);
         }
         free(rows);
     }

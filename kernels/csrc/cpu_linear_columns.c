@@ -4,11 +4,10 @@
  * bfloat16 weights too, for CPUs without AMX tiles (kernels/cpu_linear.py routes them here with
  * x widened to float32): a block's chunk of weights is widened exactly into an L1 buffer just
  * before the block runs over it, so the sums are float32 sums of exact products and the weights
- * come from memory at half float32's bytes. int8 weights in groups of a multiple of 16 the same
- * way (kvgate_linear_columns_int8): a block's chunk dequantized into the L1 buffer, exactly the
- * float32 products q * scale, so its sums equal the float32 kernel's over the dequantized
- * weights, at a quarter of float32's bytes. int4 weights too (kvgate_linear_columns_int4),
- * against x rounded to its rows' int8 blocks by the caller.
+ * come from memory at half float32's bytes. int8 weights in groups of a multiple of 16 and int4
+ * weights the same way (kvgate_linear_columns_chunks): a block's chunk dequantized into the L1
+ * buffer as kvgate_dequantize does it, so the sums equal the float32 kernel's over the
+ * dequantized weights (int4: against x rounded to its rows' int8 blocks by the caller).
  *
  * At these sizes MKL's sgemm (torch.mm) copies the weight into packed panels on every call,
  * and each step's weights come from memory, not the cache: it runs the layers of a 64-row
@@ -215,66 +214,60 @@ static inline __attribute__((always_inline)) void columns_block_int4(
     columns_block(wide, COLUMNS_K_CHUNK, x, NULL, out, m, rows, count, 0, first, V, last);
 }
 
-/* Where a layer's weight rows come from. */
-enum { COLUMNS_F32, COLUMNS_BF16, COLUMNS_INT8, COLUMNS_INT4 };
-typedef struct {
-    const void *w;          /* [n, k] weights of `kind`, rows `ld` elements apart (int4: bytes) */
-    int64_t ld;
-    int kind;
-    const void *scales;     /* int8: float32 [n, k / group_size]; int4: float16; else NULL */
-    const uint16_t *zeros;  /* int4: float16 [n, k / group_size] */
-    int64_t group_size;     /* int8: a multiple of 16 that divides k; int4: of 32 */
-} columns_weights;
+/* Elements (int4: bytes) from one weight row to the next. */
+static inline int64_t columns_ld(const kvgate_linear_weights *wt) {
+    return wt->kind == KVGATE_W_INT4 ? wt->in_features / 2 : wt->in_features;
+}
 
 /* The block of rows row0 .. row0 + rows - 1 over the chunk at feature `begin`, by kind. */
 static inline __attribute__((always_inline)) void columns_block_of(
-    const columns_weights *cw, int64_t row0, int64_t begin, int64_t groups, const float *xc,
-    const float *bias, float *out, int64_t m, int rows, int64_t width, int64_t next,
-    int first, const int V, __mmask16 last, float *wide) {
-    const int64_t ld = cw->ld, at = row0 * ld + begin;
-    switch (cw->kind) {
-    case COLUMNS_INT8:
-        columns_block_int8((const int8_t *)cw->w + at, ld,
-                           (const float *)cw->scales + row0 * groups, groups, cw->group_size,
+    const kvgate_linear_weights *wt, int64_t row0, int64_t begin, int64_t groups,
+    const float *xc, const float *bias, float *out, int64_t m, int rows, int64_t width,
+    int64_t next, int first, const int V, __mmask16 last, float *wide) {
+    const int64_t ld = columns_ld(wt), at = row0 * ld + begin;
+    switch (wt->kind) {
+    case KVGATE_W_INT8:
+        columns_block_int8((const int8_t *)wt->q + at, ld,
+                           (const float *)wt->scales + row0 * groups, groups, wt->group_size,
                            begin, xc, out, m, rows, width, next, first, V, last, wide);
         break;
-    case COLUMNS_INT4:
-        columns_block_int4((const uint8_t *)cw->w + row0 * ld + begin / 2, ld,
-                           (const uint16_t *)cw->scales + row0 * groups, cw->zeros + row0 * groups,
-                           groups, cw->group_size, begin, xc, out, m, rows, width, next, first,
-                           V, last, wide);
+    case KVGATE_W_INT4:
+        columns_block_int4((const uint8_t *)wt->q + row0 * ld + begin / 2, ld,
+                           (const uint16_t *)wt->scales + row0 * groups,
+                           (const uint16_t *)wt->zeros + row0 * groups, groups, wt->group_size,
+                           begin, xc, out, m, rows, width, next, first, V, last, wide);
         break;
-    case COLUMNS_BF16:
-        columns_block_bf16((const uint16_t *)cw->w + at, ld, xc, bias, out, m, rows, width, next,
+    case KVGATE_W_BF16:
+        columns_block_bf16((const uint16_t *)wt->q + at, ld, xc, bias, out, m, rows, width, next,
                            first, V, last, wide);
         break;
     default:
-        columns_block((const float *)cw->w + at, ld, xc, bias, out, m, rows, width, next, first,
+        columns_block((const float *)wt->q + at, ld, xc, bias, out, m, rows, width, next, first,
                       V, last);
     }
 }
 
 /* Blocks p0 .. p1 - 1 (a panel), chunk by chunk of x's features. */
-static void columns_panel(const columns_weights *cw, const float *x, const float *bias,
-                          float *out, int64_t n, int64_t k, int64_t m, int64_t p0, int64_t p1,
-                          float *wide) {
+static void columns_panel(const kvgate_linear_weights *wt, const float *x, const float *bias,
+                          float *out, int64_t m, int64_t p0, int64_t p1, float *wide) {
     const int V = (int)((m + 15) / 16), R = COLUMNS_W_ROWS;
     const __mmask16 last = (__mmask16)((1u << (m - 16 * (V - 1))) - 1u);
-    const int64_t groups = cw->scales != NULL ? k / cw->group_size : 0;
+    const int64_t n = wt->out_features, k = wt->in_features;
+    const int64_t groups = wt->group_size > 0 ? k / wt->group_size : 0;
     for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
         const int64_t width = k - begin < COLUMNS_K_CHUNK ? k - begin : COLUMNS_K_CHUNK;
         const int first_chunk = begin == 0, last_chunk = begin + width == k;
         for (int64_t b = p0; b < p1; ++b) {
             const int64_t row0 = b * R;
             const int rows = n - row0 < R ? (int)(n - row0) : R;
-            const int64_t next = b + 1 < p1 ? R * cw->ld : 0;
+            const int64_t next = b + 1 < p1 ? R * columns_ld(wt) : 0;
             const float *block_bias = bias != NULL && last_chunk ? bias + row0 : NULL;
             const float *xc = x + begin * m;
             float *block_out = out + row0 * m;
             /* V a constant in each case. */
 #define COLUMNS_CASE(v)                                                                     \
     case v:                                                                                 \
-        columns_block_of(cw, row0, begin, groups, xc, block_bias, block_out, m, rows,       \
+        columns_block_of(wt, row0, begin, groups, xc, block_bias, block_out, m, rows,       \
                          width, next, first_chunk, v, last, wide);                          \
         break
             switch (V) {
@@ -288,42 +281,42 @@ static void columns_panel(const columns_weights *cw, const float *x, const float
 }
 
 /* A thread's blocks first .. first + count - 1, a panel at a time. */
-static void columns_blocks(const columns_weights *cw, const float *x, const float *bias,
-                           float *out, int64_t n, int64_t k, int64_t m, int64_t first,
-                           int64_t count) {
+static void columns_blocks(const kvgate_linear_weights *wt, const float *x, const float *bias,
+                           float *out, int64_t m, int64_t first, int64_t count) {
     float wide[COLUMNS_W_ROWS * COLUMNS_K_CHUNK] __attribute__((aligned(64)));
     for (int64_t p0 = first; p0 < first + count; p0 += COLUMNS_PANEL_BLOCKS) {
         const int64_t p1 = p0 + COLUMNS_PANEL_BLOCKS < first + count ? p0 + COLUMNS_PANEL_BLOCKS
                                                                      : first + count;
-        columns_panel(cw, x, bias, out, n, k, m, p0, p1, wide);
+        columns_panel(wt, x, bias, out, m, p0, p1, wide);
     }
 }
 
-/* Each thread's share of the blocks of cw's n rows. */
-static void columns_threads(const columns_weights *cw, const float *bias, const float *x,
-                            int64_t m, int64_t n, int64_t k, float *out, int num_threads) {
-    const int64_t blocks = (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
+/* Each thread's share of the blocks of wt's rows. */
+static void columns_threads(const kvgate_linear_weights *wt, const float *bias, const float *x,
+                            int64_t m, float *out, int num_threads) {
+    const int64_t blocks = (wt->out_features + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
         const int64_t first = blocks * t / count, stop = blocks * (t + 1) / count;
-        columns_blocks(cw, x, bias, out, n, k, m, first, stop - first);
+        columns_blocks(wt, x, bias, out, m, first, stop - first);
     }
 }
 #endif
 
 /*
- * n weight rows (float32, w_ld floats apart; dequantized rows of a quantized layer) times x
- * (dense [k, m], 1 <= m <= COLUMNS_MAX_ROWS) into out (n rows of m), on the calling thread
+ * n float32 weight rows [n, k] (dequantized rows of a quantized layer) times x (dense [k, m],
+ * 1 <= m <= COLUMNS_MAX_ROWS) into out (n rows of m), on the calling thread
  * (kvgate_linear_columns_quantized in cpu_linear.c). Does nothing without AVX-512.
  */
-void kvgate_columns_rows(const float *w, int64_t w_ld, const float *x, float *out, int64_t n,
-                         int64_t k, int64_t m) {
+void kvgate_columns_rows(const float *w, const float *x, float *out, int64_t n, int64_t k,
+                         int64_t m) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    const columns_weights cw = {.w = w, .ld = w_ld, .kind = COLUMNS_F32};
-    columns_blocks(&cw, x, NULL, out, n, k, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
+    const kvgate_linear_weights wt = {.kind = KVGATE_W_F32, .q = w, .out_features = n,
+                                      .in_features = k};
+    columns_blocks(&wt, x, NULL, out, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
 #else
-    (void)w, (void)w_ld, (void)x, (void)out, (void)n, (void)k, (void)m;
+    (void)w, (void)x, (void)out, (void)n, (void)k, (void)m;
 #endif
 }
 
@@ -346,8 +339,9 @@ int kvgate_linear_columns(const void *w, int bf16, const float *bias, const floa
                           int64_t n, int64_t k, float *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
-    const columns_weights cw = {.w = w, .ld = k, .kind = bf16 ? COLUMNS_BF16 : COLUMNS_F32};
-    columns_threads(&cw, bias, x, m, n, k, out, num_threads);
+    const kvgate_linear_weights wt = {.kind = bf16 ? KVGATE_W_BF16 : KVGATE_W_F32, .q = w,
+                                      .out_features = n, .in_features = k};
+    columns_threads(&wt, bias, x, m, out, num_threads);
     return 0;
 #else
     (void)w, (void)bf16, (void)bias, (void)x, (void)m, (void)n, (void)k;
@@ -357,49 +351,29 @@ int kvgate_linear_columns(const void *w, int bf16, const float *bias, const floa
 }
 
 /*
- * out = w @ x^T for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] int8, w = q * scale with
- * scales [n, k / group_size], group_size a multiple of 16. x: x^T, dense [k, m]. Returns 0, or
- * 2 when m or group_size is out of range or the kernel is not built.
+ * Whether kvgate_linear_columns_chunks takes these weights: int8 in groups of a multiple of 16
+ * (float32 scales), or int4 (kernels/quant.py's layout, groups a multiple of 32).
  */
-int kvgate_linear_columns_int8(const int8_t *q, const float *scales, int64_t group_size,
-                               const float *x, int64_t m, int64_t n, int64_t k, float *out,
-                               int num_threads) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (m < 1 || m > COLUMNS_MAX_ROWS || group_size < 16 || group_size % 16 != 0 ||
-        k % group_size != 0)
-        return 2;
-    const columns_weights cw = {
-        .w = q, .ld = k, .kind = COLUMNS_INT8, .scales = scales, .group_size = group_size};
-    columns_threads(&cw, NULL, x, m, n, k, out, num_threads);
-    return 0;
-#else
-    (void)q, (void)scales, (void)group_size, (void)x, (void)m, (void)n, (void)k;
-    (void)out, (void)num_threads;
-    return 2;
-#endif
+int kvgate_columns_takes_chunks(const kvgate_linear_weights *wt) {
+    const int64_t g = wt->group_size;
+    if (g < 1 || wt->in_features % g != 0) return 0;
+    return (wt->kind == KVGATE_W_INT8 && g % 16 == 0) || (wt->kind == KVGATE_W_INT4 && g % 32 == 0);
 }
 
 /*
- * out = w @ x^T for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: int4 [n, k] in kernels/quant.py's
- * layout (q: [n, k / 2] bytes), w = q * scale + zero with float16 scales and zeros
- * [n, k / group_size], group_size a multiple of 32. x: x^T, dense [k, m] (the caller has
- * rounded it to its rows' int8 blocks). Returns 0, or 2 when m or group_size is out of range
- * or the kernel is not built.
+ * out = w @ x^T for m (1 .. COLUMNS_MAX_ROWS) rows of x and weights kvgate_columns_takes_chunks
+ * takes, each block's chunk dequantized into the L1 cache as kvgate_dequantize dequantizes it.
+ * x: x^T, dense [k, m] (for int4, rounded to its rows' int8 blocks by the caller). Returns 0, or
+ * 2 when m is out of range, the weights are not taken or the kernel is not built.
  */
-int kvgate_linear_columns_int4(const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-                               int64_t group_size, const float *x, int64_t m, int64_t n, int64_t k,
-                               float *out, int num_threads) {
+int kvgate_linear_columns_chunks(const kvgate_linear_weights *wt, const float *x, int64_t m,
+                                 float *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (m < 1 || m > COLUMNS_MAX_ROWS || group_size < 32 || group_size % 32 != 0 ||
-        k % group_size != 0)
-        return 2;
-    const columns_weights cw = {.w = q, .ld = k / 2, .kind = COLUMNS_INT4, .scales = scales,
-                                .zeros = zeros, .group_size = group_size};
-    columns_threads(&cw, NULL, x, m, n, k, out, num_threads);
+    if (m < 1 || m > COLUMNS_MAX_ROWS || !kvgate_columns_takes_chunks(wt)) return 2;
+    columns_threads(wt, NULL, x, m, out, num_threads);
     return 0;
 #else
-    (void)q, (void)scales, (void)zeros, (void)group_size, (void)x, (void)m, (void)n, (void)k;
-    (void)out, (void)num_threads;
+    (void)wt, (void)x, (void)m, (void)out, (void)num_threads;
     return 2;
 #endif
 }
