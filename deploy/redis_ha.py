@@ -19,7 +19,13 @@ import redis
 from common.redis_conn import SENTINEL_SCHEME
 
 MASTER_NAME = "kvgate"
-DOWN_AFTER_MS = 1000
+# How long a server goes unanswered before a sentinel judges it down. A sentinel counts the
+# other sentinels' votes that a master is down for 5 s after they came, and after a failover
+# it counts them for the promoted replica too: at 1 s, a slow first answer of a just-promoted
+# master (a loaded machine) started a second failover at once, back to a server that had not
+# synced. At 6 s those votes have expired, and a stall of a few seconds (a fork, a slow disk)
+# is ridden out.
+DOWN_AFTER_MS = 6000
 FAILOVER_TIMEOUT_MS = 3000
 QUORUM = 2
 
