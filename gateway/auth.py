@@ -32,8 +32,8 @@ from common.tenants import (
 from gateway.errors import Unauthenticated, WrappingInterceptor
 
 AUTH_MODES = ("keys", "cert", "off")
-# Calls of this service need credentials; every other service of the public port is open.
-GUARDED_PREFIX = "/kvgate.v1.Inference/"
+# Calls of these services need credentials; every other service of the public port is open.
+GUARDED_PREFIXES = ("/kvgate.v1.Inference/", "/vllm.grpc.engine.VllmEngine/")
 AUTHORIZATION = "authorization"
 BEARER = "bearer "
 # Cached key records past this many are dropped, oldest reads first (unknown ids included).
@@ -138,14 +138,14 @@ class Authenticator:
 
 
 class AuthInterceptor(WrappingInterceptor):
-    """Authenticates the Inference calls; sits inside ErrorInterceptor, which turns its
-    Unauthenticated into the status."""
+    """Authenticates the Inference and VllmEngine calls; sits inside ErrorInterceptor, which
+    turns its Unauthenticated into the status."""
 
     def __init__(self, authenticator: Authenticator) -> None:
         self.authenticator = authenticator
 
     def wraps(self, method: str) -> bool:
-        return method.startswith(GUARDED_PREFIX)
+        return method.startswith(GUARDED_PREFIXES)
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], method: str) -> Callable:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:

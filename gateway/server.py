@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from grpc import aio
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from common.health import HEALTH_DISABLED
 from common.keys import RedisKeys
@@ -32,11 +33,14 @@ from gateway.sessions import SessionStore
 from gateway.text_work import TextWork
 from gateway.token_sink import TokenRouter, TokenSinkServicer
 from gateway.validation import StopLimits
+from gateway.vllm_engine import VLLM_SERVICE, VllmEngineServicer
 from gateway.wire import RequestParsingInterceptor
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+# The services of the public port: kvgate's own and vLLM's engine API (gateway/vllm_engine.py).
+PUBLIC_SERVICES = (INFERENCE_SERVICE, VLLM_SERVICE)
 
 
 @dataclass(slots=True)
@@ -187,6 +191,7 @@ def _public_server(
     metrics: GatewayMetrics,
     authenticator: Authenticator,
     tls: ReloadableServerCredentials | None,
+    vllm_engine: VllmEngineServicer,
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
     def refused(limit: str) -> None:
         metrics.refused.labels(limit).inc()
@@ -203,7 +208,7 @@ def _public_server(
     server = aio.server(
         interceptors=[
             MetricsInterceptor(metrics),
-            StreamLimitInterceptor(INFERENCE_SERVICE, config.max_concurrent_streams, refused),
+            StreamLimitInterceptor(PUBLIC_SERVICES, config.max_concurrent_streams, refused),
             ErrorInterceptor(refused),
             AuthInterceptor(authenticator),
             RequestParsingInterceptor(max_message_bytes),
@@ -211,10 +216,11 @@ def _public_server(
         options=EXCLUSIVE_PORT + limits,
     )
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_engine, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        [*PUBLIC_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     port = _listen(server, config.host, config.port, "--host/--port", tls)
     return server, health_servicer, f"{config.host}:{port}"
@@ -251,7 +257,12 @@ async def start_gateway(
     bound = [internal]
     try:
         public, health_servicer, address = _public_server(
-            config, servicer, metrics, authenticator, security.public
+            config,
+            servicer,
+            metrics,
+            authenticator,
+            security.public,
+            VllmEngineServicer(servicer, config.model),
         )
         bound.append(public)
         health_server = _health_server(config, health_servicer)
@@ -263,7 +274,7 @@ async def start_gateway(
     for server in (internal, public, health_server):
         if server is not None:
             await server.start()
-    services = ("", INFERENCE_SERVICE)
+    services = ("", *PUBLIC_SERVICES)
     health_watch = GatewayHealth(
         health_servicer, queue, services, metrics.registry, router.observe_heartbeats
     )

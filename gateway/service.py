@@ -125,6 +125,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.deps.count_refusal(tenant, refusal)
             raise
 
+    def call_admission(self, tenant: str, limits: TenantLimits) -> Admission | None:
+        """The admission of another front's one-request call (a request and a stream, taken
+        as the request is queued), refusals counted."""
+        return self._admission(tenant, limits, take_request=True, open_stream=True)
+
+    def end_call(self, admission: Admission | None) -> None:
+        """Releases what a call's admission holds (its stream's lease)."""
+        self._close(admission)
+
     async def _admit(self, admission: Admission | None) -> None:
         """Takes the admission now (a round trip of its own), refusals counted."""
         if admission is None:
