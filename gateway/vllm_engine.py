@@ -229,13 +229,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         limits = self.model_text.limits
         model_type, architectures = model_description(self.model)
         return vllm_engine_pb2.GetModelInfoResponse(
-            model_path=self.model,
+            # The served name, not a path: a router takes the tokenizer from GetTokenizer (with
+            # the chat template the gateway renders with), not from files on its own host.
+            model_path=self.model_text.model_id,
             is_generation=True,
             max_context_length=limits.max_model_len,
             vocab_size=limits.vocab_size,
             supports_vision=False,
             served_model_name=self.model_text.model_id,
-            tokenizer_path=self.model,
+            tokenizer_path=self.model_text.model_id,
             model_type=model_type,
             architectures=architectures,
             eos_token_ids=list(limits.eos_token_ids),
