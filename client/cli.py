@@ -1,6 +1,7 @@
 """The `kvgate` command: generate text or chat with a running gateway.
 
 kvgate generate "Once upon a time" --max-tokens 64 --temperature 0
+kvgate generate --message "system:You tell short stories." --message "user:A dragon story"
 kvgate chat --system "You tell short stories."
 kvgate bench --num-requests 100 --request-rate 4 --out bench/results/run.json  (bench/cli.py)
 kvgate admin keys create --tenant acme   (client/admin.py: API keys, limits, usage in Redis)
@@ -42,6 +43,14 @@ def _unsigned(bits: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _message(text: str) -> dict[str, str]:
+    """ROLE:CONTENT; the gateway checks the role (system, user or assistant)."""
+    role, colon, content = text.partition(":")
+    if not colon or not role:
+        raise argparse.ArgumentTypeError(f"--message must be ROLE:CONTENT, got {text!r}")
+    return {"role": role, "content": content}
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="Talk to a kvgate gateway.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="complete a text and print the completion")
-    generate.add_argument("text", help="the prompt")
+    generate.add_argument("text", nargs="?", default="", help="the prompt")
+    generate.add_argument(
+        "--message",
+        dest="messages",
+        type=_message,
+        action="append",
+        default=[],
+        metavar="ROLE:CONTENT",
+        help="a message of a conversation to answer instead of a prompt (repeatable, in order; "
+        "the gateway renders it with the model's chat template)",
+    )
     _add_sampling_flags(generate)
     chat = commands.add_parser("chat", help="a chat REPL (Ctrl-C stops a reply, Ctrl-D quits)")
     chat.add_argument("--system", default="", help="system prompt")
@@ -124,7 +143,10 @@ def _params(args: argparse.Namespace) -> object:
 def run_generate(client: KvgateClient, args: argparse.Namespace) -> int:
     """Print the completion as it streams."""
     completion = Completion()
-    for chunk in client.generate_stream(args.text, _params(args), priority=args.priority):
+    stream = client.generate_stream(
+        args.text, _params(args), messages=args.messages, priority=args.priority
+    )
+    for chunk in stream:
         completion.add(chunk)
         sys.stdout.write(chunk.text)
         sys.stdout.flush()

@@ -31,6 +31,9 @@ from gateway.validation import (
 )
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
+# GenerateRequest's ways to give the prompt; a request sets exactly one.
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+
 
 def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse:
     """A Chunk as the public GenerateResponse."""
@@ -152,8 +155,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 spawn(self.quotas.close_stream(admission.slot), "closing a stream's lease")
 
     async def _prompt_of(self, request: inference_pb2.GenerateRequest) -> list[int]:
-        if bool(request.prompt) == bool(request.prompt_token_ids):
-            raise InvalidArgument("prompt", "set exactly one of prompt or prompt_token_ids")
+        given = [name for name in PROMPT_FIELDS if getattr(request, name)]
+        if len(given) != 1:
+            raise InvalidArgument(
+                given[-1] if given else "prompt",
+                f"set exactly one of {', '.join(PROMPT_FIELDS)}"
+                + (f"; got {' and '.join(given)}" if given else ""),
+            )
+        if request.messages:
+            messages = messages_from_pb("messages", list(request.messages))
+            return await self._chat_prompt(messages, "messages")
         if request.prompt:
             token_ids = await self.text.encode("prompt", request.prompt)
             check_prompt_len("prompt", len(token_ids), self.model_text.limits.max_model_len)
@@ -277,12 +288,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         session.messages.extend(messages)
         return session
 
-    async def _chat_prompt(self, messages: list[Message]) -> list[int]:
+    async def _chat_prompt(
+        self, messages: list[Message], field_name: str = "turn.content"
+    ) -> list[int]:
         try:
-            token_ids = await self.text.encode_chat("turn.content", messages)
+            token_ids = await self.text.encode_chat(field_name, messages)
         except ChatTemplateError as error:
-            raise InvalidArgument("turn.content", str(error)) from error
-        check_prompt_len("turn.content", len(token_ids), self.model_text.limits.max_model_len)
+            raise InvalidArgument(field_name, str(error)) from error
+        check_prompt_len(field_name, len(token_ids), self.model_text.limits.max_model_len)
         return token_ids
 
     async def _chat_turn(
