@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import zipfile
 from pathlib import Path
 
@@ -14,12 +15,15 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tokenizers import Tokenizer
 
 from client import admin
 from client.api import KvgateClient
 from common.keys import RedisKeys
+from protos.kvgate.v1 import inference_pb2 as kvgate_pb
 from tests.helpers import wait_for
 from tests.integration.conftest import MODEL
 from tests.integration.gateway_harness import (
@@ -152,6 +156,35 @@ def test_abort_ends_the_callers_stream_and_not_another_tenants(redis_url, redis_
         gateway.stop()
 
 
+def test_a_tenants_open_streams_quota_counts_both_apis(redis_url, redis_client):
+    """One stream allowed: while a kvgate.v1 Generate runs, a VllmEngine one is refused with
+    the quota's RESOURCE_EXHAUSTED and retry-after-ms."""
+    gateway = make_gateway(redis_url, auth="keys")
+    executor = ExecutorPeer.attached(redis_client, gateway)
+    try:
+        admin.set_limits(redis_client, RedisKeys(), "acme", {"max_streams": 1}, lambda _: None)
+        acme = key_metadata(redis_client, "acme")
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(gateway.channel)
+        request = pb.GenerateRequest(request_id="q", text=PROMPT, sampling_params=greedy(4))
+        native = gateway.stub.Generate(
+            kvgate_pb.GenerateRequest(prompt=PROMPT), metadata=acme, timeout=CALL_TIMEOUT_S
+        )
+        queued = executor.take_request()
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stub.Generate(request, metadata=acme, timeout=CALL_TIMEOUT_S))
+        error = raised.value
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "open streams" in error.details(), error.details()
+        assert int(dict(error.trailing_metadata())["retry-after-ms"]) > 0
+        executor.send(
+            queued.request_id, 0, [2], finished=True, finish_reason=kvgate_pb.FINISH_REASON_STOP
+        )
+        list(native)
+    finally:
+        executor.link.close()
+        gateway.stop()
+
+
 def test_calls_without_a_key_are_unauthenticated(engine):
     request = pb.GenerateRequest(request_id="nokey", text=PROMPT, sampling_params=greedy(2))
     code, details = status_of(engine.Generate(request, timeout=CALL_TIMEOUT_S))
@@ -230,6 +263,14 @@ def vllm_gateway(gateway: GatewayThread) -> GatewayThread:
     return gateway
 
 
+def test_a_3_mb_request_is_refused_by_its_size(vllm_gateway: GatewayThread):
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(vllm_gateway.channel)
+    request = pb.GenerateRequest(request_id="big", text="x" * (3 << 20))
+    code, details = status_of(stub.Generate(request, timeout=10))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code}: {details}"
+    assert "--max-receive-message-bytes" in details, details
+
+
 def test_without_an_executor_health_is_false_and_generate_unavailable(vllm_gateway):
     stub = vllm_engine_pb2_grpc.VllmEngineStub(vllm_gateway.channel)
     health = stub.HealthCheck(pb.HealthCheckRequest())
@@ -259,3 +300,78 @@ def test_reflection_lists_both_services_and_embed_is_unimplemented(vllm_gateway)
         stub.Embed(pb.EmbedRequest())
     assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "embeddings" in raised.value.details()
+
+
+VLLM_FIELD = re.compile(
+    r"^(sampling_params\.\w+|sampling_params\.stop\[\d+\]|tokenized\.input_ids|text|input"
+    r"|request_id|request|mm_inputs|extra_mm_inputs|media_refs|kv_transfer_params\w*"
+    r"|data_parallel_rank): "
+)
+ANSWERS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+I32 = st.integers(-(2**31), 2**31 - 1)
+U32 = st.integers(0, 2**32 - 1)
+FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
+PENALTIES = ("presence_penalty", "frequency_penalty")
+SAMPLING_FIELDS = {name: FLOATS for name in FLOAT_FIELDS + PENALTIES} | {
+    "max_tokens": st.one_of(st.integers(0, 20), U32),
+    "min_tokens": st.one_of(st.integers(0, 20), U32),
+    "top_k": U32,
+    "seed": I32,
+    "logprobs": st.one_of(st.integers(-1, 25), I32),
+    "n": st.integers(0, 3),
+    "ignore_eos": st.booleans(),
+    "json_schema": st.text(max_size=20),
+}
+
+
+@st.composite
+def vllm_requests(draw) -> pb.GenerateRequest:
+    params = pb.SamplingParams()
+    for name, values in SAMPLING_FIELDS.items():
+        if draw(st.integers(0, 3)) == 0:
+            setattr(params, name, draw(values))
+    params.stop.extend(draw(st.lists(st.text(max_size=40), max_size=3)))
+    params.stop_token_ids.extend(draw(st.lists(st.integers(0, 600), max_size=3)))
+    request = pb.GenerateRequest(
+        request_id=draw(st.one_of(st.just(""), st.from_regex(r"[a-z0-9]{1,20}", fullmatch=True))),
+        sampling_params=params,
+        stream=draw(st.booleans()),
+    )
+    if draw(st.booleans()):
+        request.text = draw(st.text(max_size=300))
+    else:
+        ids = draw(st.lists(st.integers(0, 600), max_size=40))
+        request.tokenized.CopyFrom(pb.TokenizedInput(input_ids=ids))
+    return request
+
+
+@given(request=vllm_requests())
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+def test_fuzzed_generates_complete_or_name_the_bad_field(engine, keys, request):
+    try:
+        responses = list(engine.Generate(request, metadata=keys["acme"], timeout=CALL_TIMEOUT_S))
+    except grpc.RpcError as error:
+        assert error.code() in ANSWERS, f"{error.code()}: {error.details()}"
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            assert VLLM_FIELD.match(error.details()), error.details()
+        return
+    assert responses[-1].WhichOneof("response") == "complete", responses[-1]
+    assert responses[-1].complete.finish_reason in ("stop", "length"), responses[-1]
+
+
+def test_after_the_fuzz_every_process_lives_and_the_kv_cache_is_idle(stack):
+    for name in ("scheduler", "executor-0", "gateway"):
+        assert stack.procs[name].poll() is None, f"{name} died"
+
+    def idle() -> bool:
+        status = stack.executor_status("executor-0")
+        return status is not None and status.num_free_blocks == status.num_total_blocks
+
+    wait_for(idle, "every KV block free", timeout_s=30.0)
