@@ -18,8 +18,8 @@ from common.model_text import ModelText
 from common.sampling_params import SamplingParams
 from common.templates import Message
 from deploy.stack import Stack, StackConfig, free_port
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from tests.helpers import assert_greedy_matches, hf_greedy, one_torch_thread, run_to_completion
 
 QUESTIONS = [

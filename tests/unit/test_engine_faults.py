@@ -8,9 +8,9 @@ from transformers import AutoTokenizer
 
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.model_runner import ModelRunner
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_runner import ModelRunner
 from tests.helpers import STORIES_260K, run_to_completion
 
 POISON_TOKEN = 511  # a prompt holding it makes the test's forward pass raise

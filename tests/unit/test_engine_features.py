@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from common.prefix import block_hashes
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from tests.helpers import STORIES_260K, run_to_completion
 
 
@@ -321,7 +321,7 @@ def test_bias_switches_follow_each_architecture(tmp_path, architecture, keys, wa
     """(q/k/v bias, o_proj bias, MLP biases) as the Hugging Face classes build them."""
     import json
 
-    from executor.models.config import load_model_config
+    from engine.models.config import load_model_config
 
     raw = dict(
         architectures=[architecture], vocab_size=32, hidden_size=16, intermediate_size=32,

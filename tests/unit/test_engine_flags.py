@@ -1,5 +1,5 @@
 """The engine's flags: every EngineConfig field an operator sets has one, its value reaches the
-EngineConfig of `python -m executor` and of `python -m executor.generate` alike, and generate
+EngineConfig of `python -m executor` and of `python -m engine.generate` alike, and generate
 runs with them."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
+from engine.config import EngineConfig, pop_engine_config
+from engine.engine import Engine
 from executor import generate
-from executor.config import EngineConfig, ExecutorConfig, pop_engine_config
+from executor.config import ExecutorConfig
 from executor.config import build_parser as executor_parser
-from executor.engine import Engine
 from tests.helpers import STORIES_260K
 
 # Set from the environment only: KVGATE_KERNELS names the kernel backend (docs/configuration.md).

@@ -20,8 +20,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.quality import greedy_continuations, measure_quality, tokenized_prompts
-from executor.config import EngineConfig, ExecutorConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from executor.config import ExecutorConfig
 from kernels.kv_format import KV_CACHE_DTYPES
 from tests.helpers import STORIES_260K
 

@@ -21,8 +21,8 @@ from transformers import (
 )
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from tests.helpers import (
     GreedyReference,
     assert_greedy_matches,

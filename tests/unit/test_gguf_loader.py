@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 from common.gguf_metadata import GgufFile
 from common.model_files import gguf_file
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.models.gguf import dequantize_tensor
-from executor.models.loader import load_model
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.models.gguf import dequantize_tensor
+from engine.models.loader import load_model
 from tests.helpers import assert_greedy_matches, hf_greedy, run_to_completion
 from tests.tiny_gguf import EOS_ID, EOT_ID, MIXED_TYPES, write_tiny_llama
 

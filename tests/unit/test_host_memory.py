@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig, ExecutorConfig
-from executor.engine import Engine
-from executor.host_memory import resident_nbytes
-from executor.model_runner import ModelRunner
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import resident_nbytes
+from engine.model_runner import ModelRunner
+from executor.config import ExecutorConfig
 from tests.helpers import STORIES_260K, run_to_completion
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ PROBE = textwrap.dedent(
     """
     import ctypes, json, sys
     import torch
-    from executor.host_memory import retain_freed_memory
+    from engine.host_memory import retain_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -84,7 +85,7 @@ def test_the_executor_flag_and_its_variable_reach_the_engine(monkeypatch: pytest
 
 def test_the_model_runner_sets_the_thresholds_only_when_asked(monkeypatch: pytest.MonkeyPatch):
     calls: list[str] = []
-    monkeypatch.setattr("executor.model_runner.retain_freed_memory", lambda: calls.append("set"))
+    monkeypatch.setattr("engine.model_runner.retain_freed_memory", lambda: calls.append("set"))
     ModelRunner(EngineConfig(model=str(STORIES_260K), retain_freed_memory=False))
     assert calls == []
     ModelRunner(EngineConfig(model=str(STORIES_260K)))

@@ -5,8 +5,8 @@ never changes a request's greedy tokens."""
 from __future__ import annotations
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from tests.helpers import STORIES_260K, run_to_completion
 
 BLOCK_SIZE = 4
