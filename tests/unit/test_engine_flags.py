@@ -10,9 +10,9 @@ import pytest
 
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
+from engine import generate
 from engine.config import EngineConfig, pop_engine_config
 from engine.engine import Engine
-from executor import generate
 from executor.config import ExecutorConfig
 from executor.config import build_parser as executor_parser
 from tests.helpers import STORIES_260K

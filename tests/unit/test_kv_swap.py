@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from bench import bench_swap
 from common.sampling_params import SamplingParams
+from engine import generate
 from engine.config import EngineConfig, pop_engine_config
 from engine.engine import Engine
-from executor import generate
 from executor.config import build_parser
 from executor.metrics import ExecutorMetrics
 from tests.helpers import STORIES_260K, run_to_completion, save_random_llama

@@ -11,10 +11,10 @@ from gguf import GGMLQuantizationType as Q
 
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
+from engine import generate as generate_command
 from engine.config import EngineConfig, EngineConfigError, pop_engine_config
 from engine.engine import Engine
 from engine.models.shard import shard_columns
-from executor import generate as generate_command
 from executor.config import build_parser
 from kernels.quant import quantize_int4, quantize_int8
 from tests.helpers import (
