@@ -7,11 +7,10 @@ import sys
 
 from tokenizers import Tokenizer
 
-from common.sampling_params import SamplingParams
 from engine.config import EngineConfig, pop_engine_config
 from engine.engine import Engine
 from engine.generate import build_parser, generate, main
-from tests.helpers import REPO, STORIES_260K
+from tests.helpers import REPO, STORIES_260K, greedy
 
 PROMPTS = ["Once upon a time", "The little dog"]
 
@@ -25,7 +24,7 @@ def test_the_command_prints_each_prompts_greedy_completion_in_order():
     assert done.returncode == 0, done.stderr
     tokenizer = Tokenizer.from_file(str(STORIES_260K / "tokenizer.json"))
     engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05))
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = greedy(12)
     expected = generate(engine, [tokenizer.encode(p).ids for p in PROMPTS], params)
     blocks = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
     assert done.stdout == "".join(f"{text}\n\n" for text in blocks)

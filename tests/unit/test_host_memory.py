@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.host_memory import resident_nbytes
 from engine.model_runner import ModelRunner
 from executor.config import ExecutorConfig
-from tests.helpers import STORIES_260K, run_to_completion
+from tests.helpers import STORIES_260K, greedy, run_to_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +96,7 @@ def test_the_kv_cache_and_its_host_tier_are_resident_only_where_blocks_are_writt
     caches = [t for layer in engine.runner.kv_caches for t in layer]
     host = [t for layer in engine.runner.host_pool.host_caches for t in layer]
     assert sum(resident_nbytes(t) for t in caches + host) == 0, "nothing written yet"
-    params = SamplingParams(max_tokens=27, temperature=0.0, ignore_eos=True)
+    params = greedy(27)
     engine.add_request("r", [1, 403, 407, 261, 378], params)  # 32 tokens: blocks 0 and 1
     assert len(run_to_completion(engine)["r"]) == 27
     block_bytes = caches[0][0].nbytes
