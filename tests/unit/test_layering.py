@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (
-    "gateway", "scheduler", "executor", "engine", "common", "kernels", "client", "bench",
-    "deploy", "protos", "tests",
+    "gateway", "scheduler", "executor", "engine", "common", "kernels", "client", "kvgate",
+    "bench", "deploy", "protos", "tests",
 )  # fmt: skip
 
 # package -> the kvgate packages it may import (besides itself); every package is listed
@@ -25,6 +25,7 @@ ALLOWED = {
     "common": {"protos"},
     "kernels": set(),
     "client": {"common", "protos"},
+    "kvgate": {"client"},  # the clients under the project's name
     "protos": set(),
     "deploy": {"common", "protos"},
     "bench": set(PACKAGES) - {"tests"},
