@@ -113,6 +113,19 @@ def test_unary_sends_one_complete_with_every_id_and_the_cached_prefix(engine, st
     assert complete.completion_tokens == 10 and complete.finish_reason == "length", complete
 
 
+def test_logprobs_come_as_output_logprobs(engine, keys):
+    request = pb.GenerateRequest(
+        request_id="logprobs-1", text=PROMPT, sampling_params=greedy(6, logprobs=2)
+    )
+    (response,) = engine.Generate(request, metadata=keys["acme"], timeout=CALL_TIMEOUT_S)
+    complete = response.complete
+    logprobs = complete.output_logprobs
+    assert list(logprobs.token_ids) == list(complete.output_ids), logprobs
+    assert len(logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    for top, token_id in zip(logprobs.top_logprobs, complete.output_ids, strict=True):
+        assert len(top.token_ids) == 2 and top.token_ids[0] == token_id, top  # greedy: the top
+
+
 def test_text_input_stops_at_a_stop_string_and_names_it(engine, keys):
     params = pb.SamplingParams(temperature=0.0, max_tokens=40, stop=["Lily"])
     request = pb.GenerateRequest(request_id="stop-1", text=PROMPT, sampling_params=params)
@@ -180,6 +193,31 @@ def test_a_tenants_open_streams_quota_counts_both_apis(redis_url, redis_client):
             queued.request_id, 0, [2], finished=True, finish_reason=kvgate_pb.FINISH_REASON_STOP
         )
         list(native)
+    finally:
+        executor.link.close()
+        gateway.stop()
+
+
+def test_a_request_the_executors_cannot_run_ends_internal_with_their_message(
+    redis_url, redis_client
+):
+    gateway = make_gateway(redis_url)
+    executor = ExecutorPeer.attached(redis_client, gateway)
+    try:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(gateway.channel)
+        request = pb.GenerateRequest(request_id="poison", text=PROMPT, sampling_params=greedy(4))
+        call = stub.Generate(request, timeout=CALL_TIMEOUT_S)
+        queued = executor.take_request()
+        executor.send(
+            queued.request_id,
+            0,
+            [],
+            finished=True,
+            finish_reason=kvgate_pb.FINISH_REASON_ERROR,
+            error_message="model step raised: boom",
+        )
+        code, details = status_of(call)
+        assert code == grpc.StatusCode.INTERNAL and "boom" in details, f"{code}: {details}"
     finally:
         executor.link.close()
         gateway.stop()
