@@ -29,6 +29,7 @@ if SMG is None:
     pytest.skip("needs the router `smg` (pip install smg; the dev extra)", allow_module_level=True)
 
 CALL_TIMEOUT_S = 60.0
+VLLM = "vllm.grpc.engine.VllmEngine"
 MESSAGES = [{"role": "user", "content": "Tell me a story about Lily"}]
 
 
@@ -100,14 +101,21 @@ def router(two_gateways, tmp_path_factory) -> Iterator[Router]:
     running.stop()
 
 
+def total(families, name: str, **labels: str) -> float:
+    """The sum of metric `name`'s samples that carry `labels` (and any others)."""
+    return sum(
+        sample.value
+        for family in families
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
 def vllm_generates(stack, name: str) -> float:
     """VllmEngine Generate calls gateway `name` ended OK, by its /metrics."""
-    wanted = {"service": "vllm.grpc.engine.VllmEngine", "method": "Generate", "code": "OK"}
-    for family in text_string_to_metric_families(scrape(stack, name)):
-        for sample in family.samples:
-            if sample.name == "kvgate_gateway_requests_total" and sample.labels == wanted:
-                return sample.value
-    return 0.0
+    families = text_string_to_metric_families(scrape(stack, name))
+    counted = {"service": VLLM, "method": "Generate", "code": "OK"}
+    return total(families, "kvgate_gateway_requests_total", **counted)
 
 
 def test_openai_chat_through_smg_reaches_both_gateways_and_answers_as_kvgate(
@@ -172,13 +180,13 @@ def test_a_client_that_disconnects_mid_stream_aborts_the_request(
 
         wait_for(aborted, "the gateway to abort the request on the executor after the client left")
         registry = gateway.metrics.registry
-        abort_call = {"service": "vllm.grpc.engine.VllmEngine", "method": "Abort", "code": "OK"}
+        abort_calls = {"service": VLLM, "method": "Abort", "code": "OK"}
         wait_for(
-            lambda: registry.get_sample_value("kvgate_gateway_requests_total", abort_call),
+            lambda: total(registry.collect(), "kvgate_gateway_requests_total", **abort_calls),
             "the router's Abort call (smg aborts on a client's disconnect)",
         )
-        finished = registry.get_sample_value(
-            "kvgate_gateway_finished_requests_total", {"finish_reason": "abort"}
+        finished = total(
+            registry.collect(), "kvgate_gateway_finished_requests_total", finish_reason="abort"
         )
         assert finished == 1, f"{finished} requests finished as aborted"
     finally:
