@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import redis
 from grpc import aio
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
@@ -23,6 +24,7 @@ from common.finish_reason import FinishReason
 from common.gguf_metadata import GgufFile
 from common.model_files import gguf_file
 from common.model_text import ModelText
+from common.redis_conn import describe
 from gateway.auth import tenant_of
 from gateway.errors import InvalidArgument, ServiceError
 from gateway.generation import Chunk, Generation
@@ -214,14 +216,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def HealthCheck(  # noqa: N802 (gRPC method name)
         self, request: vllm_engine_pb2.HealthCheckRequest, context: aio.ServicerContext
     ) -> vllm_engine_pb2.HealthCheckResponse:
-        alive = await self.deps.queue.any_executor_alive()
-        if alive is None:
-            message = "redis does not answer: no request can be queued"
-        elif not alive:
-            message = "no executor is alive: no request can run"
+        """Healthy while an executor that is alive and not draining can take work."""
+        try:
+            statuses = await self._executor_statuses()
+        except redis.RedisError as error:
+            message = f"redis unreachable: {describe(error)}; no request can be queued"
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=message)
+        taking_work = sum(not status.draining for status in statuses)
+        if taking_work:
+            message = f"serving: {taking_work} executors take work"
+        elif statuses:
+            message = "every executor is draining: no request can run"
         else:
-            message = "serving"
-        return vllm_engine_pb2.HealthCheckResponse(healthy=bool(alive), message=message)
+            message = "no executor is alive: no request can run"
+        return vllm_engine_pb2.HealthCheckResponse(healthy=bool(taking_work), message=message)
 
     async def GetModelInfo(  # noqa: N802 (gRPC method name)
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: aio.ServicerContext

@@ -24,6 +24,7 @@ from client import admin
 from client.api import KvgateClient
 from common.keys import RedisKeys
 from protos.kvgate.v1 import inference_pb2 as kvgate_pb
+from protos.kvgate.v1 import internal_pb2 as kvgate_internal_pb
 from tests.helpers import wait_for
 from tests.integration.conftest import MODEL
 from tests.integration.gateway_harness import (
@@ -325,6 +326,29 @@ def test_without_an_executor_health_is_false_and_generate_unavailable(vllm_gatew
         ),
         what="grpc.health.v1 to say NOT_SERVING for VllmEngine with no executor",
     )
+
+
+def test_health_follows_whether_an_executor_can_take_work(
+    vllm_gateway: GatewayThread, redis_client: redis.Redis
+):
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(vllm_gateway.channel)
+    executor = ExecutorPeer(redis_client, RedisKeys())
+    executor.register()
+    assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    draining = kvgate_internal_pb.ExecutorStatus(executor_id=executor.executor_id, draining=True)
+    redis_client.set(RedisKeys().executor_status(executor.executor_id), draining.SerializeToString())
+    health = stub.HealthCheck(pb.HealthCheckRequest())
+    assert not health.healthy and "draining" in health.message, health
+
+
+def test_health_without_redis_is_unhealthy_and_says_why(tmp_path: Path):
+    gateway = make_gateway(f"unix://{tmp_path}/no-redis.sock")
+    try:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(gateway.channel)
+        health = stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)
+        assert not health.healthy and "redis unreachable" in health.message, health
+    finally:
+        gateway.stop()
 
 
 def test_reflection_lists_both_services_and_embed_is_unimplemented(vllm_gateway):
