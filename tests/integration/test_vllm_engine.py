@@ -336,7 +336,8 @@ def test_health_follows_whether_an_executor_can_take_work(
     executor.register()
     assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
     draining = kvgate_internal_pb.ExecutorStatus(executor_id=executor.executor_id, draining=True)
-    redis_client.set(RedisKeys().executor_status(executor.executor_id), draining.SerializeToString())
+    status_key = RedisKeys().executor_status(executor.executor_id)
+    redis_client.set(status_key, draining.SerializeToString())
     health = stub.HealthCheck(pb.HealthCheckRequest())
     assert not health.healthy and "draining" in health.message, health
 
