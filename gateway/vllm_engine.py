@@ -153,6 +153,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.deps = kvgate.deps
         self.model = model
         self.model_text: ModelText = kvgate.model_text
+        self.model_type, self.architectures = model_description(model)
         self.started_at = time.time()
         self.last_request_at = 0.0
         self._tokenizer_zip: asyncio.Future[TokenizerZip] | None = None
@@ -235,7 +236,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: aio.ServicerContext
     ) -> vllm_engine_pb2.GetModelInfoResponse:
         limits = self.model_text.limits
-        model_type, architectures = model_description(self.model)
         return vllm_engine_pb2.GetModelInfoResponse(
             # The served name, not a path: a router takes the tokenizer from GetTokenizer (with
             # the chat template the gateway renders with), not from files on its own host.
@@ -246,8 +246,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             supports_vision=False,
             served_model_name=self.model_text.model_id,
             tokenizer_path=self.model_text.model_id,
-            model_type=model_type,
-            architectures=architectures,
+            model_type=self.model_type,
+            architectures=self.architectures,
             eos_token_ids=list(limits.eos_token_ids),
             pad_token_id=self.model_text.hf_tokenizer.pad_token_id or 0,
             bos_token_id=limits.bos_token_id,
