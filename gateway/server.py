@@ -189,7 +189,7 @@ def _public_server(
     tls: ReloadableServerCredentials | None,
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
     def refused(limit: str) -> None:
-        metrics.refused.labels(limit).inc()
+        metrics.refused.labels(limit, "kvgate").inc()
 
     max_message_bytes = config.max_receive_message_bytes or receive_limit(
         servicer.text.model_text, config.max_stop_strings, config.max_stop_len
