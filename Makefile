@@ -95,7 +95,7 @@ run: setup proto
 
 # 20,000 API fuzzing cases against a live stack (CI runs 2,000 in make test).
 fuzz: setup proto
-	KVGATE_FUZZ_EXAMPLES=20000 $(PYTHON) -m pytest -q -ra tests/integration/test_fuzz.py
+	KVGATE_FUZZ_EXAMPLES=20000 $(PYTHON) -m pytest -q -ra tests/integration/test_fuzz.py tests/integration/test_fuzz_http.py
 
 # 10 minutes of random kill -9 (executors, schedulers, gateways, the Redis master) under load;
 # prints requests completed, failed by status and lost. Not in CI.

@@ -23,16 +23,10 @@ from gateway.config import HTTP_DISABLED, GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
+from gateway.http_server import HttpServer, HttpTLS, bind_http
 from gateway.limits import StreamLimitInterceptor, public_server_options, receive_limit
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
-from gateway.openai_http import (
-    JSON_BYTES_FACTOR,
-    HttpServer,
-    HttpTLS,
-    OpenAIFront,
-    OpenAIFrontConfig,
-    bind_http,
-)
+from gateway.openai_http import JSON_BYTES_FACTOR, OpenAIFront, OpenAIFrontConfig
 from gateway.quotas import Quotas
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer

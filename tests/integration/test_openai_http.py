@@ -5,6 +5,8 @@ across turns and cancels on disconnect are tested on SmolLM2 (test_openai_http_s
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -304,3 +306,38 @@ def test_the_sdk_stream_raises_on_a_refusal_before_its_first_chunk(client: opena
             model=MODEL_ID, messages=STORY, stream=True, max_tokens=10_000
         )
     assert raised.value.param == "max_tokens", raised.value.body
+
+
+NUM_STREAMS = 1000
+
+
+async def one_stream(http: httpx.AsyncClient, index: int) -> str:
+    """One streamed completion: "complete" once [DONE] came after a finish reason, else the
+    refusal's status and message."""
+    body = {"model": MODEL_ID, "prompt": f"Once upon a time {index}", "max_tokens": 8}
+    async with http.stream("POST", "/completions", json={**body, "stream": True}) as answer:
+        if answer.status_code != 200:
+            error = json.loads(await answer.aread())["error"]
+            return f"{answer.status_code}: {error['message']}"
+        events = [line async for line in answer.aiter_lines() if line.startswith("data: ")]
+    finished = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
+    return "complete" if events[-1] == "data: [DONE]" and finished[-1] else f"cut: {events}"
+
+
+def test_1000_concurrent_streams_all_complete_or_are_refused_with_a_reason(
+    stack: Stack, api_key: str
+):
+    async def run_all() -> list[str]:
+        limits = httpx.Limits(max_connections=NUM_STREAMS, max_keepalive_connections=0)
+        headers = {"authorization": f"Bearer {api_key}"}
+        async with httpx.AsyncClient(
+            base_url=stack.http_url, headers=headers, limits=limits, timeout=120.0
+        ) as http:
+            return await asyncio.gather(*(one_stream(http, i) for i in range(NUM_STREAMS)))
+
+    outcomes = asyncio.run(run_all())
+    unexpected = [o for o in outcomes if o != "complete" and not o.startswith(("429:", "503:"))]
+    assert not unexpected, (
+        f"{len(unexpected)} streams neither completed nor refused: {unexpected[:5]}"
+    )
+    assert outcomes.count("complete") > 0, outcomes[:5]
