@@ -320,7 +320,9 @@ class OpenAIFront:
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, "completions", completion_request)
 
-    async def _serve(self, request: Request, method: str, read) -> Response:
+    async def _serve(
+        self, request: Request, method: str, read: Callable[[dict], OpenAIRequest]
+    ) -> Response:
         count = CallCount(self.metrics, method)
         openai = None
         try:

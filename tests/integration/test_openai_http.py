@@ -288,7 +288,9 @@ def test_a_session_id_pins_the_session_on_its_executor(client: openai.OpenAI, st
     assert executor_id, "the session names the executor that holds its KV"
 
 
-def test_http_requests_carry_the_openai_api_label(client: openai.OpenAI, stack: Stack):
+def test_http_requests_carry_the_openai_api_label_and_count_for_the_keys_tenant(
+    client: openai.OpenAI, stack: Stack
+):
     client.completions.create(model=MODEL_ID, prompt="Once", max_tokens=2)
     text = scrape(stack, "gateway")
     for needle in (
@@ -296,6 +298,7 @@ def test_http_requests_carry_the_openai_api_label(client: openai.OpenAI, stack: 
         'service="openai"}',
         'kvgate_gateway_ttft_seconds_count{api="openai"}',
         'kvgate_gateway_finished_requests_total{api="openai",finish_reason="length"}',
+        'kvgate_gateway_tenant_requests_total{tenant="openai-tests"}',
     ):
         assert needle in text, f"{needle} not in the gateway's metrics"
 
