@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.bench_engine import Workload
-from bench.roofline import (
+from bench.engine import (
+    Workload,
     decoder_linear_parameters,
     output_tokens_only_tokens_per_s,
     roofline_tokens_per_s,

@@ -1,27 +1,30 @@
 """The KV host tier on a GPU: requests preempted by swap resume with the tokens of no
 preemption at all, and of preemption by recompute.
 
-    python -m bench.gpu_swap [--device cuda]
-
 On CUDA the host tier is pinned memory and its copies run on a side stream, overlapped with
-compute (executor/kv_swap.py); the CPU test suite runs the same engine path with a second
-pool. A seeded random Llama (heads of 64, grouped queries) serves the same greedy requests
-three ways: with room for all, and with too few device blocks preempting by recompute and by
-swap. Prints one JSON object; exits 1 when the tokens differ or nothing was swapped.
+compute (executor/kv_swap.py); the CPU suite runs the same engine path with a second pool
+(tests/unit). A seeded random Llama (heads of 64, grouped queries) serves the same greedy
+requests three ways: with room for all, and with too few device blocks preempting by recompute
+and by swap. On the CPU too, so that it cannot rot; bench/gpu_check.sh runs it on a GPU.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.scratch import scratch_folder
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
 from executor.engine import Engine
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ),
+]
 
 SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -54,39 +57,20 @@ def run_mode(model_dir: str, device: str, prompts: list[list[int]], overrides: d
     }
 
 
-def check(device: str) -> dict:
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_resumes_with_the_tokens_of_no_preemption(device: str, tmp_path) -> None:
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 9, 14, 21, 3)]
     torch.manual_seed(0)
-    with scratch_folder() as folder:
-        LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(folder)
-        runs = {name: run_mode(str(folder), device, prompts, o) for name, o in MODES.items()}
-    base, swap = runs["no preemption"], runs["swap"]
-    result = {name: {k: v for k, v in run.items() if k != "tokens"} for name, run in runs.items()}
-    result["device"] = device
-    result["swap_tokens_equal"] = swap["tokens"] == base["tokens"]
-    result["recompute_tokens_equal"] = runs["recompute"]["tokens"] == base["tokens"]
-    result["ok"] = (
-        result["swap_tokens_equal"]
-        and result["recompute_tokens_equal"]
-        and swap["swapped_out_blocks"] > 0
-        and swap["swapped_in_blocks"] == swap["swapped_out_blocks"]
-        and swap["batched_tokens"] == base["batched_tokens"]  # nothing recomputed
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(tmp_path)
+    runs = {name: run_mode(str(tmp_path), device, prompts, o) for name, o in MODES.items()}
+    base, swap, recompute = runs["no preemption"], runs["swap"], runs["recompute"]
+    assert swap["swapped_out_blocks"] > 0, f"nothing was swapped: {swap}"
+    assert swap["swapped_in_blocks"] == swap["swapped_out_blocks"], swap
+    assert swap["tokens"] == base["tokens"], "swap changed the greedy tokens"
+    assert recompute["tokens"] == base["tokens"], "recompute changed the greedy tokens"
+    assert recompute["batched_tokens"] > swap["batched_tokens"], "recompute recomputed nothing"
+    assert swap["batched_tokens"] == base["batched_tokens"], (
+        f"swap recomputed tokens: {swap['batched_tokens']} batched, "
+        f"{base['batched_tokens']} without preemption"
     )
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("gpu_swap: no CUDA device", flush=True)
-        return 2
-    result = check(args.device)
-    print(json.dumps(result, indent=2), flush=True)
-    return 0 if result["ok"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

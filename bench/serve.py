@@ -1,17 +1,30 @@
-"""Serving benchmark: the whole stack (gateway, Redis, scheduler, executor) against the
-in-process Engine, on the engine benchmark's model and workload, in one run.
+"""`kvgate bench serve stack`: the whole stack against the in-process Engine, plain and with
+every defence on.
 
-    python -m bench.bench_serve --out bench/results/serve.json
+Serving benchmark: the whole stack (gateway, Redis, scheduler, executor) against the
+in-process Engine, on the engine benchmark's model and workload, in one run.
 
 Reports the throughput ratio grpc / in-process (target >= 0.9) and the TTFT p50 at
 1 request/s (the sides take turns, a third of a second apart); the stack's TTFT minus
 batch_window_ms is compared with the in-process TTFT (target: at most 3 ms more). A second
 stack with every defence on (API keys, quotas, TLS, mutual TLS on the TokenSink, Redis over
-TLS with an ACL user: bench/secure.py) takes its turns too: its TTFT over the plain stack's
+TLS with an ACL user: secure_config below) takes its turns too: its TTFT over the plain stack's
 is what security costs (target: under 1 ms), reported as the median of the paired
 differences with its 95% bootstrap interval. The same client also times a do-nothing gRPC
-server (bench/grpc_floor.py) at the same rate: the share of that difference any Python gRPC
+server (InstantInference below) at the same rate: the share of that difference any Python gRPC
 front end pays before it does any work.
+
+A local stack with every defence on, for the benchmarks that weigh them: API keys and
+quotas on the gateway, TLS on its public port, mutual TLS on the TokenSink, and Redis
+serving TLS only to an ACL user. Certificates are made for the run (deploy/certs.py) in its
+scratch folder.
+
+A do-nothing Inference server: the floor of a Python gRPC streaming call on this machine.
+
+`Generate` answers at once with one chunk holding one token and a last chunk, on the same
+grpc.aio server stack as the gateway (its interceptors included) and no Redis, scheduler or
+model behind it. bench_serve times it with the client it times the stack with: the part of
+the stack's TTFT that any Python gRPC front end pays before doing any work.
 """
 
 from __future__ import annotations
@@ -19,26 +32,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
+from grpc import aio
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from bench.bench_engine import BENCH_SHAPE, Workload, build_model
-from bench.scratch import scratch_folder
-from bench.secure import key_metadata, secure_config, tenant_key
-from bench.stats import paired_median_ms, print_and_save
+from bench.engine import BENCH_SHAPE, Workload, build_model
+from bench.harness import (
+    Benchmark,
+    add_device,
+    add_model,
+    add_workload,
+    load_average,
+    print_json,
+    scratch_folder,
+)
+from bench.stats import paired_median_ms
+from client.admin import create_key, set_limits
 from common.sampling_params import SamplingParams
-from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
+from deploy.certs import CertificateAuthority
+from deploy.stack import RedisSecurity, Stack, StackConfig, co_located_torch_threads, free_port
 from executor.config import EngineConfig
 from executor.engine import Engine
+from gateway.errors import ErrorInterceptor
+from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -159,10 +186,18 @@ def interleaved_ttft_ms(
     return samples
 
 
+# The do-nothing server's process (InstantInference below).
+FLOOR_SERVER = (
+    "import asyncio, sys\n"
+    "from bench.serve import serve\n"
+    "asyncio.run(serve('127.0.0.1', int(sys.argv[1])))\n"
+)
+
+
 def grpc_floor_ttft_ms(prompts: list[list[int]], interval_s: float) -> list[float]:
-    """grpc_ttft_ms against bench/grpc_floor.py, started as its own process like a gateway."""
+    """grpc_ttft_ms against the do-nothing server, started as its own process like a gateway."""
     port = free_port()
-    command = [sys.executable, "-m", "bench.grpc_floor", "--port", str(port)]
+    command = [sys.executable, "-c", FLOOR_SERVER, str(port)]
     server = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -254,7 +289,7 @@ def paired_overhead_ms(inprocess: list[float], grpc: list[float], window_ms: flo
 
 def run(args: argparse.Namespace) -> dict:
     workload = Workload(args.num_requests, args.prompt_len, args.output_len)
-    load_at_start = os.getloadavg()
+    load_at_start = load_average()
     with scratch_folder() as folder:
         model = args.model or folder
         if args.model is None:
@@ -271,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
         "torch_threads": co_located_torch_threads(),
         "cpus": os.cpu_count(),
         "load_average_at_start": load_at_start,  # 1, 5 and 15 minutes: other work running
-        "load_average_at_end": os.getloadavg(),
+        "load_average_at_end": load_average(),
         "inprocess_tokens_per_s": samples["inprocess_tokens_per_s"],
         "grpc_tokens_per_s": samples["grpc_tokens_per_s"],
         "throughput_ratio": samples["grpc_tokens_per_s"] / samples["inprocess_tokens_per_s"],
@@ -299,18 +334,11 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="a checkpoint folder with a tokenizer (default: the engine benchmark's 56 M model)",
-    )
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device(parser)
+    add_model(parser, None, "a checkpoint folder with a tokenizer (default: the engine "
+              "benchmark's 56 M model)")  # fmt: skip
+    add_workload(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--batch-window-ms", type=float, default=2.0)
@@ -321,14 +349,86 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="TTFT samples per side: one step's time moves by several ms between requests",
     )
     parser.add_argument("--ttft-interval-s", type=float, default=1.0, help="1 request/s")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/serve.json"))
-    return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    print_and_save(run(args), args.out)
+# Limits far above what a benchmark sends: the quota script runs on every request, and
+# never refuses one.
+GENEROUS = {"requests_per_s": 10_000.0, "tokens_per_min": 100_000_000, "max_streams": 10_000}
 
 
-if __name__ == "__main__":
-    main()
+@dataclass(frozen=True, slots=True)
+class SecureAccess:
+    """What a client of the secured stack needs."""
+
+    ca: str  # the CA of the gateway's certificate
+
+    def channel(self, address: str) -> grpc.Channel:
+        credentials = grpc.ssl_channel_credentials(Path(self.ca).read_bytes())
+        return grpc.secure_channel(address, credentials)
+
+
+def secure_config(config: StackConfig, folder: Path) -> tuple[StackConfig, SecureAccess]:
+    """`config` with keys, TLS and mutual TLS on, its Redis on TLS with an ACL user."""
+    ca = CertificateAuthority(folder / "ca")
+    server, sink, executor, redis_server = (
+        ca.server(),
+        ca.server("sink"),
+        ca.client("executor"),
+        ca.server("redis"),
+    )
+    config.auth = "keys"
+    config.redis_security = RedisSecurity(
+        ca.ca,
+        redis_server.cert,
+        redis_server.key,
+        password=secrets.token_urlsafe(16),
+        acl_file=str(folder / "users.acl"),
+    )
+    config.gateway_flags = [
+        *config.gateway_flags,
+        *("--tls-cert", server.cert, "--tls-key", server.key),
+        *("--internal-tls-cert", sink.cert, "--internal-tls-key", sink.key),
+        *("--internal-tls-client-ca", ca.ca),
+    ]
+    config.executor_flags = [
+        *config.executor_flags,
+        *("--sink-tls-ca", ca.ca, "--sink-tls-cert", executor.cert),
+        *("--sink-tls-key", executor.key),
+    ]
+    return config, SecureAccess(ca.ca)
+
+
+def tenant_key(stack: Stack, tenant: str, limits: dict[str, object] | None = None) -> str:
+    """A new API key of `tenant` on the stack's Redis, with `limits` (default GENEROUS)."""
+    client = stack.redis()
+    set_limits(client, stack.keys, tenant, GENEROUS if limits is None else limits, print_nothing)
+    return create_key(client, stack.keys, tenant, print_nothing)
+
+
+def key_metadata(api_key: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {api_key}"),)
+
+
+def print_nothing(_: str) -> None:
+    """A `say` for kvgate admin's functions that keeps the new key off the output."""
+
+
+class InstantInference(inference_pb2_grpc.InferenceServicer):
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        yield inference_pb2.GenerateResponse(request_id=request.request_id, token_ids=[1])
+        yield inference_pb2.GenerateResponse(
+            request_id=request.request_id, finish_reason=inference_pb2.FINISH_REASON_LENGTH
+        )
+
+
+async def serve(host: str, port: int) -> None:
+    server = aio.server(interceptors=[MetricsInterceptor(GatewayMetrics()), ErrorInterceptor()])
+    inference_pb2_grpc.add_InferenceServicer_to_server(InstantInference(), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+BENCHMARKS = {"serve stack": Benchmark(add_arguments, run, "serve.json", print_json)}

@@ -1,7 +1,8 @@
-"""Engine benchmark: kvgate's Engine against transformers on one workload, in one process.
+"""`kvgate bench engine throughput`: kvgate's Engine against transformers on one workload, in
+one process; and the helpers the other engine benchmarks build on.
 
-    python -m bench.bench_engine --out bench/results/engine.json
-    python -m bench.bench_engine --model smollm2 --out bench/results/engine_smollm2.json
+    kvgate bench engine throughput --out bench/results/engine.json
+    kvgate bench engine throughput --model smollm2 --out bench/results/engine_smollm2.json
 
 Without --model the model is a seeded random Llama of BENCH_SHAPE; with it, the weights of a
 checkpoint folder or GGUF file (`smollm2`: the SmolLM2-135M-Instruct GGUF of `make setup`),
@@ -9,9 +10,37 @@ which transformers loads too (from_pretrained, with gguf_file= for a GGUF file),
 
 Measures output tokens/s of (a) `transformers` generate one request at a time, (b)
 `transformers` generate_batch (its continuous batching), (c) kvgate's Engine, each the best of
-`--repeats` interleaved rounds; the machine's limit (bench/roofline.py: the workload's matmul
+`--repeats` interleaved rounds; the machine's limit (the roofline below: the workload's matmul
 FLOPs at the best matmul FLOP/s, read in every round beside the peers); and the decode step
-time at batch 8 for several context lengths. Prints the ratios and writes them as JSON.
+time at batch 8 for several context lengths. --resident-only measures the executor's resident
+memory under the workload alone.
+
+The matmul roofline of a generation workload: the output tokens/s an engine would reach if
+all its time went to the workload's linear layers at the machine's best matmul FLOP/s.
+
+The workload's matmul FLOPs, per request of P prompt and O output tokens, greedy:
+
+- the decoder's linear layers (q/k/v, output projection, gate/up, down) for every prompt token
+  and every output token but the last (which is returned, never fed back): P + O - 1 tokens;
+- the output layer (hidden x vocabulary) only where logits are needed: the last prompt token
+  (it gives the first output token) and the O - 1 fed-back output tokens: O rows.
+
+Each weight element is one multiply and one add per token (2 FLOPs). Attention's own products
+(scores and the weighted sum over the context), norms, rotary and sampling are not counted:
+they are the engine's overhead against this bound, not part of it. Biases are not counted
+either (one add per output element).
+
+The older figure, FLOP/s / (2 x parameters), counts one forward of every parameter per output
+token and none for the prompt: for 128 prompt and 128 output tokens on SmolLM2 it is about
+1.8x this bound, so no engine can reach it (`output_tokens_only_tokens_per_s` keeps it).
+
+`kvgate bench load --compare-hf` runs the same requests offline through `transformers`
+(compare_hf), for a ratio against the served run. Two peers, both greedy with exact output
+lengths, run in the bench's process after the served run has finished: `generate` one request
+at a time (a sample of the requests, as a rate), and `generate_batch` (transformers' continuous
+batching) over all of them. Requests are grouped by output length, since generate_batch takes
+one max_new_tokens; with
+--range-ratio 0 that is one batch.
 """
 
 from __future__ import annotations
@@ -24,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,9 +63,17 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation import ContinuousBatchingConfig
 
+from bench.harness import (
+    Benchmark,
+    add_device,
+    add_model,
+    add_repeats,
+    add_threads,
+    add_workload,
+    load_average,
+    scratch_folder,
+)
 from bench.machine import matmul_flops_per_s
-from bench.roofline import output_tokens_only_tokens_per_s, roofline_tokens_per_s
-from bench.scratch import scratch_folder
 from common.model_files import default_gguf_path, gguf_file
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
@@ -291,7 +329,7 @@ def resident_under_workload(model: str, args: argparse.Namespace) -> dict[str, i
     workload once (a CPU Engine keeps freed memory, so the end is near the peak)."""
     code = (
         "import argparse, json, sys\n"
-        "from bench.bench_engine import Engine, Workload, _engine_config, kvgate_tokens_per_s\n"
+        "from bench.engine import Engine, Workload, _engine_config, kvgate_tokens_per_s\n"
         "args = argparse.Namespace(**json.loads(sys.argv[2]))\n"
         "workload = Workload(args.num_requests, args.prompt_len, args.output_len)\n"
         "engine = Engine(_engine_config(sys.argv[1], args))\n"
@@ -384,61 +422,159 @@ def print_summary(result: dict) -> None:
         print(f"step(1024) / step({first})    {steps[last] / steps[first]:.2f}x")
 
 
-def main(argv: list[str] | None = None) -> None:
-    from bench import cpu_speed  # here: it builds on this module's measures
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench/results/engine.json")
-    model_help = "checkpoint folder, GGUF file or smollm2 (default: a seeded random Llama)"
-    parser.add_argument("--model", default="", help=model_help)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvgate bench engine throughput`."""
+    add_model(
+        parser, "", "checkpoint folder, GGUF file or smollm2 (default: a seeded random Llama)"
+    )
+    add_device(parser)
+    add_workload(parser)
     parser.add_argument("--hf-sample", type=int, default=2,
                         help="requests measured for one-at-a-time generate (a rate)")  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 2048])
-    repeats_help = "rounds of every throughput measurement; the best of each counts"
-    parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
-    threads_help = "torch CPU threads for every measurement (0: torch's default)"
-    parser.add_argument("--threads", type=int, default=0, help=threads_help)
-    parser.add_argument("--no-cpu-speed", dest="run_cpu_speed", action="store_false",
-                        help="skip the CPU decode-latency and number-format runs")  # fmt: skip
-    cpu_speed.add_arguments(parser)
+    add_repeats(parser, 3)
+    add_threads(parser)
     parser.add_argument("--resident-only", action="store_true",
                         help="only the executor's resident memory under the workload (CPU), "
                              "in a fresh process")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    if args.resident_only:
-        with benchmark_model(args, torch.float32) as (engine_model, _):
-            resident = resident_under_workload(engine_model, args)
-        workload = Workload(args.num_requests, args.prompt_len, args.output_len)
-        result = {
-            "model": args.model or "random",
-            "workload": vars(workload),
-            "kv_cache_gib": args.kv_cache_gib,
-            "load_average_at_end": os.getloadavg(),
-            "kvgate_resident_bytes": resident,
-        }
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(
-            f"resident {resident['VmRSS'] / 2**20:.0f} MiB, peak "
-            f"{resident['VmHWM'] / 2**20:.0f} MiB; wrote {args.out}"
-        )
+
+
+def run_throughput(args: argparse.Namespace) -> dict:
+    """`kvgate bench engine throughput`, or its --resident-only part."""
+    if not args.resident_only:
+        return run(args)
+    with benchmark_model(args, torch.float32) as (engine_model, _):
+        resident = resident_under_workload(engine_model, args)
+    workload = Workload(args.num_requests, args.prompt_len, args.output_len)
+    return {
+        "model": args.model or "random",
+        "workload": vars(workload),
+        "kv_cache_gib": args.kv_cache_gib,
+        "load_average_at_end": load_average(),
+        "kvgate_resident_bytes": resident,
+    }
+
+
+def summarize_throughput(result: dict) -> None:
+    if "kvgate_tokens_per_s" in result:
+        print_summary(result)
         return
-    result = run(args)
-    print_summary(result)
-    if args.run_cpu_speed and args.device == "cpu":
-        result["cpu_speed"] = cpu_speed.run(args)
-        cpu_speed.print_summary(result["cpu_speed"])
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    resident = result["kvgate_resident_bytes"]
+    print(f"resident {resident['VmRSS'] / 2**20:.0f} MiB, peak {resident['VmHWM'] / 2**20:.0f} MiB")
 
 
-if __name__ == "__main__":
-    main()
+def decoder_linear_parameters(config) -> int:
+    """Weight elements of every decoder layer's linear layers, summed over the layers.
+
+    `config`: a transformers Llama-family config (hidden_size, intermediate_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, optional head_dim).
+    """
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_width = config.num_attention_heads * head_dim
+    kv_width = config.num_key_value_heads * head_dim
+    attention = hidden * (q_width + 2 * kv_width) + q_width * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    return config.num_hidden_layers * (attention + mlp)
+
+
+def workload_matmul_flops(config, num_requests: int, prompt_len: int, output_len: int) -> int:
+    """Matmul FLOPs of `num_requests` greedy requests of `prompt_len` + `output_len` tokens."""
+    if prompt_len < 1 or output_len < 1:
+        raise ValueError(f"prompt_len and output_len must be >= 1, got {prompt_len}, {output_len}")
+    decoder_tokens = prompt_len + output_len - 1
+    head = config.hidden_size * config.vocab_size
+    per_request = decoder_linear_parameters(config) * decoder_tokens + head * output_len
+    return 2 * num_requests * per_request
+
+
+def roofline_tokens_per_s(flops_per_s: float, config, workload) -> float:
+    """Output tokens/s of `workload` (num_requests, prompt_len, output_len) if its matmuls ran
+    at `flops_per_s` and nothing else took time."""
+    flops = workload_matmul_flops(
+        config, workload.num_requests, workload.prompt_len, workload.output_len
+    )
+    return flops_per_s * workload.num_requests * workload.output_len / flops
+
+
+def output_tokens_only_tokens_per_s(flops_per_s: float, num_parameters: int) -> float:
+    """FLOP/s / (2 x parameters): one forward of every parameter per output token, the prompt
+    free. Not a bound of the workload (see the module); kept to compare with older runs."""
+    return flops_per_s / (2 * num_parameters)
+
+
+def one_at_a_time_tokens_per_s(model, prompts: list[list[int]], output_lens: list[int]) -> float:
+    """Output tokens/s of `generate` called once per request, in order."""
+    seconds = sum(
+        output_len / hf_generate_tokens_per_s(model, [prompt], output_len)
+        for prompt, output_len in zip(prompts, output_lens, strict=True)
+    )
+    return sum(output_lens) / seconds
+
+
+def batch_tokens_per_s(model, prompts: list[list[int]], output_lens: list[int]) -> float:
+    """Output tokens/s of `generate_batch`, one call per distinct output length."""
+    groups: dict[int, list[list[int]]] = defaultdict(list)
+    for prompt, output_len in zip(prompts, output_lens, strict=True):
+        groups[output_len].append(prompt)
+    seconds = sum(
+        len(group) * output_len / hf_generate_batch_tokens_per_s(model, group, output_len)
+        for output_len, group in groups.items()
+    )
+    return sum(output_lens) / seconds
+
+
+def compare_hf(
+    model_dir: Path,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    kvgate_tokens_per_s: float,
+    sample: int,
+) -> dict[str, float | int | str]:
+    """Runs the peers and returns their throughputs and kvgate's ratios to them.
+
+    Args:
+        model_dir: the served model's folder or GGUF file.
+        prompts: the run's prompts as token ids, as the gateway tokenized them.
+        output_lens: each request's output tokens.
+        kvgate_tokens_per_s: the served run's output token throughput.
+        sample: how many requests `generate` runs one at a time.
+
+    Returns:
+        The peers' output tokens/s, the ratios, the device and the sample size.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_hf_model(model_dir).to(device)
+    with torch.inference_mode():
+        one = one_at_a_time_tokens_per_s(model, prompts[:sample], output_lens[:sample])
+        batch = batch_tokens_per_s(model, prompts, output_lens)
+    return {
+        "device": device,
+        "generate_sample_requests": len(prompts[:sample]),
+        "generate_batch_requests": len(prompts),
+        "hf_generate_tokens_per_s": one,
+        "hf_generate_batch_tokens_per_s": batch,
+        "kvgate_over_hf_generate": kvgate_tokens_per_s / one,
+        "kvgate_over_hf_generate_batch": kvgate_tokens_per_s / batch,
+    }
+
+
+def print_comparison(comparison: dict) -> None:
+    print(
+        f"transformers on {comparison['device']}: generate one at a time on a sample of "
+        f"{comparison['generate_sample_requests']} requests, generate_batch on "
+        f"{comparison['generate_batch_requests']} (small samples: a rate, not a full run)"
+    )
+    print(f"  generate        {comparison['hf_generate_tokens_per_s']:10.1f} output tokens/s")
+    print(f"  generate_batch  {comparison['hf_generate_batch_tokens_per_s']:10.1f} output tokens/s")
+    print(f"  kvgate / generate        {comparison['kvgate_over_hf_generate']:.2f}x")
+    print(f"  kvgate / generate_batch  {comparison['kvgate_over_hf_generate_batch']:.2f}x")
+
+
+BENCHMARKS = {
+    "engine throughput": Benchmark(
+        add_arguments, run_throughput, "engine.json", summarize_throughput
+    )
+}

@@ -1,4 +1,5 @@
-"""bench.scratch: a benchmark's scratch folder goes however the run ends, SIGTERM included."""
+"""bench.harness.scratch_folder: a benchmark's scratch folder goes however the run ends,
+SIGTERM included."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.scratch import scratch_folder
+from bench.harness import scratch_folder
 from deploy.stack import ROOT
 
 HOLD_FOLDER = """
 import sys, time
-from bench.scratch import scratch_folder
+from bench.harness import scratch_folder
 with scratch_folder() as folder:
     for index in range(int(sys.argv[1])):
         (folder / f"shard-{index}.bin").write_bytes(b"x" * 64)

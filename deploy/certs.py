@@ -1,5 +1,6 @@
-"""Certificates the tests make for themselves: a CA, server certificates for 127.0.0.1 and
-localhost, client certificates whose subject CN names a tenant (nothing is committed)."""
+"""Certificates made for a local run (the tests, the secured benchmarks): a CA, server
+certificates for 127.0.0.1 and localhost, client certificates whose subject CN names a tenant
+(nothing is committed)."""
 
 from __future__ import annotations
 

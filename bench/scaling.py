@@ -1,8 +1,8 @@
-"""The KV host tier on chat sessions that overflow the device: with it against without it,
-in one process, in the same run.
+"""Past one device: more chat sessions than its KV cache holds (`kvgate bench scaling swap`),
+and two tensor-parallel ranks against one (`kvgate bench scaling tp`).
 
-    python -m bench.bench_swap --out bench/results/swap_smollm2.json
-    python -m bench.bench_swap --model ../shared/models/stories260K --out ...
+The KV host tier on chat sessions that overflow the device: with it against without it,
+in one process, in the same run.
 
 Twice as many sessions as the device KV cache holds take turns: every session's turn 1, then
 every session's turn 2 (turn 1 with its reply, then a new user message). Without a host tier
@@ -11,6 +11,16 @@ with one (`--swap-space-gib`) they were moved to host memory, and turn 2 copies 
 and prefills only the new message. Both engines run the same turns, interleaved turn by turn
 so that other work on the machine falls on both alike. Reports per engine the turn-2 prefill
 tokens (prompt minus cached) and time to first token, and checks the replies are the same.
+
+Tensor parallelism: two ranks against one, same run, float32 and bfloat16.
+
+Prints, per dtype: the fraction of greedy tokens two ranks give equal to one rank's (16
+prompts, 64 new tokens each, run concurrently; counted up to each prompt's first difference:
+in bfloat16 the ranks' partial sums are rounded before they are added, so a near-tie may
+flip), and output tokens/s of each with their ratio. The CPU default model is stories260K;
+on CUDA a random model shaped like Llama-3.2-1B (32 query and 8 key/value heads), with eager
+decode steps (--enforce-eager: CUDA graphs are not captured across ranks). With fewer than
+two CUDA devices it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -25,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+from bench.engine import Workload
+from bench.harness import BenchFailure, Benchmark, add_model, print_json, scratch_folder
+from bench.kernels import build_cuda_model
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
 from executor.config import EngineConfig
@@ -126,31 +139,118 @@ def summarize(args, model: str, engines: dict[str, Engine], turn2: dict, same: b
     return result
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_swap", description=__doc__)
+def add_swap_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default="smollm2", help="checkpoint folder, GGUF file or smollm2")
+    add_model(parser, "smollm2", "checkpoint folder, GGUF file or smollm2")
     add("--device-sessions", type=int, default=8, help="sessions the device KV cache holds")
     add("--prompt-len", type=int, default=256, help="turn 1 prompt tokens")
     add("--reply-len", type=int, default=32, help="reply tokens of each turn")
     add("--new-len", type=int, default=32, help="turn 2's new message tokens")
     add("--block-size", type=int, default=16)
     add("--swap-space-gib", type=float, default=1.0)
-    add("--out", type=Path, default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
+
+
+def run_swap(args: argparse.Namespace) -> dict:
+    """`kvgate bench scaling swap`."""
     turn2_len = args.prompt_len + 2 * args.reply_len + args.new_len
     args.blocks_per_session = -(-turn2_len // args.block_size)
-    return args
+    return run(args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+NUM_PROMPTS, OUTPUT_LEN = 16, 64
+CPU_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
 
-if __name__ == "__main__":
-    main()
+def greedy_run(config: EngineConfig, prompts: list[list[int]]) -> dict:
+    """Greedy tokens per prompt and output tokens/s of one engine (closed after)."""
+    engine = Engine(config)
+    try:
+        params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+        engine.add_request("warm-up", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        tokens: dict[str, list[int]] = {}
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if config.device != "cpu":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close()
+        del engine
+        if config.device != "cpu":
+            torch.cuda.empty_cache()
+    return {"tokens": tokens, "tokens_per_s": sum(map(len, tokens.values())) / seconds}
+
+
+def equal_fraction(one: dict[str, list[int]], two: dict[str, list[int]]) -> float:
+    """Tokens equal position by position up to each prompt's first difference."""
+    equal = 0
+    for rid, ours in one.items():
+        for a, b in zip(ours, two[rid], strict=True):
+            if a != b:
+                break
+            equal += 1
+    return equal / sum(map(len, one.values()))
+
+
+def measure(model: Path, device: str, vocab_size: int, prompt_len: int) -> dict:
+    workload = Workload(num_requests=NUM_PROMPTS, prompt_len=prompt_len)
+    prompts = workload.prompts(vocab_size)
+    result: dict = {"model": str(model), "device": device}
+    for dtype in ("float32", "bfloat16"):
+        runs = []
+        for tp in (1, 2):
+            config = EngineConfig(model=str(model), device=device, dtype=dtype, num_gpu_blocks=2048,
+                                  enforce_eager=True, tensor_parallel_size=tp)  # fmt: skip
+            runs.append(greedy_run(config, prompts))
+        result[dtype] = {
+            "equal_token_fraction": equal_fraction(runs[0]["tokens"], runs[1]["tokens"]),
+            "tokens_per_s_tp1": runs[0]["tokens_per_s"],
+            "tokens_per_s_tp2": runs[1]["tokens_per_s"],
+        }
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"{'tensor parallel, ' + result['device']:<28}{'equal':>8}{'tp1 tok/s':>12}"
+          f"{'tp2 tok/s':>12}{'ratio':>8}")  # fmt: skip
+    for dtype in ("float32", "bfloat16"):
+        r = result[dtype]
+        one, two = r["tokens_per_s_tp1"], r["tokens_per_s_tp2"]
+        print(f"{dtype:<28}{r['equal_token_fraction']:>8.3f}{one:>12.1f}{two:>12.1f}"
+              f"{two / one:>8.2f}")  # fmt: skip
+
+
+def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_model(parser, None, "CPU: a checkpoint folder (default: stories260K)")
+
+
+def run_tp(args: argparse.Namespace) -> dict:
+    """`kvgate bench scaling tp`. Raises: BenchFailure on CUDA with fewer than two devices."""
+    if args.device == "cpu":
+        model = Path(args.model) if args.model else CPU_MODEL
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        return measure(model, "cpu", vocab, prompt_len=32)
+    count = torch.cuda.device_count()
+    if count < 2:
+        raise BenchFailure(f"{count} CUDA device(s): two ranks need two")
+    with scratch_folder() as folder:
+        built = build_cuda_model()
+        built.save_pretrained(folder)
+        vocab = built.config.vocab_size
+        del built
+        torch.cuda.empty_cache()
+        result = measure(folder, "cuda", vocab, prompt_len=128)
+    return result | {"device": f"cuda, {count} x {torch.cuda.get_device_name()}"}
+
+
+BENCHMARKS = {
+    "scaling swap": Benchmark(add_swap_arguments, run_swap, "swap.json", print_json),
+    "scaling tp": Benchmark(add_tp_arguments, run_tp, "tensor_parallel.json", print_table),
+}

@@ -1,6 +1,6 @@
 """Plays the executors' autoscaler on a local stack, under a ramp of load.
 
-    python -m bench.scaler --out bench/results/scaler.json     (and scaler.png beside it)
+    kvgate bench scaling executors --out bench/results/scaler.json     (and scaler.png beside it)
 
 What a cluster does, on one machine: a real Prometheus scrapes the stack; every polling
 interval the scaler reads the ScaledObject's own query (deploy/k8s, through deploy/scaling.py),
@@ -16,10 +16,8 @@ and what became of every request sent: finished whole, or failed with its status
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -27,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness import Benchmark, add_model, scratch_folder
 from bench.load import run_jobs
-from bench.plots import scaling_timeline
-from bench.scratch import scratch_folder
-from bench.stats import RequestResult
+from bench.stats import RequestResult, scaling_timeline
 from bench.workloads import GenerateJob
 from deploy.models import choose_model
 from deploy.scaling import LocalPrometheus, ScalingRule
@@ -265,19 +262,22 @@ def report(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Args: command-line flags (None: sys.argv). Returns: the exit status."""
-    rule = ScalingRule.from_manifest()
-    parser = argparse.ArgumentParser(prog="python -m bench.scaler", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/scaler.json"))
-    parser.add_argument("--model", default="", help="model folder (default: make run's)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvgate bench scaling executors` (--out: the CLI's; the PNG goes beside it)."""
+    add_model(parser, "", "model folder (default: make run's)")
     parser.add_argument("--duration-s", type=float, default=180.0, help="of the load ramp")
     parser.add_argument("--peak-rate", type=float, default=12.0, help="requests/s at the top")
     parser.add_argument("--output-len", type=int, default=192)
     parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument("--max-replicas", type=int, default=rule.max_replicas)
+    parser.add_argument(
+        "--max-replicas", type=int, default=ScalingRule.from_manifest().max_replicas
+    )
     parser.add_argument("--settle-s", type=float, default=120.0)
-    args = parser.parse_args(argv)
+
+
+def run_scaler(args: argparse.Namespace) -> dict:
+    """`kvgate bench scaling executors`: plays the scaler, draws its PNG next to --out."""
+    rule = ScalingRule.from_manifest()
     config = PlayConfig(
         model=args.model or str(choose_model()),
         duration_s=args.duration_s,
@@ -294,21 +294,20 @@ def main(argv: list[str] | None = None) -> int:
     result["machine_load_at_start"] = load_before
     result["machine_load_at_end"] = subprocess.run(["uptime"], capture_output=True,
                                                    text=True).stdout.strip()  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    png = scaling_timeline(result, args.out.with_suffix(".png"))
+    result["png"] = str(scaling_timeline(result, args.out.with_suffix(".png")))
+    return result
+
+
+def summarize(result: dict) -> None:
     requests = result["requests"]
     print(f"{requests['sent']} sent, {requests['finished']} finished whole, "
           f"{requests['failed']} failed; up to {result['most_replicas']} executors; "
-          f"{args.out}, {png}")  # fmt: skip
+          f"{result['png']}")  # fmt: skip
     if not result["settled"]:
         print(
-            f"the fleet was not back at {rule.min_replicas} executor(s) within --settle-s "
-            f"{args.settle_s} after the load: the scale-in was cut short (raise --settle-s)"
+            f"the fleet was not back at {result['rule']['min_replicas']} executor(s) within "
+            "--settle-s after the load: the scale-in was cut short (raise --settle-s)"
         )
-        return 1
-    return 0 if requests["finished"] == requests["sent"] else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+BENCHMARKS = {"scaling executors": Benchmark(add_arguments, run_scaler, "scaler.json", summarize)}
