@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     except BenchFailure as error:
         print(f"kvgate bench: {error}", file=sys.stderr)
         return 2
+    failure = benchmark.failure(result) if benchmark.failure is not None else None
+    if failure:
+        print(f"kvgate bench: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 

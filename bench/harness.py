@@ -1,8 +1,8 @@
 """What every benchmark shares: its entry in `kvgate bench`, the flags defined once, where its
 results go, and the scratch folder its model is written to.
 
-A benchmark module lists its runs in `BENCHMARKS` (name -> Benchmark); bench/cli.py gives each
-the shared flags it asks for, runs it, prints its summary and writes its JSON to --out.
+A benchmark module lists its runs in `BENCHMARKS` ("GROUP NAME" -> Benchmark); bench/cli.py
+runs the one asked for, prints its summary and writes its JSON to --out.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class Benchmark:
     out: str
     # Prints what a reader looks at first (None: the run prints as it goes).
     summarize: Callable[[dict], None] | None = None
+    # What the results show went wrong, if anything: the command then exits with status 1.
+    failure: Callable[[dict], str | None] | None = None
 
 
 def add_out(parser: argparse.ArgumentParser, name: str) -> None:

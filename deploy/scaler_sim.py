@@ -303,11 +303,22 @@ def summarize(result: dict) -> None:
     print(f"{requests['sent']} sent, {requests['finished']} finished whole, "
           f"{requests['failed']} failed; up to {result['most_replicas']} executors; "
           f"{result['png']}")  # fmt: skip
+
+
+def failure(result: dict) -> str | None:
+    """A lost request, or a fleet not back at its minimum within --settle-s."""
+    requests = result["requests"]
     if not result["settled"]:
-        print(
+        return (
             f"the fleet was not back at {result['rule']['min_replicas']} executor(s) within "
             "--settle-s after the load: the scale-in was cut short (raise --settle-s)"
         )
+    if requests["finished"] != requests["sent"]:
+        unfinished = requests["sent"] - requests["finished"]
+        return f"{unfinished} of {requests['sent']} requests did not finish whole"
+    return None
 
 
-BENCHMARKS = {"scaling executors": Benchmark(add_arguments, run_scaler, "scaler.json", summarize)}
+BENCHMARKS = {
+    "scaling executors": Benchmark(add_arguments, run_scaler, "scaler.json", summarize, failure)
+}

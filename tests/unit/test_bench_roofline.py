@@ -1,4 +1,5 @@
-"""bench/roofline.py: the workload's matmul FLOPs against a count by hand, on a tiny Llama."""
+"""bench/engine.py's roofline: the workload's matmul FLOPs against a count by hand, on a tiny
+Llama."""
 
 from __future__ import annotations
 
