@@ -20,7 +20,7 @@ in bfloat16 the ranks' partial sums are rounded before they are added, so a near
 flip), and output tokens/s of each with their ratio. The CPU default model is stories260K;
 on CUDA a random model shaped like Llama-3.2-1B (32 query and 8 key/value heads), with eager
 decode steps (--enforce-eager: CUDA graphs are not captured across ranks). With fewer than
-two CUDA devices it says so and exits 0.
+two CUDA devices it says so and exits 2.
 """
 
 from __future__ import annotations

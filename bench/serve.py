@@ -1,30 +1,21 @@
-"""`kvgate bench serve stack`: the whole stack against the in-process Engine, plain and with
-every defence on.
-
-Serving benchmark: the whole stack (gateway, Redis, scheduler, executor) against the
-in-process Engine, on the engine benchmark's model and workload, in one run.
+"""`kvgate bench serve stack`: the whole stack (gateway, Redis, scheduler, executor) against the
+in-process Engine, on the engine benchmark's model and workload, plain and with every defence
+on, in one run.
 
 Reports the throughput ratio grpc / in-process (target >= 0.9) and the TTFT p50 at
 1 request/s (the sides take turns, a third of a second apart); the stack's TTFT minus
 batch_window_ms is compared with the in-process TTFT (target: at most 3 ms more). A second
-stack with every defence on (API keys, quotas, TLS, mutual TLS on the TokenSink, Redis over
-TLS with an ACL user: secure_config below) takes its turns too: its TTFT over the plain stack's
-is what security costs (target: under 1 ms), reported as the median of the paired
-differences with its 95% bootstrap interval. The same client also times a do-nothing gRPC
-server (InstantInference below) at the same rate: the share of that difference any Python gRPC
-front end pays before it does any work.
+stack with every defence on (secure_config: API keys and quotas on the gateway, TLS on its
+public port, mutual TLS on the TokenSink, Redis serving TLS only to an ACL user; certificates
+made for the run by deploy/certs.py in its scratch folder) takes its turns too: its TTFT over
+the plain stack's is what security costs (target: under 1 ms), reported as the median of the
+paired differences with its 95% bootstrap interval.
 
-A local stack with every defence on, for the benchmarks that weigh them: API keys and
-quotas on the gateway, TLS on its public port, mutual TLS on the TokenSink, and Redis
-serving TLS only to an ACL user. Certificates are made for the run (deploy/certs.py) in its
-scratch folder.
-
-A do-nothing Inference server: the floor of a Python gRPC streaming call on this machine.
-
-`Generate` answers at once with one chunk holding one token and a last chunk, on the same
-grpc.aio server stack as the gateway (its interceptors included) and no Redis, scheduler or
-model behind it. bench_serve times it with the client it times the stack with: the part of
-the stack's TTFT that any Python gRPC front end pays before doing any work.
+The same client also times a do-nothing server at the same rate (InstantInference, in a
+process of its own like a gateway): `Generate` answers at once with one chunk holding one
+token and a last chunk, on the gateway's grpc.aio server stack (its interceptors included)
+with no Redis, scheduler or model behind it: the part of the stack's TTFT that any Python
+gRPC front end pays before doing any work.
 """
 
 from __future__ import annotations
