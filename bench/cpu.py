@@ -63,9 +63,9 @@ from bench.harness import (
 from bench.machine import machine_limits, matmul_flops_per_s, read_bandwidth_bytes_per_s
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.host_memory import resident_nbytes, retain_freed_memory
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import resident_nbytes, retain_freed_memory
 from kernels import cpu_decoder
 from kernels.decoder import decoder_layers_with
 

@@ -55,8 +55,8 @@ from bench.harness import (
     scratch_folder,
 )
 from bench.machine import cpu_features
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from kernels import KernelBackend, cpu_linear, get_kernels, quant
 from kernels import reference as ref
 

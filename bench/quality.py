@@ -62,9 +62,9 @@ from bench.engine import decode_step_ms, start_decoding
 from bench.harness import BenchFailure, Benchmark, add_model, add_repeats, add_threads, load_average
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.host_memory import retain_freed_memory
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import retain_freed_memory
 
 VARIANTS = {
     "float32": {},

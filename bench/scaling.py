@@ -40,8 +40,8 @@ from bench.harness import BenchFailure, Benchmark, add_model, print_json, scratc
 from bench.kernels import build_cuda_model
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 
 ENGINES = ("host_tier", "no_host_tier")
 

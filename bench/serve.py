@@ -53,8 +53,8 @@ from client.admin import create_key, set_limits
 from common.sampling_params import SamplingParams
 from deploy.certs import CertificateAuthority
 from deploy.stack import RedisSecurity, Stack, StackConfig, co_located_torch_threads, free_port
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from gateway.errors import ErrorInterceptor
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc

@@ -2,7 +2,7 @@
 preemption at all, and of preemption by recompute.
 
 On CUDA the host tier is pinned memory and its copies run on a side stream, overlapped with
-compute (executor/kv_swap.py); the CPU suite runs the same engine path with a second pool
+compute (engine/kv_swap.py); the CPU suite runs the same engine path with a second pool
 (tests/unit). A seeded random Llama (heads of 64, grouped queries) serves the same greedy
 requests three ways: with room for all, and with too few device blocks preempting by recompute
 and by swap. On the CPU too, so that it cannot rot; bench/gpu_check.sh runs it on a GPU.
@@ -15,8 +15,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 
 DEVICES = [
     "cpu",

@@ -17,7 +17,8 @@ from common.tenants import (
 )
 from common.tls import TLSFileError
 from deploy.certs import CertificateAuthority
-from executor.config import EngineConfig, ExecutorConfig
+from engine.config import EngineConfig
+from executor.config import ExecutorConfig
 from executor.gateway_link import SinkCredentials
 from gateway.accounting import TenantLabels
 from gateway.config import GatewayConfig

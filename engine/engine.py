@@ -16,12 +16,12 @@ import torch
 
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.kv_cache import KVCacheManager
-from executor.model_runner import ModelRunner
-from executor.request import Request
-from executor.sampler import Sampler, SamplingBatch, TokenLogprobs
-from executor.scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
 
 
 @dataclass(slots=True)
