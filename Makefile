@@ -101,7 +101,7 @@ fuzz: setup proto
 # 10 minutes of random kill -9 (executors, schedulers, gateways, the Redis master) under load;
 # prints requests completed, failed by status and lost. Not in CI.
 chaos: setup proto
-	$(PYTHON) -m deploy.chaos --model $(MODEL) --duration-s 600 $(ARGS)
+	$(PYTHON) -m tests.chaos --model $(MODEL) --duration-s 600 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

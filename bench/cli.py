@@ -50,7 +50,7 @@ COMMANDS = (
     Command("quality", "kv", "bench.quality", "KV cache formats: agreement, blocks, speed"),
     Command("scaling", "swap", "bench.scaling", "the KV host tier on overflowing chat sessions"),
     Command("scaling", "tp", "bench.scaling", "two tensor-parallel ranks against one"),
-    Command("scaling", "executors", "deploy.scaler_sim", "the autoscaler on a local stack"),
+    Command("scaling", "executors", "bench.scaling", "the autoscaler on a local stack"),
 )
 
 

@@ -1,5 +1,6 @@
 """Past one device: more chat sessions than its KV cache holds (`kvgate bench scaling swap`),
-and two tensor-parallel ranks against one (`kvgate bench scaling tp`).
+two tensor-parallel ranks against one (`kvgate bench scaling tp`), and more executors as the
+load grows (`kvgate bench scaling executors`).
 
 The KV host tier on chat sessions that overflow the device: with it against without it,
 in one process, in the same run.
@@ -21,6 +22,13 @@ flip), and output tokens/s of each with their ratio. The CPU default model is st
 on CUDA a random model shaped like Llama-3.2-1B (32 query and 8 key/value heads), with eager
 decode steps (--enforce-eager: CUDA graphs are not captured across ranks). With fewer than
 two CUDA devices it says so and exits 2.
+
+The executors' autoscaler (deploy/scaler_sim.py, KEDA's and the HPA's periods multiplied by
+--time-scale) on a local stack, under Generate requests arriving at a rate that ramps up,
+holds, and ramps down to nothing. The JSON and the plot (scaler.png beside --out) hold
+replicas, the signal, the queue and TTFT p90 over time, and what became of every request
+sent: finished whole, or failed with its status. It exits 1 when a request did not finish
+whole or the fleet was not back at its minimum within --settle-s.
 """
 
 from __future__ import annotations
@@ -29,17 +37,27 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.engine import Workload
 from bench.harness import BenchFailure, Benchmark, add_model, print_json, scratch_folder
 from bench.kernels import build_cuda_model
+from bench.load import run_jobs
+from bench.stats import RequestResult, scaling_timeline
+from bench.workloads import GenerateJob
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
+from deploy.models import choose_model
+from deploy.scaler_sim import Fleet, Sample, local_fleet, play
+from deploy.scaling import ScalingRule
 from engine.config import EngineConfig
 from engine.engine import Engine
 
@@ -250,7 +268,162 @@ def run_tp(args: argparse.Namespace) -> dict:
     return result | {"device": f"cuda, {count} x {torch.cuda.get_device_name()}"}
 
 
+# The executors' autoscaler under a ramp of load (`kvgate bench scaling executors`).
+PROMPTS = ["Once upon a time", "The cat", "A big red ball", "Tom had a toy", "The sun was"]
+# Width of the windows TTFT p90 is computed over, in seconds.
+TTFT_WINDOW_S = 10.0
+
+
+def ramp_arrivals_s(duration_s: float, peak_rate: float) -> list[float]:
+    """Arrival times under a rate that ramps from 0 to peak_rate over the first third of
+    duration_s, holds it for the second, and falls back to 0 over the last: request k
+    arrives when the integral of the rate reaches k + 1/2."""
+    third = duration_s / 3.0
+    times = np.linspace(0.0, duration_s, int(duration_s * 100) + 1)
+    rate = np.interp(times, [0.0, third, 2 * third, duration_s], [0.0, peak_rate, peak_rate, 0.0])
+    arrived = np.concatenate([[0.0], np.cumsum((rate[1:] + rate[:-1]) / 2 * np.diff(times))])
+    count = int(arrived[-1])
+    return np.interp(np.arange(count) + 0.5, arrived, times).tolist()
+
+
+@dataclass(slots=True)
+class PlayConfig:
+    """How the playback runs."""
+
+    model: str
+    duration_s: float  # of the load ramp
+    peak_rate: float  # requests per second at the ramp's top
+    output_len: int  # tokens per request
+    time_scale: float  # KEDA's and the HPA's periods are multiplied by this
+    max_replicas: int  # the manifest's, or fewer on a small machine
+    settle_s: float  # most time after the load for the scale-in to reach the minimum
+
+
+def run_executors(config: PlayConfig, rule: ScalingRule, fleet: Fleet) -> dict:
+    """The load on a thread, the autoscaler on this one, until the load is done and the fleet
+    is back at its minimum (or config.settle_s after the load)."""
+    arrivals = ramp_arrivals_s(config.duration_s, config.peak_rate)
+    jobs = [GenerateJob(f"{PROMPTS[i % len(PROMPTS)]} {i}", config.output_len)
+            for i in range(len(arrivals))]  # fmt: skip
+    gaps = np.diff([0.0, *arrivals]).tolist()
+    outcome: list[list[RequestResult]] = []
+    address = fleet.stack.address
+    load = threading.Thread(
+        target=lambda: outcome.append(run_jobs(address, jobs, gaps, progress=False)[0])
+    )
+    load.start()
+    give_up_s = config.duration_s + config.settle_s
+    samples, settled = play(fleet, rule, config.time_scale, lambda: not load.is_alive(), give_up_s)
+    load.join()
+    result = report(config, rule, samples, arrivals, outcome[0], fleet.exits)
+    result["settled"] = settled
+    return result
+
+
+def report(
+    config: PlayConfig,
+    rule: ScalingRule,
+    samples: list[Sample],
+    arrivals_s: list[float],
+    results: list[RequestResult],
+    exits: dict[str, int],
+) -> dict:
+    """What the run shows: the timeline, TTFT p90 by arrival window, and what became of every
+    request (finished whole, failed, or lost: sent but never answered)."""
+    whole = [r for r in results if r.ok and r.output_tokens == config.output_len]
+    errors: dict[str, int] = {}
+    for result in results:
+        if result not in whole:
+            key = result.error or f"{result.output_tokens} of {config.output_len} tokens"
+            errors[key] = errors.get(key, 0) + 1
+    windows = []
+    edges = np.arange(0.0, config.duration_s + TTFT_WINDOW_S, TTFT_WINDOW_S)
+    for start in edges[:-1]:
+        ttfts = [r.ttft_s for r, t in zip(results, arrivals_s, strict=True)
+                 if start <= t < start + TTFT_WINDOW_S and r.ok]  # fmt: skip
+        p90 = float(np.percentile(ttfts, 90)) * 1000.0 if ttfts else None
+        windows.append({"t_s": float(start + TTFT_WINDOW_S / 2), "ttft_p90_ms": p90,
+                        "requests": len(ttfts)})  # fmt: skip
+    return {
+        "config": asdict(config),
+        "rule": asdict(rule),
+        "samples": [asdict(s) for s in samples],
+        "ttft_p90": windows,
+        "requests": {
+            "sent": len(arrivals_s),
+            "finished": len(whole),
+            "failed": sum(errors.values()),
+            "errors": errors,
+        },
+        "drained_executors_exit_status": exits,
+        "most_replicas": max(s.replicas for s in samples),
+    }
+
+
+def add_executors_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvgate bench scaling executors` (--out: the CLI's; the PNG goes beside it)."""
+    add_model(parser, "", "model folder (default: make run's)")
+    parser.add_argument("--duration-s", type=float, default=180.0, help="of the load ramp")
+    parser.add_argument("--peak-rate", type=float, default=12.0, help="requests/s at the top")
+    parser.add_argument("--output-len", type=int, default=192)
+    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument(
+        "--max-replicas", type=int, default=ScalingRule.from_manifest().max_replicas
+    )
+    parser.add_argument("--settle-s", type=float, default=120.0)
+
+
+def run_scaler(args: argparse.Namespace) -> dict:
+    """`kvgate bench scaling executors`: plays the scaler, draws its PNG next to --out."""
+    rule = ScalingRule.from_manifest()
+    config = PlayConfig(
+        model=args.model or str(choose_model()),
+        duration_s=args.duration_s,
+        peak_rate=args.peak_rate,
+        output_len=args.output_len,
+        time_scale=args.time_scale,
+        max_replicas=min(args.max_replicas, rule.max_replicas),
+        settle_s=args.settle_s,
+    )
+    rule = replace(rule, max_replicas=config.max_replicas)
+    load_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    with (
+        scratch_folder("kvgate-scaler-") as scratch,
+        local_fleet(config.model, rule, scratch) as fleet,
+    ):
+        result = run_executors(config, rule, fleet)
+    result["machine_load_at_start"] = load_before
+    result["machine_load_at_end"] = subprocess.run(["uptime"], capture_output=True,
+                                                   text=True).stdout.strip()  # fmt: skip
+    result["png"] = str(scaling_timeline(result, args.out.with_suffix(".png")))
+    return result
+
+
+def summarize_executors(result: dict) -> None:
+    requests = result["requests"]
+    print(f"{requests['sent']} sent, {requests['finished']} finished whole, "
+          f"{requests['failed']} failed; up to {result['most_replicas']} executors; "
+          f"{result['png']}")  # fmt: skip
+
+
+def executors_failure(result: dict) -> str | None:
+    """A lost request, or a fleet not back at its minimum within --settle-s."""
+    requests = result["requests"]
+    if not result["settled"]:
+        return (
+            f"the fleet was not back at {result['rule']['min_replicas']} executor(s) within "
+            "--settle-s after the load: the scale-in was cut short (raise --settle-s)"
+        )
+    if requests["finished"] != requests["sent"]:
+        unfinished = requests["sent"] - requests["finished"]
+        return f"{unfinished} of {requests['sent']} requests did not finish whole"
+    return None
+
+
 BENCHMARKS = {
     "scaling swap": Benchmark(add_swap_arguments, run_swap, "swap.json", print_json),
     "scaling tp": Benchmark(add_tp_arguments, run_tp, "tensor_parallel.json", print_table),
+    "scaling executors": Benchmark(
+        add_executors_arguments, run_scaler, "scaler.json", summarize_executors, executors_failure
+    ),
 }

@@ -242,7 +242,7 @@ def window_sweep(points: list[dict], title: str, path: Path) -> Path:
 
 
 def scaling_timeline(result: dict, path: Path) -> Path:
-    """Plots deploy/scaler_sim.py's run: executors, the scaling signal and the queue, TTFT p90."""
+    """Plots `kvgate bench scaling executors`: executors, the signal and the queue, TTFT p90."""
     samples = result["samples"]
     t = [s["t_s"] for s in samples]
     plt = _pyplot()

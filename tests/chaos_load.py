@@ -1,7 +1,7 @@
-"""The clients of deploy/chaos.py, in a process of their own (one that runs gRPC calls on
+"""The clients of tests/chaos.py, in a process of their own (one that runs gRPC calls on
 many threads must not also fork the stack's processes: gRPC's state does not survive a fork).
 
-    python -m deploy.chaos_load --targets HOST:PORT,HOST:PORT --clients N --duration-s S
+    python -m tests.chaos_load --targets HOST:PORT,HOST:PORT --clients N --duration-s S
 
 Each client sends greedy and seeded Generate requests to a random gateway until the time is
 up, through KvgateClient (its retry policy on). Prints one JSON object: how many requests
@@ -66,7 +66,7 @@ def client_loop(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m deploy.chaos_load", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos_load", description=__doc__)
     parser.add_argument("--targets", required=True, help="HOST:PORT,HOST:PORT")
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--duration-s", type=float, required=True)

@@ -1,7 +1,7 @@
 """Chaos under load: random kill -9 of executors, schedulers, gateways and the Redis master
 while clients stream, then what became of every request.
 
-    python -m deploy.chaos [--duration-s 600] [--clients 12] [--model DIR]   (make chaos)
+    python -m tests.chaos [--duration-s 600] [--clients 12] [--model DIR]   (make chaos)
 
 The stack: Redis with a replica and three sentinels, two schedulers, two executors and two
 gateways, kept up by make run's supervisor (a killed process is started again). Clients send
@@ -11,7 +11,7 @@ scheduler, a gateway, or the Redis master (only while its replica is in sync, so
 is one to promote). At the end it prints requests completed, failed by status, and lost: a
 call that got neither its last chunk nor a status from kvgate (it must be 0); "broken" counts
 completions with the wrong number of tokens (it must be 0 too). The clients run in a process
-of their own (deploy/chaos_load.py).
+of their own (tests/chaos_load.py).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     targets = ",".join(f"127.0.0.1:{port}" for port in stack.gateway_ports.values())
     print(f"chaos on {model}: {args.duration_s:g} s, logs in {args.log_dir}", flush=True)
     load = subprocess.Popen(
-        [sys.executable, "-m", "deploy.chaos_load", "--targets", targets, "--clients",
+        [sys.executable, "-m", "tests.chaos_load", "--targets", targets, "--clients",
          str(args.clients), "--duration-s", str(args.duration_s), "--seed", str(args.seed)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -123,7 +123,7 @@ def kill_one(stack: Stack, rng: random.Random, kills: collections.Counter) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.chaos", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--kill-every-s", type=float, default=8.0)
