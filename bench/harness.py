@@ -48,9 +48,11 @@ def add_out(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / name, help="results JSON file")
 
 
-def add_model(parser: argparse.ArgumentParser, default: str | None, help: str) -> None:
-    """--model: what the benchmark loads."""
-    parser.add_argument("--model", default=default, help=help)
+def add_model(
+    parser: argparse.ArgumentParser, default: str | None, help: str, type: type = str
+) -> None:
+    """--model: what the benchmark loads (a folder, a file, or a name such as smollm2)."""
+    parser.add_argument("--model", type=type, default=default, help=help)
 
 
 def add_workload(

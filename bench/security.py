@@ -383,8 +383,10 @@ def report(args: argparse.Namespace, quiet: dict, noisy: dict) -> dict:
         for phase in PHASES
     }
 
-    def p99_ratio(key: str, phase: str, baseline: str) -> float:
-        return phases[phase][key]["p99"] / phases[baseline][key]["p99"]
+    def p99_ratio(key: str, phase: str, baseline: str) -> float | None:
+        """None when a phase had no samples (a run too short for its blocks)."""
+        over, under = phases[phase][key]["p99"], phases[baseline][key]["p99"]
+        return over / under if over is not None and under is not None else None
 
     return {
         "model": Path(args.model).name,

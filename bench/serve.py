@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device(parser)
     add_model(parser, None, "a checkpoint folder with a tokenizer (default: the engine "
-              "benchmark's 56 M model)")  # fmt: skip
+              "benchmark's 56 M model)", type=Path)  # fmt: skip
     add_workload(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
