@@ -1,6 +1,6 @@
 """A local kvgate stack as child processes: redis-server, scheduler, executors, gateways.
 
-Used by `make run` (deploy/local.py), the integration tests and bench/bench_serve.py.
+Used by `make run` (deploy/local.py), the integration tests and bench/serve.py.
 Every child gets its own session (a terminal's Ctrl-C reaches only the
 launcher, which stops them in order) and dies with the launcher (PR_SET_PDEATHSIG),
 so no process is left behind.

@@ -15,9 +15,9 @@ from client.api import Completion, KvgateClient, sampling_params
 from common.model_files import default_gguf_path
 from common.model_text import ModelText
 from common.tenants import DEFAULT_TENANT
+from deploy.certs import Pem
 from deploy.stack import Stack, StackConfig, free_port
 from protos.kvgate.v1 import inference_pb2, internal_pb2
-from tests.certs import Pem
 from tests.helpers import STORIES_260K, redis_server, wait_for
 from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, make_gateway
 

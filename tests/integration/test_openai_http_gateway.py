@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from common.keys import RedisKeys
+from deploy.certs import CertificateAuthority
 from gateway.server import ListenError
 from protos.kvgate.v1 import inference_pb2 as pb
-from tests.certs import CertificateAuthority
 from tests.helpers import wait_for
 from tests.integration.gateway_harness import (
     PROMPT,
