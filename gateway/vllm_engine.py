@@ -41,6 +41,7 @@ from protos.kvgate.v1 import inference_pb2, internal_pb2
 
 VLLM_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 SERVER_TYPE = "kvgate"
+API = "vllm"  # the `api` label of this front's request metrics
 FINISH_REASONS = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
@@ -186,6 +187,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             priority=priority,
             session_id="",
             priority_clamped=clamped,
+            api=API,
         )
 
     async def Generate(  # noqa: N802 (gRPC method name)

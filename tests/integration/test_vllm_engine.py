@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from tokenizers import Tokenizer
 
@@ -26,7 +27,7 @@ from common.keys import RedisKeys
 from protos.kvgate.v1 import inference_pb2 as kvgate_pb
 from protos.kvgate.v1 import internal_pb2 as kvgate_internal_pb
 from tests.helpers import wait_for
-from tests.integration.conftest import MODEL
+from tests.integration.conftest import MODEL, scrape
 from tests.integration.gateway_harness import (
     ExecutorPeer,
     GatewayThread,
@@ -125,6 +126,19 @@ def test_logprobs_come_as_output_logprobs(engine, keys):
     assert len(logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in logprobs.token_logprobs)
     for top, token_id in zip(logprobs.top_logprobs, complete.output_ids, strict=True):
         assert len(top.token_ids) == 2 and top.token_ids[0] == token_id, top  # greedy: the top
+
+
+def test_request_metrics_say_the_vllm_front(engine, stack, keys):
+    request = pb.GenerateRequest(request_id="metrics-1", text=PROMPT, sampling_params=greedy(3))
+    list(engine.Generate(request, metadata=keys["acme"], timeout=CALL_TIMEOUT_S))
+    families = list(text_string_to_metric_families(scrape(stack, "gateway")))
+    finished = [
+        s for f in families for s in f.samples if s.name == "kvgate_gateway_finished_requests_total"
+    ]
+    assert any(s.labels.get("api") == "vllm" and s.value >= 1 for s in finished), finished
+    calls = [s for f in families for s in f.samples if s.name == "kvgate_gateway_requests_total"]
+    generate = {"service": "vllm.grpc.engine.VllmEngine", "method": "Generate", "api": "vllm"}
+    assert any(generate.items() <= s.labels.items() for s in calls), calls
 
 
 def test_text_input_stops_at_a_stop_string_and_names_it(engine, keys):
