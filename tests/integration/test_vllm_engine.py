@@ -101,7 +101,7 @@ def test_stream_sends_a_chunk_per_step_then_a_complete(engine, stack, keys):
     assert list(complete.output_ids) == [], "a stream's ids come in its chunks only"
 
 
-def test_unary_sends_one_complete_with_every_id_and_the_cached_prefix(engine, stack, keys):
+def test_unary_sends_one_complete_with_every_id(engine, stack, keys):
     prompt_ids, expected = story_ids(stack, keys, 10)
     request = pb.GenerateRequest(
         request_id="unary-1",
