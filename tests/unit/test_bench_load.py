@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from bench.load import arrival_gaps_s, time_stream
+from bench.load import arrival_gaps_s
+from bench.stats import time_stream
 from protos.kvgate.v1 import inference_pb2
 
 
