@@ -47,8 +47,6 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Only these token ids may be sampled; None: any.
     allowed_token_ids: list[int] | None = None
-    # Return each prompt token's logprob with this many alternatives; None: none.
-    prompt_logprobs: int | None = None
     # Text side, applied where text is made (the gateway): keep the matched stop string at
     # the end of the text, and leave special tokens (BOS, EOS, control tokens) out of it.
     include_stop_str_in_output: bool = False
@@ -78,8 +76,6 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         self._check_logit_masks()
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamError(name, f"must be a bool, got {getattr(self, name)!r}")

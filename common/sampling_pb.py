@@ -43,7 +43,6 @@ def sampling_params_from_pb(
         constraint=constraint_from_pb(params),
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=list(params.allowed_token_ids) or None,
-        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=(
             params.skip_special_tokens if params.HasField("skip_special_tokens") else True
@@ -116,8 +115,6 @@ def sampling_params_to_pb(sampling: SamplingParams) -> inference_pb2.SamplingPar
     )
     if sampling.constraint is not None:
         _constraint_to_pb(sampling.constraint, params)
-    if sampling.prompt_logprobs is not None:
-        params.prompt_logprobs = sampling.prompt_logprobs
     if sampling.seed is not None:
         params.seed = sampling.seed
     if sampling.logprobs is not None:
