@@ -49,7 +49,7 @@ class RequestOutput:
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
-    num_waiting: int
+    num_waiting: int  # waiting for blocks or a batch slot, or for their grammar to compile
     num_free_blocks: int
     num_total_blocks: int
     prefix_hit_tokens: int  # cumulative prompt tokens served from the cache
@@ -240,7 +240,7 @@ class Engine:
         kv, host = self.kv_cache, self.kv_cache.host
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.structured.num_compiling,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens,

@@ -107,13 +107,11 @@ class Sampler:
         masked = apply_logit_masks(logits.float(), batch)
         processed = apply_min_tokens(masked, batch, self.eos_token_ids)
         processed = apply_penalties(processed, batch)
-        blocked = _blocked_rows(processed, batch)
-        if blocked:
-            processed = processed.clone()
-            processed[list(blocked)] = 0.0  # any token: it is dropped
         token_ids = self._choose(processed, batch)
         logprobs = _token_logprobs(masked, token_ids, batch)
-        return SamplerOutput(token_ids.tolist(), logprobs, blocked)
+        return SamplerOutput(
+            token_ids.tolist(), logprobs, _blocked_rows(processed, token_ids, batch)
+        )
 
     @staticmethod
     def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -270,12 +268,13 @@ def _argmax_only(batch: SamplingBatch) -> bool:
     return True
 
 
-def _blocked_rows(logits: torch.Tensor, batch: SamplingBatch) -> set[int]:
-    """Rows whose every logit is -inf (only a logit mask can do that)."""
+def _blocked_rows(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> set[int]:
+    """Rows that had no allowed token: their chosen token's logit is -inf (a row with any
+    finite logit never chooses a -inf one; only a logit mask can leave none)."""
     if not any(params.masks_logits for params in batch.params):
         return set()
-    blocked = torch.isneginf(logits).all(dim=-1)
-    return set(blocked.nonzero().flatten().tolist())
+    chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return set(torch.isneginf(chosen).nonzero().flatten().tolist())
 
 
 def _column(params: list[SamplingParams], name: str, device: torch.device) -> torch.Tensor:
