@@ -31,9 +31,9 @@ from bench.machine import read_bandwidth_bytes_per_s
 from bench.scratch import scratch_folder
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.host_memory import resident_nbytes, retain_freed_memory
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import resident_nbytes, retain_freed_memory
 
 SMOLLM2_SHAPE = dict(
     hidden_size=576,

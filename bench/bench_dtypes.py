@@ -32,9 +32,9 @@ from bench.bench_engine import (
 from bench.machine import matmul_flops_per_s
 from bench.roofline import output_tokens_only_tokens_per_s, roofline_tokens_per_s
 from bench.scratch import scratch_folder
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.host_memory import retain_freed_memory
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import retain_freed_memory
 
 ROOFLINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KVGATE_FORMATS = {

@@ -38,9 +38,9 @@ from bench.roofline import output_tokens_only_tokens_per_s, roofline_tokens_per_
 from bench.scratch import scratch_folder
 from common.model_files import default_gguf_path, gguf_file
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.host_memory import retain_freed_memory
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import retain_freed_memory
 
 BENCH_SHAPE = dict(
     hidden_size=512,

@@ -37,8 +37,8 @@ from bench.secure import key_metadata, secure_config, tenant_key
 from bench.stats import paired_median_ms, print_and_save
 from common.sampling_params import SamplingParams
 from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 

@@ -27,8 +27,8 @@ import torch
 
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 
 ENGINES = ("host_tier", "no_host_tier")
 

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from executor.engine import Engine
+from engine.engine import Engine
 from kernels import cpu_decoder
 from kernels.decoder import decoder_layers_with
 

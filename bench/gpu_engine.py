@@ -24,8 +24,8 @@ from bench.bench_engine import (
     kvgate_tokens_per_s,
 )
 from bench.scratch import scratch_folder
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 
 LLAMA_1B_SHAPE = dict(
     hidden_size=2048,

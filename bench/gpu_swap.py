@@ -4,7 +4,7 @@ preemption at all, and of preemption by recompute.
     python -m bench.gpu_swap [--device cuda]
 
 On CUDA the host tier is pinned memory and its copies run on a side stream, overlapped with
-compute (executor/kv_swap.py); the CPU test suite runs the same engine path with a second
+compute (engine/kv_swap.py); the CPU test suite runs the same engine path with a second
 pool. A seeded random Llama (heads of 64, grouped queries) serves the same greedy requests
 three ways: with room for all, and with too few device blocks preempting by recompute and by
 swap. Prints one JSON object; exits 1 when the tokens differ or nothing was swapped.
@@ -20,8 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.scratch import scratch_folder
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 
 SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

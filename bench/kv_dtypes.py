@@ -46,9 +46,9 @@ import torch
 from bench.bench_engine import decode_step_ms, start_decoding
 from bench.quality import measure_quality, tokenized_prompts
 from common.model_files import default_gguf_path
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.host_memory import retain_freed_memory
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import retain_freed_memory
 
 STORIES_260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 MODELS = {"stories260K": (STORIES_260K, "story"), "smollm2": (None, "chat")}

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 
 VARIANTS = {
     "float32": {},

@@ -25,8 +25,8 @@ from bench.bench_engine import Workload
 from bench.gpu_engine import build_cuda_model
 from bench.scratch import scratch_folder
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 
 NUM_PROMPTS, OUTPUT_LEN = 16, 64
 CPU_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"

@@ -39,13 +39,13 @@ def measure(tree: str, model: str, quantization: str, requests: int = 4, tokens:
     sys.path.insert(0, tree)
     import torch
 
-    from executor.config import EngineConfig
-    from executor.engine import Engine
+    from engine.config import EngineConfig
+    from engine.engine import Engine
 
     try:
         from common.sampling_params import SamplingParams
     except ImportError:  # checkouts before SamplingParams moved to common/
-        from executor.sampler import SamplingParams
+        from engine.sampler import SamplingParams
 
     extra = {} if quantization == "none" else {"quantization": quantization}
     engine = Engine(EngineConfig(model=model, device="cpu", kv_cache_gib=0.5, **extra))
@@ -102,7 +102,7 @@ def interleaved(
     each one's TPOTs, best, tokens/s, and tokens/s over the baseline tree's float32."""
     tree = Path(baseline_tree).resolve()
     if not (tree / "executor" / "engine.py").is_file():
-        raise ValueError(f"--baseline-tree {baseline_tree} holds no executor/engine.py")
+        raise ValueError(f"--baseline-tree {baseline_tree} holds no engine/engine.py")
     trees = {"baseline": tree, "this": THIS_TREE}
     tpots: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):

@@ -139,6 +139,7 @@ class Generation:
                 is taken in the round trip that queues the request.
         """
         self.spec = spec
+        self.params = sampling_params_to_pb(spec.sampling)  # built once, sent on each attempt
         self.admission = admission
         self.deps = deps
         self.tenant = tenant
@@ -180,7 +181,7 @@ class Generation:
             priority=self.spec.priority,
             prompt_token_ids=self.spec.prompt_token_ids,
             resume_token_ids=self.tokens,
-            params=sampling_params_to_pb(self.spec.sampling),
+            params=self.params,
             arrival_unix_ms=self.arrival_unix_ms,
             queue_deadline_unix_ms=deadline_unix_ms,
             attempt=self.attempt,

@@ -24,7 +24,7 @@ class EngineConfig:
     device: str
     kv_cache_gib: float
 """,
-    "executor/sampler.py": """
+    "engine/sampler.py": """
 from dataclasses import dataclass
 
 @dataclass
@@ -33,7 +33,7 @@ class SamplingParams:
     temperature: float
     ignore_eos: bool
 """,
-    "executor/engine.py": f"""
+    "engine/engine.py": f"""
 import time
 
 class Engine:
@@ -99,5 +99,5 @@ def test_the_baseline_ratios_become_the_one_stream_targets():
 
 
 def test_a_folder_that_is_no_checkout_is_refused_naming_the_flag(tmp_path):
-    with pytest.raises(ValueError, match="--baseline-tree .* holds no executor/engine.py"):
+    with pytest.raises(ValueError, match="--baseline-tree .* holds no engine/engine.py"):
         tree_tpot.interleaved(str(tmp_path), str(STORIES_260K))

@@ -21,11 +21,10 @@ from common.constraints import Constraint, ConstraintError, ConstraintKind, llgu
 from common.finish_reason import FinishReason
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParamError, SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.sampler import apply_logit_masks
-from executor.structured import StructuredOutput
-from tests.helpers import STORIES_260K, run_to_completion
+from engine.engine import Engine
+from engine.sampler import apply_logit_masks
+from engine.structured import StructuredOutput
+from tests.helpers import STORIES_260K, make_engine, run_to_completion
 
 PERSON = {
     "type": "object",
@@ -82,7 +81,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02))
+    return make_engine()
 
 
 def sampled(constraint: Constraint, seed: int, max_tokens: int = 120, **kw) -> SamplingParams:
@@ -160,7 +159,7 @@ def smollm2() -> Path:
     ids=lambda c: c.kind.value,
 )
 def test_allowed_tokens_equal_llguidance_mask_on_smollm2(smollm2, constraint):
-    engine = Engine(EngineConfig(model=str(smollm2), kv_cache_gib=0.05))
+    engine = make_engine(smollm2, kv_cache_gib=0.05)
     hf_tokenizer = TokenizersBackend.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
     prompt = hf_tokenizer("Describe a person as JSON:").input_ids
     assert_masks_are_llguidance_masks(engine, hf_tokenizer, constraint, prompt, max_tokens=20)
@@ -247,8 +246,8 @@ def test_resumed_request_replays_its_tokens_into_the_matcher(engine, tokenizer):
 
 
 def test_preempted_constrained_requests_still_validate(tokenizer):
-    tight = Engine(EngineConfig(model=str(STORIES_260K), block_size=4, num_gpu_blocks=30))
-    free = Engine(EngineConfig(model=str(STORIES_260K), block_size=4, kv_cache_gib=0.02))
+    tight = make_engine(block_size=4, num_gpu_blocks=30)
+    free = make_engine(block_size=4)
     params = {f"p{i}": sampled(schema(PERSON), seed=i, max_tokens=60) for i in range(6)}
     prompt = tokenizer("Once upon a time there was a little girl").input_ids
     expected, got = run(free, params, prompt), run(tight, params, prompt)
@@ -259,7 +258,7 @@ def test_preempted_constrained_requests_still_validate(tokenizer):
 
 
 def test_compiling_request_does_not_hold_back_other_requests(tokenizer):
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02))
+    engine = make_engine()
     tokenizer_loaded = threading.Event()
     proceed = threading.Event()
     real = engine.structured

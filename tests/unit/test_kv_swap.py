@@ -10,12 +10,12 @@ import torch
 from transformers import AutoTokenizer
 
 from bench import bench_swap
-from common.sampling_params import SamplingParams
-from executor import generate
-from executor.config import EngineConfig, build_parser, pop_engine_config
-from executor.engine import Engine
+from engine import generate
+from engine.config import EngineConfig, pop_engine_config
+from engine.engine import Engine
+from executor.config import build_parser
 from executor.metrics import ExecutorMetrics
-from tests.helpers import STORIES_260K, run_to_completion, save_random_llama
+from tests.helpers import STORIES_260K, greedy, run_to_completion, save_random_llama
 
 # Enough host memory for every block of the tight engines below.
 SWAP_GIB = 0.01
@@ -34,10 +34,6 @@ def random_llama(tmp_path_factory) -> str:
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
     return str(path)
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def engine_for(model: str, **overrides) -> Engine:

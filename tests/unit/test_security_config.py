@@ -16,7 +16,8 @@ from common.tenants import (
     new_api_key,
 )
 from common.tls import TLSFileError
-from executor.config import EngineConfig, ExecutorConfig
+from engine.config import EngineConfig
+from executor.config import ExecutorConfig
 from executor.gateway_link import SinkCredentials
 from gateway.accounting import TenantLabels
 from gateway.config import GatewayConfig

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from executor.engine import Engine
-from executor.scheduler import SchedulerOutput
+from engine.engine import Engine
+from engine.step_scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 FAULTS_ENV = "KVGATE_FAULTS"

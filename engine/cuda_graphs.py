@@ -14,39 +14,45 @@ buffers run eagerly (CPU tests check the padding gives the same tokens).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from executor.models.llama import ForwardContext
-from executor.scheduler import ScheduledRequest
+from engine.kv_cache import slot_of
+from engine.step_scheduler import ScheduledRequest
 from kernels import AttentionStep
 
-if TYPE_CHECKING:
-    from executor.model_runner import ModelRunner
-
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeModel:
+    """What the graphs need of the model runner."""
+
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    # (positions, slot_mapping, decode_block_tables, decode_context_lens) -> a decode-only step
+    decode_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], AttentionStep]
+    # (input_ids, step) -> [rows, vocab] float32 logits
+    logits: Callable[[torch.Tensor, AttentionStep], torch.Tensor]
 
 
 class DecodeGraphs:
     """Static input buffers and one captured graph per batch size (see the module)."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, capture: bool) -> None:
-        self.runner = runner
+    def __init__(self, model: DecodeModel, max_batch: int, capture: bool) -> None:
+        self.model = model
         self.sizes = [size for size in CAPTURE_SIZES if size <= max_batch] or [1]
         self.capture = capture
-        self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        largest, device = self.sizes[-1], runner.device
+        self.max_blocks = -(-model.max_model_len // model.block_size)
+        largest, device = self.sizes[-1], model.device
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self._no_prefill = (
-            torch.zeros(0, self.max_blocks, dtype=torch.int32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device),
-            torch.zeros(0, dtype=torch.int32, device=device),
-        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         if capture:
@@ -73,14 +79,14 @@ class DecodeGraphs:
 
     def _fill(self, scheduled: list[ScheduledRequest], size: int) -> None:
         """Copy the step's inputs into the static buffers; rows n..size-1 get the padding."""
-        bs, pad = self.runner.block_size, size - len(scheduled)
+        bs, pad = self.model.block_size, size - len(scheduled)
         tokens, positions, slots, lens, tables = [], [], [], [], []
         for s in scheduled:
             req = s.request
             position = req.num_computed_tokens
             tokens.append(req.all_token_ids[position])
             positions.append(position)
-            slots.append(req.block_table[position // bs] * bs + position % bs)
+            slots.append(slot_of(req.block_table, position, bs))
             lens.append(position + 1)
             tables.append(req.block_table + [0] * (self.max_blocks - len(req.block_table)))
         rows = [
@@ -95,17 +101,13 @@ class DecodeGraphs:
             buffer[:size].copy_(host.view(buffer[:size].shape), non_blocking=True)
 
     def _forward(self, size: int) -> torch.Tensor:
-        runner = self.runner
-        mc = runner.rank_config
-        step = AttentionStep(
-            self.positions[:size], self.slot_mapping[:size], runner.cos_sin_cache, size,
-            self.block_tables[:size], self.context_lens[:size], *self._no_prefill,
-            mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.head_dim**-0.5,
-        )  # fmt: skip
-        step = runner.kernels.prepare_attention(step, runner.kv_caches[0][0])
-        context = ForwardContext(step, runner.decoder, runner.kernels)
-        hidden = runner.model(self.input_ids[:size], context)
-        return runner.model.compute_logits(hidden, runner.kernels)
+        step = self.model.decode_step(
+            self.positions[:size],
+            self.slot_mapping[:size],
+            self.block_tables[:size],
+            self.context_lens[:size],
+        )
+        return self.model.logits(self.input_ids[:size], step)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -113,10 +115,10 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.sizes):
             self._forward(size)  # warm-up: Triton compiles, the allocator settles
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(self.model.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.model.device)

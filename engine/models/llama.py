@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.models.config import ModelConfig
+from engine.models.config import ModelConfig
 from kernels import AttentionStep, KernelBackend
 from kernels.decoder import DecoderLayerWeights, DecoderWeights
 from kernels.quant import QuantizedWeight

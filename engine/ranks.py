@@ -1,8 +1,8 @@
 """Tensor-parallel ranks of one executor (--tensor-parallel-size N).
 
 Rank 0 is the executor process itself: it runs the engine (scheduling, sampling, Redis, the
-gateways) and starts ranks 1..N-1 as child processes (`python -m executor.rank`). Every rank
-loads its share of the model (executor/models/shard.py) and of the KV cache (its key/value
+gateways) and starts ranks 1..N-1 as child processes (`python -m engine.rank`). Every rank
+loads its share of the model (engine/models/shard.py) and of the KV cache (its key/value
 heads, the same block count on every rank); rank 0 broadcasts each step's inputs (token ids,
 positions, slots, block tables, context lengths: int64 tensors, no pickle) and the followers
 run the same forward pass on their share. The decoder's two all-reduces per layer sum the
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from executor.config import EngineConfig
+from engine.config import EngineConfig
 from kernels import AttentionStep, KernelBackend
 from kernels.decoder import decoder_layers_with
 
@@ -91,7 +91,7 @@ class RankGroup:
         env = dict(os.environ, PYTHONPATH=path)
         spec = json.dumps(dataclasses.asdict(config))
         for rank in range(1, size):
-            argv = [sys.executable, "-m", "executor.rank", "--rank", str(rank),
+            argv = [sys.executable, "-m", "engine.rank", "--rank", str(rank),
                     "--store-port", str(store.port), "--parent-pid", str(os.getpid()),
                     "--torch-threads", str(threads), "--engine-config", spec]  # fmt: skip
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)  # cwd: ours

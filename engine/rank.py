@@ -1,5 +1,5 @@
-"""`python -m executor.rank`: one follower rank of a tensor-parallel executor, started by its
-rank 0 (executor/ranks.py), never by hand. It loads its share of the model and KV cache, runs
+"""`python -m engine.rank`: one follower rank of a tensor-parallel executor, started by its
+rank 0 (engine/ranks.py), never by hand. It loads its share of the model and KV cache, runs
 rank 0's steps, and exits when rank 0 stops it or dies (SIGINT and SIGTERM are ignored)."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import sys
 
 import torch
 
-from executor.config import EngineConfig
-from executor.model_runner import ModelRunner
-from executor.ranks import RankGroup, die_with_parent
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.ranks import RankGroup, die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m executor.rank")
+    parser = argparse.ArgumentParser(prog="python -m engine.rank")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)

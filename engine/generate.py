@@ -1,6 +1,6 @@
 """Offline generation with the in-process engine: no Redis, no gRPC.
 
-    python -m executor.generate --model DIR|FILE.gguf --prompt TEXT [--prompt TEXT ...]
+    python -m engine.generate --model DIR|FILE.gguf --prompt TEXT [--prompt TEXT ...]
         --max-tokens N [--temperature T] [--ignore-eos] [engine flags]
 
 The engine flags are the executor's (`python -m executor --help`: --block-size, --dtype,
@@ -21,8 +21,8 @@ from tqdm import tqdm
 from common.model_files import check_model_path
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
-from executor.config import add_engine_flags, check_device_present, pop_engine_config
-from executor.engine import Engine
+from engine.config import add_engine_flags, check_device_present, pop_engine_config
+from engine.engine import Engine
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -41,7 +41,7 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -
 def build_parser() -> argparse.ArgumentParser:
     """The sampling flags, then every engine flag of `python -m executor`."""
     parser = argparse.ArgumentParser(
-        prog="python -m executor.generate",
+        prog="python -m engine.generate",
         description="Generate completions offline with kvgate's engine.",
     )
     add = parser.add_argument

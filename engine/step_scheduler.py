@@ -15,9 +15,9 @@ import bisect
 from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
-from executor.config import EngineConfig
-from executor.kv_cache import KVCacheManager
-from executor.request import Request, RequestStatus
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

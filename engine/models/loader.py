@@ -1,5 +1,5 @@
 """Load a checkpoint straight into kvgate's modules: a Hugging Face folder (safetensors, single
-file or sharded) or a GGUF file (executor/models/gguf.py)."""
+file or sharded) or a GGUF file (engine/models/gguf.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from safetensors import safe_open
 
 from common.model_files import gguf_file
-from executor.models.config import ModelConfig, load_model_config
-from executor.models.gguf import read_gguf_checkpoint
-from executor.models.llama import LlamaForCausalLM
-from executor.models.quantize import apply_quantized, quantize_state
-from executor.models.shard import shard_config, shard_quantized, shard_state
+from engine.models.config import ModelConfig, load_model_config
+from engine.models.gguf import read_gguf_checkpoint
+from engine.models.llama import LlamaForCausalLM
+from engine.models.quantize import apply_quantized, quantize_state
+from engine.models.shard import shard_config, shard_quantized, shard_state
 from kernels.quant import QuantizedWeight, concat_rows
 
 _FUSED = {  # our fused parameter -> checkpoint parameters concatenated along dim 0
@@ -87,7 +87,7 @@ def load_model(
     in `dtype`, its linear layers weight-only quantized when `quantization` is "int8" or
     "int4" (from the checkpoint's own weights before they are cast to `dtype`, or GGUF blocks
     already in the format kept as they are). With `num_ranks` > 1 the module holds tensor
-    parallel rank `rank`'s share (executor/models/shard.py), and its
+    parallel rank `rank`'s share (engine/models/shard.py), and its
     `config` is that share's; the config returned is the whole model's.
 
     Raises:

@@ -1,5 +1,5 @@
 """Owns the model, its KV cache tensors and the per-step input tensors; with tensor
-parallelism, this rank's share of them (executor/ranks.py)."""
+parallelism, this rank's share of them (engine/ranks.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import logging
 
 import torch
 
-from executor.config import EngineConfig
-from executor.cuda_graphs import DecodeGraphs
-from executor.host_memory import release_freed_memory, retain_freed_memory, zeroed_tensor
-from executor.kv_swap import HostKVPool, SwapOp
-from executor.models.config import ModelConfig
-from executor.models.llama import ForwardContext
-from executor.models.loader import load_model
-from executor.ranks import RankGroup, rank_device, with_all_reduce
-from executor.scheduler import ScheduledRequest, SchedulerOutput
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, DecodeModel
+from engine.host_memory import release_freed_memory, retain_freed_memory, zeroed_tensor
+from engine.kv_cache import slot_of
+from engine.kv_swap import HostKVPool, SwapOp
+from engine.models.config import ModelConfig
+from engine.models.llama import ForwardContext
+from engine.models.loader import load_model
+from engine.ranks import RankGroup, rank_device, with_all_reduce
+from engine.step_scheduler import ScheduledRequest, SchedulerOutput
 from kernels import AttentionStep, build_cos_sin_cache, get_kernels
 from kernels.kv_format import (
     KV_CACHE_DTYPES,
@@ -95,7 +96,7 @@ class ModelRunner:
         self.decoder = self.kernels.prepare_decoder(self.model.decoder_weights(self.kv_caches))
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self, config.max_num_seqs, capture=True)
+            self.decode_graphs = DecodeGraphs(self.decode_model(), config.max_num_seqs, True)
             logger.info("CUDA graphs captured for decode batches of %s", self.decode_graphs.sizes)
 
     @property
@@ -206,6 +207,16 @@ class ModelRunner:
             hidden = hidden[sample_rows]
         return self.model.compute_logits(hidden, self.kernels)
 
+    def decode_model(self) -> DecodeModel:
+        """This runner as the decode graphs see it."""
+        return DecodeModel(
+            self.device, self.block_size, self.max_model_len, self._decode_step, self._logits
+        )
+
+    def _logits(self, input_ids: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+        step = self.kernels.prepare_attention(step, self.kv_caches[0][0])
+        return self.model.compute_logits(self.forward(input_ids, step), self.kernels)
+
     def forward(self, input_ids: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         """Hidden states of a step prepared by the kernels (every rank runs this)."""
         return self.model(input_ids, ForwardContext(step, self.decoder, self.kernels))
@@ -238,7 +249,7 @@ class ModelRunner:
             table = req.block_table
             input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(slot_of(table, p, bs) for p in range(start, end))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
         step = self._attention_step(scheduled, positions, slots)
@@ -255,17 +266,56 @@ class ModelRunner:
         cu_seqlens = [0]
         for s in prefill:
             cu_seqlens.append(cu_seqlens[-1] + s.num_new_tokens)
+        return self._step(
+            self._tensor(positions, torch.int64),
+            self._tensor(slots, torch.int64),
+            num_decode,
+            (self._block_tables(decode), self._context_lens(decode)),
+            (
+                self._block_tables(prefill),
+                self._tensor(cu_seqlens, torch.int32),
+                self._context_lens(prefill),
+            ),
+        )
+
+    def _decode_step(
+        self,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> AttentionStep:
+        no_prefill = (
+            torch.zeros(0, block_tables.shape[1], dtype=torch.int32, device=self.device),
+            torch.zeros(1, dtype=torch.int32, device=self.device),
+            torch.zeros(0, dtype=torch.int32, device=self.device),
+        )
+        num_decode = positions.shape[0]
+        return self._step(
+            positions, slot_mapping, num_decode, (block_tables, context_lens), no_prefill
+        )
+
+    def _step(
+        self,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_decode: int,
+        decode: tuple[torch.Tensor, torch.Tensor],
+        prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> AttentionStep:
+        """An AttentionStep with this rank's model constants; decode = (block tables, context
+        lens), prefill = (block tables, cu_seqlens_q, context lens)."""
         mc = self.rank_config
         return AttentionStep(
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
             cos_sin_cache=self.cos_sin_cache,
             num_decode_tokens=num_decode,
-            decode_block_tables=self._block_tables(decode),
-            decode_context_lens=self._context_lens(decode),
-            prefill_block_tables=self._block_tables(prefill),
-            prefill_cu_seqlens_q=self._tensor(cu_seqlens, torch.int32),
-            prefill_context_lens=self._context_lens(prefill),
+            decode_block_tables=decode[0],
+            decode_context_lens=decode[1],
+            prefill_block_tables=prefill[0],
+            prefill_cu_seqlens_q=prefill[1],
+            prefill_context_lens=prefill[2],
             num_heads=mc.num_attention_heads,
             num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim,

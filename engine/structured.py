@@ -28,7 +28,7 @@ from common.constraints import (
     llguidance_tokenizer,
 )
 from common.model_text import ModelText
-from executor.request import Request
+from engine.request import Request
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.host_memory import zeroed_tensor
+from engine.host_memory import zeroed_tensor
 
 
 @dataclass(slots=True, frozen=True)

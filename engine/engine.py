@@ -16,13 +16,13 @@ import torch
 
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.kv_cache import KVCacheManager
-from executor.model_runner import ModelRunner
-from executor.request import Request
-from executor.sampler import Sampler, SamplingBatch, TokenLogprobs
-from executor.scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
-from executor.structured import StructuredOutput, advance
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
+from engine.structured import StructuredOutput, advance
 
 # How long a step with nothing to run waits for a grammar being compiled.
 COMPILE_WAIT_S = 0.01
@@ -114,7 +114,7 @@ class Engine:
                 undisturbed run. A constraint's matcher replays them too.
 
         A request with a constraint whose grammar is not compiled yet (see
-        executor/structured.py) compiles off the step loop and runs from the step after;
+        engine/structured.py) compiles off the step loop and runs from the step after;
         if it does not compile, a later step finishes it with FinishReason.ERROR.
 
         Raises:

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.prefix import next_block_hash
-from executor.kv_swap import HostTier
-from executor.request import Request
+from engine.kv_swap import HostTier
+from engine.request import Request
 
 
 @dataclass(slots=True)
@@ -36,6 +36,11 @@ class Block:
 # A session's key: (its tenant's cache salt, its id). Session ids are the caller's own, so two
 # tenants' sessions of one id are two sessions here too.
 SessionKey = tuple[str | None, str]
+
+
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The KV cache slot that holds token `position` of a sequence with this block table."""
+    return block_table[position // block_size] * block_size + position % block_size
 
 
 def session_key(req: Request) -> SessionKey:

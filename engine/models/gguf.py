@@ -27,7 +27,7 @@ import torch
 from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, ReaderTensor, quants
 
 from common.gguf_metadata import GgufFile
-from executor.models.config import ModelConfig
+from engine.models.config import ModelConfig
 from kernels.quant import (
     QuantizedWeight,
     from_gguf_q4_0,

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from executor.models.config import ModelConfig
+from engine.models.config import ModelConfig
 from kernels.quant import QuantizedWeight, concat_rows
 
 TP_FLAG = "--tensor-parallel-size"
