@@ -245,13 +245,18 @@ def test_resumed_request_replays_its_tokens_into_the_matcher(engine, tokenizer):
     assert whole[:5] + rest == whole, f"resumed {whole[:5]} + {rest}, undisturbed {whole}"
 
 
-def test_preempted_constrained_requests_still_validate(tokenizer):
-    tight = make_engine(block_size=4, num_gpu_blocks=30)
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_still_validate(tokenizer, preemption_mode):
+    tight = make_engine(
+        block_size=4, num_gpu_blocks=30, swap_space_gib=0.01, preemption_mode=preemption_mode
+    )
     free = make_engine(block_size=4)
     params = {f"p{i}": sampled(schema(PERSON), seed=i, max_tokens=60) for i in range(6)}
     prompt = tokenizer("Once upon a time there was a little girl").input_ids
     expected, got = run(free, params, prompt), run(tight, params, prompt)
-    assert tight.stats().num_preemptions > 0, "the tight cache was expected to preempt"
+    stats = tight.stats()
+    assert stats.num_preemptions > 0, "the tight cache was expected to preempt"
+    assert (stats.num_swapped_out_blocks > 0) == (preemption_mode == "swap"), stats
     assert got == expected, "preempted constrained requests produced different tokens"
     for tokens, _, _ in got.values():
         jsonschema.validate(json.loads(decoded(tokenizer, tokens)), PERSON)
