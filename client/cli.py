@@ -2,16 +2,18 @@
 
 kvgate generate "Once upon a time" --max-tokens 64 --temperature 0
 kvgate chat --system "You tell short stories."
-kvgate bench --num-requests 100 --request-rate 4 --out bench/results/run.json  (bench/cli.py)
+kvgate bench load --num-requests 100 --request-rate 4   (bench/cli.py: every benchmark)
 kvgate admin keys create --tenant acme   (client/admin.py: API keys, limits, usage in Redis)
 
-`kvgate bench` and `kvgate admin` hand their flags to bench/cli.py and client/admin.py,
-imported only then: the client itself loads no benchmark code (nor numpy) and no Redis client.
+`kvgate bench` and `kvgate admin` hand their words and flags to the `main` of bench.cli and
+client.admin, imported by name only then: the client loads no Redis client, and depends on no
+benchmark code (a client installed without bench/ says so when asked to bench).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--session-id", default="", help="resume this session")
     _add_sampling_flags(chat)
     commands.add_parser(
-        "bench", help="load the gateway and report latencies (kvgate bench --help)", add_help=False
+        "bench", help="run a benchmark (kvgate bench --help lists them)", add_help=False
     )
     commands.add_parser(
         "admin",
@@ -174,16 +176,24 @@ def run_chat(client: KvgateClient, args: argparse.Namespace) -> int:
     return 0
 
 
+# Commands whose code lives in a module of its own, imported by name when asked for.
+COMMAND_MODULES = {"bench": "bench.cli", "admin": "client.admin"}
+
+
+def run_command_module(command: str, argv: list[str]) -> int:
+    """Runs `kvgate COMMAND argv` through the `main` of its module. Returns: the exit status."""
+    try:
+        module = importlib.import_module(COMMAND_MODULES[command])
+    except ModuleNotFoundError as error:
+        print(f"kvgate {command}: not installed here ({error})", file=sys.stderr)
+        return 2
+    return module.main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from bench.cli import main as bench_main  # the load generator, only when asked for
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["admin"]:
-        from client.admin import main as admin_main  # Redis, only when asked for
-
-        return admin_main(argv[1:])
+    if argv[:1] and argv[0] in COMMAND_MODULES:
+        return run_command_module(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         client = client_from_args(args)

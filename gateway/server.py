@@ -20,12 +20,14 @@ from common.redis_conn import connect
 from common.tls import ReloadableServerCredentials, ServerTLSFiles, TLSFileError, read_secret
 from gateway.accounting import Accounting
 from gateway.auth import ApiKeys, Authenticator, AuthInterceptor
-from gateway.config import GatewayConfig
+from gateway.config import HTTP_DISABLED, GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
+from gateway.http_server import HttpServer, HttpTLS, bind_http
 from gateway.limits import StreamLimitInterceptor, public_server_options, receive_limit
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
+from gateway.openai_http import JSON_BYTES_FACTOR, OpenAIFront, OpenAIFrontConfig
 from gateway.quotas import Quotas
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer
@@ -57,11 +59,14 @@ class RunningGateway:
     tls: list[ReloadableServerCredentials]  # of the public and internal ports that use TLS
     text_work: TextWork | None = None
     accounting: Accounting | None = None  # its usage not yet written is written at stop
+    http: HttpServer | None = None  # the OpenAI-compatible front, when --http-port is set
 
     def reload_tls(self) -> None:
         """Read every TLS port's certificate files again (SIGHUP): new connections get them."""
         for credentials in self.tls:
             credentials.reload()
+        if self.http is not None and self.http.tls is not None:
+            self.http.tls.reload()
 
     async def stop(self) -> None:
         """Stop taking calls, let running ones finish within grace_s, then close.
@@ -71,7 +76,10 @@ class RunningGateway:
         """
         await self.health_watch.stop()
         await self.health.enter_graceful_shutdown()
-        await self.public.stop(self.grace_s)
+        stopping = [self.public.stop(self.grace_s)]
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         await self.internal.stop(0)
         if self.health_server is not None:
             await self.health_server.stop(0)
@@ -182,6 +190,15 @@ def _health_server(config: GatewayConfig, servicer: health.aio.HealthServicer) -
     return server
 
 
+def _max_message_bytes(config: GatewayConfig, servicer: InferenceServicer) -> int:
+    return config.max_receive_message_bytes or receive_limit(
+        servicer.text.model_text,
+        config.max_stop_strings,
+        config.max_stop_len,
+        config.max_constraint_chars,
+    )
+
+
 def _public_server(
     config: GatewayConfig,
     servicer: InferenceServicer,
@@ -190,14 +207,9 @@ def _public_server(
     tls: ReloadableServerCredentials | None,
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
     def refused(limit: str) -> None:
-        metrics.refused.labels(limit).inc()
+        metrics.refused.labels(limit, "kvgate").inc()
 
-    max_message_bytes = config.max_receive_message_bytes or receive_limit(
-        servicer.text.model_text,
-        config.max_stop_strings,
-        config.max_stop_len,
-        config.max_constraint_chars,
-    )
+    max_message_bytes = _max_message_bytes(config, servicer)
     log.info(
         "request messages up to %d bytes (--max-receive-message-bytes%s)",
         max_message_bytes,
@@ -274,11 +286,52 @@ async def start_gateway(
     await health_watch.start()
     quotas.start()
     _log_security(config, address, reply_to, model_text.model_id)
-    return RunningGateway(
+    gateway = RunningGateway(
         public, internal, health_servicer, health_watch, health_server, client, address,
         reply_to, config.grace_s, quotas, security.reloadable, servicer.text,
         servicer.deps.accounting,
     )  # fmt: skip
+    try:
+        gateway.http = await _start_http(config, servicer, authenticator, health_watch, metrics)
+    except ListenError:
+        await gateway.stop()
+        raise
+    return gateway
+
+
+async def _start_http(
+    config: GatewayConfig,
+    servicer: InferenceServicer,
+    authenticator: Authenticator,
+    health_watch: GatewayHealth,
+    metrics: GatewayMetrics,
+) -> HttpServer | None:
+    """The OpenAI-compatible HTTP front on --http-port (None when it is -1), started."""
+    if config.http_port == HTTP_DISABLED:
+        return None
+    host, port = config.http_host, config.http_port
+    try:
+        tls = (
+            HttpTLS(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert
+            else None
+        )
+        sock = bind_http(host, port)
+    except OSError as error:  # ssl.SSLError is one
+        message = f"--http-host/--http-port: cannot listen on {host}:{port} ({error})"
+        raise ListenError(message) from None
+    front_config = OpenAIFrontConfig(
+        max_body_bytes=JSON_BYTES_FACTOR * _max_message_bytes(config, servicer),
+        max_concurrent_streams=config.max_concurrent_streams,
+    )
+    front = OpenAIFront(front_config, servicer, authenticator, health_watch, metrics)
+    server = HttpServer(front.app(), sock, tls, config.grace_s)
+    await server.start()
+    log.info(
+        "OpenAI-compatible HTTP on %s://%s:%d/v1",
+        "https" if tls else "http", host, server.port,
+    )  # fmt: skip
+    return server
 
 
 def _inference(

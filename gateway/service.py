@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from grpc import aio
 
@@ -156,26 +157,37 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         check_prompt_len("prompt_token_ids", len(token_ids), self.model_text.limits.max_model_len)
         return token_ids
 
-    async def Generate(  # noqa: N802 (gRPC method name)
-        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        tenant = tenant_of(context)
+    async def generate(
+        self,
+        tenant: str,
+        prompt: Callable[[], Awaitable[list[int]]],
+        params: inference_pb2.SamplingParams,
+        priority: int,
+        session_id: str,
+        request_id: str,
+        api: str = "kvgate",
+    ) -> AsyncIterator[tuple[str, Chunk]]:
+        """One generation, whatever front asked for it: its quotas, session and chunks.
+
+        Args:
+            prompt: reads (tokenizes, checks) the prompt's token ids once quotas allow.
+            api: the front the request came through (kvgate, openai, vllm), for metrics.
+
+        Yields:
+            (the request id, a chunk) until the last chunk.
+        """
         limits = await self.quotas.limits(tenant)
         admission = self._admission(tenant, limits, take_request=True, open_stream=True)
         try:
-            if request.session_id:
+            if session_id:
                 # Opening a session writes it: the quotas are taken first, so that a refused
                 # call opens none. Otherwise as the request is queued (one round trip).
                 await self._admit(admission)
-                check_id("session_id", request.session_id)
+                check_id("session_id", session_id)
             spec = await self._spec(
-                await self._prompt_of(request),
-                request.params,
-                request.priority,
-                request.session_id,
-                request.request_id,
-                limits,
+                await prompt(), params, priority, session_id, request_id, limits
             )
+            spec.api = api
             session = (
                 await self.sessions.open_or_load(spec.session_id, tenant)
                 if spec.session_id
@@ -186,9 +198,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for chunk in generation.stream():
                 if chunk.finish_reason is not None and session is not None:
                     await self._record_turn(session, generation, [])
-                yield chunk_to_pb(spec.request_id, chunk)
+                yield spec.request_id, chunk
         finally:
             self._close(admission)
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        chunks = self.generate(
+            tenant_of(context),
+            lambda: self._prompt_of(request),
+            request.params,
+            request.priority,
+            request.session_id,
+            request.request_id,
+        )
+        async with contextlib.aclosing(chunks):
+            async for request_id, chunk in chunks:
+                yield chunk_to_pb(request_id, chunk)
 
     async def _record_turn(
         self, session: Session, generation: Generation, new_messages: list[Message]

@@ -13,7 +13,6 @@ import torch
 from transformers import AutoModelForCausalLM, TokenizersBackend
 
 from client.api import KvgateClient
-from common.model_files import default_gguf_path
 from common.model_text import ModelText
 from common.templates import Message
 from deploy.stack import Stack, StackConfig, free_port
@@ -41,13 +40,6 @@ IM_END = 2  # <|im_end|>: SmolLM2's EOS, the end of an assistant turn
 def single_thread():
     with one_torch_thread():
         yield
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    path = default_gguf_path()
-    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
-    return path
 
 
 @pytest.fixture(scope="module")

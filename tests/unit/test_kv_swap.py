@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bench import bench_swap
+from bench.cli import main as bench_main
 from engine import generate
 from engine.config import EngineConfig, pop_engine_config
 from engine.engine import Engine
@@ -218,6 +218,8 @@ def test_preemption_mode_defaults_to_swap_with_a_host_tier():
 def test_the_swap_benchmark_runs_and_finds_the_sessions_on_the_host(tmp_path):
     out = tmp_path / "swap.json"
     argv = [
+        "scaling",
+        "swap",
         "--model",
         str(STORIES_260K),
         "--device-sessions",
@@ -233,7 +235,7 @@ def test_the_swap_benchmark_runs_and_finds_the_sessions_on_the_host(tmp_path):
         "--out",
         str(out),
     ]
-    bench_swap.main(argv)
+    assert bench_main(argv) == 0
     result = json.loads(out.read_text())
     assert result["turn2_replies_identical"] is True
     with_tier, without = result["host_tier"], result["no_host_tier"]
