@@ -4,9 +4,12 @@ ranges, used by the engine and by the gateway (which names the field as its prot
 import math
 from dataclasses import dataclass, field
 
+from common.constraints import Constraint
+
 DEFAULT_MAX_TOKENS = 16  # when a request sets none
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
+MAX_LOGIT_BIAS = 100.0  # |bias| added to a token's logit, as OpenAI bounds it
 # Temperatures below this are sampled greedily: dividing logits by a smaller
 # number overflows float32 and the distribution is one-hot anyway (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5
@@ -38,6 +41,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Structured output: the output must match it (common/constraints.py); None: free text.
+    constraint: Constraint | None = None
+    # Added to the logits of these token ids before sampling, each in [-100, 100].
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Only these token ids may be sampled; None: any.
+    allowed_token_ids: list[int] | None = None
+    # Text side, applied where text is made (the gateway): keep the matched stop string at
+    # the end of the text, and leave special tokens (BOS, EOS, control tokens) out of it.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -62,6 +75,31 @@ class SamplingParams:
             raise SamplingParamError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        self._check_logit_masks()
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamError(name, f"must be a bool, got {getattr(self, name)!r}")
+
+    def _check_logit_masks(self) -> None:
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise SamplingParamError("constraint", f"must be a Constraint, got {self.constraint!r}")
+        if self.constraint is not None and self.ignore_eos:
+            raise SamplingParamError(
+                "ignore_eos", "cannot be combined with a constraint (it decides where output ends)"
+            )
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamError(
+                "logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}"
+            )
+        _checked_token_ids("logit_bias", list(self.logit_bias))
+        for token_id, bias in self.logit_bias.items():
+            _check_number(
+                f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "[-100, 100]"
+            )
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _checked_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise SamplingParamError("allowed_token_ids", "must not be empty when set")
 
     @property
     def is_greedy(self) -> bool:
@@ -76,6 +114,20 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def masks_logits(self) -> bool:
+        """True when a constraint, logit_bias or allowed_token_ids changes the logits."""
+        return (
+            self.constraint is not None
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+        )
+
+    def max_token_id(self) -> int:
+        """The largest token id the parameters name (-1: none), to check against a vocabulary."""
+        named = [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or [])]
+        return max(named, default=-1)
 
 
 def _is_int(value: object) -> bool:

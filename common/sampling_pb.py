@@ -5,7 +5,10 @@ Kept out of common/sampling_params.py so the in-process engine needs no generate
 
 from __future__ import annotations
 
-from common.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from common.constraints import Constraint, ConstraintKind
+from common.sampling_params import DEFAULT_MAX_TOKENS, SamplingParamError, SamplingParams
 from protos.kvgate.v1 import inference_pb2
 
 
@@ -37,7 +40,47 @@ def sampling_params_from_pb(
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+        constraint=constraint_from_pb(params),
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=list(params.allowed_token_ids) or None,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=(
+            params.skip_special_tokens if params.HasField("skip_special_tokens") else True
+        ),
     )
+
+
+def constraint_from_pb(params: inference_pb2.SamplingParams) -> Constraint | None:
+    """The message's constraint oneof, or None when unset.
+
+    Raises:
+        SamplingParamError: a field this server does not know is set (a constraint kind of a
+            newer API version must not be silently ignored), or a kind's value is empty.
+        ConstraintError: a constraint's value is malformed (empty choices).
+    """
+    unknown = sorted({f.field_number for f in UnknownFieldSet(params)})
+    if unknown:
+        raise SamplingParamError(
+            "constraint", f"has field numbers {unknown} this server does not know (a newer kind?)"
+        )
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(params.choice.choices))
+    if kind == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    return Constraint(ConstraintKind(kind), text=getattr(params, kind))
+
+
+def _constraint_to_pb(constraint: Constraint, params: inference_pb2.SamplingParams) -> None:
+    kind = constraint.kind
+    if kind is ConstraintKind.CHOICE:
+        params.choice.choices.extend(constraint.choices)
+    elif kind is ConstraintKind.JSON_OBJECT:
+        params.json_object.SetInParent()
+    else:
+        setattr(params, kind.value, constraint.text)
 
 
 def queued_sampling_params(params: inference_pb2.SamplingParams) -> SamplingParams:
@@ -65,7 +108,13 @@ def sampling_params_to_pb(sampling: SamplingParams) -> inference_pb2.SamplingPar
         min_tokens=sampling.min_tokens,
         ignore_eos=sampling.ignore_eos,
         stop_token_ids=sampling.stop_token_ids,
+        logit_bias=sampling.logit_bias,
+        allowed_token_ids=sampling.allowed_token_ids or [],
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        skip_special_tokens=sampling.skip_special_tokens,
     )
+    if sampling.constraint is not None:
+        _constraint_to_pb(sampling.constraint, params)
     if sampling.seed is not None:
         params.seed = sampling.seed
     if sampling.logprobs is not None:

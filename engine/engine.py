@@ -22,6 +22,16 @@ from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
+from engine.structured import StructuredOutput, advance
+
+# How long a step with nothing to run waits for a grammar being compiled.
+COMPILE_WAIT_S = 0.01
+
+
+NO_ALLOWED_TOKEN = (
+    "no token is allowed next: the constraint, allowed_token_ids, logit_bias and min_tokens "
+    "together leave none"
+)
 
 
 @dataclass(slots=True)
@@ -39,7 +49,7 @@ class RequestOutput:
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
-    num_waiting: int
+    num_waiting: int  # waiting for blocks or a batch slot, or for their grammar to compile
     num_free_blocks: int
     num_total_blocks: int
     prefix_hit_tokens: int  # cumulative prompt tokens served from the cache
@@ -75,6 +85,9 @@ class Engine:
         self.sampler = Sampler(
             list(self.model_config.eos_token_ids), self.runner.device, self.runner.kernels.argmax
         )
+        self.structured = StructuredOutput.for_model(
+            config.model, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -98,7 +111,11 @@ class Engine:
                 that went away): prefilled after the prompt and counted as output, so
                 max_tokens, min_tokens and the penalties see them, and a seeded request's
                 generator continues past their draws: the whole output equals one
-                undisturbed run.
+                undisturbed run. A constraint's matcher replays them too.
+
+        A request with a constraint whose grammar is not compiled yet (see
+        engine/structured.py) compiles off the step loop and runs from the step after;
+        if it does not compile, a later step finishes it with FinishReason.ERROR.
 
         Raises:
             ValueError: a field is invalid (the message names it), or the id is in use.
@@ -124,8 +141,9 @@ class Engine:
             generator=generator,
             all_token_ids=tokens,
         )
+        if params.constraint is None or self.structured.start(req, resumed):
+            self.scheduler.add(req)
         self.requests[request_id] = req
-        self.scheduler.add(req)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; it produces no further output.
@@ -136,7 +154,8 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
-        self.scheduler.finish(req, FinishReason.ABORT)
+        if not self.structured.cancel(request_id):
+            self.scheduler.finish(req, FinishReason.ABORT)
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the current batch.
@@ -146,15 +165,17 @@ class Engine:
             of a chunked prefill produce none). Aborted requests never appear.
         """
         self.kv_cache.expire_sessions()
+        refused = self._take_compiled()
         out = self.scheduler.schedule()
         self.runner.swap_blocks(self.kv_cache.host.take_ops())
         if out.is_empty:
-            return []
+            self.structured.wait(COMPILE_WAIT_S)
+            return refused
         try:
             logits = self.runner.execute(out)
         except Exception as error:  # noqa: BLE001 (any failure of the model: isolate it)
-            return self._run_each_alone(out, error)
-        return self._update(out, logits)
+            return refused + self._run_each_alone(out, error)
+        return refused + self._update(out, logits)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced logits of a whole sequence in one forward pass: row i holds the
@@ -183,6 +204,7 @@ class Engine:
         """Stop the engine's other tensor-parallel ranks (with one rank there is nothing to
         stop); the engine cannot step afterwards."""
         self.runner.close()
+        self.structured.close()
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
@@ -218,7 +240,7 @@ class Engine:
         kv, host = self.kv_cache, self.kv_cache.host
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.structured.num_compiling,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
@@ -246,11 +268,17 @@ class Engine:
             return []
         sampled = self.sampler(logits, self._sampling_batch(sampling))
         outputs = []
-        for req, token_id, logprobs in zip(
-            sampling, sampled.token_ids, sampled.logprobs, strict=True
+        for row, (req, token_id, logprobs) in enumerate(
+            zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)
         ):
+            if row in sampled.blocked_rows:
+                outputs += self._fail_with(req, NO_ALLOWED_TOKEN)
+                continue
             req.all_token_ids.append(token_id)
             reason = self._finish_reason(req, token_id)
+            if reason is None and (problem := advance(req, token_id)) is not None:
+                outputs += self._fail_with(req, problem)
+                continue
             if reason is not None:
                 self.requests.pop(req.request_id, None)
                 self.scheduler.finish(req, reason)
@@ -289,15 +317,26 @@ class Engine:
     def _fail(self, reqs: list[Request], error: Exception) -> list[RequestOutput]:
         """Finishes `reqs` with FinishReason.ERROR and a message naming the error."""
         message = f"the model step failed: {type(error).__name__}: {error}"
-        outputs = []
-        for req in reqs:
-            self.requests.pop(req.request_id, None)
+        return [output for req in reqs for output in self._fail_with(req, message)]
+
+    def _fail_with(self, req: Request, message: str, scheduled: bool = True) -> list[RequestOutput]:
+        """Finishes `req` with FinishReason.ERROR and `message` (`scheduled`: it was handed
+        to the step scheduler, which gives back its blocks)."""
+        self.requests.pop(req.request_id, None)
+        if scheduled:
             self.scheduler.finish(req, FinishReason.ERROR)
-            outputs.append(
-                RequestOutput(req.request_id, [], None, True, FinishReason.ERROR,
-                              req.num_cached_tokens or 0, message)
-            )  # fmt: skip
-        return outputs
+        return [
+            RequestOutput(req.request_id, [], None, True, FinishReason.ERROR,
+                          req.num_cached_tokens or 0, message)
+        ]  # fmt: skip
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar compiled since the last step; finish those
+        whose grammar did not compile."""
+        ready, failed = self.structured.take_ready()
+        for req in ready:
+            self.scheduler.add(req)
+        return [o for f in failed for o in self._fail_with(f.request, f.message, scheduled=False)]
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return SamplingBatch(
@@ -305,6 +344,7 @@ class Engine:
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
             generators=[r.generator for r in reqs],
+            token_bitmask=self.structured.bitmask(reqs),
         )
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
@@ -340,6 +380,11 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         self._validate_prompt(prompt_token_ids)
+        if params.max_token_id() >= self.model_config.vocab_size:
+            raise ValueError(
+                f"params name token id {params.max_token_id()} (stop_token_ids, logit_bias or "
+                f"allowed_token_ids); the vocabulary has {self.model_config.vocab_size}"
+            )
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not isinstance(prompt_token_ids, (list, tuple)):

@@ -35,6 +35,8 @@ class Request:
     pins_session: bool = True
     cache_salt: str | None = None
     generator: torch.Generator | None = None
+    # llguidance.LLMatcher of its constraint (engine/structured.py), advanced with each token
+    matcher: object | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt followed by output
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)

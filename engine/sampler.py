@@ -1,6 +1,8 @@
 """Batched next-token sampling: masks, penalties, temperature, top-k/top-p/min-p, logprobs.
 
 Order of operations per step (as in vLLM):
+  0. logit masks: logit_bias is added, then tokens outside allowed_token_ids and
+     tokens the request's constraint forbids (its llguidance bitmask) get -inf;
   1. min_tokens: EOS (unless ignore_eos) and stop_token_ids get -inf until a
      request has produced min_tokens tokens;
   2. penalties: repetition over prompt + output tokens, presence and frequency
@@ -14,13 +16,19 @@ probs[i]. A seeded request draws its q from its own generator, one row of
 vocab_size numbers per sampled step, so its tokens do not depend on what else
 is in the batch.
 
-Logprobs are the log_softmax of the raw model logits, before min_tokens masking,
-penalties and temperature: they describe what the model predicted, not the
-distribution the token was drawn from (vLLM's default "raw_logprobs").
+Logprobs are the log_softmax of the model logits after step 0 (for a request
+without logit_bias, allowed_token_ids or a constraint: the raw logits), before
+min_tokens masking, penalties and temperature: they describe what the model
+predicted over the tokens the request may take, not the distribution the token
+was drawn from (vLLM's default "raw_logprobs").
+
+A row left with no allowed token (a constraint that admits only end-of-sequence
+while min_tokens masks it, or allowed_token_ids the constraint forbids) samples
+nothing: the output names it in `blocked_rows` and the engine ends that request.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -46,6 +54,9 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]  # tokens the request has produced so far
     generators: list[torch.Generator | None]  # the request's own generator when seeded
+    # int32 [num_rows, ceil(vocab_size / 32)] on the CPU, bit i of word j allowing token
+    # 32 * j + i (llguidance's layout), all ones for rows without a constraint; None: no row has one
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +65,7 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    blocked_rows: set[int] = field(default_factory=set)  # rows with no allowed token
 
 
 class Sampler:
@@ -92,10 +104,14 @@ class Sampler:
         """
         if _argmax_only(batch):
             return SamplerOutput(self.argmax(logits).tolist(), [None] * len(batch.params))
-        processed = apply_min_tokens(logits.float(), batch, self.eos_token_ids)
+        masked = apply_logit_masks(logits.float(), batch)
+        processed = apply_min_tokens(masked, batch, self.eos_token_ids)
         processed = apply_penalties(processed, batch)
         token_ids = self._choose(processed, batch)
-        return SamplerOutput(token_ids.tolist(), _token_logprobs(logits, token_ids, batch))
+        logprobs = _token_logprobs(masked, token_ids, batch)
+        return SamplerOutput(
+            token_ids.tolist(), logprobs, _blocked_rows(processed, token_ids, batch)
+        )
 
     @staticmethod
     def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -131,6 +147,44 @@ class Sampler:
         races = _exponentials(probs, [batch.generators[i] for i in rows])
         token_ids[row_index] = (probs / races).argmax(dim=-1)
         return token_ids
+
+
+def apply_logit_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Add logit_bias, then mask tokens outside allowed_token_ids and the constraint's bitmask.
+
+    Args:
+        logits: [num_rows, vocab_size] float32 logits.
+        batch: the rows' parameters and the constraints' bitmask.
+
+    Returns:
+        The masked logits; the input itself when no row has a mask or a bias, else a new tensor.
+    """
+    rows = [i for i, params in enumerate(batch.params) if params.masks_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        params = batch.params[row]
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+            logits[row].index_add_(0, ids, bias)
+        if params.allowed_token_ids is not None:
+            keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            keep[params.allowed_token_ids] = True
+            logits[row].masked_fill_(~keep, float("-inf"))
+    if batch.token_bitmask is not None:
+        allowed = unpack_bitmask(batch.token_bitmask.to(logits.device), logits.shape[-1])
+        logits.masked_fill_(~allowed, float("-inf"))
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """An int32 [rows, words] bitmask (llguidance's layout) as a bool [rows, vocab_size] tensor,
+    on the bitmask's device (torch ops only: the same on the CPU and CUDA)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    unpacked = (bitmask.unsqueeze(-1) >> bits) & 1
+    return unpacked.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_min_tokens(
@@ -207,10 +261,20 @@ def _argmax_only(batch: SamplingBatch) -> bool:
             not params.is_greedy
             or params.has_penalties
             or params.logprobs is not None
+            or params.masks_logits
             or len(output) < params.min_tokens
         ):
             return False
     return True
+
+
+def _blocked_rows(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> set[int]:
+    """Rows that had no allowed token: their chosen token's logit is -inf (a row with any
+    finite logit never chooses a -inf one; only a logit mask can leave none)."""
+    if not any(params.masks_logits for params in batch.params):
+        return set()
+    chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return set(torch.isneginf(chosen).nonzero().flatten().tolist())
 
 
 def _column(params: list[SamplingParams], name: str, device: torch.device) -> torch.Tensor:

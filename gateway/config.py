@@ -61,6 +61,10 @@ class GatewayConfig:
     default_max_tokens: int = 256  # max_tokens when a request sets none
     max_stop_strings: int = 16
     max_stop_len: int = 256  # characters per stop string
+    # structured output: characters of a constraint (schema, regex, grammar, choices together)
+    max_constraint_chars: int = 65_536
+    # a constraint that takes longer to compile is refused (INVALID_ARGUMENT naming its field)
+    constraint_timeout_s: float = 5.0
     grace_s: float = 5.0  # running calls get this long to finish on SIGTERM
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port, -1: no metrics
@@ -97,6 +101,8 @@ class GatewayConfig:
             check_range(flag, bytes_, min_value=1024, max_value=MAX_GRPC_INT)
         check_range("--tokenizer-threads", self.tokenizer_threads, min_value=1, max_value=64)
         check_range("--max-stop-token-ids", self.max_stop_token_ids, min_value=0)
+        check_range("--max-constraint-chars", self.max_constraint_chars, min_value=1)
+        check_positive("--constraint-timeout-s", self.constraint_timeout_s)
         check_range("--max-queued-turns", self.max_queued_turns, min_value=0)
         check_range("--max-attempts", self.max_attempts, min_value=1)
         check_positive("--queue-timeout-s", self.queue_timeout_s)
@@ -225,6 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--default-max-tokens", type=int, default=env_int("KVGATE_DEFAULT_MAX_TOKENS", 256))
     add("--max-stop-strings", type=int, default=16)
     add("--max-stop-len", type=int, default=256)
+    add(
+        "--max-constraint-chars",
+        type=int,
+        default=env_int("KVGATE_MAX_CONSTRAINT_CHARS", 65_536),
+        help="longest structured-output constraint (JSON schema, regex, grammar, choices)",
+    )
+    add(
+        "--constraint-timeout-s",
+        type=float,
+        default=env_float("KVGATE_CONSTRAINT_TIMEOUT_S", 5.0),
+        help="a constraint that takes longer to compile is refused",
+    )
     add("--grace-s", type=float, default=env_float("KVGATE_GRACE_S", 5.0))
     add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")
     add_health_flags(parser, default_port=HEALTH_DISABLED)

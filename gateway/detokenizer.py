@@ -27,16 +27,20 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a completion's tokens, as they come, into text deltas."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         """Start after the prompt.
 
         Args:
             tokenizer: the model's tokenizer.
             prompt_token_ids: the prompt; its last tokens are context, never emitted.
+            skip_special_tokens: leave special tokens (BOS, EOS, control tokens) out of the text.
         """
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._token_ids = self._context(prompt_token_ids)  # then the completion's tokens
-        self._stream = DecodeStream(ids=self._token_ids, skip_special_tokens=True)
+        self._stream = self._new_stream(self._token_ids)
         self._num_held = 0  # trailing tokens whose text the stream holds back
 
     def add(self, token_ids: list[int]) -> str:
@@ -67,7 +71,7 @@ class IncrementalDetokenizer:
         held_from = len(self._token_ids) - self._num_held
         context = self._token_ids[max(0, held_from - PROMPT_CONTEXT_TOKENS) : held_from]
         window = context + self._token_ids[held_from:] + token_ids
-        self._stream = DecodeStream(ids=window, skip_special_tokens=True)
+        self._stream = self._new_stream(window)
         before, after = self._decode(context), self._decode(window)
         return after[len(before) :] if len(after) > len(before) else None
 
@@ -78,5 +82,8 @@ class IncrementalDetokenizer:
             context.pop()
         return context
 
+    def _new_stream(self, token_ids: list[int]) -> DecodeStream:
+        return DecodeStream(ids=token_ids, skip_special_tokens=self.skip_special_tokens)
+
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

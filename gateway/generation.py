@@ -146,8 +146,11 @@ class Generation:
         self.request_id = internal_request_id(tenant, spec.request_id)
         self.session_executor_id = session_executor_id
         self.tokens: list[int] = []
-        self.detokenizer = IncrementalDetokenizer(deps.model_text.tokenizer, spec.prompt_token_ids)
-        self.stops = StopStringMatcher(spec.stop)
+        sampling = spec.sampling
+        self.detokenizer = IncrementalDetokenizer(
+            deps.model_text.tokenizer, spec.prompt_token_ids, sampling.skip_special_tokens
+        )
+        self.stops = StopStringMatcher(spec.stop, sampling.include_stop_str_in_output)
         self.arrival = time.monotonic()
         self.arrival_unix_ms = int(time.time() * 1000)
         self.queue_deadline = self.arrival + deps.queue_timeout_s

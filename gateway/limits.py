@@ -54,18 +54,25 @@ UTF8_MAX_BYTES = 4  # bytes of one character of text, at most
 BYTES_PER_TOKEN = 16
 STOP_STRING_FRAMING_BYTES = 4  # a stop string's tag and length
 FIXED_BYTES = 16 << 10  # ids, numbers and the framing of every other field
+# bytes per vocabulary entry for logit_bias (a map entry: tags, length, id, float) and
+# allowed_token_ids, which may name the whole vocabulary
+BYTES_PER_VOCAB_ENTRY = 16
 
 
-def receive_limit(model_text: ModelText, max_stop_strings: int, max_stop_len: int) -> int:
+def receive_limit(
+    model_text: ModelText, max_stop_strings: int, max_stop_len: int, max_constraint_chars: int = 0
+) -> int:
     """The largest request message a gateway serving `model_text` needs to take: its text
     at the character budget (`max_prompt_chars`, all of it in 4-byte characters), token
-    ids or conversation messages for max_model_len, the stop strings the flags allow, and
-    FIXED_BYTES for the rest."""
+    ids or conversation messages for max_model_len, the stop strings the flags allow, a
+    constraint of `max_constraint_chars`, logit_bias and allowed_token_ids over the whole
+    vocabulary, and FIXED_BYTES for the rest."""
     limits = model_text.limits
     stops = max_stop_strings * (UTF8_MAX_BYTES * max_stop_len + STOP_STRING_FRAMING_BYTES)
     return (
-        UTF8_MAX_BYTES * limits.max_prompt_chars
+        UTF8_MAX_BYTES * (limits.max_prompt_chars + max_constraint_chars)
         + BYTES_PER_TOKEN * limits.max_model_len
+        + BYTES_PER_VOCAB_ENTRY * limits.vocab_size
         + stops
         + FIXED_BYTES
     )

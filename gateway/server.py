@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from common.constraints import ConstraintLimits
 from common.health import HEALTH_DISABLED
 from common.keys import RedisKeys
 from common.model_text import ModelText
@@ -195,7 +196,10 @@ def _health_server(config: GatewayConfig, servicer: health.aio.HealthServicer) -
 
 def _max_message_bytes(config: GatewayConfig, servicer: InferenceServicer) -> int:
     return config.max_receive_message_bytes or receive_limit(
-        servicer.text.model_text, config.max_stop_strings, config.max_stop_len
+        servicer.text.model_text,
+        config.max_stop_strings,
+        config.max_stop_len,
+        config.max_constraint_chars,
     )
 
 
@@ -371,7 +375,11 @@ def _inference(
         quotas,
         config.default_max_tokens,
         StopLimits(config.max_stop_strings, config.max_stop_len, config.max_stop_token_ids),
-        TextWork(model_text, config.tokenizer_threads),
+        TextWork(
+            model_text,
+            config.tokenizer_threads,
+            ConstraintLimits(config.max_constraint_chars, config.constraint_timeout_s),
+        ),
         config.max_queued_turns,
     )
     return servicer, queue, quotas

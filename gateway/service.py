@@ -94,7 +94,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.text = text
         self.max_queued_turns = max_queued_turns
 
-    def _spec(
+    async def _spec(
         self,
         prompt_token_ids: list[int],
         params: inference_pb2.SamplingParams,
@@ -105,7 +105,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> GenerationSpec:
         limits = self.model_text.limits
         priority, clamped = clamp_priority(priority, tenant_limits)
-        return GenerationSpec(
+        spec = GenerationSpec(
             request_id=resolve_request_id("request_id", request_id),
             prompt_token_ids=prompt_token_ids,
             sampling=checked_sampling_params(
@@ -116,6 +116,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             session_id=session_id,
             priority_clamped=clamped,
         )
+        await self.text.check_constraint(spec.sampling.constraint)
+        return spec
 
     def _admission(
         self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
@@ -202,7 +204,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 # call opens none. Otherwise as the request is queued (one round trip).
                 await self._admit(admission)
                 check_id("session_id", session_id)
-            spec = self._spec(await prompt(), params, priority, session_id, request_id, limits)
+            spec = await self._spec(
+                await prompt(), params, priority, session_id, request_id, limits
+            )
             spec.api = api
             session = (
                 await self.sessions.open_or_load(spec.session_id, tenant)
@@ -339,7 +343,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if conversation.session is None:  # a new session is written before the turn is queued
             await self._admit(admission)
         prompt = await self._chat_prompt([*history, user])
-        spec = self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
+        spec = await self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
         if conversation.session is None:
             conversation.session = await self._new_session(conversation.tenant, system)
             conversation.opened_session = True

@@ -6,6 +6,11 @@ stops every other stream of the gateway. So text longer than INLINE_MAX_CHARS is
 on a small thread pool, and shorter text inline, where the hop to a thread (about 0.2 ms)
 would cost more than it saves. Text that cannot fit max_model_len however it is tokenized
 (more characters than max_model_len times the longest token's) is refused before any work.
+
+Structured-output constraints are compiled here too, before a request is queued, so that one
+that does not compile, or is over the size or time limit, is refused naming its field: on a
+pool of their own (a slow compile must not hold back tokenizing), with the compiler's cache
+answering a known constraint inline.
 """
 
 from __future__ import annotations
@@ -16,6 +21,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from common.constraints import (
+    Constraint,
+    ConstraintError,
+    ConstraintLimits,
+    GrammarCompiler,
+    llguidance_grammar,
+    llguidance_tokenizer,
+)
 from common.model_text import ModelText
 from common.templates import Message
 from gateway.errors import InvalidArgument
@@ -39,9 +52,22 @@ def check_text_budget(field_name: str, num_chars: int, model_text: ModelText) ->
 class TextWork:
     """The model's text operations, each run inline or on the pool by its input's length."""
 
-    def __init__(self, model_text: ModelText, threads: int) -> None:
+    def __init__(
+        self, model_text: ModelText, threads: int, constraint_limits: ConstraintLimits | None = None
+    ) -> None:
         self.model_text = model_text
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._grammar_pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        limits = model_text.limits
+        self.compiler = GrammarCompiler(
+            lambda: llguidance_tokenizer(
+                model_text.hf_tokenizer, limits.vocab_size, list(limits.eos_token_ids)
+            ),
+            constraint_limits or ConstraintLimits(),
+        )
+        # llguidance's tokenizer takes about 1.5 s for a 49,152-entry vocabulary: built now,
+        # beside serving, and never counted in a constraint's compile time.
+        self._grammar_tokenizer = self._grammar_pool.submit(lambda: self.compiler.tokenizer)
 
     async def _run(self, num_chars: int, work: Callable[..., T], *args: object) -> T:
         if num_chars <= INLINE_MAX_CHARS:
@@ -68,5 +94,46 @@ class TextWork:
         check_text_budget(field_name, num_chars, self.model_text)
         return await self._run(num_chars, self.model_text.render_chat, messages)
 
+    async def check_constraint(self, constraint: Constraint | None) -> None:
+        """Compile `constraint` (None: nothing to do), within the compiler's time limit.
+
+        Raises:
+            InvalidArgument: naming `params.<kind>`, when it is over the size limit, does not
+                compile, or takes longer than the time limit (then refused from the cache
+                afterwards too, even if its compile ends later).
+        """
+        if constraint is None:
+            return
+        try:
+            if self.compiler.cached(constraint) is not None:
+                return
+            await self._compile_within_limit(constraint)
+        except ConstraintError as error:
+            raise InvalidArgument(f"params.{error.field}", error.problem) from None
+
+    async def _compile_within_limit(self, constraint: Constraint) -> None:
+        await asyncio.wrap_future(self._grammar_tokenizer)
+        loop = asyncio.get_running_loop()
+        compiling = loop.run_in_executor(self._grammar_pool, self.compiler.matcher, constraint)
+        timeout_s = self.compiler.limits.compile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(compiling), timeout_s)
+        except TimeoutError:
+            refusal = ConstraintError(
+                constraint.kind.value, f"took longer than {timeout_s:g} s to compile (the limit)"
+            )
+            grammar = llguidance_grammar(constraint)
+            self.compiler.remember(grammar, refusal)
+            compiling.add_done_callback(lambda _: self.compiler.remember(grammar, refusal))
+            compiling.add_done_callback(_retrieve_exception)
+            raise refusal from None
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _retrieve_exception(future: asyncio.Future) -> None:
+    """Mark an abandoned compile's exception as seen (it was answered by the timeout)."""
+    if not future.cancelled():
+        future.exception()

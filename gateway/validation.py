@@ -11,6 +11,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from common.constraints import ConstraintError
 from common.model_text import ModelLimits
 from common.sampling_params import SamplingParamError, SamplingParams
 from common.sampling_pb import sampling_params_from_pb
@@ -117,14 +118,17 @@ def checked_sampling_params(
     limits: ModelLimits,
     default_max_tokens: int,
 ) -> SamplingParams:
-    """Check `params` for a prompt of `prompt_len` tokens and fill in defaults.
+    """Check `params` for a prompt of `prompt_len` tokens and fill in defaults (a constraint's
+    form only: TextWork.check_constraint compiles it).
 
     Raises:
         InvalidArgument: naming the first bad field (`params.<name>`).
     """
     max_tokens = _max_tokens(params, limits.max_model_len - prompt_len, default_max_tokens)
     check_token_ids("params.stop_token_ids", list(params.stop_token_ids), limits.vocab_size)
+    check_token_ids("params.logit_bias", list(params.logit_bias), limits.vocab_size)
+    check_token_ids("params.allowed_token_ids", list(params.allowed_token_ids), limits.vocab_size)
     try:
         return sampling_params_from_pb(params, max_tokens=max_tokens, min_tokens=params.min_tokens)
-    except SamplingParamError as err:
+    except (SamplingParamError, ConstraintError) as err:
         raise InvalidArgument(f"params.{err.field}", err.problem) from None

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from common.constraints import Constraint, ConstraintKind
 from common.sampling_params import SamplingParamError, SamplingParams
 from common.sampling_pb import (
     queued_sampling_params,
@@ -114,6 +115,38 @@ def test_the_message_carries_every_field_both_ways() -> None:
     assert back == params, f"{params} became {back} through {message}"
     unset = sampling_params_from_pb(pb.SamplingParams(), max_tokens=16, min_tokens=0)
     assert unset == SamplingParams(), f"an empty message must give the defaults, got {unset}"
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "integer"}'),
+        Constraint(ConstraintKind.JSON_OBJECT),
+        Constraint(ConstraintKind.REGEX, "[a-z]+"),
+        Constraint(ConstraintKind.GRAMMAR, 'start: "a"'),
+        Constraint(ConstraintKind.CHOICE, choices=("yes", "no")),
+    ],
+    ids=lambda c: c.kind.value,
+)
+def test_the_message_carries_constraints_and_logit_masks_both_ways(constraint) -> None:
+    params = SamplingParams(
+        constraint=constraint,
+        logit_bias={3: -100.0, 7: 2.5},
+        allowed_token_ids=[3, 7, 9],
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+    )
+    message = sampling_params_to_pb(params)
+    assert message.WhichOneof("constraint") == constraint.kind.value, message
+    back = sampling_params_from_pb(message, max_tokens=16, min_tokens=0)
+    assert back == params, f"{params} became {back} through {message}"
+
+
+def test_a_field_this_server_does_not_know_is_refused_naming_the_constraint() -> None:
+    newer = pb.SamplingParams(temperature=0.5).SerializeToString() + bytes([0x9A, 0x06, 1, 0x78])
+    with pytest.raises(SamplingParamError) as refused:
+        queued_sampling_params(pb.SamplingParams.FromString(newer))  # field 99, 1 byte long
+    assert refused.value.field == "constraint" and "[99]" in refused.value.problem
 
 
 @pytest.mark.parametrize(
