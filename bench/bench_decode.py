@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.decode_profile import profile_step
-from bench.machine import read_bandwidth_bytes_per_s
+from bench.machine import cpu_features, read_bandwidth_bytes_per_s
 from bench.scratch import scratch_folder
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": label,
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_features(),
         "load_average_at_end": os.getloadavg(),
         "read_bytes_per_s": bandwidth,
         "prompt_len": args.prompt_len,

@@ -29,7 +29,7 @@ from bench.bench_engine import (
     kvgate_tokens_per_s,
     load_hf_model,
 )
-from bench.machine import matmul_flops_per_s
+from bench.machine import cpu_features, matmul_flops_per_s
 from bench.roofline import output_tokens_only_tokens_per_s, roofline_tokens_per_s
 from bench.scratch import scratch_folder
 from executor.config import EngineConfig
@@ -82,6 +82,7 @@ def run(model: str, workload: Workload, repeats: int, formats: list[str]) -> dic
         "workload": vars(workload),
         "num_parameters": num_params,
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_features(),
         "load_average_at_end": os.getloadavg(),
         "matmul_flops_per_s": flops,
         "samples_matmul_flops_per_s": flops_samples,

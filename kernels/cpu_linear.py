@@ -35,7 +35,6 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -129,7 +128,6 @@ def _check_small_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     check_cpu(tensors, floats=tuple(tensors), inner_dims={"x": 0})
 
 
-@functools.cache
 def _columns_built() -> bool:
     return bool(library().kvgate_linear_columns_available())
 
@@ -261,7 +259,6 @@ def _dequantized_matmul(
     return out
 
 
-@functools.cache
 def _tiles_built() -> bool:
     return bool(library().kvgate_linear_tiles_available())
 
