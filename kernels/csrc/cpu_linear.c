@@ -168,18 +168,15 @@ static inline vecf f32_weights(const float *p, int64_t left) {
 }
 
 static inline vecf i8_weights(const int8_t *p, int64_t left) {
+    if (left >= VL) /* one vpmovsxbd from memory */
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     int64_t bytes = 0;
-    if (left >= VL)
-        memcpy(&bytes, p, sizeof bytes);
-    else
-        memcpy(&bytes, p, (size_t)left);
+    memcpy(&bytes, p, (size_t)left);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
 }
 
 static inline __m256i int4_bytes(const uint8_t *p) {
-    int64_t bytes;
-    memcpy(&bytes, p, sizeof bytes);
-    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 #define vand_epi32 _mm256_and_si256
 #define vsrli_epi32 _mm256_srli_epi32
