@@ -417,17 +417,23 @@ static void dequantize_row(const weights *wt, int64_t row, int64_t k, float *w_r
         load_row((const char *)wt->q + row * k * dtype_size(dtype), dtype, k, w_row);
         return;
     }
-    const int64_t groups = k / wt->group_size;
-    for (int64_t j = 0; j < k; ++j) {
-        const int64_t g = row * groups + j / wt->group_size;
-        if (wt->kind == KVGATE_W_INT8) {
-            w_row[j] = (float)((const int8_t *)wt->q)[row * k + j] * ((const float *)wt->scales)[g];
-        } else {
-            const int64_t in_block = j % 32;
-            const uint8_t byte = ((const uint8_t *)wt->q)[row * (k / 2) + (j - in_block) / 2 + in_block % 16];
-            const int value = in_block < 16 ? byte & 15 : byte >> 4;
-            w_row[j] = (float)value * f16_to_f32(((const uint16_t *)wt->scales)[g]) +
-                       f16_to_f32(((const uint16_t *)wt->zeros)[g]);
+    const int64_t groups = k / wt->group_size, size = wt->group_size;
+    if (wt->kind == KVGATE_W_INT8) { /* a group at a time: loops the compiler vectorizes */
+        const int8_t *q = (const int8_t *)wt->q + row * k;
+        for (int64_t g = 0; g < groups; ++g) {
+            const float scale = ((const float *)wt->scales)[row * groups + g];
+            for (int64_t j = g * size; j < (g + 1) * size; ++j) w_row[j] = (float)q[j] * scale;
+        }
+        return;
+    }
+    const uint8_t *q = (const uint8_t *)wt->q + row * (k / 2);
+    for (int64_t b = 0; b < k; b += 32) { /* a block of 32 weights in 16 bytes */
+        const int64_t g = row * groups + b / size;
+        const float scale = f16_to_f32(((const uint16_t *)wt->scales)[g]);
+        const float zero = f16_to_f32(((const uint16_t *)wt->zeros)[g]);
+        for (int j = 0; j < 16; ++j) {
+            w_row[b + j] = (float)(q[b / 2 + j] & 15) * scale + zero;
+            w_row[b + j + 16] = (float)(q[b / 2 + j] >> 4) * scale + zero;
         }
     }
 }
