@@ -74,20 +74,21 @@ lint: setup
 
 # A small load on `make run`'s stack (start it first, in another terminal).
 bench: setup proto
-	$(BIN)/kvgate bench --target 127.0.0.1:50051 --num-requests 32 --request-rate 4 \
+	$(BIN)/kvgate bench load --target 127.0.0.1:50051 --num-requests 32 --request-rate 4 \
 		--out bench/results/bench.json
 
 bench-engine: setup
-	$(PYTHON) -m bench.bench_engine --out bench/results/engine.json
-	$(PYTHON) -m bench.bench_engine --model smollm2 --out bench/results/engine_smollm2.json
-	$(PYTHON) -m bench.kv_dtypes --out bench/results/kv_dtypes.json
+	$(BIN)/kvgate bench engine throughput --out bench/results/engine.json
+	$(BIN)/kvgate bench engine throughput --model smollm2 --out bench/results/engine_smollm2.json
+	$(BIN)/kvgate bench engine cpu --out bench/results/cpu_speed_smollm2.json
+	$(BIN)/kvgate bench quality kv --out bench/results/kv_dtypes.json
 
 # The second run times what security costs on a model whose steps are short and steady
 # (stories260K's are under 1 ms), so that it resolves well under a millisecond; the first
 # model's steps move by several ms from request to request.
 bench-serve: setup proto
-	$(PYTHON) -m bench.bench_serve --out bench/results/serve.json
-	$(PYTHON) -m bench.bench_serve --model ../shared/models/stories260K --ttft-requests 300 \
+	$(BIN)/kvgate bench serve stack --out bench/results/serve.json
+	$(BIN)/kvgate bench serve stack --model ../shared/models/stories260K --ttft-requests 300 \
 		--ttft-interval-s 0.5 --out bench/results/serve_stories260K.json
 
 run: setup proto
@@ -95,12 +96,12 @@ run: setup proto
 
 # 20,000 API fuzzing cases against a live stack (CI runs 2,000 in make test).
 fuzz: setup proto
-	KVGATE_FUZZ_EXAMPLES=20000 $(PYTHON) -m pytest -q -ra tests/integration/test_fuzz.py
+	KVGATE_FUZZ_EXAMPLES=20000 $(PYTHON) -m pytest -q -ra tests/integration/test_fuzz.py tests/integration/test_fuzz_http.py
 
 # 10 minutes of random kill -9 (executors, schedulers, gateways, the Redis master) under load;
 # prints requests completed, failed by status and lost. Not in CI.
 chaos: setup proto
-	$(PYTHON) -m bench.chaos --model $(MODEL) --duration-s 600 $(ARGS)
+	$(PYTHON) -m tests.chaos --model $(MODEL) --duration-s 600 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

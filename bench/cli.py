@@ -1,243 +1,106 @@
-"""`kvgate bench`: load a running gateway and report TTFT, TPOT, ITL, latency and goodput.
+"""`kvgate bench GROUP NAME [flags]`: every benchmark of kvgate behind one command.
 
-kvgate bench --target 127.0.0.1:50051 --num-requests 100 --request-rate 4 --out run.json
-kvgate bench --workload shared-prefix --num-prefixes 4 --prefix-len 96 --input-len 32 ...
-kvgate bench --workload chat --num-turns 3 --input-len 32 --output-len 32 ...
-kvgate bench --sweep-rates 1,2,4,inf ...      (one run per rate, plotted)
-kvgate bench --sweep-window 0,5,20,100 ...    (starts its own stack on --model)
-kvgate bench --sweep-policy fcfs,lpm ...      (its own stack, scheduler and executor per policy)
-kvgate bench --compare-hf ...                 (the same requests through transformers)
+    kvgate bench load --target 127.0.0.1:50051 --num-requests 32 --request-rate 4
+    kvgate bench engine throughput --model smollm2
+    kvgate bench --help                  (the list of benchmarks)
 
-Writes the results JSON to --out and PNG plots next to it (OUT_cdf.png, OUT_rates.png,
-OUT_windows.png); prints a summary. `kvgate bench ...` and `python -m bench.cli ...` are the
-same command; the `kvgate` client loads this module only for `bench`.
+Each benchmark writes its results as JSON to --out (default: bench/results/NAME.json) and
+prints a summary. Only the chosen benchmark's module is imported, so `kvgate bench load` runs
+without torch. `python -m bench.cli ...` is the same command.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import shlex
+import importlib
 import sys
-from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
-import grpc
-
-from bench.config import DEFAULT_LOG_DIR, DEFAULT_OUT, BenchConfig, served_model
-from bench.runs import run_bench
-from bench.stats import parse_slos
-from bench.workloads import WORKLOADS, WorkloadConfig
-from client.api import default_target
-from client.cli import add_credential_flags, credentials_from_args
-from common.model_files import check_model_path, model_id
+from bench.harness import BenchFailure, add_out, write_results
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags of `kvgate bench`."""
-    parser = argparse.ArgumentParser(
-        prog="kvgate bench",
-        description="Load a running gateway and report latencies and throughput.",
-    )
-    parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
-    add_credential_flags(parser)
-    _add_load_flags(parser.add_argument)
-    _add_output_flags(parser.add_argument)
-    return parser
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One `kvgate bench GROUP NAME`: the module whose BENCHMARKS["GROUP NAME"] runs it."""
+
+    group: str
+    name: str
+    module: str
+    help: str
+
+    @property
+    def words(self) -> str:
+        """How the command is typed, and its key in its module's BENCHMARKS."""
+        return f"{self.group} {self.name}".rstrip()
 
 
-def _add_load_flags(add: Callable[..., object]) -> None:
-    """Arrivals and workload."""
-    add("--num-requests", type=int, default=100, help="requests (chat: turns) per run")
-    add(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="requests/s (chat: sessions/s, each sending its turns in turn); inf: all at once",
-    )
-    add("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
-    add(
-        "--max-concurrency",
-        type=int,
-        default=None,
-        help="most requests (chat: sessions) in flight",
-    )
-    add("--workload", choices=WORKLOADS, default="random")
-    add(
-        "--input-len",
-        type=int,
-        default=128,
-        help="prompt tokens (shared-prefix: suffix; chat: turn)",
-    )
-    add("--output-len", type=int, default=128, help="output tokens (ignore_eos, exact)")
-    add(
-        "--range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in [len*(1-r), len*(1+r)]; 0: fixed",
-    )
-    add("--prefix-len", type=int, default=64, help="shared-prefix: tokens of each prefix")
-    add("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
-    add("--num-turns", type=int, default=3, help="chat: turns per session")
-    add(
-        "--prompt-words",
-        choices=("english", "vocab"),
-        default="english",
-        help="prompt text: built-in English words, or the words of --model's vocabulary",
-    )
-    add("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
+COMMANDS = (
+    Command("load", "", "bench.load", "load a running gateway: TTFT, TPOT, ITL, goodput, sweeps"),
+    Command("serve", "stack", "bench.serve", "the whole stack against the in-process Engine"),
+    Command("serve", "hops", "bench.security", "what each defence adds to one hop"),
+    Command("serve", "tenants", "bench.security", "a quiet tenant's TTFT beside a noisy one"),
+    Command("engine", "throughput", "bench.engine", "the Engine against transformers"),
+    Command("engine", "cpu", "bench.cpu", "decode latency, number formats and their targets"),
+    Command("engine", "decode", "bench.cpu", "decode latency against the bandwidth limit"),
+    Command("engine", "dtypes", "bench.cpu", "64 streams per number format"),
+    Command("engine", "gpu", "bench.kernels", "the Engine on one CUDA GPU"),
+    Command("kernels", "linear", "bench.kernels", "CPU linear layers beside torch's"),
+    Command("kernels", "gpu", "bench.kernels", "paged attention on one CUDA GPU"),
+    Command("quality", "weights", "bench.quality", "weight and activation formats vs float32"),
+    Command("quality", "kv", "bench.quality", "KV cache formats: agreement, blocks, speed"),
+    Command("scaling", "swap", "bench.scaling", "the KV host tier on overflowing chat sessions"),
+    Command("scaling", "tp", "bench.scaling", "two tensor-parallel ranks against one"),
+    Command("scaling", "executors", "bench.scaling", "the autoscaler on a local stack"),
+)
 
 
-def _add_output_flags(add: Callable[..., object]) -> None:
-    """Goodput bounds, results, sweeps and the transformers comparison."""
-    add(
-        "--slo",
-        action="append",
-        default=[],
-        metavar="NAME=MS",
-        help="ttft_ms=.., tpot_ms=.. or e2e_ms=.. (repeatable): goodput's bounds",
-    )
-    add("--out", type=Path, default=DEFAULT_OUT, help="results JSON; PNGs go next to it")
-    add("--sweep-rates", type=_float_list, default=[], help="e.g. 1,2,4,inf: one run per rate")
-    add(
-        "--sweep-window",
-        type=_float_list,
-        default=[],
-        dest="sweep_windows_ms",
-        help="e.g. 0,5,20,100: batch_window_ms per run, on a local stack of --model",
-    )
-    add(
-        "--sweep-policy",
-        type=_name_list,
-        default=[],
-        dest="sweep_policies",
-        help="e.g. fcfs,lpm: --policy of the scheduler and executor per run (the same "
-        "requests), on a local stack of --model",
-    )
-    add(
-        "--executor-flags",
-        type=shlex.split,
-        default=[],
-        help="--sweep-window/--sweep-policy: flags of the local stack's executor, "
-        "e.g. '--num-gpu-blocks 64 --max-num-seqs 4'",
-    )
-    add(
-        "--log-dir",
-        type=Path,
-        default=DEFAULT_LOG_DIR,
-        help="--sweep-window/--sweep-policy: where the local stack's processes log",
-    )
-    add("--model", default="", help="served model folder (default: KVGATE_MODEL or make run's)")
-    add("--compare-hf", action="store_true", help="run the same requests through transformers")
-    add("--hf-sample", type=int, default=4, help="requests transformers generate runs one by one")
-    add("--no-progress", action="store_false", dest="progress", help="no progress bar")
+def usage() -> str:
+    """The list of benchmarks."""
+    lines = ["usage: kvgate bench GROUP [NAME] [flags] (--help after one for its flags)", ""]
+    for command in COMMANDS:
+        lines.append(f"  {command.words:<20}{command.help}")
+    return "\n".join(lines)
 
 
-def _float_list(text: str) -> list[float]:
-    """An argparse type: comma-separated numbers (inf allowed), at least one."""
-    try:
-        values = [float(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}")
-    return values
-
-
-def _name_list(text: str) -> list[str]:
-    """An argparse type: comma-separated names, at least one."""
-    names = [item.strip() for item in text.split(",") if item.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected names like fcfs,lpm, got {text!r}")
-    return names
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Raises: ValueError naming the flag when a value is out of range."""
-    flags = vars(args)
-    workload = WorkloadConfig(**{name: flags[name] for name in WorkloadConfig.__dataclass_fields__})
-    return BenchConfig(
-        target=args.target,
-        workload=workload,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        slos_ms=parse_slos(args.slo),
-        out=args.out,
-        sweep_rates=args.sweep_rates,
-        sweep_windows_ms=args.sweep_windows_ms,
-        sweep_policies=args.sweep_policies,
-        executor_flags=args.executor_flags,
-        model=args.model,
-        prompt_words=args.prompt_words,
-        compare_hf=args.compare_hf,
-        hf_sample=args.hf_sample,
-        progress=args.progress,
-        log_dir=args.log_dir,
-        credentials=credentials_from_args(args),
-    )
-
-
-def check_inputs(config: BenchConfig) -> None:
-    """Checks what the run will need before it starts, so a bad flag costs no run.
-
-    Raises:
-        ValueError naming the flag: --out is a folder, --model lacks the files a flag
-            reads, or --compare-hf's --model is not the model --target serves.
-        grpc.RpcError: --compare-hf could not ask --target for its model.
-    """
-    if config.out.is_dir():
-        raise ValueError(f"--out must be a JSON file, got the folder {config.out}")
-    model = served_model(config)
-    if config.prompt_words == "vocab":
-        try:
-            check_model_path("--model", model, "tokenizer.json")
-        except ValueError as error:
-            raise ValueError(f"--prompt-words vocab reads --model's tokenizer: {error}") from None
-    if config.compare_hf or config.sweep_windows_ms or config.sweep_policies:
-        check_model_path("--model", model, "config.json")
-    if config.compare_hf:
-        with config.credentials.client(config.target, timeout_s=30.0) as client:
-            served_id = client.model_info().model_id
-        if model_id(model) != served_id:
-            raise ValueError(f"--compare-hf: --target serves {served_id!r} but --model is {model}")
-
-
-def rpc_failure(args: argparse.Namespace, error: grpc.RpcError) -> str:
-    """The one-line message of a gateway call outside the measured requests (model info,
-    tokenize), whose failure stops the bench."""
-    status = f"{error.code().name}: {error.details()}"
-    if args.sweep_windows_ms or args.sweep_policies:
-        return f"the local stack's gateway failed: {status}"
-    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return f"cannot reach --target {args.target}: {status}"
-    return f"--target {args.target} failed a call: {status}"
-
-
-def fail(message: str) -> int:
-    """Prints the one-line error. Returns: the exit status of bad input."""
-    print(f"kvgate bench: {message}", file=sys.stderr)
-    return 2
+def find_command(argv: list[str]) -> tuple[Command, list[str]] | None:
+    """The command argv names, and the flags after its name; None when it names none."""
+    for command in COMMANDS:
+        words = command.words.split()
+        if argv[: len(words)] == words:
+            return command, argv[len(words) :]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `kvgate bench`. Args: its flags (None: sys.argv). Returns: the exit status."""
-    args = build_parser().parse_args(argv)
+    """Runs `kvgate bench`. Args: its words and flags (None: sys.argv). Returns: the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    found = find_command(argv)
+    if found is None:
+        asked_for_help = argv[:1] in ([], ["-h"], ["--help"])
+        print(usage(), file=sys.stdout if asked_for_help else sys.stderr)
+        return 0 if asked_for_help and argv else 2
+    command, flags = found
+    benchmark = importlib.import_module(command.module).BENCHMARKS[command.words]
+    parser = argparse.ArgumentParser(prog=f"kvgate bench {command.words}", description=command.help)
+    add_out(parser, benchmark.out)
+    benchmark.add_arguments(parser)
+    args = parser.parse_args(flags)
     try:
-        config = config_from_args(args)
-        check_inputs(config)
-    except ValueError as error:
-        return fail(str(error))
-    except grpc.RpcError as error:
-        return fail(rpc_failure(args, error))
-    try:
-        results = run_bench(config)
-    except grpc.RpcError as error:
-        return fail(rpc_failure(args, error))
-    config.out.parent.mkdir(parents=True, exist_ok=True)
-    config.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {config.out}")
+        if getattr(args, "threads", 0):
+            import torch
+
+            torch.set_num_threads(args.threads)
+        result = benchmark.run(args)
+        if benchmark.summarize is not None:
+            benchmark.summarize(result)
+        write_results(result, args.out)
+    except BenchFailure as error:
+        print(f"kvgate bench: {error}", file=sys.stderr)
+        return 2
+    failure = benchmark.failure(result) if benchmark.failure is not None else None
+    if failure:
+        print(f"kvgate bench: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 

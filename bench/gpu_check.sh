@@ -5,13 +5,14 @@
 #
 #   bash bench/gpu_check.sh            # PYTHON=/path/to/python to pick the interpreter
 #
-# Prints every Triton kernel against its PyTorch reference in bfloat16, float16 and float32,
-# paged decode/prefill attention timings next to PyTorch SDPA, then the engine benchmark
-# (bench/gpu_engine.py): tokens/s at 1 and 64 concurrent requests against transformers
-# generate_batch, and the batch-1 decode step (CUDA graphs and eager) against the bandwidth bound;
-# then the KV host tier (bench/gpu_swap.py): requests preempted by swap against no preemption.
-# With two or more GPUs, tensor parallelism last (bench/tensor_parallel.py): two ranks' greedy
-# tokens against one rank's and their tokens/s; with one GPU it says why it is skipped.
+# Runs the GPU tests (tests/gpu: every Triton kernel against its PyTorch reference in bfloat16,
+# float16 and float32, the fp8 KV cache bit for bit, and the KV host tier: requests preempted by
+# swap against no preemption), then the paged decode/prefill attention timings next to PyTorch
+# SDPA (kvgate bench kernels gpu), then the engine (kvgate bench engine gpu): tokens/s at 1 and
+# 64 concurrent requests against transformers generate_batch, and the batch-1 decode step (CUDA
+# graphs and eager) against the bandwidth bound. With two or more GPUs, tensor parallelism last
+# (kvgate bench scaling tp): two ranks' greedy tokens against one rank's and their tokens/s;
+# with one GPU it says why it is skipped. Results go to .run/gpu_check/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,18 +48,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 unset TRITON_INTERPRET KVGATE_KERNELS
 
 status=0
-timeout 420 "$PYTHON" -m bench.gpu_kernels || status=$?
+out=.run/gpu_check
+mkdir -p "$out"
 
-# The engine on a random model shaped like Llama-3.2-1B, against transformers generate_batch.
-timeout 240 "$PYTHON" -m bench.gpu_engine || status=$?
+# The kernels' and the host tier's correctness on CUDA (the Triton interpreter off: tests/gpu
+# alone, without tests/kernels' conftest).
+timeout 420 "$PYTHON" -m pytest -q -ra -p no:cacheprovider tests/gpu || status=$?
 
-# The KV host tier: pinned memory, copies on a side stream; swap = recompute = no preemption.
-timeout 120 "$PYTHON" -m bench.gpu_swap || status=$?
+# Paged attention timings, then the engine on a random model shaped like Llama-3.2-1B.
+timeout 120 "$PYTHON" -m bench.cli kernels gpu --out "$out/gpu_kernels.json" || status=$?
+timeout 240 "$PYTHON" -m bench.cli engine gpu --out "$out/gpu_engine.json" || status=$?
 
 # Tensor parallelism: two ranks on two GPUs (NCCL) against one.
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 if (( gpus > 1 )); then
-    timeout 300 "$PYTHON" -m bench.tensor_parallel --device cuda || status=$?
+    timeout 300 "$PYTHON" -m bench.cli scaling tp --device cuda --out "$out/tensor_parallel.json" \
+        || status=$?
 else
     echo "gpu_check: tensor parallelism skipped: $gpus CUDA device, two ranks need two GPUs"
 fi

@@ -1,4 +1,6 @@
-"""Benchmark workloads: what each request asks, built as text of a chosen token length.
+"""What `kvgate bench load` sends: its flags, its validated config, and the workloads.
+
+Workloads: what each request asks, built as text of a chosen token length.
 
 - random: prompt and output lengths drawn uniformly from
   [len * (1 - range_ratio), len * (1 + range_ratio)] (range_ratio 0: every request the same);
@@ -17,15 +19,24 @@ max_tokens.
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from bench.harness import RESULTS, add_model
+from bench.stats import parse_slos
+from client.api import Credentials, default_target
+from client.cli import add_credential_flags, credentials_from_args
+from common.config import check_host_port
 from common.gguf_metadata import GgufFile
-from common.model_files import gguf_file
+from common.model_files import check_model_path, gguf_file, model_id
+from deploy.models import ROOT, choose_model
 
 WORKLOADS = ("random", "shared-prefix", "chat")
 WORDS = (
@@ -221,3 +232,236 @@ def chat_jobs(config: WorkloadConfig, rng: np.random.Generator, text: TextMaker)
 def num_requests(job: Job) -> int:
     """Returns: how many requests (Generate calls or chat turns) the job makes."""
     return len(job.turns) if isinstance(job, ChatJob) else 1
+
+
+DEFAULT_LOG_DIR = ROOT / ".run" / "bench-logs"
+# The policies --sweep-policy compares: both the scheduler and the executor know them.
+SWEPT_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """The flags of one `kvgate bench load`; validated in `__post_init__`."""
+
+    target: str
+    workload: WorkloadConfig
+    request_rate: float = math.inf  # requests per second; inf: all at once
+    burstiness: float = 1.0  # gamma shape of the gaps; 1: Poisson
+    max_concurrency: int | None = None  # None: no limit
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    out: Path = RESULTS / "bench.json"
+    sweep_rates: list[float] = field(default_factory=list)
+    sweep_windows_ms: list[float] = field(default_factory=list)
+    sweep_policies: list[str] = field(default_factory=list)  # fcfs | lpm, one run each
+    executor_flags: list[str] = field(default_factory=list)  # the sweeps' local executor's
+    model: str = ""  # the served model's folder (--sweep-window, --sweep-policy, --compare-hf)
+    prompt_words: str = "english"  # english | vocab (the words of --model's tokenizer)
+    compare_hf: bool = False
+    hf_sample: int = 4
+    progress: bool = True
+    log_dir: Path = DEFAULT_LOG_DIR  # where the sweeps' local stack logs
+    credentials: Credentials = field(default_factory=Credentials)  # --api-key, --tls*
+
+    def __post_init__(self) -> None:
+        check_host_port("--target", self.target)
+        for rate in [self.request_rate, *self.sweep_rates]:
+            if not rate > 0:
+                raise ValueError(f"--request-rate and --sweep-rates must be > 0 or inf, got {rate}")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise ValueError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if not all(math.isfinite(window) and window >= 0 for window in self.sweep_windows_ms):
+            raise ValueError(
+                f"--sweep-window values must be finite and >= 0 ms, got {self.sweep_windows_ms}"
+            )
+        bad = [p for p in self.sweep_policies if p not in SWEPT_POLICIES]
+        if bad:
+            raise ValueError(f"--sweep-policy values must be fcfs or lpm, got {bad[0]!r}")
+        sweeps = [self.sweep_rates, self.sweep_windows_ms, self.sweep_policies]
+        if sum(bool(sweep) for sweep in sweeps) > 1:
+            raise ValueError(
+                "--sweep-rates, --sweep-window and --sweep-policy cannot be combined: pick one"
+            )
+        if self.compare_hf and any(sweeps):
+            raise ValueError(
+                "--compare-hf compares one run: leave out --sweep-rates/--sweep-window/"
+                "--sweep-policy"
+            )
+        if self.compare_hf and self.workload.workload == "chat":
+            raise ValueError("--compare-hf runs Generate workloads: use random or shared-prefix")
+        if self.hf_sample < 1:
+            raise ValueError(f"--hf-sample must be >= 1, got {self.hf_sample}")
+
+    def plot_path(self, kind: str) -> Path:
+        """Returns: OUT_kind.png next to the results JSON."""
+        return self.out.with_name(f"{self.out.stem}_{kind}.png")
+
+
+def served_model(config: BenchConfig) -> str:
+    """--model, else the folder `make run` serves (KVGATE_MODEL, stories260K, ...)."""
+    return config.model or str(choose_model())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvgate bench load` (--out is the CLI's)."""
+    parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
+    add_credential_flags(parser)
+    _add_load_flags(parser.add_argument)
+    _add_output_flags(parser.add_argument)
+    add_model(parser, "", "served model folder (default: KVGATE_MODEL or make run's)")
+
+
+def _add_load_flags(add: Callable[..., object]) -> None:
+    """Arrivals and workload."""
+    add("--num-requests", type=int, default=100, help="requests (chat: turns) per run")
+    add(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s (chat: sessions/s, each sending its turns in turn); inf: all at once",
+    )
+    add("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
+    add(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests (chat: sessions) in flight",
+    )
+    add("--workload", choices=WORKLOADS, default="random")
+    add(
+        "--input-len",
+        type=int,
+        default=128,
+        help="prompt tokens (shared-prefix: suffix; chat: turn)",
+    )
+    add("--output-len", type=int, default=128, help="output tokens (ignore_eos, exact)")
+    add(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)]; 0: fixed",
+    )
+    add("--prefix-len", type=int, default=64, help="shared-prefix: tokens of each prefix")
+    add("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
+    add("--num-turns", type=int, default=3, help="chat: turns per session")
+    add(
+        "--prompt-words",
+        choices=("english", "vocab"),
+        default="english",
+        help="prompt text: built-in English words, or the words of --model's vocabulary",
+    )
+    add("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
+
+
+def _add_output_flags(add: Callable[..., object]) -> None:
+    """Goodput bounds, results, sweeps and the transformers comparison."""
+    add(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="NAME=MS",
+        help="ttft_ms=.., tpot_ms=.. or e2e_ms=.. (repeatable): goodput's bounds",
+    )
+    add("--sweep-rates", type=_float_list, default=[], help="e.g. 1,2,4,inf: one run per rate")
+    add(
+        "--sweep-window",
+        type=_float_list,
+        default=[],
+        dest="sweep_windows_ms",
+        help="e.g. 0,5,20,100: batch_window_ms per run, on a local stack of --model",
+    )
+    add(
+        "--sweep-policy",
+        type=_name_list,
+        default=[],
+        dest="sweep_policies",
+        help="e.g. fcfs,lpm: --policy of the scheduler and executor per run (the same "
+        "requests), on a local stack of --model",
+    )
+    add(
+        "--executor-flags",
+        type=shlex.split,
+        default=[],
+        help="--sweep-window/--sweep-policy: flags of the local stack's executor, "
+        "e.g. '--num-gpu-blocks 64 --max-num-seqs 4'",
+    )
+    add(
+        "--log-dir",
+        type=Path,
+        default=DEFAULT_LOG_DIR,
+        help="--sweep-window/--sweep-policy: where the local stack's processes log",
+    )
+    add("--compare-hf", action="store_true", help="run the same requests through transformers")
+    add("--hf-sample", type=int, default=4, help="requests transformers generate runs one by one")
+    add("--no-progress", action="store_false", dest="progress", help="no progress bar")
+
+
+def _float_list(text: str) -> list[float]:
+    """An argparse type: comma-separated numbers (inf allowed), at least one."""
+    try:
+        values = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    """An argparse type: comma-separated names, at least one."""
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected names like fcfs,lpm, got {text!r}")
+    return names
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Raises: ValueError naming the flag when a value is out of range."""
+    flags = vars(args)
+    workload = WorkloadConfig(**{name: flags[name] for name in WorkloadConfig.__dataclass_fields__})
+    return BenchConfig(
+        target=args.target,
+        workload=workload,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        slos_ms=parse_slos(args.slo),
+        out=args.out,
+        sweep_rates=args.sweep_rates,
+        sweep_windows_ms=args.sweep_windows_ms,
+        sweep_policies=args.sweep_policies,
+        executor_flags=args.executor_flags,
+        model=args.model,
+        prompt_words=args.prompt_words,
+        compare_hf=args.compare_hf,
+        hf_sample=args.hf_sample,
+        progress=args.progress,
+        log_dir=args.log_dir,
+        credentials=credentials_from_args(args),
+    )
+
+
+def check_inputs(config: BenchConfig) -> None:
+    """Checks what the run will need before it starts, so a bad flag costs no run.
+
+    Raises:
+        ValueError naming the flag: --out is a folder, --model lacks the files a flag
+            reads, or --compare-hf's --model is not the model --target serves.
+        grpc.RpcError: --compare-hf could not ask --target for its model.
+    """
+    if config.out.is_dir():
+        raise ValueError(f"--out must be a JSON file, got the folder {config.out}")
+    model = served_model(config)
+    if config.prompt_words == "vocab":
+        try:
+            check_model_path("--model", model, "tokenizer.json")
+        except ValueError as error:
+            raise ValueError(f"--prompt-words vocab reads --model's tokenizer: {error}") from None
+    if config.compare_hf or config.sweep_windows_ms or config.sweep_policies:
+        check_model_path("--model", model, "config.json")
+    if config.compare_hf:
+        with config.credentials.client(config.target, timeout_s=30.0) as client:
+            served_id = client.model_info().model_id
+        if model_id(model) != served_id:
+            raise ValueError(f"--compare-hf: --target serves {served_id!r} but --model is {model}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -75,6 +75,14 @@ class Completion:
     priority: int = 0  # the priority it ran at, once finished
     priority_clamped: bool = False  # lowered to the tenant's highest allowed
 
+    @classmethod
+    def of(cls, chunks: Iterable[inference_pb2.GenerateResponse]) -> Completion:
+        """The completion of all `chunks`."""
+        completion = cls()
+        for chunk in chunks:
+            completion.add(chunk)
+        return completion
+
     def add(self, chunk: inference_pb2.GenerateResponse) -> None:
         """Append one streamed chunk."""
         self.request_id = chunk.request_id
@@ -127,8 +135,55 @@ def sampling_params(
     return params
 
 
-class KvgateClient:
-    """One channel to a gateway; thread-safe like the grpc channel under it."""
+# generate_request's keywords besides the prompt and the sampling parameters.
+REQUEST_FIELDS = ("messages", "session_id", "priority", "request_id")
+
+
+def generate_request(
+    prompt: str = "",
+    params: inference_pb2.SamplingParams | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    session_id: str = "",
+    priority: int = 0,
+    request_id: str = "",
+) -> inference_pb2.GenerateRequest:
+    """A GenerateRequest of `prompt`, or of `messages` ({"role": ..., "content": ...} each,
+    rendered by the gateway with the model's chat template)."""
+    return inference_pb2.GenerateRequest(
+        prompt=prompt,
+        messages=[inference_pb2.ChatMessage(**message) for message in messages or []],
+        params=params,
+        session_id=session_id,
+        priority=priority,
+        request_id=request_id,
+    )
+
+
+def completion_fields(fields: dict[str, object]) -> dict[str, object]:
+    """generate()'s keywords as generate_stream's: `messages`, `priority`, `session_id` and
+    `request_id` as they are, the rest as `sampling_params` into `params`."""
+    request_fields = {k: fields.pop(k) for k in REQUEST_FIELDS if k in fields}
+    return {"params": sampling_params(**fields), **request_fields}
+
+
+def ended(error: grpc.RpcError) -> bool:
+    """EndSession's answer from its status: False for NOT_FOUND (the tenant has no such
+    session: never opened, ended already, expired, or another tenant's).
+
+    Raises:
+        grpc.RpcError: any other status.
+    """
+    if error.code() == grpc.StatusCode.NOT_FOUND:
+        return False
+    raise error
+
+
+class ClientBase:
+    """What both clients hold: a channel (of `channel_module`: grpc, or grpc.aio), the
+    Inference stub, the deadline, the retry policy and the credentials' metadata."""
+
+    channel_module = grpc
 
     def __init__(
         self,
@@ -155,13 +210,21 @@ class KvgateClient:
         """
         options = channel_options(retry)
         if tls is None:
-            self.channel = grpc.insecure_channel(target, options)
+            self.channel = self.channel_module.insecure_channel(target, options)
         else:
-            self.channel = grpc.secure_channel(target, tls.credentials(), options)
+            self.channel = self.channel_module.secure_channel(target, tls.credentials(), options)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout_s = timeout_s
         self.retry = RetryPolicy() if retry else NO_RETRY
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+    def _call_options(self, timeout_s: float | None) -> dict[str, object]:
+        """One attempt's options: what is left of the call's deadline, the credentials."""
+        return {"timeout": timeout_s, "metadata": self.metadata}
+
+
+class KvgateClient(ClientBase):
+    """One channel to a gateway; thread-safe like the grpc channel under it."""
 
     def __enter__(self) -> KvgateClient:
         return self
@@ -174,38 +237,27 @@ class KvgateClient:
 
     def generate_stream(
         self,
-        prompt: str,
+        prompt: str = "",
         params: inference_pb2.SamplingParams | None = None,
-        *,
-        session_id: str = "",
-        priority: int = 0,
-        request_id: str = "",
+        **fields: object,
     ) -> Iterator[inference_pb2.GenerateResponse]:
-        """Stream the completion of `prompt` chunk by chunk (a retry is sent unchanged, under
-        the same `request_id`).
+        """Stream the completion of `prompt` (or of `messages=[{"role", "content"}, ...]`)
+        chunk by chunk; `fields` as generate_request's. A retry is sent unchanged, under the
+        same `request_id`.
 
         Raises:
             grpc.RpcError: with the gateway's status (INVALID_ARGUMENT, UNAVAILABLE, ...).
         """
-        request = inference_pb2.GenerateRequest(
-            prompt=prompt,
-            params=params,
-            session_id=session_id,
-            priority=priority,
-            request_id=request_id,
-        )
+        request = generate_request(prompt, params, **fields)
         yield from stream_with_retries(
             lambda timeout: self.stub.Generate(request, **self._call_options(timeout)),
             self.retry,
             self.timeout_s,
         )
 
-    def generate(self, prompt: str, *, priority: int = 0, **params: object) -> Completion:
-        """The whole completion of `prompt`; keyword arguments as `sampling_params`."""
-        completion = Completion()
-        for chunk in self.generate_stream(prompt, sampling_params(**params), priority=priority):
-            completion.add(chunk)
-        return completion
+    def generate(self, prompt: str = "", **fields: object) -> Completion:
+        """The whole completion of `prompt`; `fields` as completion_request's."""
+        return Completion.of(self.generate_stream(prompt, **completion_fields(fields)))
 
     def chat(self, system_prompt: str = "", session_id: str = "") -> ChatSession:
         """Open a Chat stream (a new session, or `session_id` resumed)."""
@@ -230,16 +282,42 @@ class KvgateClient:
         try:
             return self.stub.EndSession(request, **self._call_options(self.timeout_s)).ended
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
-                return False
-            raise
-
-    def _call_options(self, timeout_s: float | None) -> dict[str, object]:
-        """One attempt's options: what is left of the call's deadline, the credentials."""
-        return {"timeout": timeout_s, "metadata": self.metadata}
+            return ended(error)
 
 
-class ChatSession:
+class ChatTurns:
+    """The state both chat sessions keep of their Chat stream: the session (its id once the
+    first reply names it), whether a turn is running, whether the stream is closed."""
+
+    def __init__(self, system_prompt: str, session_id: str) -> None:
+        self._first_turn = True
+        self._turn_open = False
+        self._closed = False
+        self.system_prompt = system_prompt
+        self.session_id = session_id
+
+    def _turn_request(
+        self, content: str, params: inference_pb2.SamplingParams | None, priority: int
+    ) -> inference_pb2.ChatRequest:
+        """The request of a turn (the first carries the system prompt and the session to
+        resume); the turn counts as running from now."""
+        turn = inference_pb2.ChatTurn(content=content, params=params, priority=priority)
+        if self._first_turn:
+            turn.system_prompt = self.system_prompt
+            turn.session_id = self.session_id
+            self._first_turn = False
+        self._turn_open = True
+        return inference_pb2.ChatRequest(turn=turn)
+
+    def _read(self, response: inference_pb2.ChatResponse) -> inference_pb2.ChatResponse:
+        """Notes what a response says of the session and the turn."""
+        self.session_id = response.session_id
+        if response.chunk.finish_reason:
+            self._turn_open = False
+        return response
+
+
+class ChatSession(ChatTurns):
     """One bidirectional Chat stream: send turns, read each reply as it streams."""
 
     def __init__(
@@ -253,31 +331,18 @@ class ChatSession:
         self._outgoing: queue.Queue[inference_pb2.ChatRequest | None] = queue.Queue()
         requests = iter(self._outgoing.get, None)
         self._responses = stub.Chat(requests, timeout=timeout_s, metadata=metadata)
-        self._first_turn = True
-        self._turn_open = False
-        self._closed = False
-        self.system_prompt = system_prompt
-        self.session_id = session_id
+        super().__init__(system_prompt, session_id)
 
     def send(
         self, content: str, params: inference_pb2.SamplingParams | None = None, priority: int = 0
     ) -> Iterator[inference_pb2.ChatResponse]:
         """Send a user turn and yield the reply's responses until its last chunk."""
-        turn = inference_pb2.ChatTurn(content=content, params=params, priority=priority)
-        if self._first_turn:
-            turn.system_prompt = self.system_prompt
-            turn.session_id = self.session_id
-            self._first_turn = False
-        self._outgoing.put(inference_pb2.ChatRequest(turn=turn))
-        self._turn_open = True
+        self._outgoing.put(self._turn_request(content, params, priority))
         yield from self._rest_of_turn()
 
     def _rest_of_turn(self) -> Iterator[inference_pb2.ChatResponse]:
         for response in self._responses:
-            self.session_id = response.session_id
-            if response.chunk.finish_reason:
-                self._turn_open = False
-            yield response
+            yield self._read(response)
             if not self._turn_open:
                 return
 

@@ -1,17 +1,20 @@
 """The `kvgate` command: generate text or chat with a running gateway.
 
 kvgate generate "Once upon a time" --max-tokens 64 --temperature 0
+kvgate generate --message "system:You tell short stories." --message "user:A dragon story"
 kvgate chat --system "You tell short stories."
-kvgate bench --num-requests 100 --request-rate 4 --out bench/results/run.json  (bench/cli.py)
+kvgate bench load --num-requests 100 --request-rate 4   (bench/cli.py: every benchmark)
 kvgate admin keys create --tenant acme   (client/admin.py: API keys, limits, usage in Redis)
 
-`kvgate bench` and `kvgate admin` hand their flags to bench/cli.py and client/admin.py,
-imported only then: the client itself loads no benchmark code (nor numpy) and no Redis client.
+`kvgate bench` and `kvgate admin` hand their words and flags to the `main` of bench.cli and
+client.admin, imported by name only then: the client loads no Redis client, and depends on no
+benchmark code (a client installed without bench/ says so when asked to bench).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -42,6 +45,14 @@ def _unsigned(bits: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _message(text: str) -> dict[str, str]:
+    """ROLE:CONTENT; the gateway checks the role (system, user or assistant)."""
+    role, colon, content = text.partition(":")
+    if not colon or not role:
+        raise argparse.ArgumentTypeError(f"--message must be ROLE:CONTENT, got {text!r}")
+    return {"role": role, "content": content}
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -93,14 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="Talk to a kvgate gateway.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="complete a text and print the completion")
-    generate.add_argument("text", help="the prompt")
+    generate.add_argument("text", nargs="?", default="", help="the prompt")
+    generate.add_argument(
+        "--message",
+        dest="messages",
+        type=_message,
+        action="append",
+        default=[],
+        metavar="ROLE:CONTENT",
+        help="a message of a conversation to answer instead of a prompt (repeatable, in order; "
+        "the gateway renders it with the model's chat template)",
+    )
     _add_sampling_flags(generate)
     chat = commands.add_parser("chat", help="a chat REPL (Ctrl-C stops a reply, Ctrl-D quits)")
     chat.add_argument("--system", default="", help="system prompt")
     chat.add_argument("--session-id", default="", help="resume this session")
     _add_sampling_flags(chat)
     commands.add_parser(
-        "bench", help="load the gateway and report latencies (kvgate bench --help)", add_help=False
+        "bench", help="run a benchmark (kvgate bench --help lists them)", add_help=False
     )
     commands.add_parser(
         "admin",
@@ -124,7 +145,10 @@ def _params(args: argparse.Namespace) -> object:
 def run_generate(client: KvgateClient, args: argparse.Namespace) -> int:
     """Print the completion as it streams."""
     completion = Completion()
-    for chunk in client.generate_stream(args.text, _params(args), priority=args.priority):
+    stream = client.generate_stream(
+        args.text, _params(args), messages=args.messages, priority=args.priority
+    )
+    for chunk in stream:
         completion.add(chunk)
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -174,16 +198,24 @@ def run_chat(client: KvgateClient, args: argparse.Namespace) -> int:
     return 0
 
 
+# Commands whose code lives in a module of its own, imported by name when asked for.
+COMMAND_MODULES = {"bench": "bench.cli", "admin": "client.admin"}
+
+
+def run_command_module(command: str, argv: list[str]) -> int:
+    """Runs `kvgate COMMAND argv` through the `main` of its module. Returns: the exit status."""
+    try:
+        module = importlib.import_module(COMMAND_MODULES[command])
+    except ModuleNotFoundError as error:
+        print(f"kvgate {command}: not installed here ({error})", file=sys.stderr)
+        return 2
+    return module.main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from bench.cli import main as bench_main  # the load generator, only when asked for
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["admin"]:
-        from client.admin import main as admin_main  # Redis, only when asked for
-
-        return admin_main(argv[1:])
+    if argv[:1] and argv[0] in COMMAND_MODULES:
+        return run_command_module(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         client = client_from_args(args)

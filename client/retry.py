@@ -17,13 +17,15 @@ each ended UNAVAILABLE at once).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+from grpc import aio
 
 from common.redis_conn import Backoff
 from protos.kvgate.v1 import inference_pb2
@@ -80,6 +82,28 @@ def _time_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def retry_pause(
+    error: grpc.RpcError,
+    answered: bool,
+    attempt: int,
+    policy: RetryPolicy,
+    pause: float,
+    deadline: float | None,
+) -> float | None:
+    """`pause` before sending a failed stream again, or None when its error is final: the
+    stream had answered, it was the last attempt, the status is not retryable, or the pause
+    would pass the deadline (time.monotonic(); None: none)."""
+    time_left = _time_left(deadline)
+    if (
+        answered
+        or attempt == policy.max_attempts
+        or error.code() not in RETRYABLE_CODES
+        or (time_left is not None and pause >= time_left)
+    ):
+        return None
+    return pause
+
+
 def stream_with_retries(
     start: Callable[[float | None], Iterable[T]], policy: RetryPolicy, timeout_s: float | None
 ) -> Iterator[T]:
@@ -105,16 +129,35 @@ def stream_with_retries(
                 yield response
             return
         except grpc.RpcError as error:
-            pause = next(pauses)
-            time_left = _time_left(deadline)
-            if (
-                answered
-                or attempt == policy.max_attempts
-                or error.code() not in RETRYABLE_CODES
-                or (time_left is not None and pause >= time_left)
-            ):
+            pause = retry_pause(error, answered, attempt, policy, next(pauses), deadline)
+            if pause is None:
                 raise
             time.sleep(pause)
         finally:
             if isinstance(call, grpc.Call):
+                call.cancel()  # the caller stopped reading; nothing once the call has ended
+
+
+async def astream_with_retries(
+    start: Callable[[float | None], AsyncIterable[T]], policy: RetryPolicy, timeout_s: float | None
+) -> AsyncIterator[T]:
+    """stream_with_retries for grpc.aio calls: the same policy, pauses on the event loop."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pauses = policy.backoff.delays()
+    for attempt in range(1, policy.max_attempts + 1):
+        call: AsyncIterable[T] | None = None
+        answered = False
+        try:
+            call = start(_time_left(deadline))
+            async for response in call:
+                answered = True
+                yield response
+            return
+        except grpc.RpcError as error:
+            pause = retry_pause(error, answered, attempt, policy, next(pauses), deadline)
+            if pause is None:
+                raise
+            await asyncio.sleep(pause)
+        finally:
+            if isinstance(call, aio.Call):
                 call.cancel()  # the caller stopped reading; nothing once the call has ended

@@ -66,30 +66,39 @@ METRICS = {
     # gateway
     "kvgate_gateway_requests": MetricSpec(
         "counter",
-        "gRPC calls finished, by service, method and status code",
-        ("service", "method", "code"),
+        "calls finished, by service, method, status code and api (the front: kvgate, openai "
+        "or vllm)",
+        ("service", "method", "code", "api"),
     ),
     "kvgate_gateway_active_streams": MetricSpec(
-        "gauge", "server-streaming calls open now, by method", ("method",)
+        "gauge", "server-streaming calls open now, by method and api", ("method", "api")
     ),
-    "kvgate_gateway_ttft_seconds": MetricSpec("latency", "time from arrival to the first token"),
+    "kvgate_gateway_ttft_seconds": MetricSpec(
+        "latency", "time from arrival to the first token, by api", ("api",)
+    ),
     "kvgate_gateway_itl_seconds": MetricSpec(
-        "latency", "gap between consecutive token arrivals of one request"
+        "latency", "gap between consecutive token arrivals of one request, by api", ("api",)
     ),
-    "kvgate_gateway_e2e_seconds": MetricSpec("latency", "time from arrival to the last chunk"),
+    "kvgate_gateway_e2e_seconds": MetricSpec(
+        "latency", "time from arrival to the last chunk, by api", ("api",)
+    ),
     "kvgate_gateway_finished_requests": MetricSpec(
-        "counter", "generations finished, by finish reason", ("finish_reason",)
+        "counter", "generations finished, by finish reason and api", ("finish_reason", "api")
     ),
-    "kvgate_gateway_prompt_tokens": MetricSpec("counter", "prompt tokens of queued requests"),
-    "kvgate_gateway_output_tokens": MetricSpec("counter", "tokens streamed to clients"),
+    "kvgate_gateway_prompt_tokens": MetricSpec(
+        "counter", "prompt tokens of queued requests, by api", ("api",)
+    ),
+    "kvgate_gateway_output_tokens": MetricSpec(
+        "counter", "tokens streamed to clients, by api", ("api",)
+    ),
     "kvgate_gateway_requeues": MetricSpec(
-        "counter", "requests re-queued because their executor went away"
+        "counter", "requests re-queued because their executor went away, by api", ("api",)
     ),
     "kvgate_gateway_refused": MetricSpec(
         "counter",
         "calls refused with RESOURCE_EXHAUSTED at a limit, by the limit's flag: "
-        "max_concurrent_streams, redis_max_connections, max_queue_len, max_queued_turns",
-        ("limit",),
+        "max_concurrent_streams, redis_max_connections, max_queue_len, max_queued_turns; and api",
+        ("limit", "api"),
     ),
     # per tenant: the first --metrics-max-tenants tenants a gateway sees have a label of their
     # own, the others share the label "_other"
@@ -201,7 +210,8 @@ def build_metric(registry: CollectorRegistry, name: str) -> Counter | Gauge | Hi
     """The metric METRICS declares under `name`, on `registry`."""
     spec = METRICS[name]
     if spec.kind in _BUCKETS:
-        return Histogram(name, spec.documentation, buckets=_BUCKETS[spec.kind], registry=registry)
+        buckets = _BUCKETS[spec.kind]
+        return Histogram(name, spec.documentation, spec.labels, buckets=buckets, registry=registry)
     kind = Counter if spec.kind == "counter" else Gauge
     return kind(name, spec.documentation, spec.labels, registry=registry)
 

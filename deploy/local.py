@@ -1,8 +1,9 @@
 """`make run`: start a local kvgate stack and keep it up until Ctrl-C.
 
-python -m deploy.local [--host H] [--port P] [--executors N] [--metrics-port M]
+python -m deploy.local [--host H] [--port P] [--http-port P] [--executors N] [--metrics-port M]
 [--log-format json|text] [--log-dir DIR] [--auth off|keys] (KVGATE_HOST, KVGATE_PORT,
-KVGATE_MODEL, KVGATE_METRICS_PORT, KVGATE_LOG_FORMAT as defaults). Prints the address, the
+KVGATE_HTTP_PORT, KVGATE_MODEL, KVGATE_METRICS_PORT, KVGATE_LOG_FORMAT as defaults). Prints
+the gRPC address, the OpenAI-compatible HTTP URL, the
 /metrics ports and whether API keys are asked for once every process serves. A process that dies is
 started again with backoff (deploy/supervise.py), and said so; Ctrl-C or SIGTERM stops
 them all.
@@ -34,6 +35,7 @@ from deploy.supervise import Supervisor
 DEFAULT_METRICS_PORT = 9400
 MAX_EXECUTORS = 16
 AUTH_CHOICES = ("off", "keys")
+DEFAULT_HTTP_PORT = 8000
 
 
 def metrics_ports(first_port: int, num_executors: int) -> dict[str, int]:
@@ -49,6 +51,7 @@ class LauncherConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP front; -1: none
     executors: int = 1
     redis_port: int = 0
     metrics_port: int = DEFAULT_METRICS_PORT
@@ -60,6 +63,7 @@ class LauncherConfig:
         if not self.host:
             raise ValueError("--host must be a host name or address, got ''")
         check_range("--port", self.port, min_value=1, max_value=65535)
+        check_range("--http-port", self.http_port, min_value=-1, max_value=65535)
         check_range("--executors", self.executors, min_value=1, max_value=MAX_EXECUTORS)
         check_range("--redis-port", self.redis_port, min_value=0, max_value=65535)
         last_port = 65535 - 2 - MAX_EXECUTORS
@@ -73,6 +77,12 @@ class LauncherConfig:
         parser = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__)
         parser.add_argument("--host", default=env_str("KVGATE_HOST", "127.0.0.1"))
         parser.add_argument("--port", type=int, default=env_int("KVGATE_PORT", 50051))
+        parser.add_argument(
+            "--http-port",
+            type=int,
+            default=env_int("KVGATE_HTTP_PORT", DEFAULT_HTTP_PORT),
+            help="OpenAI-compatible HTTP port of the gateway; -1: none (env KVGATE_HTTP_PORT)",
+        )
         parser.add_argument("--executors", type=int, default=1)
         parser.add_argument(
             "--redis-port", type=int, default=env_int("KVGATE_REDIS_PORT", 0), help="0: a free port"
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             model=str(model),
             host=config.host,
             port=config.port,
+            http_port=config.http_port,
             redis_port=config.redis_port,
             metrics_ports=metrics_ports(config.metrics_port, config.executors),
             log_format=config.log_format,
@@ -140,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             _print_log_tail(stack.log_path(str(error).split(":")[0]))
             return 2
         print(f"kvgate serving on {stack.address}  (Ctrl-C stops it)", flush=True)
+        if config.http_port != -1:
+            print(f"  OpenAI-compatible HTTP: {stack.http_url}", flush=True)
         print(_auth_line(config.auth, stack.redis_url), flush=True)
         for name, port in sorted(stack.metrics_ports.items(), key=lambda item: item[1]):
             print(f"  {name} metrics: http://127.0.0.1:{port}/metrics", flush=True)

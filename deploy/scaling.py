@@ -4,7 +4,7 @@ Prometheus that evaluates its query against a local stack.
 KEDA's Prometheus trigger feeds the query's value to a HorizontalPodAutoscaler as an average
 per replica, so the replicas wanted are ceil(value / threshold), kept within min and max;
 `ScalingRule.desired_replicas` is that arithmetic. The scaling-signal test and
-bench/scaler.py use this module, so they read the very query and numbers a cluster uses.
+deploy/scaler_sim.py use this module, so they read the very query and numbers a cluster uses.
 """
 
 from __future__ import annotations

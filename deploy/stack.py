@@ -1,6 +1,6 @@
 """A local kvgate stack as child processes: redis-server, scheduler, executors, gateways.
 
-Used by `make run` (deploy/local.py), the integration tests and bench/bench_serve.py.
+Used by `make run` (deploy/local.py), the integration tests and bench/serve.py.
 Every child gets its own session (a terminal's Ctrl-C reaches only the
 launcher, which stops them in order) and dies with the launcher (PR_SET_PDEATHSIG),
 so no process is left behind.
@@ -158,6 +158,7 @@ class StackConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 50051  # public gateway port of the first gateway
+    http_port: int = -1  # the first gateway's OpenAI-compatible HTTP port; -1: none
     redis_port: int = 0  # 0: a free port
     log_dir: Path = DEFAULT_LOG_DIR
     # Redis's data folder (its append-only file), emptied when the stack starts, kept when
@@ -370,6 +371,7 @@ class Stack:
             self.config.auth,
             *self._metrics_flags(name),
             *self._health_flags(name),
+            *self._http_flags(name),
             *self.config.gateway_flags,
             *(extra_flags or []),
         ]
@@ -378,6 +380,17 @@ class Stack:
         # The health port: the public one may ask for TLS and client certificates.
         address = self.health_addresses[name]
         wait_until(lambda: gateway_serving(address), self.config.start_timeout_s, name, proc)
+
+    def _http_flags(self, name: str) -> list[str]:
+        """The first gateway serves HTTP on the stack's http_port, when one is given."""
+        if name != "gateway" or self.config.http_port == -1:
+            return []
+        return ["--http-host", self.config.host, "--http-port", str(self.config.http_port)]
+
+    @property
+    def http_url(self) -> str:
+        """The first gateway's OpenAI-compatible base URL (http_port set)."""
+        return f"http://{self.config.host}:{self.config.http_port}/v1"
 
     def _metrics_flags(self, name: str) -> list[str]:
         port = self.config.metrics_ports.get(name) or free_port()

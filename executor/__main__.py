@@ -15,13 +15,13 @@ from common.logs import add_log_context
 from common.redis_conn import connect_sync
 from common.startup import start_process, stop_on_signals
 from common.tls import TLSFileError
+from engine.engine import Engine
+from engine.faults import install_faults
+from engine.ranks import RankStartError
 from executor.config import ExecutorConfig
-from executor.engine import Engine
-from executor.faults import install_faults
 from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
 from executor.metrics import ExecutorMetrics
-from executor.ranks import RankStartError
 from executor.service import ExecutorService
 
 # Exit status when the tensor-parallel ranks fall out of step (a rank died): as a crash.

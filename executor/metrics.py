@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from common.metrics import METRICS, ProcessMetrics
-from executor.engine import EngineStats
+from engine.engine import EngineStats
 
 # What a scrape shows before the first snapshot: an empty engine.
 IDLE_STATS = EngineStats(**{name: 0 for name in EngineStats.__dataclass_fields__})

@@ -24,8 +24,9 @@ from common.logs import request_fields
 from common.model_files import model_id
 from common.requeue import attempts_used_up
 from common.sampling_pb import queued_sampling_params
+from engine.engine import Engine, RequestOutput
+from engine.sampler import TokenLogprobs
 from executor.config import ExecutorConfig
-from executor.engine import Engine, RequestOutput
 from executor.gateway_link import (
     GatewayAbort,
     GatewayEvent,
@@ -35,7 +36,6 @@ from executor.gateway_link import (
 )
 from executor.heartbeat import Heartbeat, StatusBoard
 from executor.metrics import ExecutorMetrics
-from executor.sampler import TokenLogprobs
 from executor.streams import InboxEntry, InboxReader
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 

@@ -32,8 +32,8 @@ from common.tenants import (
 from gateway.errors import Unauthenticated, WrappingInterceptor
 
 AUTH_MODES = ("keys", "cert", "off")
-# Calls of this service need credentials; every other service of the public port is open.
-GUARDED_PREFIX = "/kvgate.v1.Inference/"
+# Calls of these services need credentials; every other service of the public port is open.
+GUARDED_PREFIXES = ("/kvgate.v1.Inference/", "/vllm.grpc.engine.VllmEngine/")
 AUTHORIZATION = "authorization"
 BEARER = "bearer "
 # Cached key records past this many are dropped, oldest reads first (unknown ids included).
@@ -90,13 +90,24 @@ class ApiKeys:
         return record
 
 
+def bearer_key(authorization: str | None) -> str:
+    """The API key of an `authorization` value (None: the caller sent none).
+
+    Raises:
+        Unauthenticated: none sent, or not `Bearer <API key>`.
+    """
+    if authorization is None:
+        raise Unauthenticated("authorization: missing; send 'authorization: Bearer <API key>'")
+    if not authorization.lower().startswith(BEARER):
+        raise Unauthenticated("authorization: expected 'Bearer <API key>'")
+    return authorization[len(BEARER) :].strip()
+
+
 def _bearer_key(context: aio.ServicerContext) -> str:
     for name, value in context.invocation_metadata() or ():
         if name == AUTHORIZATION:
-            if not value.lower().startswith(BEARER):
-                raise Unauthenticated("authorization: expected 'Bearer <API key>'")
-            return value[len(BEARER) :].strip()
-    raise Unauthenticated("authorization: missing; send 'authorization: Bearer <API key>'")
+            return bearer_key(value)
+    return bearer_key(None)
 
 
 def certificate_tenant(context: aio.ServicerContext) -> str:
@@ -131,21 +142,31 @@ class Authenticator:
             return DEFAULT_TENANT
         if self.mode == "cert":
             return certificate_tenant(context)
-        tenant = await self.api_keys.tenant(_bearer_key(context))
+        return await self.key_tenant(_bearer_key(context))
+
+    async def key_tenant(self, api_key: str) -> str:
+        """The tenant of an API key under --auth keys or off (cert needs a TLS peer).
+
+        Raises:
+            Unauthenticated: the key is unknown or revoked.
+        """
+        if self.mode == "off":
+            return DEFAULT_TENANT
+        tenant = await self.api_keys.tenant(api_key)
         if tenant is None:
             raise Unauthenticated("authorization: unknown or revoked API key")
         return tenant
 
 
 class AuthInterceptor(WrappingInterceptor):
-    """Authenticates the Inference calls; sits inside ErrorInterceptor, which turns its
-    Unauthenticated into the status."""
+    """Authenticates the Inference and VllmEngine calls; sits inside ErrorInterceptor, which
+    turns its Unauthenticated into the status."""
 
     def __init__(self, authenticator: Authenticator) -> None:
         self.authenticator = authenticator
 
     def wraps(self, method: str) -> bool:
-        return method.startswith(GUARDED_PREFIX)
+        return method.startswith(GUARDED_PREFIXES)
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], method: str) -> Callable:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:

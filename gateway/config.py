@@ -22,6 +22,7 @@ from common.model_files import MODEL_HELP, check_model_path
 from common.tls import check_tls_flags
 from gateway.auth import AUTH_MODES
 
+HTTP_DISABLED = -1  # --http-port that serves no HTTP front
 # gRPC core takes its channel arguments as C ints.
 MAX_GRPC_INT = 2**31 - 1
 
@@ -34,6 +35,8 @@ class GatewayConfig:
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"  # public Inference address
     port: int = 50051
+    http_host: str = "127.0.0.1"  # the OpenAI-compatible HTTP front's address
+    http_port: int = HTTP_DISABLED  # 0: a free port; -1: no HTTP front
     internal_host: str = "127.0.0.1"  # TokenSink address executors connect to
     internal_port: int = 0  # 0: a free port
     advertise_host: str = ""  # host put in reply_to; empty: internal_host
@@ -83,6 +86,7 @@ class GatewayConfig:
         check_model_path("--model", self.model, "tokenizer.json")
         check_range("--port", self.port, min_value=0, max_value=65535)
         check_range("--internal-port", self.internal_port, min_value=0, max_value=65535)
+        check_range("--http-port", self.http_port, min_value=HTTP_DISABLED, max_value=65535)
         check_positive("--redis-timeout-s", self.redis_timeout_s)
         check_range("--redis-max-connections", self.redis_max_connections, min_value=1)
         check_range("--max-queue-len", self.max_queue_len, min_value=1)
@@ -118,6 +122,11 @@ class GatewayConfig:
         if self.auth == "cert" and not self.tls_client_ca:
             raise ValueError("--auth cert needs --tls-client-ca (the CA of client certificates)")
         check_positive("--auth-cache-s", self.auth_cache_s)
+        if self.auth == "cert" and self.http_port != HTTP_DISABLED:
+            raise ValueError(
+                "--auth cert is not served on --http-port yet: use --auth keys (the same API "
+                "keys on both ports) or leave --http-port at -1"
+            )
         check_tls_flags("--tls", self.tls_cert, self.tls_key, self.tls_client_ca)
         check_tls_flags(
             "--internal-tls",
@@ -166,6 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=env_str("KVGATE_MODEL", DEFAULT_MODEL), help=MODEL_HELP)
     add("--host", default=env_str("KVGATE_HOST", "127.0.0.1"), help="public host")
     add("--port", type=int, default=env_int("KVGATE_PORT", 50051), help="public port")
+    add(
+        "--http-host",
+        default=env_str("KVGATE_HTTP_HOST", "127.0.0.1"),
+        help="address of the OpenAI-compatible HTTP front (env KVGATE_HTTP_HOST)",
+    )
+    add(
+        "--http-port",
+        type=int,
+        default=env_int("KVGATE_HTTP_PORT", HTTP_DISABLED),
+        help="port of the OpenAI-compatible HTTP front (same keys and TLS as --port); "
+        f"0: a free port, {HTTP_DISABLED}: none (env KVGATE_HTTP_PORT)",
+    )
     add("--internal-host", default=env_str("KVGATE_INTERNAL_HOST", "127.0.0.1"))
     add("--internal-port", type=int, default=env_int("KVGATE_INTERNAL_PORT", 0))
     add("--advertise-host", default=env_str("KVGATE_ADVERTISE_HOST", ""))

@@ -139,6 +139,7 @@ class Generation:
                 is taken in the round trip that queues the request.
         """
         self.spec = spec
+        self.params = sampling_params_to_pb(spec.sampling)  # built once, sent on each attempt
         self.admission = admission
         self.deps = deps
         self.tenant = tenant
@@ -177,7 +178,7 @@ class Generation:
             priority=self.spec.priority,
             prompt_token_ids=self.spec.prompt_token_ids,
             resume_token_ids=self.tokens,
-            params=sampling_params_to_pb(self.spec.sampling),
+            params=self.params,
             arrival_unix_ms=self.arrival_unix_ms,
             queue_deadline_unix_ms=deadline_unix_ms,
             attempt=self.attempt,
@@ -227,7 +228,7 @@ class Generation:
 
     def _log_queued(self) -> None:
         num_prompt_tokens = len(self.spec.prompt_token_ids)
-        self.deps.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.deps.metrics.prompt_tokens.labels(self.spec.api).inc(num_prompt_tokens)
         log.info("request queued: %d prompt tokens", num_prompt_tokens, extra=self.log_fields)
 
     async def _next_event(self, inbox: asyncio.Queue[RequestEvent]) -> RequestEvent:
@@ -333,7 +334,7 @@ class Generation:
         self.no_executor_since = None  # the grace starts anew for this attempt
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
         self.session_executor_id = ""
-        self.deps.metrics.requeues.inc()
+        self.deps.metrics.requeues.labels(self.spec.api).inc()
         log.warning(
             "request lost its executor %s after %d tokens; re-queued (attempt %d)",
             executor_id,
@@ -398,12 +399,12 @@ class Generation:
 
     def _observe_tokens(self, num_tokens: int, now: float) -> None:
         metrics = self.deps.metrics
-        metrics.output_tokens.inc(num_tokens)
+        metrics.output_tokens.labels(self.spec.api).inc(num_tokens)
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.ttft_seconds.observe(now - self.arrival)
+            metrics.ttft_seconds.labels(self.spec.api).observe(now - self.arrival)
         else:
-            metrics.itl_seconds.observe(now - self.last_token_at)
+            metrics.itl_seconds.labels(self.spec.api).observe(now - self.last_token_at)
         self.last_token_at = now
 
     def _flush_text(self) -> tuple[str, bool]:
@@ -450,8 +451,8 @@ class Generation:
     def _record_finish(self, chunk: Chunk) -> None:
         self._account()
         metrics = self.deps.metrics
-        metrics.finished_requests.labels(chunk.finish_reason).inc()
-        metrics.e2e_seconds.observe(chunk.timings.total_ms / 1000.0)
+        metrics.finished_requests.labels(chunk.finish_reason, self.spec.api).inc()
+        metrics.e2e_seconds.labels(self.spec.api).observe(chunk.timings.total_ms / 1000.0)
         log.info(
             "request finished: %s, %d tokens, queue %.1f ms, ttft %.1f ms, total %.1f ms",
             chunk.finish_reason,

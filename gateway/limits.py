@@ -89,17 +89,17 @@ def public_server_options(max_concurrent_streams: int, max_receive_message_bytes
 
 
 class StreamLimitInterceptor(WrappingInterceptor):
-    """Refuses a server-streaming call of `service` (Generate, Chat) while `max_streams` are
-    open (health Watch streams are not counted)."""
+    """Refuses a server-streaming call of `services` (Generate, Chat) while `max_streams` of
+    them are open together (health Watch streams are not counted)."""
 
-    def __init__(self, service: str, max_streams: int, on_refused: OnRefused) -> None:
-        self.method_prefix = f"/{service}/"
+    def __init__(self, services: tuple[str, ...], max_streams: int, on_refused: OnRefused) -> None:
+        self.method_prefixes = tuple(f"/{service}/" for service in services)
         self.max_streams = max_streams
         self.open_streams = 0
         self._on_refused = on_refused
 
     def wraps(self, method: str) -> bool:
-        return method.startswith(self.method_prefix)
+        return method.startswith(self.method_prefixes)
 
     def wrap_stream(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:

@@ -24,6 +24,16 @@ class GatewayMetrics(ProcessMetrics):
         super().__init__("kvgate_gateway_")
 
 
+# The `api` label of a gRPC service's calls: the front they came through.
+API_OF_SERVICE = {"vllm.grpc.engine.VllmEngine": "vllm"}
+DEFAULT_API = "kvgate"
+
+
+def api_of(service: str) -> str:
+    """The front ("kvgate", "vllm") whose calls `service` serves."""
+    return API_OF_SERVICE.get(service, DEFAULT_API)
+
+
 def _split_method(full_method: str) -> tuple[str, str]:
     """'/kvgate.v1.Inference/Generate' -> ('kvgate.v1.Inference', 'Generate')."""
     service, _, method = full_method.lstrip("/").rpartition("/")
@@ -93,7 +103,7 @@ class MetricsInterceptor(WrappingInterceptor):
         code = _code_of(context, ended, margin_s)
         if code == grpc.StatusCode.UNKNOWN.name:
             log.warning("%s ended without a status code: UNKNOWN", full_method, exc_info=error)
-        self.metrics.requests.labels(service, method, code).inc()
+        self.metrics.requests.labels(service, method, code, api_of(service)).inc()
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], full_method: str) -> Callable:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
@@ -116,7 +126,8 @@ class MetricsInterceptor(WrappingInterceptor):
     def wrap_stream(
         self, behavior: Callable[..., AsyncIterator[Any]], full_method: str
     ) -> Callable:
-        active = self.metrics.active_streams.labels(_split_method(full_method)[1])
+        service, method = _split_method(full_method)
+        active = self.metrics.active_streams.labels(method, api_of(service))
 
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
             ended, error, margin_s = "raised", None, deadline_margin_s(context)

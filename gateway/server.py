@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from grpc import aio
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from common.health import HEALTH_DISABLED
 from common.keys import RedisKeys
@@ -19,12 +20,14 @@ from common.redis_conn import connect
 from common.tls import ReloadableServerCredentials, ServerTLSFiles, TLSFileError, read_secret
 from gateway.accounting import Accounting
 from gateway.auth import ApiKeys, Authenticator, AuthInterceptor
-from gateway.config import GatewayConfig
+from gateway.config import HTTP_DISABLED, GatewayConfig
 from gateway.errors import ErrorInterceptor
 from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
+from gateway.http_server import HttpServer, HttpTLS, bind_http
 from gateway.limits import StreamLimitInterceptor, public_server_options, receive_limit
 from gateway.metrics import GatewayMetrics, MetricsInterceptor
+from gateway.openai_http import JSON_BYTES_FACTOR, OpenAIFront, OpenAIFrontConfig
 from gateway.quotas import Quotas
 from gateway.request_queue import RequestQueue
 from gateway.service import InferenceServicer
@@ -32,11 +35,14 @@ from gateway.sessions import SessionStore
 from gateway.text_work import TextWork
 from gateway.token_sink import TokenRouter, TokenSinkServicer
 from gateway.validation import StopLimits
+from gateway.vllm_engine import VLLM_SERVICE, VllmEngineServicer
 from gateway.wire import RequestParsingInterceptor
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+# The services of the public port: kvgate's own and vLLM's engine API (gateway/vllm_engine.py).
+PUBLIC_SERVICES = (INFERENCE_SERVICE, VLLM_SERVICE)
 
 
 @dataclass(slots=True)
@@ -56,11 +62,14 @@ class RunningGateway:
     tls: list[ReloadableServerCredentials]  # of the public and internal ports that use TLS
     text_work: TextWork | None = None
     accounting: Accounting | None = None  # its usage not yet written is written at stop
+    http: HttpServer | None = None  # the OpenAI-compatible front, when --http-port is set
 
     def reload_tls(self) -> None:
         """Read every TLS port's certificate files again (SIGHUP): new connections get them."""
         for credentials in self.tls:
             credentials.reload()
+        if self.http is not None and self.http.tls is not None:
+            self.http.tls.reload()
 
     async def stop(self) -> None:
         """Stop taking calls, let running ones finish within grace_s, then close.
@@ -70,7 +79,10 @@ class RunningGateway:
         """
         await self.health_watch.stop()
         await self.health.enter_graceful_shutdown()
-        await self.public.stop(self.grace_s)
+        stopping = [self.public.stop(self.grace_s)]
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         await self.internal.stop(0)
         if self.health_server is not None:
             await self.health_server.stop(0)
@@ -181,19 +193,24 @@ def _health_server(config: GatewayConfig, servicer: health.aio.HealthServicer) -
     return server
 
 
+def _max_message_bytes(config: GatewayConfig, servicer: InferenceServicer) -> int:
+    return config.max_receive_message_bytes or receive_limit(
+        servicer.text.model_text, config.max_stop_strings, config.max_stop_len
+    )
+
+
 def _public_server(
     config: GatewayConfig,
     servicer: InferenceServicer,
     metrics: GatewayMetrics,
     authenticator: Authenticator,
     tls: ReloadableServerCredentials | None,
+    vllm_engine: VllmEngineServicer,
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
     def refused(limit: str) -> None:
-        metrics.refused.labels(limit).inc()
+        metrics.refused.labels(limit, "kvgate").inc()
 
-    max_message_bytes = config.max_receive_message_bytes or receive_limit(
-        servicer.text.model_text, config.max_stop_strings, config.max_stop_len
-    )
+    max_message_bytes = _max_message_bytes(config, servicer)
     log.info(
         "request messages up to %d bytes (--max-receive-message-bytes%s)",
         max_message_bytes,
@@ -203,7 +220,7 @@ def _public_server(
     server = aio.server(
         interceptors=[
             MetricsInterceptor(metrics),
-            StreamLimitInterceptor(INFERENCE_SERVICE, config.max_concurrent_streams, refused),
+            StreamLimitInterceptor(PUBLIC_SERVICES, config.max_concurrent_streams, refused),
             ErrorInterceptor(refused),
             AuthInterceptor(authenticator),
             RequestParsingInterceptor(max_message_bytes),
@@ -211,10 +228,11 @@ def _public_server(
         options=EXCLUSIVE_PORT + limits,
     )
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_engine, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        [*PUBLIC_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     port = _listen(server, config.host, config.port, "--host/--port", tls)
     return server, health_servicer, f"{config.host}:{port}"
@@ -251,7 +269,12 @@ async def start_gateway(
     bound = [internal]
     try:
         public, health_servicer, address = _public_server(
-            config, servicer, metrics, authenticator, security.public
+            config,
+            servicer,
+            metrics,
+            authenticator,
+            security.public,
+            VllmEngineServicer(servicer, config.model),
         )
         bound.append(public)
         health_server = _health_server(config, health_servicer)
@@ -263,18 +286,59 @@ async def start_gateway(
     for server in (internal, public, health_server):
         if server is not None:
             await server.start()
-    services = ("", INFERENCE_SERVICE)
+    services = ("", *PUBLIC_SERVICES)
     health_watch = GatewayHealth(
         health_servicer, queue, services, metrics.registry, router.observe_heartbeats
     )
     await health_watch.start()
     quotas.start()
     _log_security(config, address, reply_to, model_text.model_id)
-    return RunningGateway(
+    gateway = RunningGateway(
         public, internal, health_servicer, health_watch, health_server, client, address,
         reply_to, config.grace_s, quotas, security.reloadable, servicer.text,
         servicer.deps.accounting,
     )  # fmt: skip
+    try:
+        gateway.http = await _start_http(config, servicer, authenticator, health_watch, metrics)
+    except ListenError:
+        await gateway.stop()
+        raise
+    return gateway
+
+
+async def _start_http(
+    config: GatewayConfig,
+    servicer: InferenceServicer,
+    authenticator: Authenticator,
+    health_watch: GatewayHealth,
+    metrics: GatewayMetrics,
+) -> HttpServer | None:
+    """The OpenAI-compatible HTTP front on --http-port (None when it is -1), started."""
+    if config.http_port == HTTP_DISABLED:
+        return None
+    host, port = config.http_host, config.http_port
+    try:
+        tls = (
+            HttpTLS(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert
+            else None
+        )
+        sock = bind_http(host, port)
+    except OSError as error:  # ssl.SSLError is one
+        message = f"--http-host/--http-port: cannot listen on {host}:{port} ({error})"
+        raise ListenError(message) from None
+    front_config = OpenAIFrontConfig(
+        max_body_bytes=JSON_BYTES_FACTOR * _max_message_bytes(config, servicer),
+        max_concurrent_streams=config.max_concurrent_streams,
+    )
+    front = OpenAIFront(front_config, servicer, authenticator, health_watch, metrics)
+    server = HttpServer(front.app(), sock, tls, config.grace_s)
+    await server.start()
+    log.info(
+        "OpenAI-compatible HTTP on %s://%s:%d/v1",
+        "https" if tls else "http", host, server.port,
+    )  # fmt: skip
+    return server
 
 
 def _inference(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from grpc import aio
 
@@ -30,6 +31,9 @@ from gateway.validation import (
     resolve_request_id,
 )
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
+
+# GenerateRequest's ways to give the prompt; a request sets exactly one.
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 
 
 def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse:
@@ -125,6 +129,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.deps.count_refusal(tenant, refusal)
             raise
 
+    def call_admission(self, tenant: str, limits: TenantLimits) -> Admission | None:
+        """The admission of another front's one-request call (a request and a stream, taken
+        as the request is queued), refusals counted."""
+        return self._admission(tenant, limits, take_request=True, open_stream=True)
+
+    def end_call(self, admission: Admission | None) -> None:
+        """Releases what a call's admission holds (its stream's lease)."""
+        self._close(admission)
+
     async def _admit(self, admission: Admission | None) -> None:
         """Takes the admission now (a round trip of its own), refusals counted."""
         if admission is None:
@@ -143,8 +156,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 spawn(self.quotas.close_stream(admission.slot), "closing a stream's lease")
 
     async def _prompt_of(self, request: inference_pb2.GenerateRequest) -> list[int]:
-        if bool(request.prompt) == bool(request.prompt_token_ids):
-            raise InvalidArgument("prompt", "set exactly one of prompt or prompt_token_ids")
+        given = [name for name in PROMPT_FIELDS if getattr(request, name)]
+        if len(given) != 1:
+            raise InvalidArgument(
+                given[-1] if given else "prompt",
+                f"set exactly one of {', '.join(PROMPT_FIELDS)}"
+                + (f"; got {' and '.join(given)}" if given else ""),
+            )
+        if request.messages:
+            messages = messages_from_pb("messages", list(request.messages))
+            return await self._chat_prompt(messages, "messages")
         if request.prompt:
             token_ids = await self.text.encode("prompt", request.prompt)
             check_prompt_len("prompt", len(token_ids), self.model_text.limits.max_model_len)
@@ -154,26 +175,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         check_prompt_len("prompt_token_ids", len(token_ids), self.model_text.limits.max_model_len)
         return token_ids
 
-    async def Generate(  # noqa: N802 (gRPC method name)
-        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        tenant = tenant_of(context)
+    async def generate(
+        self,
+        tenant: str,
+        prompt: Callable[[], Awaitable[list[int]]],
+        params: inference_pb2.SamplingParams,
+        priority: int,
+        session_id: str,
+        request_id: str,
+        api: str = "kvgate",
+    ) -> AsyncIterator[tuple[str, Chunk]]:
+        """One generation, whatever front asked for it: its quotas, session and chunks.
+
+        Args:
+            prompt: reads (tokenizes, checks) the prompt's token ids once quotas allow.
+            api: the front the request came through (kvgate, openai, vllm), for metrics.
+
+        Yields:
+            (the request id, a chunk) until the last chunk.
+        """
         limits = await self.quotas.limits(tenant)
         admission = self._admission(tenant, limits, take_request=True, open_stream=True)
         try:
-            if request.session_id:
+            if session_id:
                 # Opening a session writes it: the quotas are taken first, so that a refused
                 # call opens none. Otherwise as the request is queued (one round trip).
                 await self._admit(admission)
-                check_id("session_id", request.session_id)
-            spec = self._spec(
-                await self._prompt_of(request),
-                request.params,
-                request.priority,
-                request.session_id,
-                request.request_id,
-                limits,
-            )
+                check_id("session_id", session_id)
+            spec = self._spec(await prompt(), params, priority, session_id, request_id, limits)
+            spec.api = api
             session = (
                 await self.sessions.open_or_load(spec.session_id, tenant)
                 if spec.session_id
@@ -184,9 +214,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for chunk in generation.stream():
                 if chunk.finish_reason is not None and session is not None:
                     await self._record_turn(session, generation, [])
-                yield chunk_to_pb(spec.request_id, chunk)
+                yield spec.request_id, chunk
         finally:
             self._close(admission)
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        chunks = self.generate(
+            tenant_of(context),
+            lambda: self._prompt_of(request),
+            request.params,
+            request.priority,
+            request.session_id,
+            request.request_id,
+        )
+        async with contextlib.aclosing(chunks):
+            async for request_id, chunk in chunks:
+                yield chunk_to_pb(request_id, chunk)
 
     async def _record_turn(
         self, session: Session, generation: Generation, new_messages: list[Message]
@@ -268,12 +313,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         session.messages.extend(messages)
         return session
 
-    async def _chat_prompt(self, messages: list[Message]) -> list[int]:
+    async def _chat_prompt(
+        self, messages: list[Message], field_name: str = "turn.content"
+    ) -> list[int]:
         try:
-            token_ids = await self.text.encode_chat("turn.content", messages)
+            token_ids = await self.text.encode_chat(field_name, messages)
         except ChatTemplateError as error:
-            raise InvalidArgument("turn.content", str(error)) from error
-        check_prompt_len("turn.content", len(token_ids), self.model_text.limits.max_model_len)
+            raise InvalidArgument(field_name, str(error)) from error
+        check_prompt_len(field_name, len(token_ids), self.model_text.limits.max_model_len)
         return token_ids
 
     async def _chat_turn(

@@ -23,6 +23,7 @@ class StopStringMatcher:
     def __init__(self, stop: list[str]) -> None:
         self.stop = [s for s in stop if s]
         self.held = ""
+        self.matched = ""  # the stop string that matched, once one has
 
     def feed(self, delta: str) -> StopResult:
         """Add a delta; return the text that can be emitted and whether a stop matched."""
@@ -30,6 +31,7 @@ class StopStringMatcher:
         match_at = self._first_match(pending)
         if match_at is not None:
             self.held = ""
+            self.matched = next(s for s in self.stop if pending.find(s) == match_at)
             return StopResult(pending[:match_at], stopped=True)
         keep = self._partial_match_len(pending)
         self.held = pending[len(pending) - keep :]

@@ -156,6 +156,20 @@ class TokenRouter:
         if tracked is not None:
             tracked.inbox.put_nowait(event)
 
+    def cancel_client_request(self, client_key: tuple[str, str]) -> bool:
+        """Cancel the request a client knows as `client_key` (tenant, its request_id), as if
+        the client had cancelled its call. Returns: whether one was streaming here."""
+        for tracked in self._requests.values():
+            if tracked.client_key == client_key:
+                tracked.inbox.put_nowait(ClientCancelled())
+                return True
+        return False
+
+    @property
+    def num_requests(self) -> int:
+        """Requests streaming through this gateway now."""
+        return len(self._requests)
+
     def abort(self, request_id: str, reason: internal_pb2.AbortReason) -> None:
         """Send an abort to the executor running the request, or to all when none is known yet."""
         tracked = self._requests.get(request_id)

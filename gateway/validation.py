@@ -41,6 +41,7 @@ class GenerationSpec:
     priority: int
     session_id: str  # empty: none
     priority_clamped: bool = False  # priority was lowered to the tenant's max_priority
+    api: str = "kvgate"  # the front it came through: kvgate, openai or vllm (metrics)
 
 
 def check_id(field_name: str, value: str) -> None:

@@ -9,11 +9,11 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
 - At small batches (at most SMALL_BATCH_ROWS rows) every format goes through the C kernels of
   kernels/csrc/cpu_linear.c, which read each weight once in its own format (torch's bfloat16
   matrix-vector product and its packed int8/int4 kernels read these weights at half the speed
-  or less on this machine: bench/bench_linear.py measures them side by side).
+  or less on this machine: `kvgate bench kernels linear` measures them side by side).
 - Dense float32 weights at up to COLUMNS_MAX_ROWS rows (a decode step of up to 64 streams) go
   through the outer-product kernel of kernels/csrc/cpu_linear_columns.c, which reads the weights
   where they lie (MKL's sgemm copies them into packed panels on every call, and a decode
-  step's weights come from memory; bench/bench_linear.py measures both).
+  step's weights come from memory; `kvgate bench kernels linear` measures both).
 - Dense bfloat16 products above SMALL_BATCH_ROWS rows on CPUs without AMX tiles are summed in
   float32 from the exact widened values (_widens_bfloat16): up to COLUMNS_MAX_ROWS rows on the
   outer-product kernel, which widens each block's chunk of weights into a buffer in the L1

@@ -22,7 +22,7 @@ keep small heads from the 4x of 8-bit values: with a float32 scale per head, hea
 12 bytes per head where float32 stores 32 (2.7x the blocks per byte) and head_dim 64 stored 68
 (3.8x). Now 4 KV heads of 8 store 34 bytes per token where float32 stores 128 (3.76x), and 3 of
 64 store 194 where float32 stores 768 (3.96x). The price: a head much smaller than the token's
-largest is quantized on the largest one's grid (bench.kv_dtypes measures what that costs
+largest is quantized on the largest one's grid (`kvgate bench quality kv` measures what that costs
 against float32).
 
 An fp8 cache has the same layout and scales, for the same reasons, with float8 e4m3 bytes in

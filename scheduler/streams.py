@@ -177,11 +177,14 @@ class RequestStream:
         Raises:
             NotLeader: another scheduler leads now (nothing was written).
         """
-        message = internal_pb2.InboxMessage()
-        message.assignment.request.ParseFromString(request.payload)
-        message.assignment.executor_id = executor_id
-        message.assignment.assigned_unix_ms = int(time.time() * 1000)
-        message.assignment.scheduler_id = scheduler_id
+        message = internal_pb2.AssignmentEnvelope(
+            assignment=internal_pb2.PlacedRequest(
+                request=request.payload,
+                executor_id=executor_id,
+                assigned_unix_ms=int(time.time() * 1000),
+                scheduler_id=scheduler_id,
+            )
+        )
         keys = [
             self._keys.scheduler_leader,
             self._keys.cancelled(request.request_id),

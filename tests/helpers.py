@@ -1,5 +1,5 @@
 """Shared test helpers: the stories260K path, waiting for a condition, a private
-redis-server, seeded random checkpoints, greedy references."""
+redis-server, seeded random checkpoints, an engine and greedy parameters, greedy references."""
 
 from __future__ import annotations
 
@@ -157,6 +157,24 @@ def move_rope_theta_to_top_level(model_dir: Path) -> None:
     if scaling.get("rope_type", "default") != "default":
         config["rope_scaling"] = scaling
     path.write_text(json.dumps(config, indent=2))
+
+
+def make_engine(model: str | Path = STORIES_260K, **overrides):
+    """An in-process Engine on `model` (stories260K unless told), with a 0.02 GiB KV cache
+    unless `overrides` say otherwise (any EngineConfig field)."""
+    from engine.config import EngineConfig  # here: most tests run no engine
+    from engine.engine import Engine
+
+    if "num_gpu_blocks" not in overrides:
+        overrides.setdefault("kv_cache_gib", 0.02)
+    return Engine(EngineConfig(model=str(model), **overrides))
+
+
+def greedy(max_tokens: int, **fields):
+    """Greedy SamplingParams that run all `max_tokens` (end-of-sequence ignored)."""
+    from common.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
 
 
 def run_to_completion(engine, max_steps: int = 100_000) -> dict[str, list[int]]:

@@ -83,7 +83,7 @@ static void *alloc_buffers(const kvgate_decoder *d, const kvgate_attention_step 
 }
 
 /* Seconds spent in each kind of kernel since the last read, when timing is on (profiling:
- * bench/decode_profile.py). Kinds: 0 RMSNorm, 1 linear, 2 attention, 3 SiLU-and-multiply. */
+ * bench/cpu.py profile_step). Kinds: 0 RMSNorm, 1 linear, 2 attention, 3 SiLU-and-multiply. */
 enum { TIMED_NORM, TIMED_LINEAR, TIMED_ATTENTION, TIMED_ACTIVATION, TIMED_KINDS };
 static int timing_on;
 static double timed_seconds[TIMED_KINDS];

@@ -12,12 +12,13 @@ import pytest
 import redis
 
 from client.api import Completion, KvgateClient, sampling_params
+from common.model_files import default_gguf_path
 from common.model_text import ModelText
 from common.tenants import DEFAULT_TENANT
+from deploy.certs import Pem
 from deploy.stack import Stack, StackConfig, free_port
 from protos.kvgate.v1 import inference_pb2, internal_pb2
-from tests.certs import Pem
-from tests.helpers import STORIES_260K, redis_server
+from tests.helpers import STORIES_260K, redis_server, wait_for
 from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, make_gateway
 
 MODEL = STORIES_260K
@@ -110,6 +111,14 @@ def stack_factory(tmp_path_factory) -> Iterator[Callable[..., Stack]]:
         stack.stop_all()
 
 
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (fetched into the model cache by `make setup`)."""
+    path = default_gguf_path()
+    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
+    return path
+
+
 def generate(
     address: str, prompt: str, timeout_s: float = 120.0, session_id: str = "", **params
 ) -> Completion:
@@ -129,6 +138,27 @@ def scrape(stack: Stack, name: str) -> str:
     url = f"http://127.0.0.1:{stack.metrics_ports[name]}/metrics"
     with urllib.request.urlopen(url, timeout=10.0) as reply:
         return reply.read().decode()
+
+
+def kv_cache_idle(stack: Stack, executor_id: str = "executor-0") -> bool:
+    """Whether the executor holds no KV block: no request and no session pins one."""
+    status = stack.executor_status(executor_id)
+    return (
+        status is not None
+        and not status.session_ids
+        and status.num_free_blocks == status.num_total_blocks
+    )
+
+
+def assert_alive_and_idle(stack: Stack) -> None:
+    """A one-executor stack's processes all run, and its KV cache goes idle."""
+    for name in ("scheduler", "executor-0", "gateway"):
+        assert stack.procs[name].poll() is None, f"{name} died"
+    wait_for(
+        lambda: kv_cache_idle(stack),
+        "every KV block free (no request or session holding one)",
+        timeout_s=30.0,
+    )
 
 
 def session_executor(stack: Stack, session_id: str, tenant: str = DEFAULT_TENANT) -> str:

@@ -64,7 +64,7 @@ class GatewayThread:
         """How many `method` calls ended with status `code`, by the gateway's metrics."""
         value = self.metrics.registry.get_sample_value(
             "kvgate_gateway_requests_total",
-            {"service": "kvgate.v1.Inference", "method": method, "code": code},
+            {"service": "kvgate.v1.Inference", "method": method, "code": code, "api": "kvgate"},
         )
         return value or 0.0
 

@@ -1,4 +1,5 @@
-"""`kvgate bench` against a real stack: the results JSON and the PNG plots it writes."""
+"""`kvgate bench load` against a real stack: the results JSON and the PNG plots it writes; and
+the serving benchmark's do-nothing server and hop timings against their real peers."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def stack(stack_factory):
 
 
 def kvgate_bench(*flags: str) -> subprocess.CompletedProcess:
-    """Runs the `kvgate bench` command line and fails the test when it exits non-zero."""
-    argv = [sys.executable, "-m", "client.cli", "bench", "--no-progress", *flags]
+    """Runs the `kvgate bench load` command line and fails the test when it exits non-zero."""
+    argv = [sys.executable, "-m", "client.cli", "bench", "load", "--no-progress", *flags]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"kvgate bench exited {done.returncode}:\n{done.stderr}"
     return done
@@ -126,8 +127,8 @@ def test_bench_policy_sweep_runs_the_same_requests_under_each_policy(tmp_path):
 
 
 def test_the_grpc_floor_server_streams_a_token_to_the_bench_client():
-    """bench_serve's do-nothing server: a real process answering Generate at once."""
-    from bench.bench_serve import grpc_floor_ttft_ms
+    """bench.serve's do-nothing server: a real process answering Generate at once."""
+    from bench.serve import grpc_floor_ttft_ms
 
     ttfts = grpc_floor_ttft_ms([[5, 6, 7], [8, 9]], interval_s=0.0)
     # grpc_ttft_ms stops its clock at the first chunk with tokens and fails without one.
@@ -135,10 +136,11 @@ def test_the_grpc_floor_server_streams_a_token_to_the_bench_client():
 
 
 def test_secure_hops_times_every_hop_against_plain_and_tls_peers(tmp_path):
-    """bench/secure_hops.py against its real redis-servers (plain, TLS with an ACL user) and
+    """`kvgate bench serve hops` against its real redis-servers (plain, TLS with an ACL user) and
     gRPC servers (plain, TLS, mutual TLS): every hop has both sides' samples."""
     out = tmp_path / "hops.json"
-    command = [sys.executable, "-m", "bench.secure_hops", "--pairs", "3", "--out", str(out)]
+    command = [sys.executable, "-m", "bench.cli", "serve", "hops", "--pairs", "3"]
+    command += ["--out", str(out)]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=120)
     results = json.loads(out.read_text())
     hops = {name: value for name, value in results.items() if isinstance(value, dict)}

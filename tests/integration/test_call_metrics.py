@@ -72,7 +72,8 @@ def served() -> Iterator[tuple[str, GatewayMetrics]]:
 
 def calls(metrics: GatewayMetrics, code: str, method: str = "Stream") -> float:
     value = metrics.registry.get_sample_value(
-        "kvgate_gateway_requests_total", {"service": SERVICE, "method": method, "code": code}
+        "kvgate_gateway_requests_total",
+        {"service": SERVICE, "method": method, "code": code, "api": "kvgate"},
     )
     return value or 0.0
 
@@ -163,7 +164,7 @@ def test_a_call_cancelled_early_counts_cancelled_though_its_deadline_is_within_t
     monkeypatch.setattr(gateway_metrics, "DEADLINE_MARGIN_S", 10.0)
 
     def open_idle_calls() -> float:
-        labels = {"method": "Idle"}
+        labels = {"method": "Idle", "api": "kvgate"}
         return metrics.registry.get_sample_value("kvgate_gateway_active_streams", labels) or 0.0
 
     with grpc.insecure_channel(address) as channel:

@@ -1,7 +1,7 @@
 """Executors that fail: a poison request, a crash mid-stream, a wedged step loop, a request
 that kills every executor it lands on; and a scheduler paused past its leader lock.
 
-Two real executors run stories260K with faults switched on (executor/faults.py): a prompt
+Two real executors run stories260K with faults switched on (engine/faults.py): a prompt
 holding POISON_TOKEN makes the forward pass raise, one holding CRASH_TOKEN kills the process,
 an executor's step stalls for a minute once its stall file exists, and each step sleeps 50 ms
 while its slow file exists. Every text is compared with an undisturbed run of the same
@@ -21,7 +21,7 @@ import pytest
 
 from client.api import Completion, KvgateClient, sampling_params
 from deploy.stack import Stack, free_port
-from executor.faults import CRASH_STATUS
+from engine.faults import CRASH_STATUS
 from protos.kvgate.v1 import inference_pb2
 from tests.helpers import wait_for
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import inference_pb2_grpc
-from tests.helpers import wait_for
+from tests.integration.conftest import assert_alive_and_idle
 
 NUM_CASES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "2000"))
 # Shares of the cases: Generate, Chat, Tokenize, EndSession.
@@ -226,15 +226,4 @@ def test_every_process_lives_and_the_kv_cache_is_idle_afterwards(stack, fuzzer: 
         except grpc.RpcError as error:
             expected = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
             assert error.code() in expected, error.details()
-    for name in ("scheduler", "executor-0", "gateway"):
-        assert stack.procs[name].poll() is None, f"{name} died"
-
-    def idle() -> bool:
-        status = stack.executor_status("executor-0")
-        return (
-            status is not None
-            and not status.session_ids
-            and status.num_free_blocks == status.num_total_blocks
-        )
-
-    wait_for(idle, "every KV block free (no request or session holding one)", timeout_s=30.0)
+    assert_alive_and_idle(stack)

@@ -86,7 +86,7 @@ def test_chat_turns_sent_past_max_queued_turns_are_refused_naming_it(
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code}: {details}"
     assert "--max-queued-turns" in details, details
     refused = gateway.metrics.registry.get_sample_value(
-        "kvgate_gateway_refused_total", {"limit": "max_queued_turns"}
+        "kvgate_gateway_refused_total", {"limit": "max_queued_turns", "api": "kvgate"}
     )
     assert refused == 1.0, f"the refusal must be counted: {refused}"
 

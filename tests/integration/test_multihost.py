@@ -65,7 +65,7 @@ def log_has(stack: Stack, name: str, needle: str) -> bool:
 
 
 def slow_steps(folder: Path) -> Path:
-    """While this file exists, each executor step sleeps SLOW_STEP_S first (executor/faults.py):
+    """While this file exists, each executor step sleeps SLOW_STEP_S first (engine/faults.py):
     stories260K's 480 tokens would otherwise end in about a second, before the test sees the
     load under way."""
     return folder / "slow-steps"

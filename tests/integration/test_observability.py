@@ -25,6 +25,7 @@ PROCESSES = ("gateway", "scheduler", "executor-0")
 NUM_REQUESTS = 3
 MAX_TOKENS = 8
 INFERENCE = "kvgate.v1.Inference"
+KVGATE = "kvgate"  # the api label of calls through the gRPC front
 EXPECTED_METRICS = {
     "gateway": [
         "kvgate_gateway_requests_total",
@@ -128,26 +129,34 @@ def test_gateway_metrics_count_calls_tokens_and_latencies(stack: Stack) -> None:
         # A call is counted after its status went out: the client may see it end first.
         after = parse(scrape(stack, "gateway"))
         counted = sum(
-            increase(before, after, calls, service=INFERENCE, method="Generate", code=code)
+            increase(
+                before, after, calls, service=INFERENCE, method="Generate", code=code, api=KVGATE
+            )
             for code in ("OK", "INVALID_ARGUMENT", "UNKNOWN", "CANCELLED")
         )
         return after if counted >= NUM_REQUESTS + 1 else None
 
     after = wait_for(scraped_once_all_are_counted, "every Generate call counted")
-    ok = increase(before, after, calls, service=INFERENCE, method="Generate", code="OK")
+    ok = increase(before, after, calls, service=INFERENCE, method="Generate", code="OK", api=KVGATE)
     assert ok == NUM_REQUESTS, f"expected {NUM_REQUESTS} OK Generate calls counted, got {ok}"
     invalid = increase(
-        before, after, calls, service=INFERENCE, method="Generate", code="INVALID_ARGUMENT"
+        before,
+        after,
+        calls,
+        service=INFERENCE,
+        method="Generate",
+        code="INVALID_ARGUMENT",
+        api=KVGATE,
     )
     assert invalid == 1, f"expected 1 INVALID_ARGUMENT Generate call counted, got {invalid}"
     for histogram in ("ttft", "e2e"):
-        count = increase(before, after, f"kvgate_gateway_{histogram}_seconds_count")
+        count = increase(before, after, f"kvgate_gateway_{histogram}_seconds_count", api=KVGATE)
         assert count == NUM_REQUESTS, f"{histogram}: expected {NUM_REQUESTS} samples, got {count}"
-    itl = increase(before, after, "kvgate_gateway_itl_seconds_count")
+    itl = increase(before, after, "kvgate_gateway_itl_seconds_count", api=KVGATE)
     assert itl == num_tokens - NUM_REQUESTS, f"expected a gap per token after the first, got {itl}"
-    tokens = increase(before, after, "kvgate_gateway_output_tokens_total")
+    tokens = increase(before, after, "kvgate_gateway_output_tokens_total", api=KVGATE)
     assert tokens == num_tokens, f"expected {num_tokens} output tokens counted, got {tokens}"
-    assert value(after, "kvgate_gateway_active_streams", method="Generate") == 0
+    assert value(after, "kvgate_gateway_active_streams", method="Generate", api=KVGATE) == 0
 
 
 # The deadline of a Chat left waiting for its first turn. The test waits until the gateway
@@ -159,7 +168,7 @@ IDLE_CHAT_DEADLINE_S = 5.0
 def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack: Stack) -> None:
     calls = "kvgate_gateway_requests_total"
     before = parse(scrape(stack, "gateway"))
-    open_chats = value(before, "kvgate_gateway_active_streams", method="Chat")
+    open_chats = value(before, "kvgate_gateway_active_streams", method="Chat", api=KVGATE)
     with KvgateClient(stack.address, timeout_s=60.0) as client:
         # no turn sent: the call waits for one until its deadline
         idle_chat = client.stub.Chat(
@@ -168,7 +177,10 @@ def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack
         wait_for(
             lambda: (
                 value(
-                    parse(scrape(stack, "gateway")), "kvgate_gateway_active_streams", method="Chat"
+                    parse(scrape(stack, "gateway")),
+                    "kvgate_gateway_active_streams",
+                    method="Chat",
+                    api=KVGATE,
                 )
                 == open_chats + 1
             ),
@@ -191,7 +203,9 @@ def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack
     def counts(method: str) -> dict[str, float]:
         after = parse(scrape(stack, "gateway"))
         return {
-            code: increase(before, after, calls, service=INFERENCE, method=method, code=code)
+            code: increase(
+                before, after, calls, service=INFERENCE, method=method, code=code, api=KVGATE
+            )
             for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "UNKNOWN")
         }
 

@@ -77,7 +77,7 @@ def test_3000_concurrent_streams_all_complete_with_the_defaults(stack):
 
 
 def refused_count(stack, gateway: str, limit: str) -> float:
-    prefix = f'kvgate_gateway_refused_total{{limit="{limit}"}} '
+    prefix = f'kvgate_gateway_refused_total{{api="kvgate",limit="{limit}"}} '
     lines = [line for line in scrape(stack, gateway).splitlines() if line.startswith(prefix)]
     return float(lines[0].split()[-1]) if lines else 0.0
 
@@ -115,7 +115,7 @@ def test_a_stream_past_max_concurrent_streams_is_refused_at_once_and_counted(sta
             chats.append(stub.Chat(iter(turns.get, None), timeout=120))
         wait_for(
             lambda: (
-                'kvgate_gateway_active_streams{method="Chat"} 3.0'
+                'kvgate_gateway_active_streams{api="kvgate",method="Chat"} 3.0'
                 in scrape(stack, "gateway-3-streams")
             ),
             "three open Chat streams",

@@ -14,9 +14,9 @@ import redis
 
 from client import admin
 from client.api import KvgateClient, TLSFiles, sampling_params
+from deploy.certs import CertificateAuthority
 from deploy.stack import RedisSecurity, Stack
 from protos.kvgate.v1 import inference_pb2 as pb
-from tests.certs import CertificateAuthority
 from tests.helpers import wait_for
 from tests.integration.conftest import start_stack, tls_flags
 

@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from client.api import KvgateClient, TLSFiles
+from deploy.certs import Pem
 from deploy.stack import RedisSecurity, free_port
 from executor.gateway_link import GatewayGone, GatewayLink, SinkCredentials
-from tests.certs import Pem
 from tests.helpers import wait_for
 from tests.integration.conftest import start_stack, tls_flags
 

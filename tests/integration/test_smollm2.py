@@ -13,14 +13,18 @@ import torch
 from transformers import AutoModelForCausalLM, TokenizersBackend
 
 from client.api import KvgateClient
-from common.model_files import default_gguf_path
 from common.model_text import ModelText
-from common.sampling_params import SamplingParams
 from common.templates import Message
 from deploy.stack import Stack, StackConfig, free_port
-from executor.config import EngineConfig
-from executor.engine import Engine
-from tests.helpers import assert_greedy_matches, hf_greedy, one_torch_thread, run_to_completion
+from engine.config import EngineConfig
+from engine.engine import Engine
+from tests.helpers import (
+    assert_greedy_matches,
+    greedy,
+    hf_greedy,
+    one_torch_thread,
+    run_to_completion,
+)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -36,13 +40,6 @@ IM_END = 2  # <|im_end|>: SmolLM2's EOS, the end of an assistant turn
 def single_thread():
     with one_torch_thread():
         yield
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    path = default_gguf_path()
-    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +91,7 @@ def test_the_rendered_chat_prompt_is_transformers_own(gguf: Path, hf_tokenizer):
 def test_engine_greedy_equals_transformers_on_four_chat_prompts(gguf: Path, hf_tokenizer, hf_model):
     prompts = [chat_ids(hf_tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     engine = Engine(EngineConfig(model=str(gguf), kv_cache_gib=0.1))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy(NEW_TOKENS)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"q{i}", prompt, params)
     got = run_to_completion(engine)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from deploy.stack import ROOT
@@ -46,7 +47,9 @@ class Launcher:
 
     def __init__(self, log_dir: Path) -> None:
         self.port = free_port_run(1)
+        self.http_port = free_port_run(1)
         argv = [sys.executable, "-m", "deploy.local", "--port", str(self.port)]
+        argv += ["--http-port", str(self.http_port)]
         argv += ["--metrics-port", str(free_port_run(3)), "--log-dir", str(log_dir)]
         env = {**os.environ, "KVGATE_MODEL": str(MODEL), "KVGATE_LOG_FORMAT": "text"}
         self.proc = subprocess.Popen(
@@ -118,6 +121,10 @@ def launcher(tmp_path: Path):
 
 def test_a_dead_process_is_restarted_with_backoff_and_ctrl_c_stops_everything(launcher):
     launcher.wait_line(r"kvgate serving on", START_TIMEOUT_S)
+    http_url = launcher.wait_line(r"OpenAI-compatible HTTP: (\S+)", 5).group(1)
+    assert http_url == f"http://127.0.0.1:{launcher.http_port}/v1", http_url
+    models = httpx.get(f"{http_url}/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [MODEL.name], models
     launcher.wait_line(r"auth is off: every caller is tenant 'default'", 5)
     first_executor = launcher.child_pid("executor")
     os.kill(first_executor, signal.SIGKILL)
@@ -156,6 +163,7 @@ def test_a_process_that_cannot_start_ends_the_launcher_with_its_reason(tmp_path)
     traceback of the launcher."""
     argv = [sys.executable, "-m", "deploy.local", "--port", str(free_port_run(1))]
     argv += ["--metrics-port", str(free_port_run(3)), "--log-dir", str(tmp_path)]
+    argv += ["--http-port", str(free_port_run(1))]
     env = {**os.environ, "KVGATE_MODEL": str(MODEL), "KVGATE_LOG_FORMAT": "text",
            "KVGATE_TENSOR_PARALLEL_SIZE": "3"}  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

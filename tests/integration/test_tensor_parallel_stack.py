@@ -19,8 +19,8 @@ import pytest
 
 from client.api import KvgateClient
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from tests.helpers import run_to_completion, save_random_llama, wait_for
 from tests.integration.conftest import MODEL, generate
 
@@ -66,7 +66,7 @@ def stack(stack_factory):
 
 
 def followers_of(proc: subprocess.Popen) -> list[int]:
-    followers = [p for p in child_pids(proc.pid) if "executor.rank" in command_line(p)]
+    followers = [p for p in child_pids(proc.pid) if "engine.rank" in command_line(p)]
     assert len(followers) == 1, f"expected one follower rank under the executor, got {followers}"
     return followers
 

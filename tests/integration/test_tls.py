@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import admin, cli
 from common.keys import RedisKeys
 from common.tls import sink_metadata
+from deploy.certs import CertificateAuthority, Pem
 from executor.gateway_link import GatewayGone, GatewayLink, SinkCredentials
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import internal_pb2
-from tests.certs import CertificateAuthority, Pem
 from tests.helpers import STORIES_260K, wait_for
 from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, gateway_config
 

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
 from tests.helpers import STORIES_260K, hf_generate, run_to_completion
 
 

@@ -57,7 +57,9 @@ def image_env() -> dict[str, str]:
 def env_names_read_by_the_code() -> set[str]:
     """Every KVGATE_* name that a Python file of the project mentions."""
     names: set[str] = set()
-    for package in ("common", "gateway", "scheduler", "executor", "kernels", "client", "deploy"):
+    for package in (
+        "common", "gateway", "scheduler", "executor", "engine", "kernels", "client", "deploy"
+    ):  # fmt: skip
         for path in (REPO / package).rglob("*.py"):
             names.update(ENV_NAME.findall(path.read_text()))
     return names

@@ -9,8 +9,8 @@ state it reads: `kv`, `bs`, `shadow`, `shadow_host`, `running`, `waiting`, `pinn
 
 from __future__ import annotations
 
-from executor.kv_cache import KVCacheManager, Session
-from executor.request import Request
+from engine.kv_cache import KVCacheManager, Session
+from engine.request import Request
 
 Content = tuple[str | None, tuple[int, ...]]  # (cache salt, tokens up to the slot's position)
 

@@ -1,5 +1,5 @@
-"""`kvgate bench` on bad input: one line naming the flag, exit status 2, no traceback; and the
-`kvgate` client, which loads the benchmark only for `kvgate bench`."""
+"""`kvgate bench load` on bad input: one line naming the flag, exit status 2, no traceback; the
+list of benchmarks; and the `kvgate` client, which loads the benchmark only for `kvgate bench`."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ MODEL = STORIES_260K
 
 
 def bench_error(capsys: pytest.CaptureFixture[str], *flags: str) -> str:
-    """Runs `kvgate bench FLAGS`; returns its stderr after checking it failed as bad input."""
+    """Runs `kvgate bench load FLAGS`; returns its stderr after checking it failed as bad input."""
     try:
-        status = main(["bench", "--no-progress", "--num-requests", "2", *flags])
+        status = main(["bench", "load", "--no-progress", "--num-requests", "2", *flags])
     except SystemExit as exit_:  # argparse's own errors
         status = exit_.code
     stderr = capsys.readouterr().err
@@ -78,3 +78,13 @@ def test_the_client_command_loads_no_benchmark_code():
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"`kvgate generate` would load {done.stdout.strip()}"
+
+
+def test_kvgate_bench_lists_every_benchmark_and_refuses_an_unknown_one(capsys):
+    assert main(["bench", "--help"]) == 0
+    listing = capsys.readouterr().out
+    for words in ("load", "serve stack", "engine throughput", "kernels linear", "quality kv",
+                  "scaling swap"):  # fmt: skip
+        assert f"  {words} " in listing, f"{words!r} missing from:\n{listing}"
+    assert main(["bench", "engine", "warp"]) == 2
+    assert "usage: kvgate bench GROUP" in capsys.readouterr().err

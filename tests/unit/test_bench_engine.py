@@ -1,4 +1,4 @@
-"""bench/bench_engine.py's transformers peer: generate_batch with a KV cache the size of the
+"""bench/engine.py's transformers peer: generate_batch with a KV cache the size of the
 workload, not of the machine's RAM."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
 
-from bench.bench_engine import BENCH_SHAPE, build_model, hf_generate_batch_tokens_per_s
+from bench.engine import BENCH_SHAPE, build_model, hf_generate_batch_tokens_per_s
 
 TINY = BENCH_SHAPE | dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -43,12 +43,12 @@ def test_generate_batch_gets_a_cache_that_holds_the_workload_and_no_more(monkeyp
 
 
 def test_the_executor_resident_memory_grows_with_the_kv_cache_the_workload_writes():
-    """bench_engine's resident memory: a fresh process runs the workload; a workload that
+    """bench.engine's resident memory: a fresh process runs the workload; a workload that
     writes 64x the KV blocks is resident by about their bytes more (the KV cache is resident
     only where written), so the figure is measured, not a constant."""
     import argparse
 
-    from bench.bench_engine import resident_under_workload
+    from bench.engine import resident_under_workload
     from tests.helpers import STORIES_260K
 
     def resident(num_requests: int) -> dict[str, int]:

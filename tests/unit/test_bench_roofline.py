@@ -1,4 +1,5 @@
-"""bench/roofline.py: the workload's matmul FLOPs against a count by hand, on a tiny Llama."""
+"""bench/engine.py's roofline: the workload's matmul FLOPs against a count by hand, on a tiny
+Llama."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.bench_engine import Workload
-from bench.roofline import (
+from bench.engine import (
+    Workload,
     decoder_linear_parameters,
     output_tokens_only_tokens_per_s,
     roofline_tokens_per_s,

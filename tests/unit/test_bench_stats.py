@@ -79,7 +79,7 @@ def test_slo_flags_parse_and_reject_unknown_names():
 
 
 def test_the_paired_overhead_is_the_median_of_the_pairs_differences():
-    from bench.bench_serve import paired_overhead_ms
+    from bench.serve import paired_overhead_ms
 
     inprocess = [30.0, 40.0, 35.0, 50.0]
     grpc = [35.0, 44.0, 42.0, 51.0]  # differences 5, 4, 7, 1; minus a 2 ms window

@@ -27,7 +27,8 @@ from common.logs import (
 )
 from common.metrics import METRICS_DISABLED, check_metrics_port
 from common.prefix import block_hashes
-from executor.config import EngineConfig, EngineConfigError, ExecutorConfig
+from engine.config import EngineConfig, EngineConfigError
+from executor.config import ExecutorConfig
 from tests.helpers import STORIES_260K
 
 

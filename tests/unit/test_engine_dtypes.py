@@ -13,8 +13,9 @@ import torch
 
 from bench.quality import measure_quality, tokenized_prompts
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig, ExecutorConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from executor.config import ExecutorConfig
 from kernels.quant import QuantizedWeight
 from tests.helpers import STORIES_260K, run_to_completion
 

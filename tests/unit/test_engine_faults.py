@@ -8,10 +8,8 @@ from transformers import AutoTokenizer
 
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.model_runner import ModelRunner
-from tests.helpers import STORIES_260K, run_to_completion
+from engine.model_runner import ModelRunner
+from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion
 
 POISON_TOKEN = 511  # a prompt holding it makes the test's forward pass raise
 
@@ -21,14 +19,10 @@ def prompt() -> list[int]:
     return AutoTokenizer.from_pretrained(STORIES_260K)("Once upon a time").input_ids
 
 
-def make_engine() -> Engine:
-    return Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02))
-
-
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        greedy(40),
         SamplingParams(max_tokens=40, temperature=0.8, seed=77, ignore_eos=True),
         SamplingParams(
             max_tokens=40, temperature=0.8, seed=78, ignore_eos=True, frequency_penalty=0.7,
@@ -65,7 +59,7 @@ class PoisonedRunner:
 
 
 def test_a_step_that_raises_fails_only_the_request_that_makes_it_raise(prompt):
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = greedy(16)
     clean = make_engine()
     for index in range(3):
         clean.add_request(f"ok-{index}", prompt + [index + 3], params)

@@ -10,24 +10,13 @@ from transformers import AutoTokenizer
 
 from common.prefix import block_hashes
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from tests.helpers import STORIES_260K, run_to_completion
+from engine.engine import Engine
+from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(STORIES_260K)
-
-
-def make_engine(**overrides) -> Engine:
-    overrides.setdefault("kv_cache_gib", 0.02)
-    overrides.setdefault("model", str(STORIES_260K))
-    return Engine(EngineConfig(**overrides))
-
-
-def greedy(max_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
 
 
 def drain(engine: Engine) -> list:
@@ -321,7 +310,7 @@ def test_bias_switches_follow_each_architecture(tmp_path, architecture, keys, wa
     """(q/k/v bias, o_proj bias, MLP biases) as the Hugging Face classes build them."""
     import json
 
-    from executor.models.config import load_model_config
+    from engine.models.config import load_model_config
 
     raw = dict(
         architectures=[architecture], vocab_size=32, hidden_size=16, intermediate_size=32,

@@ -1,5 +1,5 @@
 """The engine's flags: every EngineConfig field an operator sets has one, its value reaches the
-EngineConfig of `python -m executor` and of `python -m executor.generate` alike, and generate
+EngineConfig of `python -m executor` and of `python -m engine.generate` alike, and generate
 runs with them."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from dataclasses import fields
 import pytest
 
 from common.model_text import ModelText
-from common.sampling_params import SamplingParams
-from executor import generate
-from executor.config import EngineConfig, ExecutorConfig, pop_engine_config
+from engine import generate
+from engine.config import EngineConfig, pop_engine_config
+from engine.engine import Engine
+from executor.config import ExecutorConfig
 from executor.config import build_parser as executor_parser
-from executor.engine import Engine
-from tests.helpers import STORIES_260K
+from tests.helpers import STORIES_260K, greedy
 
 # Set from the environment only: KVGATE_KERNELS names the kernel backend (docs/configuration.md).
 ENV_ONLY_FIELDS = {"kernels"}
@@ -75,7 +75,7 @@ def test_generate_runs_with_the_engine_flags(capsys: pytest.CaptureFixture[str])
     assert generate.main(argv) == 0
     text = ModelText(str(STORIES_260K))
     engine = Engine(EXPECTED)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = greedy(6)
     expected = generate.generate(engine, [text.encode(p) for p in prompts], params)
     blocks = [text.tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
     assert capsys.readouterr().out == "".join(f"{b}\n\n" for b in blocks)

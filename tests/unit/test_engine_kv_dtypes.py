@@ -20,10 +20,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.quality import greedy_continuations, measure_quality, tokenized_prompts
-from executor.config import EngineConfig, ExecutorConfig
-from executor.engine import Engine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from executor.config import ExecutorConfig
 from kernels.kv_format import KV_CACHE_DTYPES
-from tests.helpers import STORIES_260K
+from tests.helpers import STORIES_260K, make_engine
 
 MIN_TOP1_AGREEMENT = {"kv-float16": 0.95, "kv-bfloat16": 0.95, "kv-int8": 0.95, "kv-fp8": 0.93}
 VARIANTS = ("kv-float16", "kv-bfloat16", "kv-int8", "kv-fp8")
@@ -46,8 +47,7 @@ def test_cache_formats_agree_with_the_float32_cache_as_their_bar_asks(quality, v
 
 
 def _greedy(**config) -> list[list[int]]:
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, **config))
-    return greedy_continuations(engine, PROMPTS, 48)
+    return greedy_continuations(make_engine(**config), PROMPTS, 48)
 
 
 def test_auto_is_the_model_dtype_token_for_token():

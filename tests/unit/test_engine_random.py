@@ -20,13 +20,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
+from engine.engine import Engine
 from tests.helpers import (
     GreedyReference,
     assert_greedy_matches,
+    greedy,
     hf_greedy,
+    make_engine,
     move_rope_theta_to_top_level,
     randomize_weights,
     run_to_completion,
@@ -120,16 +120,12 @@ def checkpoint(request, tmp_path_factory) -> Checkpoint:
 
 
 def _engine(ckpt: Checkpoint, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(ckpt.path), kv_cache_gib=0.01, **overrides))
-
-
-def _greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return make_engine(ckpt.path, kv_cache_gib=0.01, **overrides)
 
 
 def _run_all(engine: Engine, ckpt: Checkpoint) -> dict[str, list[int]]:
     for i, prompt in enumerate(ckpt.prompts):
-        engine.add_request(f"p{i}", prompt, _greedy())
+        engine.add_request(f"p{i}", prompt, greedy(MAX_NEW_TOKENS))
     return run_to_completion(engine)
 
 
@@ -152,11 +148,11 @@ def test_concurrent_greedy_matches_transformers(checkpoint, overrides):
 def test_shared_prefix_is_cached_and_gives_same_tokens(checkpoint):
     engine = _engine(checkpoint, block_size=4)
     long_prompt = checkpoint.prompts[-1]
-    engine.add_request("first", long_prompt, _greedy())
+    engine.add_request("first", long_prompt, greedy(MAX_NEW_TOKENS))
     run_to_completion(engine)
     shared = long_prompt[:41]
     second_prompt = shared + [7, 8, 9, 10, 11]
-    engine.add_request("second", second_prompt, _greedy())
+    engine.add_request("second", second_prompt, greedy(MAX_NEW_TOKENS))
     outputs = []
     while engine.has_unfinished():
         outputs.extend(engine.step())

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from tests.helpers import STORIES_260K, hf_generate, run_to_completion
+from engine.config import EngineConfig
+from engine.engine import Engine
+from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine, run_to_completion
 
 PROMPTS = [
     "Once upon a time",
@@ -43,14 +43,6 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def hf_model():
     return AutoModelForCausalLM.from_pretrained(STORIES_260K, dtype=torch.float32).eval()
-
-
-def make_engine(**overrides) -> Engine:
-    return Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05, **overrides))
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "reference"])

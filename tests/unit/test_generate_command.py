@@ -1,4 +1,4 @@
-"""`python -m executor.generate`: one text block per prompt, the engine's greedy tokens."""
+"""`python -m engine.generate`: one text block per prompt, the engine's greedy tokens."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ import sys
 
 from tokenizers import Tokenizer
 
-from common.sampling_params import SamplingParams
-from executor.config import EngineConfig, pop_engine_config
-from executor.engine import Engine
-from executor.generate import build_parser, generate, main
-from tests.helpers import REPO, STORIES_260K
+from engine.config import EngineConfig, pop_engine_config
+from engine.engine import Engine
+from engine.generate import build_parser, generate, main
+from tests.helpers import REPO, STORIES_260K, greedy
 
 PROMPTS = ["Once upon a time", "The little dog"]
 
 
 def test_the_command_prints_each_prompts_greedy_completion_in_order():
-    argv = [sys.executable, "-m", "executor.generate", "--model", str(STORIES_260K)]
+    argv = [sys.executable, "-m", "engine.generate", "--model", str(STORIES_260K)]
     for prompt in PROMPTS:
         argv += ["--prompt", prompt]
     argv += ["--max-tokens", "12", "--ignore-eos"]
@@ -25,7 +24,7 @@ def test_the_command_prints_each_prompts_greedy_completion_in_order():
     assert done.returncode == 0, done.stderr
     tokenizer = Tokenizer.from_file(str(STORIES_260K / "tokenizer.json"))
     engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05))
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = greedy(12)
     expected = generate(engine, [tokenizer.encode(p).ids for p in PROMPTS], params)
     blocks = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
     assert done.stdout == "".join(f"{text}\n\n" for text in blocks)
@@ -33,7 +32,7 @@ def test_the_command_prints_each_prompts_greedy_completion_in_order():
 
 
 def test_a_bad_flag_is_a_clear_error():
-    argv = [sys.executable, "-m", "executor.generate", "--model", str(STORIES_260K)]
+    argv = [sys.executable, "-m", "engine.generate", "--model", str(STORIES_260K)]
     argv += ["--prompt", "hi", "--max-tokens", "0"]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "max_tokens" in done.stderr, done.stderr

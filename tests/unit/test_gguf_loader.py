@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 from common.gguf_metadata import GgufFile
 from common.model_files import gguf_file
 from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.models.gguf import dequantize_tensor
-from executor.models.loader import load_model
-from tests.helpers import assert_greedy_matches, hf_greedy, run_to_completion
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.models.gguf import dequantize_tensor
+from engine.models.loader import load_model
+from tests.helpers import assert_greedy_matches, greedy, hf_greedy, run_to_completion
 from tests.tiny_gguf import EOS_ID, EOT_ID, MIXED_TYPES, write_tiny_llama
 
 PROMPTS = [[1, 76, 71, 259, 72, 261, 2], [3, 9, 40, 88, 120, 200, 250, 12, 5]]
@@ -100,7 +100,7 @@ def test_config_comes_from_the_metadata(mixed_gguf: Path):
 
 def test_engine_greedy_equals_transformers_on_the_same_gguf(mixed_gguf: Path, hf_model):
     engine = Engine(EngineConfig(model=str(mixed_gguf), kv_cache_gib=0.02))
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = greedy(24)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"p{i}", prompt, params)
     got = run_to_completion(engine)

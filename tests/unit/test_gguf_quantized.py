@@ -12,9 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from common.gguf_metadata import GgufFile
-from executor.config import EngineConfig
-from executor.engine import Engine
-from executor.models.loader import load_model
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.models.loader import load_model
 from kernels.quant import INT4_BLOCK
 from tests.tiny_gguf import write_tiny_llama
 

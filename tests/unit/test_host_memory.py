@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from executor.config import EngineConfig, ExecutorConfig
-from executor.engine import Engine
-from executor.host_memory import resident_nbytes
-from executor.model_runner import ModelRunner
-from tests.helpers import STORIES_260K, run_to_completion
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.host_memory import resident_nbytes
+from engine.model_runner import ModelRunner
+from executor.config import ExecutorConfig
+from tests.helpers import STORIES_260K, greedy, run_to_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ PROBE = textwrap.dedent(
     """
     import ctypes, json, sys
     import torch
-    from executor.host_memory import retain_freed_memory
+    from engine.host_memory import retain_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -84,7 +84,7 @@ def test_the_executor_flag_and_its_variable_reach_the_engine(monkeypatch: pytest
 
 def test_the_model_runner_sets_the_thresholds_only_when_asked(monkeypatch: pytest.MonkeyPatch):
     calls: list[str] = []
-    monkeypatch.setattr("executor.model_runner.retain_freed_memory", lambda: calls.append("set"))
+    monkeypatch.setattr("engine.model_runner.retain_freed_memory", lambda: calls.append("set"))
     ModelRunner(EngineConfig(model=str(STORIES_260K), retain_freed_memory=False))
     assert calls == []
     ModelRunner(EngineConfig(model=str(STORIES_260K)))
@@ -96,7 +96,7 @@ def test_the_kv_cache_and_its_host_tier_are_resident_only_where_blocks_are_writt
     caches = [t for layer in engine.runner.kv_caches for t in layer]
     host = [t for layer in engine.runner.host_pool.host_caches for t in layer]
     assert sum(resident_nbytes(t) for t in caches + host) == 0, "nothing written yet"
-    params = SamplingParams(max_tokens=27, temperature=0.0, ignore_eos=True)
+    params = greedy(27)
     engine.add_request("r", [1, 403, 407, 261, 378], params)  # 32 tokens: blocks 0 and 1
     assert len(run_to_completion(engine)["r"]) == 27
     block_bytes = caches[0][0].nbytes

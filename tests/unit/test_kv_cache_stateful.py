@@ -27,8 +27,8 @@ from hypothesis.stateful import (
 )
 
 from common.sampling_params import SamplingParams
-from executor.kv_cache import KVCacheManager, SessionKey
-from executor.request import Request
+from engine.kv_cache import KVCacheManager, SessionKey
+from engine.request import Request
 from tests.unit.kv_cache_shadow import Content, FakeClock, ShadowChecks
 
 VOCAB = st.integers(0, 3)  # tiny, so prefixes repeat and the cache hits often

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bench import bench_swap
-from common.sampling_params import SamplingParams
-from executor import generate
-from executor.config import EngineConfig, build_parser, pop_engine_config
-from executor.engine import Engine
+from bench.cli import main as bench_main
+from engine import generate
+from engine.config import EngineConfig, pop_engine_config
+from engine.engine import Engine
+from executor.config import build_parser
 from executor.metrics import ExecutorMetrics
-from tests.helpers import STORIES_260K, run_to_completion, save_random_llama
+from tests.helpers import STORIES_260K, greedy, run_to_completion, save_random_llama
 
 # Enough host memory for every block of the tight engines below.
 SWAP_GIB = 0.01
@@ -34,10 +34,6 @@ def random_llama(tmp_path_factory) -> str:
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
     return str(path)
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def engine_for(model: str, **overrides) -> Engine:
@@ -222,6 +218,8 @@ def test_preemption_mode_defaults_to_swap_with_a_host_tier():
 def test_the_swap_benchmark_runs_and_finds_the_sessions_on_the_host(tmp_path):
     out = tmp_path / "swap.json"
     argv = [
+        "scaling",
+        "swap",
         "--model",
         str(STORIES_260K),
         "--device-sessions",
@@ -237,7 +235,7 @@ def test_the_swap_benchmark_runs_and_finds_the_sessions_on_the_host(tmp_path):
         "--out",
         str(out),
     ]
-    bench_swap.main(argv)
+    assert bench_main(argv) == 0
     result = json.loads(out.read_text())
     assert result["turn2_replies_identical"] is True
     with_tier, without = result["host_tier"], result["no_host_tier"]

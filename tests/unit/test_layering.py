@@ -1,6 +1,7 @@
 """The layering of the source tree, read with `ast`: the three processes never import each
-other (what two of them use lives in `common/`), `common/` imports no process, and kernels
-import nothing of kvgate but themselves."""
+other (what two of them use lives in `common/`), the engine runs without Redis or gRPC, the
+client speaks only the public protocol, kernels import nothing of kvgate but themselves,
+nothing outside `tests/` imports `tests`, and no module imports itself through a circle."""
 
 from __future__ import annotations
 
@@ -10,29 +11,132 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROCESSES = ("gateway", "scheduler", "executor")
-KVGATE_PACKAGES = (*PROCESSES, "common", "kernels", "client", "bench", "deploy", "protos")
+PACKAGES = (
+    "gateway", "scheduler", "executor", "engine", "common", "kernels", "client", "kvgate",
+    "bench", "deploy", "protos", "tests",
+)  # fmt: skip
 
-# package -> the kvgate packages it may import (besides itself)
+# package -> the kvgate packages it may import (besides itself); every package is listed
 ALLOWED = {
     "gateway": {"common", "protos"},
     "scheduler": {"common", "protos"},
-    "executor": {"common", "protos", "kernels"},
+    "executor": {"common", "protos", "kernels", "engine"},
+    "engine": {"common", "kernels"},
     "common": {"protos"},
     "kernels": set(),
+    "client": {"common", "protos"},
+    "kvgate": {"client"},  # the clients under the project's name
+    "protos": set(),
+    "deploy": {"common", "protos"},
+    "bench": set(PACKAGES) - {"tests"},
+    "tests": set(PACKAGES),
 }
+# package -> third-party modules it must not import
+FORBIDDEN_LIBRARIES = {"engine": {"redis", "grpc"}, "kernels": {"redis", "grpc"}}
 
 
-def imported_packages(path: Path) -> set[str]:
-    """The top-level kvgate packages a module imports, at any depth of its code."""
+def imported_names(path: Path, root: Path = ROOT) -> set[str]:
+    """Every absolute name a module imports, at any depth of its code: `import a.b` gives
+    a.b, `from a import b` (or a relative form of it) gives a.b, whether b is a submodule or
+    a name defined in a."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-    return {name.split(".")[0] for name in names} & set(KVGATE_PACKAGES)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = _relative_base(path.relative_to(root), node.level)
+                module = ".".join(filter(None, [base, module]))
+            names.update(".".join(filter(None, [module, alias.name])) for alias in node.names)
+    return names
+
+
+def _relative_base(relative_path: Path, level: int) -> str:
+    """The package a relative import of this level names, from a module's path."""
+    package = list(relative_path.parent.parts)
+    return ".".join(package[: len(package) - level + 1])
+
+
+def imported_packages(path: Path, root: Path = ROOT) -> set[str]:
+    """The top-level kvgate packages a module imports."""
+    return {name.split(".")[0] for name in imported_names(path, root)} & set(PACKAGES)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> list[Path]:
+    return sorted(
+        path
+        for package in packages
+        for path in (root / package).rglob("*.py")
+        if "_pb2" not in path.name
+    )
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """module -> the modules of these packages it imports (names that are not modules, such
+    as a function imported from a module, resolve to that module)."""
+    paths = {module_name(path, root): path for path in sources(root, packages)}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        targets = set()
+        for name in imported_names(path, root):
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm,
+    iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
 
 
 def test_imported_packages_sees_every_import_form(tmp_path):
@@ -41,17 +145,64 @@ def test_imported_packages_sees_every_import_form(tmp_path):
         "import gateway.service\nfrom executor import engine\n"
         "def f():\n    import scheduler as s\nfrom . import sibling\nimport numpy\n"
     )
-    assert imported_packages(module) == {"gateway", "executor", "scheduler"}
+    assert imported_names(module, tmp_path) == {
+        "gateway.service", "executor.engine", "scheduler", "sibling", "numpy"
+    }  # fmt: skip
+    assert imported_packages(module, tmp_path) == {"gateway", "executor", "scheduler"}
 
 
-@pytest.mark.parametrize("package", sorted(ALLOWED))
+@pytest.mark.parametrize("package", PACKAGES)
 def test_package_imports_only_what_its_layer_allows(package):
-    modules = sorted((ROOT / package).rglob("*.py"))
+    modules = sources(packages=(package,))
     assert modules, f"no modules under {package}/"
     allowed = ALLOWED[package] | {package}
     wrong = {
         str(path.relative_to(ROOT)): sorted(imported_packages(path) - allowed)
         for path in modules
-        if "_pb2" not in path.name and imported_packages(path) - allowed
+        if imported_packages(path) - allowed
     }
     assert not wrong, f"{package}/ may import only {sorted(allowed)}; found {wrong}"
+
+
+def test_every_top_level_package_has_a_layer():
+    found = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert found <= set(PACKAGES), f"packages without a rule: {sorted(found - set(PACKAGES))}"
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_LIBRARIES))
+def test_library_packages_import_no_network_client(package):
+    forbidden = FORBIDDEN_LIBRARIES[package]
+    wrong = {
+        str(path.relative_to(ROOT)): sorted(
+            {name.split(".")[0] for name in imported_names(path)} & forbidden
+        )
+        for path in sources(packages=(package,))
+    }
+    wrong = {path: names for path, names in wrong.items() if names}
+    assert not wrong, f"{package}/ runs without {sorted(forbidden)}; found {wrong}"
+
+
+def test_a_planted_forbidden_import_is_found(tmp_path):
+    (tmp_path / "engine").mkdir()
+    planted = tmp_path / "engine" / "step.py"
+    planted.write_text("def f():\n    import redis\n    from gateway import service\n")
+    assert imported_packages(planted, tmp_path) == {"gateway"}
+    assert "redis" in {name.split(".")[0] for name in imported_names(planted, tmp_path)}
+
+
+def test_no_module_imports_itself_through_a_circle():
+    found = cycles(import_graph(ROOT, PACKAGES))
+    assert not found, f"import circles (each a set of modules that import each other): {found}"
+
+
+def test_a_planted_circle_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import g\n")
+    (package / "b.py").write_text("def g():\n    from pkg import c\n")
+    (package / "c.py").write_text("from . import a\n")
+    (package / "d.py").write_text("import pkg.a\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.d"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]

@@ -4,10 +4,9 @@ never changes a request's greedy tokens."""
 
 from __future__ import annotations
 
-from common.sampling_params import SamplingParams
-from executor.config import EngineConfig
-from executor.engine import Engine
-from tests.helpers import STORIES_260K, run_to_completion
+from engine.engine import Engine
+from tests import helpers
+from tests.helpers import greedy, run_to_completion
 
 BLOCK_SIZE = 4
 SHARED = [1, *range(300, 332)]  # a 33-token prefix: 8 full blocks once cached
@@ -15,12 +14,7 @@ LONELY = [1, *range(100, 133)]  # as long, shares no block with it
 
 
 def make_engine(**overrides) -> Engine:
-    config = dict(model=str(STORIES_260K), num_gpu_blocks=128, block_size=BLOCK_SIZE)
-    return Engine(EngineConfig(**(config | overrides)))
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return helpers.make_engine(**({"num_gpu_blocks": 128, "block_size": BLOCK_SIZE} | overrides))
 
 
 def warm_engine(**overrides) -> Engine:

@@ -68,3 +68,20 @@ def test_queued_request_round_trips_with_its_sampling_params():
     assert decoded.params.HasField("temperature"), (
         "temperature=0 must be distinguishable from unset"
     )
+
+
+def test_an_assignment_envelope_reads_as_the_inbox_message_it_stands_for():
+    queued = internal_pb2.QueuedRequest(
+        request_id="t/r1", tenant="t", prompt_token_ids=[1, 2, 3], attempt=2,
+        params=inference_pb2.SamplingParams(max_tokens=7, temperature=0.5),
+    )  # fmt: skip
+    placed = {"executor_id": "e1", "assigned_unix_ms": 1234, "scheduler_id": "s1"}
+    envelope = internal_pb2.AssignmentEnvelope(
+        assignment=internal_pb2.PlacedRequest(request=queued.SerializeToString(), **placed)
+    )
+    expected = internal_pb2.InboxMessage(
+        assignment=internal_pb2.Assignment(request=queued, **placed)
+    )
+    read = internal_pb2.InboxMessage.FromString(envelope.SerializeToString())
+    assert read == expected, f"the envelope read as {read}, expected {expected}"
+    assert envelope.SerializeToString() == expected.SerializeToString()

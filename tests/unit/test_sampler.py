@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from executor.sampler import (
+from engine.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_tokens,

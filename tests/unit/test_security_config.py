@@ -16,12 +16,13 @@ from common.tenants import (
     new_api_key,
 )
 from common.tls import TLSFileError
-from executor.config import EngineConfig, ExecutorConfig
+from deploy.certs import CertificateAuthority
+from engine.config import EngineConfig
+from executor.config import ExecutorConfig
 from executor.gateway_link import SinkCredentials
 from gateway.accounting import TenantLabels
 from gateway.config import GatewayConfig
 from gateway.server import ListenError, PortSecurity
-from tests.certs import CertificateAuthority
 from tests.helpers import STORIES_260K
 
 

@@ -10,15 +10,16 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from common.finish_reason import FinishReason
-from common.sampling_params import SamplingParams
-from executor import generate as generate_command
-from executor.config import EngineConfig, EngineConfigError, build_parser, pop_engine_config
-from executor.engine import Engine
-from executor.models.shard import shard_columns
+from engine import generate as generate_command
+from engine.config import EngineConfig, EngineConfigError, pop_engine_config
+from engine.engine import Engine
+from engine.models.shard import shard_columns
+from executor.config import build_parser
 from kernels.quant import quantize_int4, quantize_int8
 from tests.helpers import (
     STORIES_260K,
     assert_greedy_matches,
+    greedy,
     hf_greedy,
     run_to_completion,
     save_random_llama,
@@ -57,7 +58,7 @@ def _greedy_tokens(
     group = engine.runner.group
     pids = [] if group is None else [p.pid for p in group.followers]
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = greedy(max_tokens)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"p{i}", prompt, params)
         return run_to_completion(engine), pids
@@ -173,7 +174,7 @@ def test_a_dead_follower_fails_the_running_requests_at_once_naming_the_ranks():
     engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.01,
                                  tensor_parallel_size=2))  # fmt: skip
     try:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        params = greedy(MAX_TOKENS)
         for i, prompt in enumerate(_prompts(512, seed=3)[:3]):
             engine.add_request(f"p{i}", prompt, params)
         engine.step()

@@ -1,0 +1,359 @@
+"""The in-process engine: add requests, step, read tokens. No Redis, no gRPC.
+
+engine = Engine(EngineConfig(model="../shared/models/stories260K"))
+engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32, temperature=0))
+while engine.has_unfinished():
+    for output in engine.step():
+        ...
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from common.finish_reason import FinishReason
+from common.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # tokens produced this step
+    logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
+    finished: bool
+    # STOP, LENGTH, or ERROR (its model step failed) once finished; aborts produce no output
+    finish_reason: FinishReason | None
+    num_cached_tokens: int  # prompt tokens served from the prefix or session cache
+    error_message: str = ""  # what failed, with FinishReason.ERROR
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_hit_tokens: int  # cumulative prompt tokens served from the cache
+    num_session_pins: int  # sessions holding blocks now
+    num_session_blocks: int  # blocks those sessions hold
+    num_preemptions: int  # cumulative
+    num_evicted_blocks: int  # cumulative cached blocks reused for new data
+    num_evicted_sessions: int  # cumulative sessions dropped under memory pressure
+    num_batched_tokens: int  # cumulative tokens run through the model (prompt chunks and decodes)
+    num_host_blocks_total: int  # blocks of the host tier (0: none)
+    num_host_blocks_used: int  # held by swapped-out requests and offloaded sessions
+    num_swapped_out_blocks: int  # cumulative blocks copied from the device to the host tier
+    num_swapped_in_blocks: int  # cumulative blocks copied back to the device
+    num_offloaded_sessions: int  # cumulative sessions moved to the host tier under pressure
+
+
+class Engine:
+    """Continuous batching over a paged KV cache, driven by `step()`; see the module docstring."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            session_ttl_s=config.session_ttl_s,
+            num_host_blocks=self.runner.num_host_blocks,
+        )
+        self.scheduler = StepScheduler(config, self.kv_cache, self.max_model_len)
+        self.sampler = Sampler(
+            list(self.model_config.eos_token_ids), self.runner.device, self.runner.kernels.argmax
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    # ---- API ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+        resume_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request; it runs from the next `step()`.
+
+        Args:
+            resume_token_ids: output an earlier run of the request produced (on an executor
+                that went away): prefilled after the prompt and counted as output, so
+                max_tokens, min_tokens and the penalties see them, and a seeded request's
+                generator continues past their draws: the whole output equals one
+                undisturbed run.
+
+        Raises:
+            ValueError: a field is invalid (the message names it), or the id is in use.
+        """
+        self._validate(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
+        resumed = list(resume_token_ids or [])
+        tokens = list(prompt_token_ids) + resumed
+        if resumed:
+            self._validate_prompt(tokens)
+        generator = None
+        if params.seed is not None:
+            generator = Sampler.make_generator(params.seed, self.runner.device)
+            if not params.is_greedy:
+                self.sampler.skip_draws(generator, len(resumed), self.model_config.vocab_size)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            arrival_seq=next(self._arrivals),
+            priority=priority,
+            session_id=session_id,
+            cache_salt=cache_salt,
+            generator=generator,
+            all_token_ids=tokens,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; it produces no further output.
+
+        Raises:
+            ValueError: no unfinished request has this id.
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
+        self.scheduler.finish(req, FinishReason.ABORT)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the current batch.
+
+        Returns:
+            One output per request that produced a token this step (requests in the middle
+            of a chunked prefill produce none). Aborted requests never appear.
+        """
+        self.kv_cache.expire_sessions()
+        out = self.scheduler.schedule()
+        self.runner.swap_blocks(self.kv_cache.host.take_ops())
+        if out.is_empty:
+            return []
+        try:
+            logits = self.runner.execute(out)
+        except Exception as error:  # noqa: BLE001 (any failure of the model: isolate it)
+            return self._run_each_alone(out, error)
+        return self._update(out, logits)
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits of a whole sequence in one forward pass: row i holds the
+        model's float32 logits for the token after token_ids[: i + 1]. For measuring a model's
+        quality (bench/quality.py); it needs an idle engine, takes blocks as a request would
+        (evicting cached prefixes if it must) and gives them back.
+
+        Raises:
+            ValueError: the ids are not a valid prompt for this model.
+            RuntimeError: requests are running or waiting, or the KV cache cannot hold it.
+        """
+        if self.requests:
+            raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
+        self._validate_prompt(token_ids)
+        req = Request("prompt-logits", list(token_ids), SamplingParams(max_tokens=1), -1)
+        if not self.kv_cache.allocate_slots(req, len(token_ids)):
+            raise RuntimeError(f"the KV cache cannot hold {len(token_ids)} tokens at once")
+        self.runner.swap_blocks(self.kv_cache.host.take_ops())  # sessions it moved out
+        try:
+            step = ScheduledRequest(req, len(token_ids), samples=True)
+            return self.runner.execute(SchedulerOutput([step], len(token_ids)), every_row=True)
+        finally:
+            self.kv_cache.free(req)
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (with one rank there is nothing to
+        stop); the engine cannot step afterwards."""
+        self.runner.close()
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still waiting or running."""
+        return bool(self.requests)
+
+    def release_session(self, session_id: str, cache_salt: str | None = None) -> bool:
+        """End the session of the tenant `cache_salt` here: unpin its blocks, and have its
+        requests still waiting or running free theirs when they finish instead of pinning
+        them (a turn that finishes after its session ended must not bring it back).
+
+        Returns:
+            False when the engine holds no such session for that tenant.
+        """
+        for req in self.requests.values():
+            if req.session_id == session_id and req.cache_salt == cache_salt:
+                req.pins_session = False
+        return self.kv_cache.release_session(session_id, cache_salt)
+
+    def num_available_blocks(self) -> int:
+        """KV blocks free now or held only by idle sessions, which give them up on demand."""
+        return self.kv_cache.num_available_blocks()
+
+    def session_ids(self) -> list[str]:
+        """Sessions whose blocks this engine holds now (on the device or in the host tier)."""
+        return self.kv_cache.session_ids()
+
+    def cached_block_hashes(self, limit: int) -> list[int]:
+        """Prefix-cache hashes (`common.prefix` scheme) of up to `limit` blocks, newest first."""
+        return self.kv_cache.cached_block_hashes(limit)
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, block usage and cumulative cache and preemption counters."""
+        kv, host = self.kv_cache, self.kv_cache.host
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
+            num_session_pins=len(kv.sessions),
+            num_session_blocks=kv.num_session_blocks(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evicted_blocks=kv.num_evicted_blocks,
+            num_evicted_sessions=kv.num_evicted_sessions,
+            num_batched_tokens=self.scheduler.num_batched_tokens,
+            num_host_blocks_total=host.num_blocks,
+            num_host_blocks_used=host.num_blocks - host.num_free_blocks,
+            num_swapped_out_blocks=host.num_swapped_out_blocks,
+            num_swapped_in_blocks=host.num_swapped_in_blocks,
+            num_offloaded_sessions=kv.num_offloaded_sessions,
+        )
+
+    # ---- step internals -----------------------------------------------------------------
+
+    def _update(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv_cache.register_computed_blocks(s.request)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        if not sampling:
+            return []
+        sampled = self.sampler(logits, self._sampling_batch(sampling))
+        outputs = []
+        for req, token_id, logprobs in zip(
+            sampling, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            req.all_token_ids.append(token_id)
+            reason = self._finish_reason(req, token_id)
+            if reason is not None:
+                self.requests.pop(req.request_id, None)
+                self.scheduler.finish(req, reason)
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token_id],
+                    logprobs=None if logprobs is None else [logprobs],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_cached_tokens=req.num_cached_tokens or 0,
+                )
+            )
+        return outputs
+
+    def _run_each_alone(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """After a failed forward pass, runs each of its requests alone, once: those that
+        fail alone too finish with FinishReason.ERROR, the others go on as if the step had
+        worked (their K/V is written again at the same slots)."""
+        if len(out.scheduled) == 1:
+            return self._fail([out.scheduled[0].request], error)
+        passed, rows, failed = [], [], []
+        for scheduled in out.scheduled:
+            alone = SchedulerOutput([scheduled], scheduled.num_new_tokens)
+            try:
+                rows.append(self.runner.execute(alone))
+                passed.append(scheduled)
+            except Exception as alone_error:  # noqa: BLE001
+                failed.append((scheduled.request, alone_error))
+        outputs = [o for req, e in failed for o in self._fail([req], e)]
+        if passed:
+            batch = SchedulerOutput(passed, sum(s.num_new_tokens for s in passed))
+            outputs += self._update(batch, torch.cat(rows))
+        return outputs
+
+    def _fail(self, reqs: list[Request], error: Exception) -> list[RequestOutput]:
+        """Finishes `reqs` with FinishReason.ERROR and a message naming the error."""
+        message = f"the model step failed: {type(error).__name__}: {error}"
+        outputs = []
+        for req in reqs:
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, FinishReason.ERROR)
+            outputs.append(
+                RequestOutput(req.request_id, [], None, True, FinishReason.ERROR,
+                              req.num_cached_tokens or 0, message)
+            )  # fmt: skip
+        return outputs
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        return SamplingBatch(
+            params=[r.params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[r.generator for r in reqs],
+        )
+
+    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in self.model_config.eos_token_ids:
+                return FinishReason.STOP
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _validate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        session_id: str | None,
+        cache_salt: str | None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        self._validate_prompt(prompt_token_ids)
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            kind = type(prompt_token_ids).__name__
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {kind}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens; it must be shorter than "
+                f"max_model_len ({self.max_model_len}) to leave room for output"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < vocab]  # fmt: skip
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")

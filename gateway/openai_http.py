@@ -1,0 +1,464 @@
+"""The OpenAI-compatible HTTP front: Starlette on uvicorn, in the gateway's own event loop.
+
+It serves GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health and
+GET /ready, and sends every generation down the gRPC front's own path
+(InferenceServicer.generate): the same keys, tenants, quotas, accounting, sessions and
+validation. Errors have OpenAI's shape, {"error": {message, type, param, code}}, with the HTTP
+status the OpenAI SDKs map to their exceptions (HTTP_STATUS). A streamed answer starts once
+its first chunk is there, so that a refusal before it is still an HTTP status; a client that
+goes away, before or during its answer, cancels its requests as a gRPC cancel does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import redis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common.templates import ChatTemplateError
+from gateway.auth import Authenticator, bearer_key
+from gateway.errors import (
+    InvalidArgument,
+    NotFound,
+    QuotaExceeded,
+    Refused,
+    ResourceExhausted,
+    ServiceError,
+    refused_limit,
+    shown,
+    status_of,
+)
+from gateway.generation import Chunk
+from gateway.health import GatewayHealth
+from gateway.metrics import GatewayMetrics
+from gateway.openai_responses import DONE_EVENT, Choice, ResponseShape, TokenText, sse_event
+from gateway.openai_schema import OpenAIRequest, chat_request, completion_request
+from gateway.service import InferenceServicer
+from gateway.validation import check_prompt_len, check_token_ids
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+API = "openai"  # the `api` label of this front's requests
+# HTTP status and OpenAI error type of each status code the request path raises.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.INTERNAL: (500, "internal_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+# A refusal at a gateway limit (not a tenant's quota, which says when) may be retried after
+# this long; so may a 503 (no executor, Redis down).
+OVERLOAD_RETRY_AFTER_MS = 1000
+# A JSON body is bigger than the gRPC message of the same request: text escaped as \uXXXX
+# pairs takes up to 3 times its UTF-8 bytes.
+JSON_BYTES_FACTOR = 3
+MAX_PROMPTS = 64  # prompts of one /v1/completions request (a choice each)
+
+
+class BodyTooLarge(ResourceExhausted):
+    """The request body is over the limit: 413."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
+
+
+@dataclass(slots=True)
+class OpenAIFrontConfig:
+    """What the front needs of the gateway's configuration."""
+
+    max_body_bytes: int  # a bigger body: 413
+    max_concurrent_streams: int  # requests answered at once; one more: 429
+
+
+def error_json(message: str, kind: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(error: Exception, openai: OpenAIRequest | None = None) -> JSONResponse:
+    """OpenAI's error object and HTTP status for an error of the request path.
+
+    Raises:
+        error itself, when it is none the request path maps (a bug: uvicorn logs it, 500).
+    """
+    status = status_of(error)
+    if status is None:
+        raise error
+    code, message = status
+    http_status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
+    param = None
+    if isinstance(error, InvalidArgument):
+        param = openai.openai_param(error.field) if openai is not None else error.field
+        if openai is not None and param != error.field:
+            message = f"{param}: {str(error).partition(': ')[2]}"
+    headers = {}
+    if isinstance(error, BodyTooLarge):
+        http_status = 413
+    elif http_status in (429, 503):
+        retry_ms = error.retry_after_ms if isinstance(error, QuotaExceeded) else None
+        retry_ms = retry_ms if retry_ms is not None else OVERLOAD_RETRY_AFTER_MS
+        headers = {"retry-after-ms": str(retry_ms), "retry-after": str(-(-retry_ms // 1000))}
+    reason = getattr(error, "limit", None) or (code.name.lower() if param is None else None)
+    body = error_json(message, kind, param, reason)
+    return JSONResponse(body, status_code=http_status, headers=headers)
+
+
+class SSEResponse(StreamingResponse):
+    """A stream of server-sent events whose iterator is closed however the response ends
+    (a client gone cancels it while it waits at a yield)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(events, headers={"cache-control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.on_close()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has closed its connection (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_goes(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) if the client goes first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+Item = tuple[int, str, Chunk]  # (choice index, request id, chunk)
+
+
+async def merged(streams: list[AsyncIterator[tuple[str, Chunk]]]) -> AsyncIterator[Item]:
+    """The chunks of every prompt's generation as they come, by choice index."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for request_id, chunk in stream:
+                yield 0, request_id, chunk
+        return
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[tuple[str, Chunk]]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+        except Exception as error:  # noqa: BLE001 (re-raised by the consumer)
+            queue.put_nowait((index, error))
+            return
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                ended += 1
+                continue
+            yield index, *item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class CallCount:
+    """Counts one HTTP call in the request metrics once, with the code it ended with."""
+
+    def __init__(self, metrics: GatewayMetrics, method: str) -> None:
+        self.metrics = metrics
+        self.method = method
+        self.counted = False
+
+    def end(self, code: str) -> None:
+        if not self.counted:
+            self.counted = True
+            self.metrics.requests.labels(API, self.method, code, API).inc()
+
+    def end_with(self, error: Exception) -> None:
+        status = status_of(error)
+        self.end(status[0].name if status is not None else "UNKNOWN")
+        if (limit := refused_limit(error)) is not None:
+            self.metrics.refused.labels(limit, API).inc()
+
+
+class OpenAIFront:
+    """The routes of the OpenAI-compatible HTTP front."""
+
+    def __init__(
+        self,
+        config: OpenAIFrontConfig,
+        servicer: InferenceServicer,
+        authenticator: Authenticator,
+        health: GatewayHealth,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.servicer = servicer
+        self.authenticator = authenticator
+        self.health = health
+        self.metrics = metrics
+        self.model_text = servicer.model_text
+        self.token_text = TokenText(servicer.model_text.tokenizer.decode)
+        self.open_streams = 0
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/health", self.live, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+
+    async def _http_error(self, request: Request, error: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return JSONResponse(
+            error_json(message, "invalid_request_error", None, "unknown_route"),
+            status_code=error.status_code,
+        )
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"status": "live"})
+
+    async def ready(self, request: Request) -> Response:
+        if self.health.conditions.serving:
+            return JSONResponse({"status": "ready"})
+        reason = self.health.conditions.reason
+        return JSONResponse(
+            error_json(f"not ready: {reason}", "service_unavailable", None, "not_ready"),
+            status_code=503,
+        )
+
+    async def _tenant(self, request: Request) -> str:
+        """Raises: Unauthenticated as the gRPC front does."""
+        if self.authenticator.mode == "off":
+            return await self.authenticator.key_tenant("")
+        return await self.authenticator.key_tenant(bearer_key(request.headers.get("authorization")))
+
+    async def models(self, request: Request) -> Response:
+        count = CallCount(self.metrics, "models")
+        try:
+            await self._tenant(request)
+        except (ServiceError, redis.RedisError) as error:
+            count.end_with(error)
+            return error_response(error)
+        count.end("OK")
+        model = {
+            "id": self.model_text.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvgate",
+            "max_model_len": self.model_text.limits.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def _body(self, request: Request) -> dict:
+        """The JSON body. Raises: BodyTooLarge, InvalidArgument (not JSON, not an object)."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(f"request body: {declared} bytes, over the limit of {limit}")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise BodyTooLarge(f"request body: over the limit of {limit} bytes")
+        try:
+            parsed = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+            raise InvalidArgument("body", f"not JSON: {error}") from None
+        if not isinstance(parsed, dict):
+            raise InvalidArgument("body", "must be a JSON object")
+        return parsed
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat.completions", chat_request)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions", completion_request)
+
+    async def _serve(
+        self, request: Request, method: str, read: Callable[[dict], OpenAIRequest]
+    ) -> Response:
+        count = CallCount(self.metrics, method)
+        openai = None
+        try:
+            tenant = await self._tenant(request)
+            openai = read(await self._body(request))
+            if openai.model != self.model_text.model_id:
+                raise NotFound(
+                    f"model: {openai.model!r} is not served here; "
+                    f"this gateway serves {self.model_text.model_id!r}"
+                )
+            return await self._answer(request, tenant, openai, method == "chat.completions", count)
+        except ClientGone:
+            count.end("CANCELLED")
+            return Response(status_code=499)
+        except (ServiceError, redis.RedisError) as error:
+            count.end_with(error)
+            return error_response(error, openai)
+
+    def _generations(self, tenant: str, openai: OpenAIRequest, chat: bool, request_id: str):
+        """The generation stream of each prompt (one for chat)."""
+        if chat:
+            prompts = [lambda: self._chat_prompt(openai)]
+        else:
+            if len(openai.prompts) > MAX_PROMPTS:
+                raise InvalidArgument("prompt", f"at most {MAX_PROMPTS} prompts per request")
+            if len(openai.prompts) > 1 and openai.session_id:
+                raise InvalidArgument("session_id", "takes one prompt, not a list")
+            prompts = [lambda p=p, i=i: self._prompt(p, i) for i, p in enumerate(openai.prompts)]
+        ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
+        return [
+            self.servicer.generate(
+                tenant, prompt, openai.params, openai.priority, openai.session_id, rid, API
+            )
+            for prompt, rid in zip(prompts, ids, strict=True)
+        ]
+
+    async def _chat_prompt(self, openai: OpenAIRequest) -> list[int]:
+        try:
+            token_ids = await self.servicer.text.encode_chat("messages", openai.messages)
+        except ChatTemplateError as error:
+            raise InvalidArgument("messages", str(error)) from error
+        check_prompt_len("messages", len(token_ids), self.model_text.limits.max_model_len)
+        return token_ids
+
+    async def _prompt(self, prompt: str | list[int], index: int) -> list[int]:
+        limits = self.model_text.limits
+        field_name = "prompt" if index == 0 else f"prompt[{index}]"
+        if isinstance(prompt, str):
+            token_ids = await self.servicer.text.encode(field_name, prompt)
+        else:
+            token_ids = prompt
+            check_token_ids(field_name, token_ids, limits.vocab_size)
+        check_prompt_len(field_name, len(token_ids), limits.max_model_len)
+        return token_ids
+
+    async def _answer(
+        self, request: Request, tenant: str, openai: OpenAIRequest, chat: bool, count: CallCount
+    ) -> Response:
+        if self.open_streams >= self.config.max_concurrent_streams:
+            raise Refused(
+                "max_concurrent_streams",
+                f"the gateway has {self.open_streams} HTTP requests open, its limit "
+                "(--max-concurrent-streams); try again later or another gateway",
+            )
+        request_id = uuid.uuid4().hex
+        if openai.user:
+            log.info("request %s for end user %s", request_id, shown(openai.user))
+        shape = ResponseShape(chat, openai.model, request_id, openai.logprobs, self.token_text)
+        stream = merged(self._generations(tenant, openai, chat, request_id))
+        active = self.metrics.active_streams.labels(count.method, API)
+        self.open_streams += 1
+        active.inc()
+
+        async def close() -> None:
+            count.end("CANCELLED")  # unless it ended otherwise before
+            self.open_streams -= 1
+            active.dec()
+            await stream.aclose()
+
+        streaming = False
+        try:
+            if not openai.stream:
+                choices = await unless_client_goes(request, _whole(stream, openai))
+                count.end("OK")
+                return JSONResponse(shape.whole(choices))
+            first = await unless_client_goes(request, anext(stream))
+            streaming = True
+            return SSEResponse(self._events(stream, first, shape, openai, count), close)
+        finally:
+            if not streaming:
+                await close()
+
+    async def _events(
+        self,
+        stream: AsyncIterator[Item],
+        first: Item,
+        shape: ResponseShape,
+        openai: OpenAIRequest,
+        count: CallCount,
+    ) -> AsyncIterator[bytes]:
+        """The stream's events: role, chunks, usage (include_usage), [DONE]; an error after
+        the first chunk is an `error` event (the SDKs raise it) and ends the stream."""
+        usages = {}
+        try:
+            for event in shape.first_chunks(max(1, len(openai.prompts))):
+                yield sse_event(event)
+            item = first
+            while item is not None:
+                index, _, chunk = item
+                if chunk.usage is not None:
+                    usages[index] = chunk.usage
+                yield sse_event(shape.chunk(index, chunk))
+                item = await anext(stream, None)
+            if openai.include_usage:
+                yield sse_event(shape.usage_chunk(list(usages.values())))
+            yield DONE_EVENT
+            count.end("OK")
+        except (ServiceError, redis.RedisError) as error:
+            count.end_with(error)
+            yield sse_event(json.loads(error_response(error, openai).body))
+
+
+async def _whole(stream: AsyncIterator[Item], openai: OpenAIRequest) -> list[Choice]:
+    choices = [Choice(i) for i in range(max(1, len(openai.prompts)))]
+    async for index, _, chunk in stream:
+        _add(choices[index], chunk)
+    return choices
+
+
+def _add(choice: Choice, chunk: Chunk) -> None:
+    choice.text.append(chunk.text)
+    choice.logprobs.extend(chunk.logprobs)
+    if chunk.finish_reason is not None:
+        choice.finish_reason = chunk.finish_reason
+        choice.usage = chunk.usage

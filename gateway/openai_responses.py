@@ -1,0 +1,173 @@
+"""The OpenAI objects kvgate answers with: chat.completion(.chunk) and text_completion,
+their usage and logprobs, and the server-sent events that carry a stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from common.finish_reason import FinishReason
+from gateway.generation import Chunk, Usage
+from protos.kvgate.v1 import inference_pb2
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict) -> bytes:
+    """One server-sent event holding `payload` as JSON."""
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+def dumps(payload: dict) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def usage_json(usages: list[Usage]) -> dict:
+    """OpenAI's usage of one or more prompts' generations; cached_tokens: the prefix cache's."""
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in usages)},
+    }
+
+
+def finish_reason_json(reason: FinishReason | None) -> str | None:
+    """stop, length, or vLLM's abort and error."""
+    return None if reason is None else str(reason)
+
+
+@dataclass(slots=True)
+class TokenText:
+    """Each token's text, for logprobs (the model's tokenizer decodes one id at a time)."""
+
+    decode: object  # tokenizers.Tokenizer.decode
+
+    def of(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+
+def chat_logprobs(logprobs: list[inference_pb2.TokenLogprob], text: TokenText) -> dict:
+    """A chat choice's logprobs: {content: [{token, logprob, bytes, top_logprobs}]}."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = text.of(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = []
+    for lp in logprobs:
+        item = entry(lp.token_id, lp.logprob)
+        item["top_logprobs"] = [entry(top.token_id, top.logprob) for top in lp.top]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(
+    logprobs: list[inference_pb2.TokenLogprob], text: TokenText, text_offset: int
+) -> dict:
+    """A text choice's logprobs: parallel lists of tokens, logprobs, alternatives, offsets."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        tokens.append(text.of(lp.token_id))
+        text_offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{text.of(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one prompt's generation has produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class ResponseShape:
+    """The objects of one endpoint's answer: `chat` (chat.completion) or not (text_completion)."""
+
+    def __init__(
+        self, chat: bool, model: str, request_id: str, with_logprobs: bool, text: TokenText
+    ):
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.with_logprobs = with_logprobs
+        self.text = text
+        self.text_offsets: dict[int, int] = {}  # completions: characters streamed by choice
+
+    def _object(self, kind: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _logprobs(self, index: int, logprobs: list[inference_pb2.TokenLogprob]) -> dict | None:
+        if not self.with_logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(logprobs, self.text)
+        offset = self.text_offsets.get(index, 0)
+        return completion_logprobs(logprobs, self.text, offset)
+
+    def whole(self, choices: list[Choice]) -> dict:
+        """The answer of a request that did not stream."""
+        items = []
+        for choice in choices:
+            text = "".join(choice.text)
+            item = {
+                "index": choice.index,
+                "logprobs": self._logprobs(choice.index, choice.logprobs),
+            }
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            item["finish_reason"] = finish_reason_json(choice.finish_reason)
+            items.append(item)
+        kind = "chat.completion" if self.chat else "text_completion"
+        answer = self._object(kind, items)
+        answer["usage"] = usage_json([c.usage for c in choices if c.usage is not None])
+        return answer
+
+    def first_chunks(self, num_choices: int) -> list[dict]:
+        """Chat streams open each choice with the assistant's role."""
+        if not self.chat:
+            return []
+        delta = {"role": "assistant", "content": ""}
+        return [self._chunk(index, delta, None, None) for index in range(num_choices)]
+
+    def chunk(self, index: int, chunk: Chunk) -> dict:
+        """A stream's chunk of one choice."""
+        logprobs = self._logprobs(index, chunk.logprobs)
+        reason = finish_reason_json(chunk.finish_reason)
+        if self.chat:
+            return self._chunk(index, {"content": chunk.text}, logprobs, reason)
+        self.text_offsets[index] = self.text_offsets.get(index, 0) + len(chunk.text)
+        item = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
+        return self._object("text_completion", [item])
+
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None, reason: str | None) -> dict:
+        item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return self._object("chat.completion.chunk", [item])
+
+    def usage_chunk(self, usages: list[Usage]) -> dict:
+        """stream_options.include_usage: the last chunk, with no choices."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        answer = self._object(kind, [])
+        answer["usage"] = usage_json(usages)
+        return answer

@@ -1,0 +1,135 @@
+"""vLLM's engine API requests (`vllm.grpc.engine`, the stubs of `smg-grpc-proto`) as kvgate's
+own: the sampling fields translated to kvgate.v1's SamplingParams and checked by the same
+code (gateway/validation.py), so both fronts accept and refuse the same values. A field
+kvgate cannot honour is refused with INVALID_ARGUMENT naming it, never ignored.
+
+vLLM's conventions are kept where its proto leaves a zero meaning "unset": top_p 0 and
+repetition_penalty 0 are 1.0 (off), n 0 is 1, and an unset max_tokens fills the model's
+context (vLLM's None), not the gateway's --default-max-tokens.
+"""
+
+from __future__ import annotations
+
+from smg_grpc_proto.generated import vllm_engine_pb2
+
+from common.model_text import ModelLimits
+from gateway.errors import InvalidArgument
+from gateway.validation import (
+    StopLimits,
+    check_prompt_len,
+    check_stop,
+    check_token_ids,
+    checked_sampling_params,
+)
+from protos.kvgate.v1 import inference_pb2
+
+SAMPLING = "sampling_params"
+# GenerateRequest fields of disaggregated prefill, multimodal input and data parallelism.
+UNSUPPORTED_MESSAGES = ("kv_transfer_params", "mm_inputs", "media_refs")
+# Sampling fields with presence that kvgate has no counterpart of yet.
+UNSUPPORTED_OPTIONALS = ("prompt_logprobs", "truncate_prompt_tokens")
+
+
+def refuse_unsupported_request_fields(request: vllm_engine_pb2.GenerateRequest) -> None:
+    """Raises: InvalidArgument naming a set field kvgate does not serve."""
+    for name in UNSUPPORTED_MESSAGES:
+        if request.HasField(name):
+            raise InvalidArgument(name, "not supported by kvgate")
+    if request.extra_mm_inputs:
+        raise InvalidArgument("extra_mm_inputs", "not supported by kvgate")
+    if request.HasField("kv_transfer_params_json"):
+        raise InvalidArgument("kv_transfer_params_json", "not supported by kvgate")
+    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
+        raise InvalidArgument(
+            "data_parallel_rank", f"kvgate has one rank (0), got {request.data_parallel_rank}"
+        )
+
+
+def _refuse_unsupported_sampling(params: vllm_engine_pb2.SamplingParams) -> None:
+    if params.n > 1:
+        raise InvalidArgument(f"{SAMPLING}.n", f"one sequence per request, got n={params.n}")
+    if params.logit_bias:
+        raise InvalidArgument(f"{SAMPLING}.logit_bias", "not supported by kvgate")
+    constraint = params.WhichOneof("constraint")
+    if constraint is not None:
+        raise InvalidArgument(
+            f"{SAMPLING}.{constraint}", "constrained decoding is not supported by kvgate"
+        )
+    for name in UNSUPPORTED_OPTIONALS:
+        if params.HasField(name):
+            raise InvalidArgument(f"{SAMPLING}.{name}", "not supported by kvgate")
+    if params.HasField("logprobs") and params.logprobs < 0:
+        raise InvalidArgument(
+            f"{SAMPLING}.logprobs", f"must be 0-20 (-1, all, is not served), got {params.logprobs}"
+        )
+
+
+def kvgate_sampling(
+    params: vllm_engine_pb2.SamplingParams, room: int
+) -> inference_pb2.SamplingParams:
+    """The same request in kvgate.v1's terms.
+
+    Args:
+        room: tokens the prompt leaves in the model's context (max_tokens when unset).
+
+    Raises:
+        InvalidArgument: a field kvgate does not serve (n > 1, logit_bias, a constraint...).
+    """
+    _refuse_unsupported_sampling(params)
+    translated = inference_pb2.SamplingParams(
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else max(room, 1),
+        top_k=params.top_k,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=params.stop_token_ids,
+        stop=params.stop,
+    )
+    if params.HasField("temperature"):
+        translated.temperature = params.temperature
+    if params.top_p != 0.0:
+        translated.top_p = params.top_p
+    if params.repetition_penalty != 0.0:
+        translated.repetition_penalty = params.repetition_penalty
+    if params.HasField("seed"):
+        if params.seed < 0:
+            raise InvalidArgument(f"{SAMPLING}.seed", f"must be >= 0, got {params.seed}")
+        translated.seed = params.seed
+    if params.HasField("logprobs"):
+        translated.logprobs = params.logprobs
+    return translated
+
+
+def checked_vllm_sampling(
+    params: vllm_engine_pb2.SamplingParams, prompt_len: int, limits: ModelLimits, stop: StopLimits
+):
+    """kvgate's SamplingParams and stop strings for `params`, checked as kvgate.v1's are.
+
+    Returns: (SamplingParams, stop strings).
+
+    Raises:
+        InvalidArgument: naming the field as vLLM's proto does (`sampling_params.<name>`).
+    """
+    translated = kvgate_sampling(params, limits.max_model_len - prompt_len)
+    try:
+        sampling = checked_sampling_params(translated, prompt_len, limits, translated.max_tokens)
+        strings = check_stop(list(translated.stop), list(translated.stop_token_ids), stop)
+    except InvalidArgument as error:
+        raise _renamed(error) from None
+    return sampling, strings
+
+
+def _renamed(error: InvalidArgument) -> InvalidArgument:
+    """kvgate.v1's `params.<name>` error as `sampling_params.<name>`."""
+    problem = str(error)[len(error.field) + 2 :]
+    field = error.field.removeprefix("params.")
+    return InvalidArgument(f"{SAMPLING}.{field}", problem)
+
+
+def checked_token_input(input_ids: list[int], limits: ModelLimits) -> list[int]:
+    """A tokenized prompt's ids, checked against the vocabulary and the context."""
+    check_token_ids("tokenized.input_ids", input_ids, limits.vocab_size)
+    check_prompt_len("tokenized.input_ids", len(input_ids), limits.max_model_len)
+    return input_ids
