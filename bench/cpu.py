@@ -60,7 +60,12 @@ from bench.harness import (
     load_average,
     scratch_folder,
 )
-from bench.machine import machine_limits, matmul_flops_per_s, read_bandwidth_bytes_per_s
+from bench.machine import (
+    cpu_features,
+    machine_limits,
+    matmul_flops_per_s,
+    read_bandwidth_bytes_per_s,
+)
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
@@ -231,6 +236,7 @@ def measure_decode(model: str, args: argparse.Namespace) -> dict:
     memory = {v: resident_bytes(model, v) for v in args.variants} if args.memory else {}
     return {
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_features(),
         "load_average_at_end": load_average(),
         "read_bytes_per_s": bandwidth,
         "prompt_len": args.prompt_len,
@@ -421,6 +427,7 @@ def measure_dtypes(model: str, workload: Workload, repeats: int, formats: list[s
         "workload": vars(workload),
         "num_parameters": num_params,
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_features(),
         "load_average_at_end": load_average(),
         "matmul_flops_per_s": flops,
         "samples_matmul_flops_per_s": flops_samples,

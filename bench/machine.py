@@ -86,7 +86,19 @@ def cpu_features() -> dict:
     flags = next((set(line.partition(":")[2].split()) for line in info.splitlines()
                   if line.startswith("flags")), set())  # fmt: skip
     wanted = ("avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-    return {"model_name": model, **{name: name in flags for name in wanted}}
+    return {"model_name": model, **{name: name in flags for name in wanted}, **isa_levels()}
+
+
+def isa_levels() -> dict:
+    """The ISA level the C CPU kernels run at in this process (`kernels_isa`: $KVGATE_CPU_ISA,
+    else the CPU's) and the highest this CPU runs (`cpu_isa`), as kernels/cpu_build.py reads
+    them; None where the kernels cannot be built here."""
+    from kernels import cpu_build
+
+    try:
+        return {"kernels_isa": cpu_build.isa_level(), "cpu_isa": cpu_build.cpu_isa_level()}
+    except RuntimeError:
+        return {"kernels_isa": None, "cpu_isa": None}
 
 
 def machine_limits() -> dict:

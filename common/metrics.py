@@ -178,6 +178,12 @@ METRICS = {
     "kvgate_executor_offloaded_sessions": MetricSpec(
         "counter", "pinned sessions moved to the host tier under memory pressure"
     ),
+    "kvgate_executor_kernels": MetricSpec(
+        "gauge",
+        "1, labelled with the kernel backend (triton, cpu, reference) and the ISA level the CPU "
+        "kernels were built for (avx512, avx2, scalar; none for the other backends)",
+        ("backend", "cpu_isa"),
+    ),
     "kvgate_executor_step_seconds": MetricSpec(
         "latency", "time of one engine step (schedule, forward, sample, update)"
     ),

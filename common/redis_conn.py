@@ -188,17 +188,23 @@ def check_url(url: str) -> None:
 # The errors redis-py's discover_master collected, each after its sentinel client's repr:
 # "<redis.client.Redis(<...>)>)>)> - network:ConnectionError, <redis.client.Redis(...".
 _SENTINEL_ERROR = re.compile(r"\)> - (.*?)(?=, <redis\.|$)", re.DOTALL)
+# The address redis-py repeats in each connection error ("Error 111 connecting to host:port.
+# Connection refused."), already named once among the sentinels asked.
+_ADDRESS_IN_ERROR = re.compile(r" connecting to \S+?\.(?= )")
 
 
 def _no_master(sentinels, master_name: str, error: redis.ConnectionError) -> redis.ConnectionError:
     """`error` (a MasterNotFoundError) again, its message naming the master and the sentinels
-    asked, and why each failed, without the long repr of each sentinel's client."""
+    asked, and each distinct reason they failed, without the long repr of each sentinel's
+    client or the address each connection error repeats (the message stays short whatever
+    the sentinels' names and number)."""
     asked = ", ".join(
         f"{kwargs.get('host')}:{kwargs.get('port')}"
         for kwargs in (sentinel.connection_pool.connection_kwargs for sentinel in sentinels)
     )
-    reasons = _SENTINEL_ERROR.findall(str(error))
-    why = "; ".join(reasons) or "none of those that answered knows it as a master in good state"
+    reasons = [_ADDRESS_IN_ERROR.sub(":", r) for r in _SENTINEL_ERROR.findall(str(error))]
+    why = "; ".join(dict.fromkeys(reasons))  # each distinct reason once, in the order met
+    why = why or "none of those that answered knows it as a master in good state"
     return type(error)(f"no master named {master_name!r} from the sentinels {asked} ({why})")
 
 

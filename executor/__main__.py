@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if engine.runner.group is not None:
         engine.runner.group.on_failure = _exit_ranks_lost
     install_faults(engine)
+    kernels = engine.runner.kernels
+    metrics.record_kernels(kernels.name, kernels.cpu_isa)
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
     health.remove_check("model")
     health.add_check("draining", service.draining_check)

@@ -67,6 +67,10 @@ class ExecutorMetrics(ProcessMetrics):
         super().__init__("kvgate_executor_", collected={f.name for f in self._engine.describe()})
         self.registry.register(self._engine)
 
+    def record_kernels(self, backend: str, cpu_isa: str | None) -> None:
+        """The engine runs the `backend` kernels, the CPU ones built for `cpu_isa`."""
+        self.kernels.labels(backend=backend, cpu_isa=cpu_isa or "none").set(1)
+
     def record_step(self, step_s: float, stats: EngineStats) -> None:
         """A step took `step_s` seconds; `stats` is the engine's snapshot after it."""
         num_tokens = stats.num_batched_tokens - self._engine.latest.num_batched_tokens

@@ -4,6 +4,8 @@ Results are column-major: the [N, out_features] transposed view of a contiguous
 [out_features, N], which the next layer's kernels read in place (elementwise ops keep the
 layout; RMSNorm, SiLU-and-multiply and attention read and write it).
 
+- The C kernels run at the ISA level kernels/cpu_build.py loads (AVX-512, AVX2 or portable);
+  every path below exists at each level (docs/cpu-speed.md says what each level runs).
 - At small batches (at most SMALL_BATCH_ROWS rows) every format goes through the C kernels of
   kernels/csrc/cpu_linear.c, which read each weight once in its own format (torch's bfloat16
   matrix-vector product and its packed int8/int4 kernels read these weights at half the speed
@@ -35,7 +37,6 @@ layout; RMSNorm, SiLU-and-multiply and attention read and write it).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -129,7 +130,6 @@ def _check_small_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     check_cpu(tensors, floats=tuple(tensors), inner_dims={"x": 0})
 
 
-@functools.cache
 def _columns_built() -> bool:
     return bool(library().kvgate_linear_columns_available())
 
@@ -261,7 +261,6 @@ def _dequantized_matmul(
     return out
 
 
-@functools.cache
 def _tiles_built() -> bool:
     return bool(library().kvgate_linear_tiles_available())
 
@@ -289,9 +288,10 @@ def _tiles(
 
 def _widens_bfloat16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether this bfloat16 product (more than SMALL_BATCH_ROWS rows, checked by the caller) is
-    summed in float32 from the exact widened values: on CPUs with AVX-512 and without AMX
-    tiles, where one vdpbf16ps (32 multiply-adds) issues at a quarter of the rate of a float32
-    vfmadd (16), so oneDNN's bfloat16 matmul runs at half the float32 one's rate."""
+    summed in float32 from the exact widened values: on CPUs without AMX tiles, where one
+    vdpbf16ps (32 multiply-adds) issues at a quarter of the rate of a float32 vfmadd (16), so
+    oneDNN's bfloat16 matmul runs at half the float32 one's rate (and without AVX512-BF16 far
+    below it)."""
     return (
         x.dtype == torch.bfloat16
         and x.shape[0] > 0

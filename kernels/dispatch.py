@@ -47,6 +47,9 @@ class KernelBackend:
     prepare_decoder: Callable[[DecoderWeights], DecoderWeights]
     # Every decoder layer of a step (kernels.decoder).
     decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # The ISA level the C kernels were built for (kernels/cpu_build.py's ISA_LEVELS); None
+    # where they do not run.
+    cpu_isa: str | None = None
 
 
 def _triton_importable() -> bool:
@@ -149,11 +152,12 @@ def _reference_backend() -> KernelBackend:
 
 def _cpu_backend() -> KernelBackend:
     """The reference kernels, with the ones kernels/cpu.py has in C replaced."""
-    from kernels import cpu, cpu_attention, cpu_decoder, cpu_linear
+    from kernels import cpu, cpu_attention, cpu_build, cpu_decoder, cpu_linear
 
     return dataclasses.replace(
         _reference_backend(),
         name="cpu",
+        cpu_isa=cpu_build.isa_level(),
         store_kvcache=cpu.store_kvcache,
         paged_decode_attention=cpu_attention.paged_decode_attention,
         paged_prefill_attention=cpu_attention.paged_prefill_attention,
@@ -205,8 +209,11 @@ def _triton_backend() -> KernelBackend:
 
 
 @functools.cache
-def _log_choice(name: str, device_type: str) -> None:
-    logger.info("kernel backend %s on %s", name, device_type)
+def _log_choice(name: str, device_type: str, cpu_isa: str | None) -> None:
+    if cpu_isa is None:
+        logger.info("kernel backend %s on %s", name, device_type)
+    else:
+        logger.info("kernel backend %s on %s, ISA level %s", name, device_type, cpu_isa)
 
 
 _BUILDERS = {"triton": _triton_backend, "cpu": _cpu_backend, "reference": _reference_backend}
@@ -230,11 +237,12 @@ def get_kernels(
         The chosen KernelBackend.
 
     Raises:
-        ValueError: the backend name is unknown.
+        ValueError: the backend name is unknown, or KVGATE_CPU_ISA names an ISA level this CPU
+            cannot run.
         RuntimeError: a backend was asked for where it cannot run.
     """
     device = torch.device(device)
     name = _choose_backend(device, _requested_backend(backend), dtype)
     kernels = _BUILDERS[name]()
-    _log_choice(name, device.type)
+    _log_choice(name, device.type, kernels.cpu_isa)
     return kernels

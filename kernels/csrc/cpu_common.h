@@ -21,6 +21,16 @@
 #include <immintrin.h>
 #endif
 
+/* The ISA level this file is compiled for (kernels/cpu_build.py builds one library per level):
+ * 2 with AVX-512 F and BW, 1 with AVX2, FMA and F16C, 0 with neither (the portable code). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVGATE_ISA_LEVEL 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVGATE_ISA_LEVEL 1
+#else
+#define KVGATE_ISA_LEVEL 0
+#endif
+
 /* Element types, as kernels/cpu_build.py numbers them. KVGATE_I8, KVGATE_F16 and KVGATE_FP8 are
  * KV-cache formats only. An int8 cached token (K or V) is num_kv_heads * head_dim int8 values,
  * then one bfloat16 scale for all of them (2 bytes), and reads back as value * scale

@@ -286,28 +286,45 @@ static inline __attribute__((always_inline)) void int4_block(
 
 #define INT4_X_BYTES(kind, m, k) 0
 
-/* Without VNNI, int4 weights are dequantized and multiplied in float32 by x rounded in place to
- * its int8 blocks' values, q * scale (kernels/quant.py's round_activations). Compiled without
- * -ffast-math, so that the scale, its inverse and the rounding are the reference's operations. */
-__attribute__((optimize("no-fast-math"))) static void round_x_blocks(float *x, int64_t m,
-                                                                      int64_t k, int64_t ld) {
+/* Without VNNI, int4 weights are dequantized and multiplied in float32 by x rounded to its
+ * int8 blocks' values, q * scale (kernels/quant.py's round_activations): row i's value j at
+ * src[i * row_stride + j * feature_stride] into the same place of dst (which may be src).
+ * Compiled without -ffast-math, so that the scale, its inverse and the rounding are the
+ * reference's operations. */
+__attribute__((optimize("no-fast-math"))) static void round_x_strided(
+    const float *src, float *dst, int64_t m, int64_t k, int64_t row_stride,
+    int64_t feature_stride) {
     for (int64_t i = 0; i < m; ++i) {
         for (int64_t b = 0; b < k; b += 32) {
-            float *v = x + i * ld + b, amax = 0.0f;
+            const int64_t at = i * row_stride + b * feature_stride;
+            float amax = 0.0f;
             for (int j = 0; j < 32; ++j) {  /* a NaN, once met, stays: the reference's amax */
+                const float v = src[at + j * feature_stride];
                 uint32_t bits;
-                memcpy(&bits, v + j, sizeof bits);  /* a NaN by its bits, whatever the flags */
+                memcpy(&bits, &v, sizeof bits);  /* a NaN by its bits, whatever the flags */
                 const int nan = (bits & 0x7fffffffu) > 0x7f800000u;
-                amax = fabsf(v[j]) > amax || nan ? fabsf(v[j]) : amax;
+                amax = fabsf(v) > amax || nan ? fabsf(v) : amax;
             }
             const float scale = amax * (float)(1.0 / 127.0);
             const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
             for (int j = 0; j < 32; ++j) {
-                const float q = __builtin_rintf(v[j] * inverse);
-                v[j] = (q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q) * scale;
+                const float q = __builtin_rintf(src[at + j * feature_stride] * inverse);
+                dst[at + j * feature_stride] = (q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q) * scale;
             }
         }
     }
 }
+
+/* m dense rows of ld floats (k a multiple of 32) rounded in place. */
+static inline void round_x_blocks(float *x, int64_t m, int64_t k, int64_t ld) {
+    round_x_strided(x, x, m, k, ld, 1);
+}
+
+#ifndef KVGATE_AVX512
+/* x^T (dense [k, m]) rounded into out ([k, m]), as round_x_columns above. */
+static inline void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
+    round_x_strided(x, out, m, k, 1, m);
+}
+#endif
 #endif
 #endif

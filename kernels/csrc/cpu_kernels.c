@@ -430,3 +430,7 @@ void kvgate_fp8_from_f32(const float *x, int64_t n, uint8_t *out) {
 void kvgate_fp8_to_f32(const uint8_t *data, int64_t n, float *out) {
     fp8_row_to_f32(data, n, 1.0f, out);
 }
+
+/* The ISA level this library was compiled for (KVGATE_ISA_LEVEL): kernels/cpu_build.py checks
+ * it against the level it built, so a build that lost its flags is an error, not a slow path. */
+int kvgate_isa_level(void) { return KVGATE_ISA_LEVEL; }

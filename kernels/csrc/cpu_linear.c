@@ -5,11 +5,14 @@
  * At decode batch sizes a linear layer is a matrix-vector product whose time is the time to
  * read the weights; these kernels keep the weights in their own format all the way into the
  * registers and multiply there, in float32 (bfloat16: AVX512-BF16 dot products, exact products
- * summed in float32). Four weight rows and up to four rows of x are done together, so each
- * weight is loaded and converted once per four rows of x. int8 weights are read a group at a
- * time, the group's scale a vector constant, never applied per weight. int4 weights meet x
- * rounded to int8 blocks of 32 in integer multiply-adds (cpu_int4.h), each block's sums scaled
- * once. For larger batches the caller multiplies with torch instead, quantized weights
+ * summed in float32, or widened exactly in the registers without them). Four weight rows and
+ * up to four rows of x are done together, so each weight is loaded and converted once per four
+ * rows of x. int8 weights are read a group at a time, the group's scale a vector constant,
+ * never applied per weight. int4 weights meet x rounded to int8 blocks of 32 in integer
+ * multiply-adds where the CPU has VNNI (cpu_int4.h), each block's sums scaled once, else are
+ * dequantized in the registers against x's rounded float32 values. The same kernels run in
+ * AVX-512 registers (16 floats) or AVX2 ones (8), by the ISA level the file is compiled for
+ * (kernels/cpu_build.py); the portable level multiplies one dequantized weight row at a time. For larger batches the caller multiplies with torch instead, quantized weights
  * dequantized first (kvgate_dequantize).
  *
  * Quantized formats (kernels/quant.py):
@@ -32,8 +35,11 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if KVGATE_ISA_LEVEL >= 1
 #include <immintrin.h>
+#define KVGATE_VECTOR 1 /* the vector kernels below: AVX-512 or AVX2 registers */
+#endif
+#if KVGATE_ISA_LEVEL == 2
 #define KVGATE_AVX512 1
 #endif
 
@@ -79,7 +85,8 @@ static void write_out(const linear_io *io, int64_t row, int64_t i, float value) 
     store_elem(io->out, io->out_dtype, row * io->m + i, value);
 }
 
-/* ---- portable versions: one weight row against every row of x ---- */
+#ifndef KVGATE_VECTOR
+/* ---- portable version: one weight row against every row of x ---- */
 
 static void row_generic(const linear_io *io, int64_t row, const float *w_row, float *xf) {
     for (int64_t i = 0; i < io->m; ++i) {
@@ -90,9 +97,20 @@ static void row_generic(const linear_io *io, int64_t row, const float *w_row, fl
         write_out(io, row, i, sum);
     }
 }
+#endif
 
+#ifdef KVGATE_VECTOR
+/* ---- ROW_BLOCK rows x up to X_BLOCK rows of x, VL weights at a time, in AVX-512 registers
+ * (16 floats) or AVX2 ones (8) ---- */
 #ifdef KVGATE_AVX512
-/* ---- AVX-512: ROW_BLOCK rows x up to X_BLOCK rows of x, 16 weights at a time ---- */
+typedef __m512 vecf;
+#define VL 16
+#define vzero _mm512_setzero_ps
+#define vfmadd _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vset1 _mm512_set1_ps
+#define vloadu _mm512_loadu_ps
+#define vreduce _mm512_reduce_add_ps
 
 static inline __mmask16 tail_mask16(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
@@ -102,36 +120,110 @@ static inline __m512 int8_weights(const int8_t *p, __mmask16 mask) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
 }
 
+/* The next VL weights at p, of which `left` (when under VL) are the row's or group's: the
+ * others read as zero, and nothing past them is read. */
+static inline vecf f32_weights(const float *p, int64_t left) {
+    return _mm512_maskz_loadu_ps(tail_mask16(left), p);
+}
+
+static inline vecf i8_weights(const int8_t *p, int64_t left) {
+    return int8_weights(p, tail_mask16(left));
+}
+
+/* VL bytes of int4 weights (the nibbles of VL weights and of the VL that are 16 further). */
+static inline __m512i int4_bytes(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+#define vand_epi32 _mm512_and_si512
+#define vsrli_epi32 _mm512_srli_epi32
+#define vset1_epi32 _mm512_set1_epi32
+#define vcvt_epi32_ps _mm512_cvtepi32_ps
+typedef __m512i veci;
+
+/* VL bfloat16 weights widened exactly (the bits shifted into a float32's upper half). */
+static inline vecf bf16_weights(const uint16_t *p, int64_t left) {
+    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail_mask16(left), p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+#else
+typedef __m256 vecf;
+#define VL 8
+#define vzero _mm256_setzero_ps
+#define vfmadd _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vset1 _mm256_set1_ps
+#define vloadu _mm256_loadu_ps
+
+static inline float vreduce(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+/* As the AVX-512 versions: `left` (when under VL) weights are read, the others are zero. */
+static inline vecf f32_weights(const float *p, int64_t left) {
+    if (left >= VL) return _mm256_loadu_ps(p);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lanes));
+}
+
+static inline vecf i8_weights(const int8_t *p, int64_t left) {
+    if (left >= VL) /* one vpmovsxbd from memory */
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    int64_t bytes = 0;
+    memcpy(&bytes, p, (size_t)left);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
+}
+
+static inline __m256i int4_bytes(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#define vand_epi32 _mm256_and_si256
+#define vsrli_epi32 _mm256_srli_epi32
+#define vset1_epi32 _mm256_set1_epi32
+#define vcvt_epi32_ps _mm256_cvtepi32_ps
+typedef __m256i veci;
+
+static inline vecf bf16_weights(const uint16_t *p, int64_t left) {
+    __m128i half = _mm_setzero_si128();
+    if (left >= VL)
+        half = _mm_loadu_si128((const __m128i *)p);
+    else
+        memcpy(&half, p, sizeof(uint16_t) * (size_t)left);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+
 /*
  * The kernels below keep ROW_BLOCK x X_BLOCK accumulators in named registers: a##r##i is
  * weight row r against x row i. R (rows) and M (x rows) are constants at every call
  * (vector_rows_of), so the unused ones and the branches on R and M compile away.
  */
 #define DECLARE_ACCUMULATORS(r) \
-    __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0
+    vecf a##r##0 = vzero(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0
 
 /* a##r##i += w * x##i for the M rows of x. */
 #define ACCUMULATE(r, w, x)                                             \
     do {                                                                \
-        a##r##0 = _mm512_fmadd_ps(w, x##0, a##r##0);                    \
-        if (M > 1) a##r##1 = _mm512_fmadd_ps(w, x##1, a##r##1);         \
-        if (M > 2) a##r##2 = _mm512_fmadd_ps(w, x##2, a##r##2);         \
-        if (M > 3) a##r##3 = _mm512_fmadd_ps(w, x##3, a##r##3);         \
+        a##r##0 = vfmadd(w, x##0, a##r##0);                    \
+        if (M > 1) a##r##1 = vfmadd(w, x##1, a##r##1);         \
+        if (M > 2) a##r##2 = vfmadd(w, x##2, a##r##2);         \
+        if (M > 3) a##r##3 = vfmadd(w, x##3, a##r##3);         \
     } while (0)
 
 /* Loads of x rows 0..M-1 at column j into x##name##i. */
 #define LOAD_X(name, load, j)                                             \
-    const __m512 x##name##0 = load(x + (j));                              \
-    const __m512 x##name##1 = M > 1 ? load(x + io->ld + (j)) : x##name##0; \
-    const __m512 x##name##2 = M > 2 ? load(x + 2 * io->ld + (j)) : x##name##0; \
-    const __m512 x##name##3 = M > 3 ? load(x + 3 * io->ld + (j)) : x##name##0
+    const vecf x##name##0 = load(x + (j));                              \
+    const vecf x##name##1 = M > 1 ? load(x + io->ld + (j)) : x##name##0; \
+    const vecf x##name##2 = M > 2 ? load(x + 2 * io->ld + (j)) : x##name##0; \
+    const vecf x##name##3 = M > 3 ? load(x + 3 * io->ld + (j)) : x##name##0
 
 #define WRITE_ROW(r, scale)                                                                  \
     do {                                                                                     \
-        write_out(io, row0 + (r), i0, (scale) * _mm512_reduce_add_ps(a##r##0));              \
-        if (M > 1) write_out(io, row0 + (r), i0 + 1, (scale) * _mm512_reduce_add_ps(a##r##1)); \
-        if (M > 2) write_out(io, row0 + (r), i0 + 2, (scale) * _mm512_reduce_add_ps(a##r##2)); \
-        if (M > 3) write_out(io, row0 + (r), i0 + 3, (scale) * _mm512_reduce_add_ps(a##r##3)); \
+        write_out(io, row0 + (r), i0, (scale) * vreduce(a##r##0));              \
+        if (M > 1) write_out(io, row0 + (r), i0 + 1, (scale) * vreduce(a##r##1)); \
+        if (M > 2) write_out(io, row0 + (r), i0 + 2, (scale) * vreduce(a##r##2)); \
+        if (M > 3) write_out(io, row0 + (r), i0 + 3, (scale) * vreduce(a##r##3)); \
     } while (0)
 
 #define DECLARE_ALL_ACCUMULATORS \
@@ -155,10 +247,10 @@ static inline __m512 int8_weights(const int8_t *p, __mmask16 mask) {
 
 /* name##r = vector_of_row(r) for rows row0 .. row0 + R - 1 (unused rows repeat row 0's). */
 #define ROW_VECTORS(name, vector_of_row)                    \
-    const __m512 name##0 = vector_of_row(0);                \
-    const __m512 name##1 = R > 1 ? vector_of_row(1) : name##0; \
-    const __m512 name##2 = R > 1 ? vector_of_row(2) : name##0; \
-    const __m512 name##3 = R > 1 ? vector_of_row(3) : name##0
+    const vecf name##0 = vector_of_row(0);                \
+    const vecf name##1 = R > 1 ? vector_of_row(1) : name##0; \
+    const vecf name##2 = R > 1 ? vector_of_row(2) : name##0; \
+    const vecf name##3 = R > 1 ? vector_of_row(3) : name##0
 
 /*
  * int8 rows row0 .. row0 + R - 1 (R is 1 or ROW_BLOCK) against x rows i0 .. i0 + M - 1, a group
@@ -173,20 +265,19 @@ static inline __attribute__((always_inline)) void int8_block(
     const float *x = (const float *)io->x + i0 * io->ld;
     DECLARE_ALL_ACCUMULATORS;
     for (int64_t g = 0; g < groups; ++g) {
-#define GROUP_SCALE(r) _mm512_set1_ps(scales[(row0 + (r)) * groups + g])
+#define GROUP_SCALE(r) vset1(scales[(row0 + (r)) * groups + g])
         ROW_VECTORS(s, GROUP_SCALE);
 #undef GROUP_SCALE
         const int64_t end = (g + 1) * group_size;
-        for (int64_t j = g * group_size; j < end; j += 16) {
-            const __mmask16 mask = tail_mask16(end - j);
-            LOAD_X(v, _mm512_loadu_ps, j);
+        for (int64_t j = g * group_size; j < end; j += VL) {
+            LOAD_X(v, vloadu, j);
 #define INT8_ROW(r)                                                                     \
             do {                                                                        \
                 const int8_t *src = q + (row0 + (r)) * k + j;                           \
-                if ((j & 63) < 16) /* once per 64 bytes, whatever the group size */     \
+                if ((j & 63) < VL) /* once per 64 bytes, whatever the group size */     \
                     _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);      \
-                __m512 w = int8_weights(src, mask);                                     \
-                if (!per_channel) w = _mm512_mul_ps(w, s##r);                           \
+                vecf w = i8_weights(src, end - j);                                     \
+                if (!per_channel) w = vmul(w, s##r);                           \
                 ACCUMULATE(r, w, xv);                                                   \
             } while (0)
             FOR_ROWS(INT8_ROW);
@@ -204,16 +295,77 @@ static inline __attribute__((always_inline)) void f32_block(
     const int64_t k = io->k;
     const float *x = (const float *)io->x + i0 * io->ld;
     DECLARE_ALL_ACCUMULATORS;
-    for (int64_t j = 0; j < k; j += 16) {
-        const __mmask16 mask = tail_mask16(k - j);
-        LOAD_X(v, _mm512_loadu_ps, j);
+    for (int64_t j = 0; j < k; j += VL) {
+        LOAD_X(v, vloadu, j);
 #define F32_ROW(r)                                                                  \
         do {                                                                        \
-            const __m512 wr = _mm512_maskz_loadu_ps(mask, w + (row0 + (r)) * k + j); \
+            const vecf wr = f32_weights(w + (row0 + (r)) * k + j, k - j);           \
             ACCUMULATE(r, wr, xv);                                                  \
         } while (0)
         FOR_ROWS(F32_ROW);
 #undef F32_ROW
+    }
+    FOR_ROWS(UNSCALED_OUT);
+}
+
+/* bfloat16 rows widened exactly in the registers, against float32 x: float32 sums of exact
+ * products, where there is no AVX512-BF16 dot product. */
+static inline __attribute__((always_inline)) void bf16_wide_block(
+    const linear_io *io, const uint16_t *w, int64_t row0, const int R, int64_t i0, const int M) {
+    const int64_t k = io->k;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t j = 0; j < k; j += VL) {
+        LOAD_X(v, vloadu, j);
+#define BF16_WIDE_ROW(r)                                                                    \
+        do {                                                                                \
+            const vecf wr = bf16_weights(w + (row0 + (r)) * k + j, k - j);                  \
+            ACCUMULATE(r, wr, xv);                                                          \
+        } while (0)
+        FOR_ROWS(BF16_WIDE_ROW);
+#undef BF16_WIDE_ROW
+    }
+    FOR_ROWS(UNSCALED_OUT);
+}
+
+/*
+ * int4 rows dequantized in the registers (q * scale + zero, as kvgate_dequantize) against x
+ * rounded to its int8 blocks' float32 values (round_x_blocks), where there is no VNNI: a block
+ * of 32 weights is 16 bytes, VL of them give VL weights in their low nibbles and the VL 16
+ * further in their high ones.
+ */
+static inline __attribute__((always_inline)) void int4_float_block(
+    const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
+    int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
+    const int64_t k = io->k, groups = k / group_size;
+    const float *x = (const float *)io->x + i0 * io->ld;
+    const veci nibble = vset1_epi32(15);
+    DECLARE_ALL_ACCUMULATORS;
+    for (int64_t b = 0; b < k; b += 32) {
+        const int64_t g = b / group_size;
+#define INT4_SCALE(r) vset1(f16_to_f32(scales[(row0 + (r)) * groups + g]))
+#define INT4_ZERO(r) vset1(f16_to_f32(zeros[(row0 + (r)) * groups + g]))
+        ROW_VECTORS(s, INT4_SCALE);
+        ROW_VECTORS(z, INT4_ZERO);
+#undef INT4_SCALE
+#undef INT4_ZERO
+        for (int h = 0; h < 16; h += VL) {
+            LOAD_X(lo, vloadu, b + h);
+            LOAD_X(hi, vloadu, b + 16 + h);
+#define INT4_FLOAT_ROW(r)                                                                   \
+            do {                                                                            \
+                const uint8_t *src = q + (row0 + (r)) * (k / 2) + b / 2 + h;                \
+                if (h == 0 && (b & 127) == 0) /* once per 64 bytes */                       \
+                    _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);          \
+                const veci bytes = int4_bytes(src);                                         \
+                const vecf wlo = vfmadd(vcvt_epi32_ps(vand_epi32(bytes, nibble)), s##r, z##r); \
+                const vecf whi = vfmadd(vcvt_epi32_ps(vsrli_epi32(bytes, 4)), s##r, z##r);  \
+                ACCUMULATE(r, wlo, xlo);                                                    \
+                ACCUMULATE(r, whi, xhi);                                                    \
+            } while (0)
+            FOR_ROWS(INT4_FLOAT_ROW);
+#undef INT4_FLOAT_ROW
+        }
     }
     FOR_ROWS(UNSCALED_OUT);
 }
@@ -265,17 +417,23 @@ static void dequantize_row(const weights *wt, int64_t row, int64_t k, float *w_r
         load_row((const char *)wt->q + row * k * dtype_size(dtype), dtype, k, w_row);
         return;
     }
-    const int64_t groups = k / wt->group_size;
-    for (int64_t j = 0; j < k; ++j) {
-        const int64_t g = row * groups + j / wt->group_size;
-        if (wt->kind == KVGATE_W_INT8) {
-            w_row[j] = (float)((const int8_t *)wt->q)[row * k + j] * ((const float *)wt->scales)[g];
-        } else {
-            const int64_t in_block = j % 32;
-            const uint8_t byte = ((const uint8_t *)wt->q)[row * (k / 2) + (j - in_block) / 2 + in_block % 16];
-            const int value = in_block < 16 ? byte & 15 : byte >> 4;
-            w_row[j] = (float)value * f16_to_f32(((const uint16_t *)wt->scales)[g]) +
-                       f16_to_f32(((const uint16_t *)wt->zeros)[g]);
+    const int64_t groups = k / wt->group_size, size = wt->group_size;
+    if (wt->kind == KVGATE_W_INT8) { /* a group at a time: loops the compiler vectorizes */
+        const int8_t *q = (const int8_t *)wt->q + row * k;
+        for (int64_t g = 0; g < groups; ++g) {
+            const float scale = ((const float *)wt->scales)[row * groups + g];
+            for (int64_t j = g * size; j < (g + 1) * size; ++j) w_row[j] = (float)q[j] * scale;
+        }
+        return;
+    }
+    const uint8_t *q = (const uint8_t *)wt->q + row * (k / 2);
+    for (int64_t b = 0; b < k; b += 32) { /* a block of 32 weights in 16 bytes */
+        const int64_t g = row * groups + b / size;
+        const float scale = f16_to_f32(((const uint16_t *)wt->scales)[g]);
+        const float zero = f16_to_f32(((const uint16_t *)wt->zeros)[g]);
+        for (int j = 0; j < 16; ++j) {
+            w_row[b + j] = (float)(q[b / 2 + j] & 15) * scale + zero;
+            w_row[b + j + 16] = (float)(q[b / 2 + j] >> 4) * scale + zero;
         }
     }
 }
@@ -334,24 +492,7 @@ static void store_row_vector(const float *src, int64_t n, void *dst, int dtype) 
 }
 #endif
 
-/* Whether this build has a vector kernel for the weights' kind. */
-static int has_vector_kernel(int kind) {
-    int bf16 = 0, int4 = 0;
-#ifdef KVGATE_BF16_DOT
-    bf16 = 1;
-#endif
-#ifdef KVGATE_INT4_VNNI
-    int4 = 1;
-#endif
-#ifdef KVGATE_AVX512
-    return kind == KVGATE_W_BF16 ? bf16 : kind == KVGATE_W_INT4 ? int4 : 1;
-#else
-    (void)kind, (void)bf16, (void)int4;
-    return 0;
-#endif
-}
-
-#ifdef KVGATE_AVX512
+#ifdef KVGATE_VECTOR
 /* One (R, M) instance of the kernel of `wt`'s kind, with R and M constants. */
 #define KVGATE_BLOCK(R, M)                                                                  \
     do {                                                                                    \
@@ -367,12 +508,13 @@ static int has_vector_kernel(int kind) {
 #ifdef KVGATE_BF16_DOT
 #define BF16_BLOCK(R, M) bf16_block(io, wt->q, row0, R, i0, M)
 #else
-#define BF16_BLOCK(R, M) (void)0
+#define BF16_BLOCK(R, M) bf16_wide_block(io, wt->q, row0, R, i0, M)
 #endif
 #ifdef KVGATE_INT4_VNNI
 #define INT4_BLOCK(R, M) int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M)
 #else
-#define INT4_BLOCK(R, M) (void)0
+#define INT4_BLOCK(R, M) \
+    int4_float_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M)
 #endif
 
 static void vector_rows_of(const linear_io *io, const weights *wt, int64_t row0, int64_t i0,
@@ -403,23 +545,29 @@ static void vector_rows(const linear_io *io, const weights *wt, int64_t row0, in
 #endif
 
 static void run_rows(const linear_io *io, const weights *wt, int64_t row0, int R, float *w_row) {
-#ifdef KVGATE_AVX512
-    if (has_vector_kernel(wt->kind)) {
-        vector_rows(io, wt, row0, R);
-        return;
-    }
-#endif
+#ifdef KVGATE_VECTOR /* every kind has a vector kernel at the AVX-512 and AVX2 levels */
+    (void)w_row;
+    vector_rows(io, wt, row0, R);
+#else
     for (int r = 0; r < R; ++r) {
         dequantize_row(wt, row0 + r, io->k, w_row);
         row_generic(io, row0 + r, w_row, (float *)io->x);
     }
+#endif
 }
 
 /* Zero elements after the packed x rows (see kvgate_linear). */
 #define X_TAIL 16
 
 /* Whether the bfloat16 kernel multiplies bfloat16 x directly (else x is packed as float32). */
-static int packs_bf16(int kind) { return kind == KVGATE_W_BF16 && has_vector_kernel(kind); }
+static int packs_bf16(int kind) {
+#ifdef KVGATE_BF16_DOT
+    return kind == KVGATE_W_BF16;
+#else
+    (void)kind;
+    return 0;
+#endif
+}
 
 int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_stride,
                   int64_t col_stride, int64_t m, void *out, int out_dtype, int num_threads) {
@@ -508,12 +656,10 @@ int kvgate_dequantize(const weights *wt, int64_t row0, int64_t count, void *out,
  * with each block's chunk dequantized into the L1 cache (kvgate_linear_columns_chunks,
  * cpu_linear_columns.c); int8 in other groups dequantizes a slice of weight rows to
  * float32 into a thread's buffer, then runs the kernel over it. out: [n, m]. Returns 0, 1 when
- * out of memory, 2 when the weights are not int8 or int4, m is out of range or the kernels are
- * not built (no AVX-512).
+ * out of memory, 2 when the weights are not int8 or int4 or m is out of range.
  */
 int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m, float *out,
                                     int num_threads) {
-#ifdef KVGATE_AVX512
     if (wt->kind != KVGATE_W_INT8 && wt->kind != KVGATE_W_INT4) return 2;
     const int64_t k = wt->in_features, n = wt->out_features;
     if (wt->kind == KVGATE_W_INT4) {
@@ -539,14 +685,14 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
             const int64_t count =
                 n - row0 < COLUMNS_QUANTIZED_ROWS ? n - row0 : COLUMNS_QUANTIZED_ROWS;
             for (int64_t r = 0; r < count; ++r)
+#ifdef KVGATE_AVX512
                 dequantize_row_vector(wt, row0 + r, k, rows + r * k);
+#else
+                dequantize_row(wt, row0 + r, k, rows + r * k);
+#endif
             kvgate_columns_rows(rows, x, out + row0 * m, count, k, m);
         }
         free(rows);
     }
     return failed;
-#else
-    (void)wt, (void)x, (void)m, (void)out, (void)num_threads;
-    return 2;
-#endif
 }

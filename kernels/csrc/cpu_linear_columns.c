@@ -280,6 +280,151 @@ static void columns_panel(const kvgate_linear_weights *wt, const float *x, const
     }
 }
 
+
+#else
+/*
+ * Without AVX-512: the same blocks, chunks, panels and order of sums in 8-lane vectors of the
+ * compiler's (AVX2 at the avx2 level, pairs of SSE registers at the portable one). A block
+ * meets x's rows COLUMNS_GROUP at a time: 6 weight rows x 2 vectors of 8 are 12 accumulators,
+ * which with 2 vectors of x and a broadcast weight fill AVX2's 16 registers; a block's chunk of
+ * weights (3 KB) stays in the L1 cache while the groups pass over it.
+ */
+#include <string.h>
+
+typedef float columns_vec __attribute__((vector_size(32)));
+#define COLUMNS_LANES 8
+#ifdef __AVX__
+#define COLUMNS_GROUP_VECTORS 2
+#else
+#define COLUMNS_GROUP_VECTORS 1 /* SSE: 8 registers of accumulators */
+#endif
+#define COLUMNS_GROUP (COLUMNS_LANES * COLUMNS_GROUP_VECTORS)
+
+/* `lanes` (1..8) floats at p, the rest zero. */
+static inline columns_vec columns_load(const float *p, int lanes) {
+    columns_vec v = {0};
+    if (lanes == COLUMNS_LANES)
+        memcpy(&v, p, sizeof v);
+    else
+        memcpy(&v, p, sizeof(float) * (size_t)lanes);
+    return v;
+}
+
+static inline void columns_store(float *p, columns_vec v, int lanes) {
+    memcpy(p, &v, sizeof(float) * (size_t)lanes);
+}
+
+/*
+ * A block of `rows` weight rows (w: the chunk's first weight of the first row, rows w_ld
+ * apart) over `count` features of x's rows i0 .. i0 + V * 8 - 1 (x: the chunk's first feature
+ * of row i0, features m apart; `tail` lanes in the last vector), added to `out` (row i0 of the
+ * block's first output row) unless `first`; bias added unless NULL.
+ */
+static inline __attribute__((always_inline)) void columns_group(
+    const float *w, int64_t w_ld, const float *x, const float *bias, float *out, int64_t m,
+    int rows, int64_t count, int first, const int V, int tail) {
+    columns_vec a[COLUMNS_W_ROWS][COLUMNS_GROUP_VECTORS];
+    const float *wr[COLUMNS_W_ROWS];
+    for (int r = 0; r < COLUMNS_W_ROWS; ++r) {
+        wr[r] = w + (r < rows ? r : 0) * w_ld;
+        for (int v = 0; v < V; ++v) {
+            const int lanes = v == V - 1 ? tail : COLUMNS_LANES;
+            a[r][v] = first || r >= rows ? (columns_vec){0}
+                                         : columns_load(out + r * m + COLUMNS_LANES * v, lanes);
+        }
+    }
+    for (int64_t j = 0; j < count; ++j) {
+        columns_vec xv[COLUMNS_GROUP_VECTORS];
+        for (int v = 0; v < V; ++v)
+            xv[v] = columns_load(x + j * m + COLUMNS_LANES * v, v == V - 1 ? tail : COLUMNS_LANES);
+        for (int r = 0; r < COLUMNS_W_ROWS; ++r) {
+            const float b = wr[r][j];
+            for (int v = 0; v < V; ++v) a[r][v] += b * xv[v];
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const float b = bias != NULL ? bias[r] : 0.0f;
+        for (int v = 0; v < V; ++v)
+            columns_store(out + r * m + COLUMNS_LANES * v, a[r][v] + b,
+                          v == V - 1 ? tail : COLUMNS_LANES);
+    }
+}
+
+/* The block over every group of x's m rows (V a constant in each call of columns_group). */
+static void columns_block(const float *w, int64_t w_ld, const float *x, const float *bias,
+                          float *out, int64_t m, int rows, int64_t count, int first) {
+    for (int64_t i0 = 0; i0 < m; i0 += COLUMNS_GROUP) {
+        const int64_t left = m - i0;
+        const int V = left > COLUMNS_LANES && COLUMNS_GROUP_VECTORS > 1 ? 2 : 1;
+        const int tail = (int)(left - COLUMNS_LANES * (V - 1) >= COLUMNS_LANES
+                                   ? COLUMNS_LANES
+                                   : left - COLUMNS_LANES * (V - 1));
+        if (V == 2)
+            columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 2, tail);
+        else
+            columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 1, tail);
+    }
+}
+
+/* A block's chunk of weights (rows row0 .. row0 + rows - 1, features begin .. begin + count -
+ * 1) as float32 into `wide` (rows COLUMNS_K_CHUNK apart): widened bfloat16, or dequantized as
+ * kvgate_dequantize does it (int8 q * scale, int4 q * scale + zero). */
+static void columns_widen(const kvgate_linear_weights *wt, int64_t row0, int rows, int64_t begin,
+                          int64_t count, float *wide) {
+    const int64_t k = wt->in_features, groups = wt->group_size > 0 ? k / wt->group_size : 0;
+    for (int r = 0; r < rows; ++r) {
+        const int64_t row = row0 + r;
+        float *dst = wide + r * COLUMNS_K_CHUNK;
+        if (wt->kind == KVGATE_W_BF16) {
+            const uint16_t *src = (const uint16_t *)wt->q + row * k + begin;
+            for (int64_t j = 0; j < count; ++j) dst[j] = bf16_to_f32(src[j]);
+        } else if (wt->kind == KVGATE_W_INT8) {
+            const int8_t *src = (const int8_t *)wt->q + row * k + begin;
+            const float *scales = (const float *)wt->scales + row * groups;
+            for (int64_t j = 0; j < count; ++j)
+                dst[j] = (float)src[j] * scales[(begin + j) / wt->group_size];
+        } else {
+            const uint8_t *src = (const uint8_t *)wt->q + row * (k / 2) + begin / 2;
+            for (int64_t b = 0; b < count; b += 32) { /* a block of 32 in 16 bytes */
+                const int64_t g = row * groups + (begin + b) / wt->group_size;
+                const float scale = f16_to_f32(((const uint16_t *)wt->scales)[g]);
+                const float zero = f16_to_f32(((const uint16_t *)wt->zeros)[g]);
+                for (int j = 0; j < 16; ++j) {
+                    const uint8_t byte = src[b / 2 + j];
+                    dst[b + j] = (float)(byte & 15) * scale + zero;
+                    dst[b + j + 16] = (float)(byte >> 4) * scale + zero;
+                }
+            }
+        }
+    }
+}
+
+/* Blocks p0 .. p1 - 1 (a panel), chunk by chunk of x's features. */
+static void columns_panel(const kvgate_linear_weights *wt, const float *x, const float *bias,
+                          float *out, int64_t m, int64_t p0, int64_t p1, float *wide) {
+    const int64_t n = wt->out_features, k = wt->in_features, R = COLUMNS_W_ROWS;
+    for (int64_t begin = 0; begin < k; begin += COLUMNS_K_CHUNK) {
+        const int64_t width = k - begin < COLUMNS_K_CHUNK ? k - begin : COLUMNS_K_CHUNK;
+        const int first_chunk = begin == 0, last_chunk = begin + width == k;
+        for (int64_t b = p0; b < p1; ++b) {
+            const int64_t row0 = b * R;
+            const int rows = n - row0 < R ? (int)(n - row0) : (int)R;
+            const float *block_bias = bias != NULL && last_chunk ? bias + row0 : NULL;
+            float *block_out = out + row0 * m;
+            if (wt->kind == KVGATE_W_F32) {
+                columns_block((const float *)wt->q + row0 * k + begin, k, x + begin * m,
+                              block_bias, block_out, m, rows, width, first_chunk);
+                continue;
+            }
+            columns_widen(wt, row0, rows, begin, width, wide);
+            columns_block(wide, COLUMNS_K_CHUNK, x + begin * m, block_bias, block_out, m, rows,
+                          width, first_chunk);
+        }
+    }
+}
+
+#endif
+
 /* A thread's blocks first .. first + count - 1, a panel at a time. */
 static void columns_blocks(const kvgate_linear_weights *wt, const float *x, const float *bias,
                            float *out, int64_t m, int64_t first, int64_t count) {
@@ -302,52 +447,35 @@ static void columns_threads(const kvgate_linear_weights *wt, const float *bias, 
         columns_blocks(wt, x, bias, out, m, first, stop - first);
     }
 }
-#endif
 
 /*
  * n float32 weight rows [n, k] (dequantized rows of a quantized layer) times x (dense [k, m],
  * 1 <= m <= COLUMNS_MAX_ROWS) into out (n rows of m), on the calling thread
- * (kvgate_linear_columns_quantized in cpu_linear.c). Does nothing without AVX-512.
+ * (kvgate_linear_columns_quantized in cpu_linear.c).
  */
 void kvgate_columns_rows(const float *w, const float *x, float *out, int64_t n, int64_t k,
                          int64_t m) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
     const kvgate_linear_weights wt = {.kind = KVGATE_W_F32, .q = w, .out_features = n,
                                       .in_features = k};
     columns_blocks(&wt, x, NULL, out, m, 0, (n + COLUMNS_W_ROWS - 1) / COLUMNS_W_ROWS);
-#else
-    (void)w, (void)x, (void)out, (void)n, (void)k, (void)m;
-#endif
 }
 
-/* Whether kvgate_linear_columns is built (it needs AVX-512 F and BW, as cpu_linear.c's vector
- * kernels and kvgate_linear_columns_quantized do). */
-int kvgate_linear_columns_available(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* Whether kvgate_linear_columns is built: at every ISA level (AVX-512 registers, or the
+ * compiler's 8-lane vectors). */
+int kvgate_linear_columns_available(void) { return 1; }
 
 /*
  * out = w @ x^T (+ bias) for m (1 .. COLUMNS_MAX_ROWS) rows of x; w: [n, k] float32, or
  * bfloat16 when `bf16` (widened exactly a chunk at a time: float32 sums of exact products).
- * x: x^T, dense [k, m]. Returns 0, or 2 when m is out of range or the kernel is not built.
+ * x: x^T, dense [k, m]. Returns 0, or 2 when m is out of range.
  */
 int kvgate_linear_columns(const void *w, int bf16, const float *bias, const float *x, int64_t m,
                           int64_t n, int64_t k, float *out, int num_threads) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
     if (m < 1 || m > COLUMNS_MAX_ROWS) return 2;
     const kvgate_linear_weights wt = {.kind = bf16 ? KVGATE_W_BF16 : KVGATE_W_F32, .q = w,
                                       .out_features = n, .in_features = k};
     columns_threads(&wt, bias, x, m, out, num_threads);
     return 0;
-#else
-    (void)w, (void)bf16, (void)bias, (void)x, (void)m, (void)n, (void)k;
-    (void)out, (void)num_threads;
-    return 2;
-#endif
 }
 
 /*
@@ -364,16 +492,11 @@ int kvgate_columns_takes_chunks(const kvgate_linear_weights *wt) {
  * out = w @ x^T for m (1 .. COLUMNS_MAX_ROWS) rows of x and weights kvgate_columns_takes_chunks
  * takes, each block's chunk dequantized into the L1 cache as kvgate_dequantize dequantizes it.
  * x: x^T, dense [k, m] (for int4, rounded to its rows' int8 blocks by the caller). Returns 0, or
- * 2 when m is out of range, the weights are not taken or the kernel is not built.
+ * 2 when m is out of range or the weights are not taken.
  */
 int kvgate_linear_columns_chunks(const kvgate_linear_weights *wt, const float *x, int64_t m,
                                  float *out, int num_threads) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
     if (m < 1 || m > COLUMNS_MAX_ROWS || !kvgate_columns_takes_chunks(wt)) return 2;
     columns_threads(wt, NULL, x, m, out, num_threads);
     return 0;
-#else
-    (void)wt, (void)x, (void)m, (void)out, (void)num_threads;
-    return 2;
-#endif
 }

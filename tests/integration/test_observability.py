@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client.api import KvgateClient, sampling_params
 from deploy.stack import Stack
+from kernels import cpu_build
 from protos.kvgate.v1 import inference_pb2
 from tests.helpers import wait_for
 from tests.integration.conftest import generate, scrape
@@ -52,6 +53,7 @@ EXPECTED_METRICS = {
         "kvgate_executor_preemptions_total",
         "kvgate_executor_step_seconds_bucket",
         "kvgate_executor_step_tokens_bucket",
+        "kvgate_executor_kernels",
     ],
 }
 
@@ -258,6 +260,9 @@ def test_executor_metrics_count_steps_and_tokens(stack: Stack) -> None:
     assert step_tokens >= num_tokens, f"expected >= {num_tokens} tokens stepped, got {step_tokens}"
     assert value(after, "kvgate_executor_kv_blocks") == 512
     assert 0.0 <= value(after, "kvgate_executor_kv_usage_ratio") <= 1.0
+    kernels = {key: v for (name, key), v in after.items() if name == "kvgate_executor_kernels"}
+    expected = (("backend", "cpu"), ("cpu_isa", cpu_build.isa_level()))
+    assert kernels == {expected: 1.0}, f"expected the C kernels' level {expected}, got {kernels}"
 
 
 def test_executor_gauges_return_to_idle(stack: Stack) -> None:

@@ -19,7 +19,6 @@ from tests.kernels.paged_cases import (
     random_context_lens,
     strided_prefill_case,
 )
-from tests.kernels.test_dispatch import run_python
 from tests.kernels.test_triton import (
     ATTENTION_ATOL,
     LLAMA3_SCALING,
@@ -28,6 +27,9 @@ from tests.kernels.test_triton import (
     SHAPES,
     assert_close,
 )
+
+# Every test here runs once per ISA level this CPU runs (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("isa_level")
 
 
 def on_one_and_two_threads(run):
@@ -119,40 +121,6 @@ def test_wrong_dtype_and_layout_are_refused():
         cpu_attention.paged_decode_attention(strided, *args[1:])
     with pytest.raises(ValueError, match="block_tables must have dtype torch.int32"):
         cpu_attention.paged_decode_attention(*args[:3], args[3].long(), *args[4:])
-
-
-def test_loading_the_library_leaves_float_denormals_alone():
-    """-ffast-math must not reach the link: crtfastmath.o would flush denormals process-wide."""
-    code = (
-        "import torch\n"
-        "from kernels import cpu\n"
-        "cpu._library()\n"
-        "tiny = torch.tensor([1e-38]) / 1000\n"
-        "print(float(tiny[0]) > 0)\n"
-    )
-    result = run_python(code, {})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "True", "denormals are flushed after loading the library"
-
-
-def test_build_is_cached_in_the_build_dir(tmp_path):
-    code = "from kernels import cpu\ncpu._library()\nprint(sorted(cpu.build_dir().iterdir()))"
-    first = run_python(code, {"KVGATE_BUILD_DIR": str(tmp_path)})
-    assert first.returncode == 0, first.stderr
-    built = sorted(tmp_path.iterdir())
-    assert len(built) == 1 and built[0].name.startswith("cpu-kernels-"), built
-    mtime = built[0].stat().st_mtime_ns
-    second = run_python(code, {"KVGATE_BUILD_DIR": str(tmp_path)})
-    assert second.returncode == 0, second.stderr
-    assert sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == mtime
-
-
-def test_missing_compiler_is_a_clear_reason(tmp_path):
-    code = "from kernels import cpu\nprint(cpu.why_unavailable())"
-    env = {"KVGATE_BUILD_DIR": str(tmp_path), "CC": str(tmp_path / "no-such-cc")}
-    result = run_python(code, env)
-    assert result.returncode == 0, result.stderr
-    assert "cannot run the C compiler" in result.stdout and "no-such-cc" in result.stdout
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 9, 130])

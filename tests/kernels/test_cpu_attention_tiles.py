@@ -18,6 +18,9 @@ from kernels import reference as ref
 from tests.kernels.paged_cases import cu_seqlens, in_cache_format, make_paged_case
 from tests.kernels.test_cpu_dtypes import close, layer_case
 
+# Every test here runs once per ISA level this CPU runs (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("isa_level")
+
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)  # uint8: fp8
 # (head_dim, GQA ratio): 64 values take 4 heads at a time (one block, a part block), 128 take
 # 2 (a block and a remainder); 48 is the untiled path.

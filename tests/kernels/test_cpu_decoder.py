@@ -14,6 +14,9 @@ from kernels import reference as ref
 from kernels.decoder import DecoderLayerWeights, DecoderWeights
 from tests.kernels.test_cpu_dtypes import layer_case
 
+# Every test here runs once per ISA level this CPU runs (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("isa_level")
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 32
 HIDDEN, INTERMEDIATE = 64, 96
 

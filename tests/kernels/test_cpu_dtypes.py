@@ -17,8 +17,12 @@ from kernels.attention_step import AttentionStep
 from tests.kernels.paged_cases import cu_seqlens, make_paged_case, mixed_prefill_case
 from tests.kernels.test_triton import assert_close
 
+# Every test here runs once per ISA level this CPU runs (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("isa_level")
+
 DTYPES = (torch.float32, torch.bfloat16)
 BF16_STEP = 2.0**-7  # relative size of one bfloat16 unit in the last place, at worst
+FLOAT32_STEP = 2.0**-23  # and of one float32 unit
 
 
 def assert_within_one_step(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -95,7 +99,13 @@ def test_silu_and_mul_matches_the_reference(dtype, layout):
     expected = ref.silu_and_mul(x)
     assert out.shape == (13, 40) and out.stride() in ((40, 1), (1, 13))
     if dtype == torch.float32:
-        assert_close(out, expected, 1e-5, "SiLU-and-multiply")
+        # Each ISA level's vector expf (libmvec) rounds its own way, so the bits differ from
+        # torch's by a step or two of outputs up to ~200; both are judged against float64.
+        gate, up = x[:, :40].double(), x[:, 40:].double()
+        exact = gate * torch.sigmoid(gate) * up
+        for name, result in (("C kernel", out), ("reference", expected)):
+            steps = (result.double() - exact).abs() / (exact.abs() * FLOAT32_STEP + 1e-30)
+            assert steps.max() <= 4, f"{name}: {steps.max():.2f} float32 steps from float64"
     else:
         assert_within_one_step(out, expected, "SiLU-and-multiply")
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kernels import KernelBackend, get_kernels
+from kernels import KernelBackend, cpu_build, get_kernels
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,8 @@ def test_choice_is_logged_once():
     result = run_python(code, {})
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("kvgate.kernels")]
-    assert lines == ["kvgate.kernels kernel backend cpu on cpu"], result.stderr
+    expected = f"kvgate.kernels kernel backend cpu on cpu, ISA level {cpu_build.isa_level()}"
+    assert lines == [expected], result.stderr
 
 
 def test_unknown_backend_names_the_variable_and_the_choices(monkeypatch):

@@ -81,6 +81,7 @@ def test_a_scale_that_is_not_a_bfloat16_rounds_up_and_clips_nothing():
     assert (error <= scale / 2 * (1 + 1e-6)).all(), f"worst error {error.max():.3g}"
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("activation_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_store_writes_the_cache_format_as_the_reference(cache_dtype, activation_dtype):
@@ -164,12 +165,14 @@ def test_triton_attention_reads_8_bit_caches_of_narrow_heads(cache_dtype, head_d
 # whole query group, AVX-512 registers at 64 and 128 (bfloat16 rows read in place, other formats
 # converted a chunk of 32 tokens at a time), each element inside the dot products for any other
 # width.
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("head_dim", [8, 16, 48, 128])
 @pytest.mark.parametrize("cache_dtype", CPU_CACHE_DTYPES)
 def test_cpu_attention_reads_the_cache_format_at_every_head_width(cache_dtype, head_dim):
     assert_reads_as_the_reference(cpu_attention, cache_dtype, head_dim)
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8, torch.uint8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_attention_step_stores_and_reads_the_cache_format_as_the_reference(dtype, cache_dtype):

@@ -125,6 +125,7 @@ def make_weights(out_features: int, in_features: int, seed: int, odd_int8_groups
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(36, 96), (38, 96), (37, 172), (37, 160), (6, 8320)]
 )
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 def test_cpu_quantized_linear_matches_the_reference(out_features, in_features, rows, dtype, layout):
     """Sizes: 96 inputs are three int4 blocks (less than the int4 kernel's four-block chunk),
     160 five (a chunk and one over), 8320 is 260 blocks (past the 256 whose scales the kernel
@@ -171,6 +172,7 @@ def test_activations_round_to_int8_blocks_of_32_by_their_largest_value():
         quant.quantize_activations(torch.zeros(2, 48))
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4, 7, 9, 64, 65])
 def test_int4_layers_round_activations_exactly_as_the_reference(rows, dtype):
@@ -191,6 +193,7 @@ def test_int4_layers_round_activations_exactly_as_the_reference(rows, dtype):
     assert not torch.equal(out, x.float()), "the activations were not rounded"
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("rows", [4, 9, 20, 64, 65])
 def test_int4_layers_give_nan_rows_where_the_activations_hold_a_nan(rows):
     """A NaN in a row of x makes every output of that row NaN, as in the reference (the NaN's
@@ -210,6 +213,7 @@ def test_int4_layers_give_nan_rows_where_the_activations_hold_a_nan(rows):
     assert torch.isfinite(out[1:-1]).all(), "the rows without a NaN are finite"
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("rows", [1, 5, 8, 33])
 def test_cpu_bfloat16_linear_matches_the_reference(rows):
     gen = torch.Generator().manual_seed(rows)
@@ -225,6 +229,7 @@ def test_cpu_bfloat16_linear_matches_the_reference(rows):
     assert relative_error(logits, expected) <= (1e-5 if widened else BF16_STEP)
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 def test_cpu_dequantize_equals_the_format_definition():
     _, weights = make_weights(40, 64, seed=9)
     for name, weight in weights.items():
@@ -248,6 +253,7 @@ def counting_library(monkeypatch, *names: str) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("routing", ["this-cpu", "no-amx"])
 @pytest.mark.parametrize("rows", [33, 64])
 def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, routing, monkeypatch):
@@ -275,6 +281,7 @@ def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, ro
 @pytest.mark.parametrize(
     "weight_format", ["int8-288", "int8-48", "int8-32", "int8-24", "int4-32", "int4-96", "int4-288"]
 )
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("rows", [9, 33, 64])
 def test_quantized_outer_product_sums_equal_the_float32_kernels_over_the_dequantized_weights(
     rows, weight_format, monkeypatch
@@ -354,6 +361,7 @@ def test_int8_tile_kernel_gives_the_reference_infinities_for_an_infinite_x():
     assert relative_error(out[finite], expected[finite]) <= 1e-5
 
 
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
 @pytest.mark.parametrize("rows", [2, 20, 80])
 def test_quantized_linear_reads_a_strided_bias_by_its_values(rows):
     """A bias that is a strided view: the C kernels read it by its pointer, so it must be
