@@ -281,11 +281,18 @@ def test_tokenizer_zip_unpacks_into_the_gateways_tokenizer(engine, stack, keys, 
     ("fields", "field"),
     [
         ({"sampling_params": pb.SamplingParams(n=2)}, "sampling_params.n"),
-        ({"sampling_params": pb.SamplingParams(logit_bias={5: 1.0})}, "sampling_params.logit_bias"),
-        ({"sampling_params": pb.SamplingParams(json_schema="{}")}, "sampling_params.json_schema"),
         (
-            {"sampling_params": pb.SamplingParams(choice=pb.ChoiceConstraint(choices=["a"]))},
+            {"sampling_params": pb.SamplingParams(logit_bias={-5: 1.0})},
+            "sampling_params.logit_bias",
+        ),
+        ({"sampling_params": pb.SamplingParams(json_schema="{")}, "sampling_params.json_schema"),
+        (
+            {"sampling_params": pb.SamplingParams(choice=pb.ChoiceConstraint(choices=[""]))},
             "sampling_params.choice",
+        ),
+        (
+            {"sampling_params": pb.SamplingParams(structural_tag="{}")},
+            "sampling_params.structural_tag",
         ),
         ({"sampling_params": pb.SamplingParams(top_p=1.5)}, "sampling_params.top_p"),
         (
@@ -399,6 +406,9 @@ SAMPLING_FIELDS = {name: FLOATS for name in FLOAT_FIELDS + PENALTIES} | {
     "n": st.integers(0, 3),
     "ignore_eos": st.booleans(),
     "json_schema": st.text(max_size=20),
+    "regex": st.text(max_size=20),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
 }
 
 
