@@ -90,6 +90,7 @@ bench-serve: setup proto
 	$(BIN)/kvgate bench serve stack --out bench/results/serve.json
 	$(BIN)/kvgate bench serve stack --model ../shared/models/stories260K --ttft-requests 300 \
 		--ttft-interval-s 0.5 --out bench/results/serve_stories260K.json
+	$(BIN)/kvgate bench serve fronts --out bench/results/fronts_stories260K.json
 
 run: setup proto
 	$(PYTHON) -m deploy.local $(ARGS)

@@ -37,6 +37,7 @@ class Command:
 COMMANDS = (
     Command("load", "", "bench.load", "load a running gateway: TTFT, TPOT, ITL, goodput, sweeps"),
     Command("serve", "stack", "bench.serve", "the whole stack against the in-process Engine"),
+    Command("serve", "fronts", "bench.serve", "kvgate.v1, vLLM's gRPC API and OpenAI HTTP"),
     Command("serve", "hops", "bench.security", "what each defence adds to one hop"),
     Command("serve", "tenants", "bench.security", "a quiet tenant's TTFT beside a noisy one"),
     Command("engine", "throughput", "bench.engine", "the Engine against transformers"),

@@ -34,19 +34,20 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 from tqdm import tqdm
 
 from bench import stats
 from bench.harness import BenchFailure, Benchmark
-from bench.stats import RequestResult, run_metrics
+from bench.stats import RequestResult, run_metrics, sse_payloads, time_sse, time_stream
 from bench.workloads import (
     WORDS,
     BenchConfig,
@@ -58,6 +59,7 @@ from bench.workloads import (
     check_inputs,
     config_from_args,
     num_requests,
+    openai_body,
     served_model,
     vocab_words,
 )
@@ -65,8 +67,6 @@ from client.api import Credentials, KvgateClient, sampling_params
 from deploy.stack import ROOT, Stack, StackConfig, free_port
 from protos.kvgate.v1 import inference_pb2
 
-# Finish reasons of a request that did not run to max_tokens.
-FAILED = (inference_pb2.FINISH_REASON_ERROR, inference_pb2.FINISH_REASON_ABORT)
 # Deadline of each call, in seconds.
 CALL_TIMEOUT_S = 600.0
 
@@ -97,43 +97,6 @@ def arrival_gaps_s(
 def request_params(output_len: int) -> inference_pb2.SamplingParams:
     """Greedy, exactly `output_len` tokens."""
     return sampling_params(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-
-
-def time_stream(chunks: Iterator[inference_pb2.GenerateResponse], sent_s: float) -> RequestResult:
-    """Reads a completion's chunks and times each token.
-
-    Args:
-        chunks: the stream, already sent.
-        sent_s: time.perf_counter() when the request was sent.
-
-    Returns:
-        The request's result (error set when the stream ended in an error, or ended without
-        a finish reason: a cut stream is a failure, not a request that finished).
-    """
-    result = RequestResult()
-    last_s = sent_s
-    finished = False
-    for chunk in chunks:
-        now_s = time.perf_counter()
-        count = len(chunk.token_ids)
-        if count and result.output_tokens == 0:
-            result.ttft_s = now_s - sent_s
-            result.itl_s.extend([0.0] * (count - 1))
-        elif count:
-            result.itl_s.extend([(now_s - last_s) / count] * count)
-        result.output_tokens += count
-        last_s = now_s if count else last_s
-        if chunk.finish_reason:
-            result.e2e_s = now_s - sent_s
-            result.prompt_tokens = chunk.usage.prompt_tokens
-            result.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
-            if chunk.finish_reason in FAILED:
-                name = inference_pb2.FinishReason.Name(chunk.finish_reason)
-                result.error = chunk.error_message or name
-            finished = True
-    if not finished:
-        result.error = "the stream ended without a finish reason"
-    return result
 
 
 def run_generate(client: KvgateClient, job: GenerateJob) -> list[RequestResult]:
@@ -182,6 +145,7 @@ def run_jobs(
     max_concurrency: int | None = None,
     progress: bool = True,
     credentials: Credentials = Credentials(),  # noqa: B008 (frozen)
+    openai_url: str = "",
 ) -> tuple[list[RequestResult], float]:
     """Sends the jobs at their arrival times and waits for all of them.
 
@@ -192,6 +156,7 @@ def run_jobs(
         max_concurrency: most jobs in flight at once; None: no limit.
         progress: show a progress bar of finished requests on stderr.
         credentials: the API key and TLS files the client presents.
+        openai_url: the gateway's OpenAI base URL; set: the jobs go there, not to `target`.
 
     Returns:
         Every request's result, and the seconds from the first send to the last finish.
@@ -199,17 +164,21 @@ def run_jobs(
     total = sum(num_requests(job) for job in jobs)
     bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr, disable=not progress)
     lock = threading.Lock()
-    with credentials.client(target, timeout_s=CALL_TIMEOUT_S) as client:
+    concurrency = max_concurrency or len(jobs)
+    if openai_url:
+        opened = openai_front(openai_url, credentials, concurrency)
+    else:
+        opened = credentials.client(target, timeout_s=CALL_TIMEOUT_S)
+    with opened as client:
 
         def run_one(job: Job) -> list[RequestResult]:
-            runner = run_chat if isinstance(job, ChatJob) else run_generate
-            results = runner(client, job)
+            results = job_runner(job, bool(openai_url))(client, job)
             with lock:
                 bar.update(len(results))
             return results
 
         start_s = time.perf_counter()
-        with ThreadPoolExecutor(max_concurrency or len(jobs)) as pool:
+        with ThreadPoolExecutor(concurrency) as pool:
             futures = []
             for job, arrival_s in zip(jobs, np.cumsum(gaps_s), strict=True):
                 time.sleep(max(0.0, start_s + arrival_s - time.perf_counter()))
@@ -218,6 +187,74 @@ def run_jobs(
         duration_s = time.perf_counter() - start_s
     bar.close()
     return results, duration_s
+
+
+def job_runner(job: Job, openai: bool) -> Callable[..., list[RequestResult]]:
+    if openai:
+        return run_openai_chat if isinstance(job, ChatJob) else run_openai_generate
+    return run_chat if isinstance(job, ChatJob) else run_generate
+
+
+class OpenAIFront(httpx.Client):
+    """A client of the HTTP front (one connection pool shared by the jobs' threads) and the
+    model id its requests name."""
+
+    model_id: str = ""
+
+
+@contextmanager
+def openai_front(url: str, credentials: Credentials, connections: int) -> Iterator[OpenAIFront]:
+    """The HTTP front at `url`, its model id asked. Raises: httpx.HTTPError when it lists none."""
+    headers = {"Authorization": f"Bearer {credentials.api_key}"} if credentials.api_key else {}
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    with OpenAIFront(base_url=url, headers=headers, limits=limits, timeout=CALL_TIMEOUT_S) as front:
+        front.model_id = front.get("/models").raise_for_status().json()["data"][0]["id"]
+        yield front
+
+
+def post_stream(front: OpenAIFront, path: str, body: dict) -> tuple[RequestResult, str]:
+    """Sends one streaming request. Returns: its result, and the text it streamed."""
+    texts: list[str] = []
+
+    def keeping_text(events: Iterator[dict]) -> Iterator[dict]:
+        for event in events:
+            for choice in event.get("choices", []):
+                texts.append(
+                    choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+                )
+            yield event
+
+    sent_s = time.perf_counter()
+    try:
+        with front.stream("POST", path, json=body) as answer:
+            if answer.status_code != 200:
+                answer.read()
+                return RequestResult(error=f"HTTP {answer.status_code}: {answer.text}"), ""
+            result = time_sse(keeping_text(sse_payloads(answer.iter_lines())), sent_s)
+    except httpx.HTTPError as error:
+        return RequestResult(error=f"{type(error).__name__}: {error}"), ""
+    return result, "".join(texts)
+
+
+def run_openai_generate(front: OpenAIFront, job: GenerateJob) -> list[RequestResult]:
+    body = openai_body(front.model_id, job.output_len, prompt=job.prompt)
+    return [post_stream(front, "/completions", body)[0]]
+
+
+def run_openai_chat(front: OpenAIFront, job: ChatJob) -> list[RequestResult]:
+    """The session's turns as one growing conversation; a failed turn ends the session."""
+    messages: list[dict[str, str]] = []
+    results = []
+    for content, output_len in zip(job.turns, job.output_lens, strict=True):
+        messages.append({"role": "user", "content": content})
+        body = openai_body(front.model_id, output_len, messages=messages)
+        result, reply = post_stream(front, "/chat/completions", body)
+        results.append(result)
+        if result.error:
+            break
+        messages.append({"role": "assistant", "content": reply})
+    missing = len(job.turns) - len(results)
+    return results + [RequestResult(error="not sent: an earlier turn failed")] * missing
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -329,11 +366,14 @@ def run_point(
         model_id = client.model_info().model_id
         jobs = build_jobs(workload, lambda text: len(client.tokenize(text, True)), words)
     gaps_s = arrival_gaps_s(len(jobs), request_rate, config.burstiness, seed)
+    openai_url = config.openai_url if config.api == "openai" else ""
     results, duration_s = run_jobs(
-        target, jobs, gaps_s, config.max_concurrency, config.progress, config.credentials
-    )
+        target, jobs, gaps_s, config.max_concurrency, config.progress, config.credentials,
+        openai_url,
+    )  # fmt: skip
     summary = {
-        "target": target,
+        "target": openai_url or target,
+        "api": config.api,
         "model_id": model_id,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
         "burstiness": config.burstiness,
@@ -482,6 +522,8 @@ def run(args: argparse.Namespace) -> dict:
         return run_bench(config)
     except grpc.RpcError as error:
         raise BenchFailure(rpc_failure(args, error)) from None
+    except httpx.HTTPError as error:
+        raise BenchFailure(f"cannot list --openai-url {args.openai_url}'s model: {error}") from None
 
 
 def rpc_failure(args: argparse.Namespace, error: grpc.RpcError) -> str:

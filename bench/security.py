@@ -42,27 +42,115 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc import aio
 
 from bench.harness import Benchmark, add_model, load_average, print_json, scratch_folder
-from bench.serve import InstantInference, grpc_request, key_metadata, tenant_key
 from bench.stats import paired_median_ms, summarize_ms
+from client.admin import create_key, set_limits
 from common.keys import RedisKeys
 from common.redis_conn import connect, connect_sync
 from common.tenants import TenantLimits
 from deploy.certs import CertificateAuthority
 from deploy.models import SHARED_MODEL
 from deploy.stack import RedisSecurity, Stack, StackConfig, find_redis_server, free_port, wait_until
+from gateway.errors import ErrorInterceptor
+from gateway.metrics import GatewayMetrics, MetricsInterceptor
 from gateway.quotas import Quotas
 from gateway.request_queue import ENQUEUE_SCRIPT, RequestQueue
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc, internal_pb2
 
 LIMITS = TenantLimits(requests_per_s=1e9, tokens_per_min=10**12, max_streams=10**9)
+
+
+def grpc_request(prompt: list[int], max_tokens: int) -> inference_pb2.GenerateRequest:
+    params = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return inference_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
+
+
+# Limits far above what a benchmark sends: the quota script runs on every request, and
+# never refuses one.
+GENEROUS = {"requests_per_s": 10_000.0, "tokens_per_min": 100_000_000, "max_streams": 10_000}
+
+
+@dataclass(frozen=True, slots=True)
+class SecureAccess:
+    """What a client of the secured stack needs."""
+
+    ca: str  # the CA of the gateway's certificate
+
+    def channel(self, address: str) -> grpc.Channel:
+        credentials = grpc.ssl_channel_credentials(Path(self.ca).read_bytes())
+        return grpc.secure_channel(address, credentials)
+
+
+def secure_config(config: StackConfig, folder: Path) -> tuple[StackConfig, SecureAccess]:
+    """`config` with keys, TLS and mutual TLS on, its Redis on TLS with an ACL user."""
+    ca = CertificateAuthority(folder / "ca")
+    server, sink, executor, redis_server = (
+        ca.server(),
+        ca.server("sink"),
+        ca.client("executor"),
+        ca.server("redis"),
+    )
+    config.auth = "keys"
+    config.redis_security = RedisSecurity(
+        ca.ca,
+        redis_server.cert,
+        redis_server.key,
+        password=secrets.token_urlsafe(16),
+        acl_file=str(folder / "users.acl"),
+    )
+    config.gateway_flags = [
+        *config.gateway_flags,
+        *("--tls-cert", server.cert, "--tls-key", server.key),
+        *("--internal-tls-cert", sink.cert, "--internal-tls-key", sink.key),
+        *("--internal-tls-client-ca", ca.ca),
+    ]
+    config.executor_flags = [
+        *config.executor_flags,
+        *("--sink-tls-ca", ca.ca, "--sink-tls-cert", executor.cert),
+        *("--sink-tls-key", executor.key),
+    ]
+    return config, SecureAccess(ca.ca)
+
+
+def tenant_key(stack: Stack, tenant: str, limits: dict[str, object] | None = None) -> str:
+    """A new API key of `tenant` on the stack's Redis, with `limits` (default GENEROUS)."""
+    client = stack.redis()
+    set_limits(client, stack.keys, tenant, GENEROUS if limits is None else limits, print_nothing)
+    return create_key(client, stack.keys, tenant, print_nothing)
+
+
+def key_metadata(api_key: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {api_key}"),)
+
+
+def print_nothing(_: str) -> None:
+    """A `say` for kvgate admin's functions that keeps the new key off the output."""
+
+
+class InstantInference(inference_pb2_grpc.InferenceServicer):
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        yield inference_pb2.GenerateResponse(request_id=request.request_id, token_ids=[1])
+        yield inference_pb2.GenerateResponse(
+            request_id=request.request_id, finish_reason=inference_pb2.FINISH_REASON_LENGTH
+        )
+
+
+async def serve(host: str, port: int) -> None:
+    server = aio.server(interceptors=[MetricsInterceptor(GatewayMetrics()), ErrorInterceptor()])
+    inference_pb2_grpc.add_InferenceServicer_to_server(InstantInference(), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await server.wait_for_termination()
 
 
 def start_redis(args: list[str], url: str) -> subprocess.Popen:

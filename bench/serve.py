@@ -21,21 +21,23 @@ gRPC front end pays before doing any work.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
-import secrets
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import grpc
+import httpx
 import torch
-from grpc import aio
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from bench.engine import BENCH_SHAPE, Workload, build_model
@@ -43,21 +45,22 @@ from bench.harness import (
     Benchmark,
     add_device,
     add_model,
+    add_repeats,
     add_workload,
     load_average,
     print_json,
     scratch_folder,
 )
-from bench.stats import paired_median_ms
-from client.admin import create_key, set_limits
+from bench.security import grpc_request, key_metadata, secure_config, tenant_key
+from bench.stats import paired_median_ms, sse_payloads
+from bench.workloads import openai_body
+from common.model_text import ModelText
 from common.sampling_params import SamplingParams
-from deploy.certs import CertificateAuthority
-from deploy.stack import RedisSecurity, Stack, StackConfig, co_located_torch_threads, free_port
+from deploy.models import SHARED_MODEL
+from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
 from engine.config import EngineConfig
 from engine.engine import Engine
-from gateway.errors import ErrorInterceptor
-from gateway.metrics import GatewayMetrics, MetricsInterceptor
-from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
+from protos.kvgate.v1 import inference_pb2_grpc
 
 
 def write_model(folder: Path) -> None:
@@ -102,11 +105,6 @@ def inprocess_ttft_once(engine: Engine, request_id: str, prompt: list[int]) -> f
     while engine.has_unfinished():
         engine.step()
     return ttft
-
-
-def grpc_request(prompt: list[int], max_tokens: int) -> inference_pb2.GenerateRequest:
-    params = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return inference_pb2.GenerateRequest(prompt_token_ids=prompt, params=params)
 
 
 def grpc_tokens_per_s(
@@ -180,7 +178,7 @@ def interleaved_ttft_ms(
 # The do-nothing server's process (InstantInference below).
 FLOOR_SERVER = (
     "import asyncio, sys\n"
-    "from bench.serve import serve\n"
+    "from bench.security import serve\n"
     "asyncio.run(serve('127.0.0.1', int(sys.argv[1])))\n"
 )
 
@@ -342,84 +340,193 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-interval-s", type=float, default=1.0, help="1 request/s")
 
 
-# Limits far above what a benchmark sends: the quota script runs on every request, and
-# never refuses one.
-GENEROUS = {"requests_per_s": 10_000.0, "tokens_per_min": 100_000_000, "max_streams": 10_000}
+# `kvgate bench serve fronts`: one stack, the same prompts through its three fronts.
+FRONTS = ("kvgate", "vllm", "openai")
+FRONT_PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park", "One day"]
+HTTP_CLIENT = f"httpx {httpx.__version__}, one connection pool, SSE read line by line"
 
 
 @dataclass(frozen=True, slots=True)
-class SecureAccess:
-    """What a client of the secured stack needs."""
+class Fronts:
+    """How a client reaches each front of one gateway."""
 
-    ca: str  # the CA of the gateway's certificate
-
-    def channel(self, address: str) -> grpc.Channel:
-        credentials = grpc.ssl_channel_credentials(Path(self.ca).read_bytes())
-        return grpc.secure_channel(address, credentials)
+    address: str  # the gRPC port: kvgate.v1 and VllmEngine
+    http_url: str  # the OpenAI-compatible base URL
+    model_id: str  # the `model` of an OpenAI request
 
 
-def secure_config(config: StackConfig, folder: Path) -> tuple[StackConfig, SecureAccess]:
-    """`config` with keys, TLS and mutual TLS on, its Redis on TLS with an ACL user."""
-    ca = CertificateAuthority(folder / "ca")
-    server, sink, executor, redis_server = (
-        ca.server(),
-        ca.server("sink"),
-        ca.client("executor"),
-        ca.server("redis"),
-    )
-    config.auth = "keys"
-    config.redis_security = RedisSecurity(
-        ca.ca,
-        redis_server.cert,
-        redis_server.key,
-        password=secrets.token_urlsafe(16),
-        acl_file=str(folder / "users.acl"),
-    )
-    config.gateway_flags = [
-        *config.gateway_flags,
-        *("--tls-cert", server.cert, "--tls-key", server.key),
-        *("--internal-tls-cert", sink.cert, "--internal-tls-key", sink.key),
-        *("--internal-tls-client-ca", ca.ca),
-    ]
-    config.executor_flags = [
-        *config.executor_flags,
-        *("--sink-tls-ca", ca.ca, "--sink-tls-cert", executor.cert),
-        *("--sink-tls-key", executor.key),
-    ]
-    return config, SecureAccess(ca.ca)
+def vllm_request(prompt: list[int], max_tokens: int) -> vllm_engine_pb2.GenerateRequest:
+    params = vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokenized = vllm_engine_pb2.TokenizedInput(input_ids=prompt)
+    return vllm_engine_pb2.GenerateRequest(tokenized=tokenized, sampling_params=params, stream=True)
 
 
-def tenant_key(stack: Stack, tenant: str, limits: dict[str, object] | None = None) -> str:
-    """A new API key of `tenant` on the stack's Redis, with `limits` (default GENEROUS)."""
-    client = stack.redis()
-    set_limits(client, stack.keys, tenant, GENEROUS if limits is None else limits, print_nothing)
-    return create_key(client, stack.keys, tenant, print_nothing)
+def vllm_ttft_once(stub: vllm_engine_pb2_grpc.VllmEngineStub, prompt: list[int]) -> float:
+    """TTFT in ms of one VllmEngine Generate, as its client sees it (then read to its end)."""
+    start = time.perf_counter()
+    responses = stub.Generate(vllm_request(prompt, 4), timeout=600)
+    next(r for r in responses if r.WhichOneof("response") == "chunk")
+    ttft = 1000 * (time.perf_counter() - start)
+    list(responses)
+    return ttft
 
 
-def key_metadata(api_key: str) -> tuple[tuple[str, str]]:
-    return (("authorization", f"Bearer {api_key}"),)
+def vllm_tokens_per_s(address: str, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens per second of all `prompts` streamed at once through VllmEngine."""
+    with ThreadPoolExecutor(len(prompts)) as pool, grpc.insecure_channel(address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+        def stream(prompt: list[int]) -> int:
+            responses = stub.Generate(vllm_request(prompt, output_len), timeout=3600)
+            return sum(len(r.chunk.token_ids) for r in responses)
+
+        start = time.perf_counter()
+        produced = sum(pool.map(stream, prompts))
+    return produced / (time.perf_counter() - start)
 
 
-def print_nothing(_: str) -> None:
-    """A `say` for kvgate admin's functions that keeps the new key off the output."""
+def http_ttft_once(client: httpx.Client, model_id: str, prompt: list[int]) -> float:
+    """TTFT in ms of one streaming /v1/completions: to the first event with a choice (a
+    completion stream has no role event before its first token), then read to its end."""
+    start = time.perf_counter()
+    with client.stream(
+        "POST", "/completions", json=openai_body(model_id, 4, prompt=prompt)
+    ) as answer:
+        answer.raise_for_status()
+        events = sse_payloads(answer.iter_lines())
+        next(event for event in events if event["choices"])
+        ttft = 1000 * (time.perf_counter() - start)
+        list(events)
+    return ttft
 
 
-class InstantInference(inference_pb2_grpc.InferenceServicer):
-    async def Generate(  # noqa: N802 (gRPC method name)
-        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        yield inference_pb2.GenerateResponse(request_id=request.request_id, token_ids=[1])
-        yield inference_pb2.GenerateResponse(
-            request_id=request.request_id, finish_reason=inference_pb2.FINISH_REASON_LENGTH
-        )
+async def http_stream_tokens(client: httpx.AsyncClient, body: dict) -> int:
+    """Output tokens of one streaming /v1/completions, from its last event's usage."""
+    async with client.stream("POST", "/completions", json=body) as answer:
+        answer.raise_for_status()
+        lines = [line async for line in answer.aiter_lines()]
+    return next(e["usage"] for e in sse_payloads(lines) if e.get("usage"))["completion_tokens"]
 
 
-async def serve(host: str, port: int) -> None:
-    server = aio.server(interceptors=[MetricsInterceptor(GatewayMetrics()), ErrorInterceptor()])
-    inference_pb2_grpc.add_InferenceServicer_to_server(InstantInference(), server)
-    server.add_insecure_port(f"{host}:{port}")
-    await server.start()
-    await server.wait_for_termination()
+async def http_tokens_per_s_async(fronts: Fronts, prompts: list[list[int]], output_len: int):
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=fronts.http_url, limits=limits, timeout=3600) as client:
+        bodies = [openai_body(fronts.model_id, output_len, prompt=prompt) for prompt in prompts]
+        start = time.perf_counter()
+        produced = await asyncio.gather(*(http_stream_tokens(client, b) for b in bodies))
+    return sum(produced) / (time.perf_counter() - start)
 
 
-BENCHMARKS = {"serve stack": Benchmark(add_arguments, run, "serve.json", print_json)}
+def http_tokens_per_s(fronts: Fronts, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens per second of all `prompts` streamed at once through the HTTP front."""
+    return asyncio.run(http_tokens_per_s_async(fronts, prompts, output_len))
+
+
+def front_ttfts(fronts: Fronts, prompts: list[list[int]], interval_s: float) -> dict:
+    """Each prompt once through each front, taking turns `interval_s` apart."""
+    samples: dict[str, list[float]] = {front: [] for front in FRONTS}
+    with (
+        grpc.insecure_channel(fronts.address) as channel,
+        httpx.Client(base_url=fronts.http_url, timeout=600) as http,
+    ):
+        ttft_once = {
+            "kvgate": partial(grpc_ttft_once, inference_pb2_grpc.InferenceStub(channel)),
+            "vllm": partial(vllm_ttft_once, vllm_engine_pb2_grpc.VllmEngineStub(channel)),
+            "openai": partial(http_ttft_once, http, fronts.model_id),
+        }
+        for prompt in prompts:
+            for front in FRONTS:
+                time.sleep(interval_s)
+                samples[front].append(ttft_once[front](prompt))
+    return samples
+
+
+def front_throughputs(fronts: Fronts, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Rounds of all `prompts` at once through each front in turn."""
+    measures = {
+        "kvgate": lambda: grpc_tokens_per_s(
+            lambda: grpc.insecure_channel(fronts.address), prompts, args.output_len
+        ),
+        "vllm": lambda: vllm_tokens_per_s(fronts.address, prompts, args.output_len),
+        "openai": lambda: http_tokens_per_s(fronts, prompts, args.output_len),
+    }
+    rounds: dict[str, list[float]] = {front: [] for front in FRONTS}
+    for _ in range(args.repeats):
+        for front in FRONTS:
+            rounds[front].append(measures[front]())
+    return rounds
+
+
+def served_fronts(stack: Stack) -> Fronts:
+    """The fronts of the stack's gateway (Stack.start_all waited for its HTTP port)."""
+    models = httpx.get(f"{stack.http_url}/models", timeout=30).raise_for_status().json()
+    return Fronts(stack.address, stack.http_url, models["data"][0]["id"])
+
+
+def run_fronts(args: argparse.Namespace) -> dict:
+    model_text = ModelText(args.model)
+    token_ids = [model_text.encode(p) for p in FRONT_PROMPTS]
+    load_at_start = load_average()
+    with scratch_folder() as folder:
+        config = StackConfig(model=args.model, port=free_port(), log_dir=folder / "logs")
+        config.http_port = free_port()
+        config.executor_flags = ["--max-num-seqs", str(max(64, args.streams))]
+        config.gateway_flags = ["--max-queue-len", str(4 * args.streams)]
+        stack = Stack(config)
+        try:
+            stack.start_all()
+            fronts = served_fronts(stack)
+            front_ttfts(fronts, token_ids[:2], 0.0)  # warm-up, untimed
+            prompts = [token_ids[i % len(token_ids)] for i in range(args.ttft_requests)]
+            ttft = front_ttfts(fronts, prompts, args.ttft_interval_s)
+            streams = [token_ids[i % len(token_ids)] for i in range(args.streams)]
+            front_throughputs(fronts, streams[:4], argparse.Namespace(output_len=8, repeats=1))
+            rounds = front_throughputs(fronts, streams, args)
+        finally:
+            stack.stop_all()
+    return fronts_report(args, ttft, rounds, load_at_start)
+
+
+def fronts_report(args: argparse.Namespace, ttft: dict, rounds: dict, load_at_start) -> dict:
+    tokens_per_s = {front: statistics.median(values) for front, values in rounds.items()}
+    others = [front for front in FRONTS if front != "kvgate"]
+    return {
+        "model": Path(args.model).name,
+        "http_client": HTTP_CLIENT,
+        "cpus": os.cpu_count(),
+        "load_average_at_start": load_at_start,  # 1, 5 and 15 minutes: other work running
+        "load_average_at_end": load_average(),
+        "ttft_requests": args.ttft_requests,
+        "ttft_ms_p50": {front: statistics.median(values) for front, values in ttft.items()},
+        "ttft_paired_ms_minus_kvgate": {
+            front: paired_median_ms(ttft[front], ttft["kvgate"]) for front in others
+        },
+        "streams": args.streams,
+        "output_len": args.output_len,
+        "tokens_per_s_rounds": rounds,
+        "tokens_per_s_median": tokens_per_s,
+        "tokens_per_s_ratio_to_kvgate": {
+            front: tokens_per_s[front] / tokens_per_s["kvgate"] for front in others
+        },
+        # Each round's ratio to kvgate.v1's round just before it: the median, and the spread
+        "tokens_per_s_ratio_by_round": {
+            front: [a / b for a, b in zip(rounds[front], rounds["kvgate"], strict=True)]
+            for front in others
+        },
+        "ttft_samples_ms": ttft,
+    }
+
+
+def add_fronts_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model(parser, str(SHARED_MODEL), "the served model folder (default: stories260K)")
+    parser.add_argument("--ttft-requests", type=int, default=100, help="TTFT samples per front")
+    parser.add_argument("--ttft-interval-s", type=float, default=0.05, help="gap between turns")
+    parser.add_argument("--streams", type=int, default=64, help="streams at once per round")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per stream")
+    add_repeats(parser, 5)
+
+
+BENCHMARKS = {
+    "serve stack": Benchmark(add_arguments, run, "serve.json", print_json),
+    "serve fronts": Benchmark(add_fronts_arguments, run_fronts, "fronts.json", print_json),
+}

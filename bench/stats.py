@@ -4,7 +4,8 @@ Definitions (the ones serving benchmarks use):
 - TTFT: from sending the request to receiving its first token.
 - ITL: every gap between two consecutive tokens. A chunk that brings n tokens after a
   gap g counts as n gaps of g / n (and the tokens after the first in the first chunk as
-  gaps of 0), so the ITLs of a request sum to its latency minus its TTFT.
+  gaps of 0), so the ITLs of a request sum to its latency minus its TTFT. An OpenAI stream's
+  events do not say how many tokens they carry: each event with text is one gap there.
 - TPOT: (latency - TTFT) / (output tokens - 1); undefined for one output token.
 - E2E: from sending the request to its last chunk.
 - goodput: requests per second that finished and met every SLO.
@@ -14,11 +15,20 @@ Plots are PNG files (matplotlib's Agg backend, no display needed; imported when 
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from protos.kvgate.v1 import inference_pb2
+
+# Finish reasons of a request that did not run to max_tokens.
+FAILED = (inference_pb2.FINISH_REASON_ERROR, inference_pb2.FINISH_REASON_ABORT)
+# The same, as OpenAI streams name them (vLLM's names).
+OPENAI_FAILED = ("abort", "error")
 PERCENTILES = (50, 90, 99)
 # SLO names accepted by --slo, each a bound in milliseconds on one per-request value.
 SLO_NAMES = ("ttft_ms", "tpot_ms", "e2e_ms")
@@ -46,6 +56,99 @@ class RequestResult:
         if self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def time_stream(chunks: Iterator[inference_pb2.GenerateResponse], sent_s: float) -> RequestResult:
+    """Reads a completion's chunks and times each token.
+
+    Args:
+        chunks: the stream, already sent.
+        sent_s: time.perf_counter() when the request was sent.
+
+    Returns:
+        The request's result (error set when the stream ended in an error, or ended without
+        a finish reason: a cut stream is a failure, not a request that finished).
+    """
+    result = RequestResult()
+    last_s = sent_s
+    finished = False
+    for chunk in chunks:
+        now_s = time.perf_counter()
+        count = len(chunk.token_ids)
+        if count and result.output_tokens == 0:
+            result.ttft_s = now_s - sent_s
+            result.itl_s.extend([0.0] * (count - 1))
+        elif count:
+            result.itl_s.extend([(now_s - last_s) / count] * count)
+        result.output_tokens += count
+        last_s = now_s if count else last_s
+        if chunk.finish_reason:
+            result.e2e_s = now_s - sent_s
+            result.prompt_tokens = chunk.usage.prompt_tokens
+            result.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
+            if chunk.finish_reason in FAILED:
+                name = inference_pb2.FinishReason.Name(chunk.finish_reason)
+                result.error = chunk.error_message or name
+            finished = True
+    if not finished:
+        result.error = "the stream ended without a finish reason"
+    return result
+
+
+def time_sse(events: Iterator[dict], sent_s: float) -> RequestResult:
+    """Reads an OpenAI stream's events (completions or chat) and times its text.
+
+    The events do not say how many tokens each carries: as vLLM's serving benchmark does,
+    every event with text is one arrival (TTFT to the first, an ITL gap before each later
+    one), and the token counts come from the usage event (stream_options.include_usage).
+
+    Args:
+        events: the stream's JSON events (sse_payloads), already sent.
+        sent_s: time.perf_counter() when the request was sent.
+
+    Returns:
+        The request's result (error set for an error event, an abort or error finish
+        reason, or a stream that ended without a finish reason).
+    """
+    result = RequestResult()
+    last_s = sent_s
+    arrivals = 0
+    reason = None
+    for event in events:
+        now_s = time.perf_counter()
+        if "error" in event:
+            result.error = event["error"].get("message", "an error event")
+        for choice in event.get("choices", []):
+            text = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            if text and arrivals == 0:
+                result.ttft_s = now_s - sent_s
+            elif text:
+                result.itl_s.append(now_s - last_s)
+            arrivals, last_s = (arrivals + 1, now_s) if text else (arrivals, last_s)
+            if choice["finish_reason"]:
+                reason, result.e2e_s = choice["finish_reason"], now_s - sent_s
+        if event.get("usage"):
+            usage = event["usage"]
+            result.prompt_tokens = usage["prompt_tokens"]
+            result.output_tokens = usage["completion_tokens"]
+            details = usage.get("prompt_tokens_details") or {}
+            result.cached_prompt_tokens = details.get("cached_tokens", 0)
+    if reason in OPENAI_FAILED and not result.error:
+        result.error = f"finish_reason {reason}"
+    if reason is None and not result.error:
+        result.error = "the stream ended without a finish reason"
+    return result
+
+
+def sse_payloads(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON objects of a server-sent event stream's `data:` lines, up to `[DONE]`."""
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 def summarize_ms(values_s: list[float]) -> dict[str, float | None]:

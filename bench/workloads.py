@@ -39,6 +39,8 @@ from common.model_files import check_model_path, gguf_file, model_id
 from deploy.models import ROOT, choose_model
 
 WORKLOADS = ("random", "shared-prefix", "chat")
+# The fronts `kvgate bench load` drives: kvgate.v1 over gRPC, or OpenAI HTTP (SSE streams).
+APIS = ("kvgate", "openai")
 WORDS = (
     "the a little girl boy dog cat bird tree house sun moon day night happy sad big small "
     "red blue green ran jumped played saw found liked wanted went came said asked looked "
@@ -245,6 +247,9 @@ class BenchConfig:
 
     target: str
     workload: WorkloadConfig
+    api: str = "kvgate"  # kvgate: requests to --target; openai: to --openai-url (SSE)
+    # The gateway's OpenAI base URL; --target still measures prompts (Tokenize)
+    openai_url: str = "http://127.0.0.1:8000/v1"
     request_rate: float = math.inf  # requests per second; inf: all at once
     burstiness: float = 1.0  # gamma shape of the gaps; 1: Poisson
     max_concurrency: int | None = None  # None: no limit
@@ -264,6 +269,14 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         check_host_port("--target", self.target)
+        if self.api not in APIS:
+            raise ValueError(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if self.api == "openai" and not self.openai_url.startswith(("http://", "https://")):
+            raise ValueError(f"--openai-url must be an http(s) URL, got {self.openai_url!r}")
+        if self.api == "openai" and (self.sweep_windows_ms or self.sweep_policies):
+            raise ValueError(
+                "--api openai loads a running gateway: not with --sweep-window or --sweep-policy"
+            )
         for rate in [self.request_rate, *self.sweep_rates]:
             if not rate > 0:
                 raise ValueError(f"--request-rate and --sweep-rates must be > 0 or inf, got {rate}")
@@ -329,6 +342,12 @@ def _add_load_flags(add: Callable[..., object]) -> None:
         help="most requests (chat: sessions) in flight",
     )
     add("--workload", choices=WORKLOADS, default="random")
+    add("--api", choices=APIS, default="kvgate", help="kvgate.v1 gRPC, or the OpenAI HTTP front")
+    add(
+        "--openai-url",
+        default="http://127.0.0.1:8000/v1",
+        help="--api openai: the gateway's OpenAI base URL (--target still measures prompts)",
+    )
     add(
         "--input-len",
         type=int,
@@ -423,6 +442,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         target=args.target,
         workload=workload,
+        api=args.api,
+        openai_url=args.openai_url,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
@@ -465,3 +486,20 @@ def check_inputs(config: BenchConfig) -> None:
             served_id = client.model_info().model_id
         if model_id(model) != served_id:
             raise ValueError(f"--compare-hf: --target serves {served_id!r} but --model is {model}")
+
+
+# The HTTP front's streams (`--api openai`): what a user's client sends and reads.
+OPENAI_STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def openai_body(model: str, output_len: int, **prompt: object) -> dict:
+    """A streaming body of `prompt=` (/v1/completions: text or token ids) or `messages=`
+    (/v1/chat/completions): greedy, exactly `output_len` tokens, its usage last."""
+    return {
+        "model": model,
+        **prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **OPENAI_STREAM,
+    }

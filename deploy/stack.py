@@ -380,6 +380,9 @@ class Stack:
         # The health port: the public one may ask for TLS and client certificates.
         address = self.health_addresses[name]
         wait_until(lambda: gateway_serving(address), self.config.start_timeout_s, name, proc)
+        if self._http_flags(name):  # it starts HTTP after gRPC: wait for that too
+            http = (self.config.host, self.config.http_port)
+            wait_until(lambda: listening(*http), self.config.start_timeout_s, f"{name} HTTP", proc)
 
     def _http_flags(self, name: str) -> list[str]:
         """The first gateway serves HTTP on the stack's http_port, when one is given."""
@@ -426,6 +429,15 @@ class Stack:
         )
         for name in order:
             self.stop(name)
+
+
+def listening(host: str, port: int) -> bool:
+    """Returns: whether something accepts TCP connections on host:port."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 def gateway_serving(address: str) -> bool:

@@ -1,5 +1,6 @@
-"""`kvgate bench load` against a real stack: the results JSON and the PNG plots it writes; and
-the serving benchmark's do-nothing server and hop timings against their real peers."""
+"""`kvgate bench load` against a real stack, through kvgate.v1 and through the OpenAI HTTP
+front: the results JSON and the PNG plots it writes; `kvgate bench serve fronts` on its own
+stack; and the serving benchmark's do-nothing server and hop timings against their real peers."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.stack import ROOT
-from tests.integration.conftest import MODEL
+from deploy.stack import ROOT, free_port
+from tests.integration.conftest import MODEL, scrape
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = ("mean", "p50", "p90", "p99")
@@ -21,6 +22,11 @@ SUMMARY_KEYS = ("mean", "p50", "p90", "p99")
 @pytest.fixture(scope="module")
 def stack(stack_factory):
     return stack_factory()
+
+
+@pytest.fixture(scope="module")
+def http_stack(stack_factory):
+    return stack_factory(http_port=free_port())
 
 
 def kvgate_bench(*flags: str) -> subprocess.CompletedProcess:
@@ -55,6 +61,50 @@ def test_bench_writes_the_results_json_and_cdf_plot(stack, tmp_path):
     assert results["goodput"] == results["request_throughput"], "a 600 s TTFT SLO: all good"
     assert results["workload"]["input_len"] == 24 and results["request_rate"] == "inf"
     assert_is_png(tmp_path / "run_cdf.png")
+
+
+def test_bench_load_drives_the_openai_http_front(http_stack, tmp_path):
+    out = tmp_path / "openai.json"
+    kvgate_bench(
+        "--api", "openai", "--target", http_stack.address, "--openai-url", http_stack.http_url,
+        "--num-requests", "6", "--request-rate", "inf", "--input-len", "16", "--output-len", "5",
+        "--out", str(out),
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert (results["completed"], results["failed"]) == (6, 0), results["first_error"]
+    assert (results["api"], results["target"]) == ("openai", http_stack.http_url), results
+    assert results["total_output_tokens"] == 6 * 5, "the usage events' completion_tokens"
+    assert abs(results["total_prompt_tokens"] - 6 * 16) <= 6 * 4, "prompts near 16 tokens"
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        summary = results[name]
+        assert 0 < summary["p50"] <= summary["p99"], f"{name}: {summary}"
+    assert results["ttft_ms"]["p99"] <= results["e2e_ms"]["p99"]
+    served = re.search(
+        r'kvgate_gateway_requests_total\{api="openai",code="OK",method="completions",'
+        r'service="openai"\} ([0-9.]+)',
+        scrape(http_stack, "gateway"),
+    )
+    assert served and float(served.group(1)) == 6, "the 6 requests went through the HTTP front"
+
+
+def test_serve_fronts_times_the_three_fronts_of_one_gateway(tmp_path):
+    out = tmp_path / "fronts.json"
+    command = [sys.executable, "-m", "bench.cli", "serve", "fronts", "--model", str(MODEL)]
+    command += ["--ttft-requests", "2", "--streams", "3", "--output-len", "4", "--repeats", "2"]
+    command += ["--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (
+        f"kvgate bench serve fronts exited {done.returncode}:\n{done.stderr}"
+    )
+    results = json.loads(out.read_text())
+    fronts = ("kvgate", "vllm", "openai")
+    assert all(len(results["ttft_samples_ms"][f]) == 2 for f in fronts), results["ttft_samples_ms"]
+    assert all(results["ttft_ms_p50"][f] > 0 for f in fronts), results["ttft_ms_p50"]
+    assert set(results["ttft_paired_ms_minus_kvgate"]) == {"vllm", "openai"}
+    rounds = results["tokens_per_s_rounds"]
+    assert all(len(rounds[f]) == 2 and min(rounds[f]) > 0 for f in fronts), rounds
+    assert set(results["tokens_per_s_ratio_to_kvgate"]) == {"vllm", "openai"}
+    assert results["http_client"].startswith("httpx"), results["http_client"]
 
 
 def test_max_concurrency_one_runs_requests_one_after_another(stack, tmp_path):

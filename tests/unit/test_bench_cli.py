@@ -83,8 +83,8 @@ def test_the_client_command_loads_no_benchmark_code():
 def test_kvgate_bench_lists_every_benchmark_and_refuses_an_unknown_one(capsys):
     assert main(["bench", "--help"]) == 0
     listing = capsys.readouterr().out
-    for words in ("load", "serve stack", "engine throughput", "kernels linear", "quality kv",
-                  "scaling swap"):  # fmt: skip
+    for words in ("load", "serve stack", "serve fronts", "engine throughput", "kernels linear",
+                  "quality kv", "scaling swap"):  # fmt: skip
         assert f"  {words} " in listing, f"{words!r} missing from:\n{listing}"
     assert main(["bench", "engine", "warp"]) == 2
     assert "usage: kvgate bench GROUP" in capsys.readouterr().err

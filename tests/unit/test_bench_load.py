@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pytest
 
-from bench.load import arrival_gaps_s, time_stream
+from bench.load import arrival_gaps_s
+from bench.stats import sse_payloads, time_sse, time_stream
 from protos.kvgate.v1 import inference_pb2
 
 
@@ -53,7 +55,7 @@ def chunk(token_ids: list[int], last: bool = False) -> inference_pb2.GenerateRes
 
 def test_stream_timing_counts_every_token_and_splits_multi_token_chunks(monkeypatch):
     clock = iter([1.0, 1.5, 1.9, 2.0])  # when each chunk arrives; sent at 0.9
-    monkeypatch.setattr("bench.load.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("bench.stats.time.perf_counter", lambda: next(clock))
     chunks = [chunk([5, 6]), chunk([7]), chunk([]), chunk([8, 9], last=True)]
     result = time_stream(iter(chunks), sent_s=0.9)
     assert result.output_tokens == 5
@@ -78,3 +80,48 @@ def test_a_stream_cut_before_its_finish_reason_is_a_failed_request():
     result = time_stream(iter([chunk([1]), chunk([2, 3])]), sent_s=0.0)
     assert not result.ok, f"a stream without a finish reason counted as finished: {result}"
     assert "finish reason" in result.error, result.error
+
+
+def sse_lines(*events: dict) -> list[str]:
+    return [line for event in events for line in (f"data: {json.dumps(event)}", "")] + [
+        "data: [DONE]"
+    ]
+
+
+def text_event(text: str, finish_reason: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
+
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_an_openai_stream_is_timed_by_its_events_with_text_and_counted_by_its_usage(monkeypatch):
+    clock = iter([1.0, 1.5, 1.6, 1.9, 2.0])  # when each event arrives; sent at 0.9
+    monkeypatch.setattr("bench.stats.time.perf_counter", lambda: next(clock))
+    events = sse_lines(
+        text_event(" Once"),
+        text_event(""),  # a token whose text the detokenizer holds back
+        text_event(" upon a"),
+        text_event(" time", "length"),
+        {"choices": [], "usage": USAGE},
+    )
+    result = time_sse(sse_payloads(events), sent_s=0.9)
+    assert result.ok, result.error
+    assert (result.prompt_tokens, result.output_tokens, result.cached_prompt_tokens) == (7, 4, 3)
+    assert result.ttft_s == pytest.approx(0.1)
+    assert result.e2e_s == pytest.approx(1.0)
+    assert result.itl_s == pytest.approx([0.6, 0.3]), "one gap per event with text"
+
+
+def test_a_chat_stream_skips_its_role_event_and_an_error_event_fails_the_request():
+    role = {
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        ]
+    }
+    content = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+    error = {"error": {"message": "executor lost", "type": "server_error"}}
+    result = time_sse(sse_payloads(sse_lines(role, content, error)), sent_s=0.0)
+    assert not result.ok and result.error == "executor lost", result
+    cut = time_sse(sse_payloads(sse_lines(role, content)), sent_s=0.0)
+    assert "finish reason" in cut.error, f"a stream cut before its finish reason: {cut}"
