@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from common.sampling_params import MAX_LOGIT_BIAS
 from common.templates import ROLES, Message
 from gateway.errors import InvalidArgument, shown
+from gateway.openai_constraints import CONSTRAINT_FIELDS, fill_constraint
 from protos.kvgate.v1 import inference_pb2
 
 MAX_UINT32 = 2**32 - 1
@@ -22,18 +24,11 @@ MAX_PRIORITY = 2**31 - 1
 MAX_USER_CHARS = 256
 # Why each field kvgate does not serve yet is refused (the rest of the message names the field).
 UNSUPPORTED = {
-    "logit_bias": "is not supported by kvgate yet",
-    "response_format": "is not supported by kvgate yet (only {'type': 'text'})",
     "tools": "is not supported by kvgate yet",
     "tool_choice": "is not supported by kvgate yet",
     "parallel_tool_calls": "is not supported by kvgate yet",
     "functions": "is not supported by kvgate yet",
     "function_call": "is not supported by kvgate yet",
-    "guided_json": "is not supported by kvgate yet",
-    "guided_regex": "is not supported by kvgate yet",
-    "guided_choice": "is not supported by kvgate yet",
-    "guided_grammar": "is not supported by kvgate yet",
-    "structured_outputs": "is not supported by kvgate yet",
     "audio": "is not supported by kvgate (text only)",
     "modalities": "is not supported by kvgate (text only)",
     "prediction": "is not supported by kvgate yet",
@@ -50,7 +45,8 @@ COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
     "seed", "presence_penalty", "frequency_penalty", "user", "n", "logprobs",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-    "priority", "session_id", "best_of",
+    "priority", "session_id", "best_of", "logit_bias", "allowed_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", *CONSTRAINT_FIELDS,
 })  # fmt: skip
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
@@ -150,8 +146,6 @@ def _token_ids(value: object, name: str) -> list[int]:
 def _refuse_unsupported(body: dict, allowed: frozenset[str]) -> None:
     for name, value in body.items():
         if name in UNSUPPORTED and value is not None and value is not False:
-            if name == "response_format" and value == {"type": "text"}:
-                continue
             raise InvalidArgument(name, UNSUPPORTED[name])
         if name not in allowed and name not in UNSUPPORTED:
             raise InvalidArgument(name, "unknown field (kvgate refuses fields it would ignore)")
@@ -178,7 +172,41 @@ def _sampling(body: dict, max_tokens_name: str) -> inference_pb2.SamplingParams:
     params.ignore_eos = _bool(body, "ignore_eos")
     if body.get("stop_token_ids") is not None:
         params.stop_token_ids.extend(_token_ids(body["stop_token_ids"], "stop_token_ids"))
+    _fill_logit_masks(body, params)
     return params
+
+
+def _fill_logit_masks(body: dict, params: inference_pb2.SamplingParams) -> None:
+    """logit_bias, allowed_token_ids and the text options (vLLM's extensions)."""
+    for token_id, bias in _logit_bias(body.get("logit_bias")).items():
+        params.logit_bias[token_id] = bias
+    if body.get("allowed_token_ids") is not None:
+        allowed = _token_ids(body["allowed_token_ids"], "allowed_token_ids")
+        if not allowed:
+            raise InvalidArgument("allowed_token_ids", "must not be empty when set")
+        params.allowed_token_ids.extend(allowed)
+    params.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
+    if body.get("skip_special_tokens") is not None:
+        params.skip_special_tokens = _bool(body, "skip_special_tokens")
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids written as JSON keys (strings) -> a bias in [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgument("logit_bias", f"must map token ids to numbers, got {_shown(value)}")
+    biases = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and int(key) <= MAX_UINT32):
+            raise InvalidArgument("logit_bias", f"keys must be token ids, got {_shown(key)}")
+        is_number = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not is_number or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                "logit_bias", f"token {key}'s bias must be in [-100, 100], got {_shown(bias)}"
+            )
+        biases[int(key)] = float(bias)
+    return biases
 
 
 def _common(body: dict, allowed: frozenset[str], max_tokens_name: str) -> OpenAIRequest:
@@ -192,7 +220,7 @@ def _common(body: dict, allowed: frozenset[str], max_tokens_name: str) -> OpenAI
         raise InvalidArgument("stream_options", "only with stream: true")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise InvalidArgument("stream_options", "must be {'include_usage': true or false}")
-    return OpenAIRequest(
+    request = OpenAIRequest(
         model=model,
         params=_sampling(body, max_tokens_name),
         stream=stream,
@@ -202,6 +230,8 @@ def _common(body: dict, allowed: frozenset[str], max_tokens_name: str) -> OpenAI
         user=_string(body, "user", MAX_USER_CHARS),
         names={"params.max_tokens": max_tokens_name},
     )
+    fill_constraint(body, request.params, request.names)
+    return request
 
 
 def _content(message: dict, index: int) -> str:

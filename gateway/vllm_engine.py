@@ -36,6 +36,7 @@ from gateway.vllm_params import (
     checked_token_input,
     checked_vllm_sampling,
     refuse_unsupported_request_fields,
+    renamed,
 )
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 
@@ -178,6 +179,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self.model_text.limits,
             self.kvgate.stop_limits,
         )
+        try:
+            await self.kvgate.text.check_constraint(sampling.constraint)
+        except InvalidArgument as error:
+            raise renamed(error) from None
         priority, clamped = clamp_priority(0, limits)
         return GenerationSpec(
             request_id=resolve_request_id("request_id", request.request_id),

@@ -5,7 +5,11 @@ kvgate cannot honour is refused with INVALID_ARGUMENT naming it, never ignored.
 
 vLLM's conventions are kept where its proto leaves a zero meaning "unset": top_p 0 and
 repetition_penalty 0 are 1.0 (off), n 0 is 1, and an unset max_tokens fills the model's
-context (vLLM's None), not the gateway's --default-max-tokens.
+context (vLLM's None), not the gateway's --default-max-tokens. skip_special_tokens has no
+"unset": false keeps special tokens in the text, as vLLM's own server reads it.
+
+The constraint oneof maps one to one onto kvgate.v1's (structural_tag is refused), and is
+compiled by the same code before the request is queued (TextWork.check_constraint).
 """
 
 from __future__ import annotations
@@ -48,13 +52,8 @@ def refuse_unsupported_request_fields(request: vllm_engine_pb2.GenerateRequest) 
 def _refuse_unsupported_sampling(params: vllm_engine_pb2.SamplingParams) -> None:
     if params.n > 1:
         raise InvalidArgument(f"{SAMPLING}.n", f"one sequence per request, got n={params.n}")
-    if params.logit_bias:
-        raise InvalidArgument(f"{SAMPLING}.logit_bias", "not supported by kvgate")
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        raise InvalidArgument(
-            f"{SAMPLING}.{constraint}", "constrained decoding is not supported by kvgate"
-        )
+    if params.WhichOneof("constraint") == "structural_tag":
+        raise InvalidArgument(f"{SAMPLING}.structural_tag", "not supported by kvgate")
     for name in UNSUPPORTED_OPTIONALS:
         if params.HasField(name):
             raise InvalidArgument(f"{SAMPLING}.{name}", "not supported by kvgate")
@@ -73,7 +72,7 @@ def kvgate_sampling(
         room: tokens the prompt leaves in the model's context (max_tokens when unset).
 
     Raises:
-        InvalidArgument: a field kvgate does not serve (n > 1, logit_bias, a constraint...).
+        InvalidArgument: a field kvgate does not serve (n > 1, structural_tag...).
     """
     _refuse_unsupported_sampling(params)
     translated = inference_pb2.SamplingParams(
@@ -99,7 +98,29 @@ def kvgate_sampling(
         translated.seed = params.seed
     if params.HasField("logprobs"):
         translated.logprobs = params.logprobs
+    _translate_logit_masks(params, translated)
     return translated
+
+
+def _translate_logit_masks(
+    params: vllm_engine_pb2.SamplingParams, translated: inference_pb2.SamplingParams
+) -> None:
+    """The constraint oneof, logit_bias and the text options, as kvgate.v1 holds them."""
+    for token_id, bias in params.logit_bias.items():
+        if token_id < 0:
+            raise InvalidArgument(f"{SAMPLING}.logit_bias", f"token id {token_id} is negative")
+        translated.logit_bias[token_id] = bias
+    translated.include_stop_str_in_output = params.include_stop_str_in_output
+    translated.skip_special_tokens = params.skip_special_tokens
+    constraint = params.WhichOneof("constraint")
+    if constraint == "json_object":
+        if not params.json_object:
+            raise InvalidArgument(f"{SAMPLING}.json_object", "must be true when set")
+        translated.json_object.SetInParent()
+    elif constraint == "choice":
+        translated.choice.choices.extend(params.choice.choices)
+    elif constraint is not None:
+        setattr(translated, constraint, getattr(params, constraint))
 
 
 def checked_vllm_sampling(
@@ -117,11 +138,11 @@ def checked_vllm_sampling(
         sampling = checked_sampling_params(translated, prompt_len, limits, translated.max_tokens)
         strings = check_stop(list(translated.stop), list(translated.stop_token_ids), stop)
     except InvalidArgument as error:
-        raise _renamed(error) from None
+        raise renamed(error) from None
     return sampling, strings
 
 
-def _renamed(error: InvalidArgument) -> InvalidArgument:
+def renamed(error: InvalidArgument) -> InvalidArgument:
     """kvgate.v1's `params.<name>` error as `sampling_params.<name>`."""
     problem = str(error)[len(error.field) + 2 :]
     field = error.field.removeprefix("params.")

@@ -63,7 +63,12 @@ FIELDS = {
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": SCALARS}), JSON_VALUES),
     "logit_bias": JSON_VALUES,
     "tools": JSON_VALUES,
-    "response_format": JSON_VALUES,
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])}),
+        JSON_VALUES,
+    ),
+    "structured_outputs": JSON_VALUES,
+    "allowed_token_ids": st.one_of(st.lists(st.integers(-1, 600), max_size=4), SCALARS),
     "unknown_field": JSON_VALUES,
 }
 PROMPTS = st.one_of(
