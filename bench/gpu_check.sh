@@ -44,15 +44,16 @@ fi
 echo "gpu_check: using $PYTHON"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
-# The Triton kernels, not the interpreter and not the reference, are what is measured here.
-unset TRITON_INTERPRET KVGATE_KERNELS
+# The Triton kernels, not the interpreter and not the reference, are what is measured here
+# (0, not unset: tests/conftest.py turns the interpreter on where TRITON_INTERPRET is unset).
+unset KVGATE_KERNELS
+export TRITON_INTERPRET=0
 
 status=0
 out=.run/gpu_check
 mkdir -p "$out"
 
-# The kernels' and the host tier's correctness on CUDA (the Triton interpreter off: tests/gpu
-# alone, without tests/kernels' conftest).
+# The kernels' and the host tier's correctness on CUDA, the Triton interpreter off.
 timeout 420 "$PYTHON" -m pytest -q -ra -p no:cacheprovider tests/gpu || status=$?
 
 # Paged attention timings, then the engine on a random model shaped like Llama-3.2-1B.

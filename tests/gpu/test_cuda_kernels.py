@@ -24,7 +24,7 @@ pytestmark = [
     ),
     pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") == "1",
-        reason="the Triton interpreter is on (tests/kernels sets it): run `pytest tests/gpu` alone",
+        reason="the Triton interpreter is on (tests/conftest.py sets it unless TRITON_INTERPRET=0)",
     ),
 ]
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

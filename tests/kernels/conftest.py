@@ -1,16 +1,17 @@
-"""Kernel tests run the Triton kernels in the CPU interpreter.
-
-TRITON_INTERPRET is read when a kernel is defined, so it is set here, before any test module
-imports the Triton kernels.
-"""
+"""Kernel tests run the Triton kernels in the CPU interpreter (tests/conftest.py turns it on
+before any module is imported)."""
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError(
+        f"tests/kernels runs Triton in its CPU interpreter; TRITON_INTERPRET is "
+        f"{os.environ['TRITON_INTERPRET']!r}: unset it or set it to 1"
+    )
 
-import pytest  # noqa: E402
+import pytest
 
-from kernels import cpu_build  # noqa: E402
+from kernels import cpu_build
 
 
 @pytest.fixture(params=cpu_build.runnable_isa_levels())
