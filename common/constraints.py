@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,14 +105,26 @@ def llguidance_grammar(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (not compiled yet).
 
     Raises:
-        ConstraintError: a JSON schema that is not a JSON object.
+        ConstraintError: a JSON schema that is not a JSON object, or text that llguidance's
+            grammar builders refuse (nested too deeply, a regex or grammar they cannot read).
     """
+    field = constraint.kind.value
+    try:
+        return _grammar(constraint)
+    except RecursionError:
+        raise ConstraintError(field, "is nested too deeply") from None
+    except json.JSONDecodeError as error:
+        raise ConstraintError(field, f"is not valid JSON: {error}") from None
+    except ConstraintError:
+        raise
+    except ValueError as error:  # llguidance's builders refuse with ValueError
+        raise ConstraintError(field, f"does not compile: {_short(str(error))}") from None
+
+
+def _grammar(constraint: Constraint) -> str:
     kind = constraint.kind
     if kind is ConstraintKind.JSON_SCHEMA:
-        try:
-            schema = json.loads(constraint.text)
-        except json.JSONDecodeError as error:
-            raise ConstraintError(kind.value, f"is not valid JSON: {error}") from None
+        schema = json.loads(constraint.text)
         if not isinstance(schema, dict | bool):
             raise ConstraintError(kind.value, "must be a JSON object (a JSON Schema)")
         return llguidance.LLMatcher.grammar_from_json_schema(constraint.text, JSON_OPTIONS)
@@ -154,11 +167,15 @@ class GrammarCompiler:
             initial_lexer_fuel=limits.lexer_fuel, max_grammar_size=limits.max_grammar_size
         )
         self._cache: OrderedDict[str, llguidance.LLMatcher | ConstraintError] = OrderedDict()
+        # `_lock` guards only the cache's dict operations, so a lookup on a loop never waits;
+        # the tokenizer's load (seconds) holds `_tokenizer_lock`, which only compiles take.
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        """The tokenizer, loaded on first use (blocks while it loads: not for a loop)."""
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = self._load_tokenizer()
             return self._tokenizer
@@ -180,12 +197,20 @@ class GrammarCompiler:
         self.check_size(constraint)
         return self._lookup(llguidance_grammar(constraint))
 
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+    def matcher(
+        self, constraint: Constraint, started_at: float | None = None
+    ) -> llguidance.LLMatcher:
         """A matcher in its start state, compiled now or taken from the cache.
+
+        Args:
+            started_at: when this compile started (`time.monotonic()`); given, a compile
+                that ends more than `limits.compile_timeout_s` later is refused for its time
+                (and that refusal cached), also when llguidance built a matcher.
 
         Raises:
             ConstraintError: naming the kind's field, when the constraint is over the size
-                limit, does not compile, or costs more than the work limits.
+                limit, does not compile, costs more than the work limits, or (`started_at`
+                given) takes longer than the time limit.
         """
         self.check_size(constraint)
         grammar = llguidance_grammar(constraint)
@@ -196,7 +221,9 @@ class GrammarCompiler:
             self.tokenizer, grammar, log_level=0, limits=self._parser_limits
         )
         result = compiled
-        if compiled.is_error():
+        if started_at is not None and time.monotonic() - started_at > self.limits.compile_timeout_s:
+            result = self.timeout_refusal(constraint)
+        elif compiled.is_error():
             result = ConstraintError(
                 constraint.kind.value, f"does not compile: {_short(compiled.get_error())}"
             )
@@ -208,10 +235,27 @@ class GrammarCompiler:
     def remember(self, grammar: str, result: llguidance.LLMatcher | ConstraintError) -> None:
         """Cache a compiled matcher (kept in its start state) or a refusal of `grammar`."""
         with self._lock:
-            self._cache[grammar] = result
-            self._cache.move_to_end(grammar)
-            while len(self._cache) > self.limits.max_cached:
-                self._cache.popitem(last=False)
+            self._store(grammar, result)
+
+    def _store(self, grammar: str, result: llguidance.LLMatcher | ConstraintError) -> None:
+        self._cache[grammar] = result
+        self._cache.move_to_end(grammar)
+        while len(self._cache) > self.limits.max_cached:
+            self._cache.popitem(last=False)
+
+    def timeout_refusal(self, constraint: Constraint) -> ConstraintError:
+        """The refusal of a constraint whose compile ran past `limits.compile_timeout_s`."""
+        limit_s = self.limits.compile_timeout_s
+        return ConstraintError(
+            constraint.kind.value, f"took longer than {limit_s:g} s to compile (the limit)"
+        )
+
+    def remember_refusal(self, grammar: str, refusal: ConstraintError) -> None:
+        """Cache `refusal` of `grammar` unless a result of it is cached already (a compile's
+        own result is never overwritten)."""
+        with self._lock:
+            if grammar not in self._cache:
+                self._store(grammar, refusal)
 
     def _lookup(self, grammar: str) -> llguidance.LLMatcher | None:
         with self._lock:

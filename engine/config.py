@@ -61,7 +61,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; float32, float16, bfloat16, int8, fp8
     quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
-    retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (executor/host_memory)
+    retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (engine/host_memory)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     policy: str = "fcfs"  # order of the waiting queue within a priority: fcfs or lpm
     lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes before younger ones

@@ -101,6 +101,12 @@ class StructuredOutput:
                 ready.append(req)
             except ValueError as error:  # ConstraintError, or llguidance's own refusal
                 failed.append(CompileFailure(req, f"params.{error}"))
+            # Anything else a compile raises ends its request alone: escaping here it would
+            # end the step loop, and every other request with it.
+            except Exception as error:
+                field = req.params.constraint.kind.value
+                problem = f"{type(error).__name__}: {error}"
+                failed.append(CompileFailure(req, f"params.{field} failed to compile: {problem}"))
         return ready, failed
 
     def wait(self, timeout_s: float) -> None:

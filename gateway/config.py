@@ -63,7 +63,8 @@ class GatewayConfig:
     max_stop_len: int = 256  # characters per stop string
     # structured output: characters of a constraint (schema, regex, grammar, choices together)
     max_constraint_chars: int = 65_536
-    # a constraint that takes longer to compile is refused (INVALID_ARGUMENT naming its field)
+    # a constraint whose compile takes longer is refused (INVALID_ARGUMENT naming its field);
+    # one that waits this long for a compile thread: RESOURCE_EXHAUSTED, retryable
     constraint_timeout_s: float = 5.0
     grace_s: float = 5.0  # running calls get this long to finish on SIGTERM
     metrics_host: str = "127.0.0.1"
@@ -241,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--constraint-timeout-s",
         type=float,
         default=env_float("KVGATE_CONSTRAINT_TIMEOUT_S", 5.0),
-        help="a constraint that takes longer to compile is refused",
+        help="a constraint that takes longer to compile, or to get a compile thread, is refused",
     )
     add("--grace-s", type=float, default=env_float("KVGATE_GRACE_S", 5.0))
     add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from common.constraints import (
@@ -31,7 +32,7 @@ from common.constraints import (
 )
 from common.model_text import ModelText
 from common.templates import Message
-from gateway.errors import InvalidArgument
+from gateway.errors import InvalidArgument, Refused
 
 INLINE_MAX_CHARS = 1000
 T = TypeVar("T")
@@ -99,8 +100,10 @@ class TextWork:
 
         Raises:
             InvalidArgument: naming `params.<kind>`, when it is over the size limit, does not
-                compile, or takes longer than the time limit (then refused from the cache
-                afterwards too, even if its compile ends later).
+                compile, or its compile takes longer than the time limit (then refused from
+                the cache afterwards too).
+            Refused: no compile thread was free within the time limit (retryable; nothing
+                is cached).
         """
         if constraint is None:
             return
@@ -112,28 +115,62 @@ class TextWork:
             raise InvalidArgument(f"params.{error.field}", error.problem) from None
 
     async def _compile_within_limit(self, constraint: Constraint) -> None:
+        """The time limit counts the compile itself, from when a thread takes it, so time
+        spent waiting behind other compiles never makes a constraint refused for good."""
         await asyncio.wrap_future(self._grammar_tokenizer)
         loop = asyncio.get_running_loop()
-        compiling = loop.run_in_executor(self._grammar_pool, self.compiler.matcher, constraint)
-        timeout_s = self.compiler.limits.compile_timeout_s
+        started: asyncio.Future[float] = loop.create_future()
+
+        def compile_timed() -> None:
+            started_at = time.monotonic()
+            loop.call_soon_threadsafe(_set_unless_done, started, started_at)
+            self.compiler.matcher(constraint, started_at)
+
+        job = self._grammar_pool.submit(compile_timed)
+        compiling = asyncio.wrap_future(job)
+        compiling.add_done_callback(_retrieve_exception)
         try:
-            await asyncio.wait_for(asyncio.shield(compiling), timeout_s)
+            started_at = await self._compile_started(constraint, job, started)
+            limit_s = self.compiler.limits.compile_timeout_s
+            remaining_s = max(0.0, started_at + limit_s - time.monotonic())
+            await asyncio.wait_for(asyncio.shield(compiling), remaining_s)
         except TimeoutError:
-            refusal = ConstraintError(
-                constraint.kind.value, f"took longer than {timeout_s:g} s to compile (the limit)"
-            )
-            grammar = llguidance_grammar(constraint)
-            self.compiler.remember(grammar, refusal)
-            compiling.add_done_callback(lambda _: self.compiler.remember(grammar, refusal))
-            compiling.add_done_callback(_retrieve_exception)
+            refusal = self.compiler.timeout_refusal(constraint)
+            self.compiler.remember_refusal(llguidance_grammar(constraint), refusal)
             raise refusal from None
+        except asyncio.CancelledError:
+            job.cancel()  # a compile still queued never runs for a caller that has gone
+            raise
+
+    async def _compile_started(
+        self, constraint: Constraint, job: Future, started: asyncio.Future[float]
+    ) -> float:
+        """When a thread took the compile; Refused when none did within the time limit."""
+        limit_s = self.compiler.limits.compile_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(started), limit_s)
+        except TimeoutError:
+            if not job.cancel():  # a thread took it just now
+                return await started
+        raise Refused(
+            "constraint_timeout_s",
+            f"params.{constraint.kind.value}: no compile thread was free within {limit_s:g} s "
+            "(--constraint-timeout-s; all --tokenizer-threads are compiling other "
+            "constraints); nothing was compiled, retry later",
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _set_unless_done(future: asyncio.Future[float], value: float) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 def _retrieve_exception(future: asyncio.Future) -> None:
-    """Mark an abandoned compile's exception as seen (it was answered by the timeout)."""
+    """Mark a compile's exception as seen (raised to its caller, or answered by the time
+    limit when the caller stopped waiting)."""
     if not future.cancelled():
         future.exception()

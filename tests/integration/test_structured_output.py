@@ -99,6 +99,16 @@ def with_unknown_field(params: pb.SamplingParams, field_number: int) -> pb.Sampl
         (with_unknown_field(pb.SamplingParams(), 99), "params.constraint", "does not know"),
         (pb.SamplingParams(json_schema="{"), "params.json_schema", "not valid JSON"),
         (pb.SamplingParams(json_schema='{"type": "foo"}'), "params.json_schema", "compile"),
+        (
+            pb.SamplingParams(json_schema="[" * 10_000 + "]" * 10_000),
+            "params.json_schema",
+            "deeply",
+        ),
+        (
+            pb.SamplingParams(json_schema='{"a":' * 500 + "{}" + "}" * 500),
+            "params.json_schema",
+            "recursion",
+        ),
         (pb.SamplingParams(json_schema='{"oneOf": []}'), "params.json_schema", "compile"),
         (pb.SamplingParams(regex="[a-"), "params.regex", "compile"),
         (pb.SamplingParams(grammar="start: (("), "params.grammar", "compile"),

@@ -378,3 +378,27 @@ def test_bad_constraints_are_refused_naming_the_kind():
         Constraint(ConstraintKind.CHOICE, choices=("a", ""))
     with pytest.raises(ConstraintError, match="^json_schema is not valid JSON"):
         llguidance_grammar(Constraint(ConstraintKind.JSON_SCHEMA, "{"))
+
+
+def test_a_compile_that_raises_finishes_that_request_alone(tokenizer):
+    engine = make_engine()
+
+    def broken_load():
+        raise RuntimeError("the tokenizer files are unreadable")
+
+    engine.structured = StructuredOutput(broken_load, engine.model_config.vocab_size)
+    prompt = tokenizer("Once upon a time").input_ids
+    results = run(
+        engine,
+        {
+            "constrained": sampled(schema(PERSON), 0),
+            "free": SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        },
+        prompt,
+    )
+    engine.close()
+    _, reason, error = results["constrained"]
+    assert reason == FinishReason.ERROR, results["constrained"]
+    expected = "params.json_schema failed to compile: RuntimeError: the tokenizer files"
+    assert error.startswith(expected), error
+    assert len(results["free"][0]) == 8 and results["free"][1] == FinishReason.LENGTH, results

@@ -1,4 +1,4 @@
-"""executor/host_memory: large freed activations stay in the process heap for reuse; the KV
+"""engine/host_memory: large freed activations stay in the process heap for reuse; the KV
 cache and its host tier are resident only where blocks are written."""
 
 from __future__ import annotations
