@@ -164,44 +164,45 @@ def _cut(details: str) -> str:
     return f"{details[: MAX_DETAILS_CHARS - 32]}... ({len(details)} characters)"
 
 
-# Called with the limit's name each time a call is refused at one.
-OnRefused = Callable[[str], None]
+# Called with the limit's name and the call's full method ('/service/Method') each time a
+# call is refused at one.
+OnRefused = Callable[[str, str], None]
 
 
 async def _abort_with(
-    context: aio.ServicerContext, error: Exception, on_refused: OnRefused
+    context: aio.ServicerContext, error: Exception, on_refused: OnRefused, method: str
 ) -> None:
     status = status_of(error)
     if status is None:
         raise error
     limit = refused_limit(error)
     if limit is not None:
-        on_refused(limit)
+        on_refused(limit, method)
     log.debug("%s: %s", status[0].name, status[1])
     await context.abort(status[0], status[1], getattr(error, "metadata", ()))
 
 
 def _wrap_unary(
-    behavior: Callable[..., Awaitable[Any]], on_refused: OnRefused
+    behavior: Callable[..., Awaitable[Any]], on_refused: OnRefused, method: str
 ) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
         try:
             return await behavior(request_or_iterator, context)
         except (ServiceError, redis.RedisError) as error:
-            await _abort_with(context, error, on_refused)
+            await _abort_with(context, error, on_refused, method)
 
     return wrapper
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], on_refused: OnRefused
+    behavior: Callable[..., AsyncIterator[Any]], on_refused: OnRefused, method: str
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for response in behavior(request_or_iterator, context):
                 yield response
         except (ServiceError, redis.RedisError) as error:
-            await _abort_with(context, error, on_refused)
+            await _abort_with(context, error, on_refused, method)
 
     return wrapper
 
@@ -210,11 +211,11 @@ class ErrorInterceptor(WrappingInterceptor):
     """Turns ServiceError and Redis errors raised by servicers into gRPC status codes, and
     reports each refusal at a limit to `on_refused`."""
 
-    def __init__(self, on_refused: OnRefused = lambda limit: None) -> None:
+    def __init__(self, on_refused: OnRefused = lambda limit, method: None) -> None:
         self._on_refused = on_refused
 
     def wrap_unary(self, behavior: Callable[..., Awaitable[Any]], method: str) -> Callable:
-        return _wrap_unary(behavior, self._on_refused)
+        return _wrap_unary(behavior, self._on_refused, method)
 
     def wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable:
-        return _wrap_stream(behavior, self._on_refused)
+        return _wrap_stream(behavior, self._on_refused, method)

@@ -111,7 +111,7 @@ class StreamLimitInterceptor(WrappingInterceptor):
     def wrap_stream(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
         async def wrapper(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator:
             if self.open_streams >= self.max_streams:
-                self._on_refused("max_concurrent_streams")
+                self._on_refused("max_concurrent_streams", method)
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the gateway has {self.max_streams} streams open, its limit "

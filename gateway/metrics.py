@@ -34,6 +34,11 @@ def api_of(service: str) -> str:
     return API_OF_SERVICE.get(service, DEFAULT_API)
 
 
+def api_of_method(full_method: str) -> str:
+    """The front whose service serves `full_method` ('/vllm.grpc.engine.VllmEngine/Generate')."""
+    return api_of(_split_method(full_method)[0])
+
+
 def _split_method(full_method: str) -> tuple[str, str]:
     """'/kvgate.v1.Inference/Generate' -> ('kvgate.v1.Inference', 'Generate')."""
     service, _, method = full_method.lstrip("/").rpartition("/")

@@ -27,7 +27,7 @@ from gateway.generation import BackgroundTasks, GenerationDeps
 from gateway.health import GatewayHealth
 from gateway.http_server import HttpServer, HttpTLS, bind_http
 from gateway.limits import StreamLimitInterceptor, public_server_options, receive_limit
-from gateway.metrics import GatewayMetrics, MetricsInterceptor
+from gateway.metrics import GatewayMetrics, MetricsInterceptor, api_of_method
 from gateway.openai_http import JSON_BYTES_FACTOR, OpenAIFront, OpenAIFrontConfig
 from gateway.quotas import Quotas
 from gateway.request_queue import RequestQueue
@@ -211,8 +211,8 @@ def _public_server(
     tls: ReloadableServerCredentials | None,
     vllm_engine: VllmEngineServicer,
 ) -> tuple[aio.Server, health.aio.HealthServicer, str]:
-    def refused(limit: str) -> None:
-        metrics.refused.labels(limit, "kvgate").inc()
+    def refused(limit: str, method: str) -> None:
+        metrics.refused.labels(limit, api_of_method(method)).inc()
 
     max_message_bytes = _max_message_bytes(config, servicer)
     log.info(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import queue
 import re
 import shutil
 import zipfile
@@ -25,7 +26,9 @@ from tokenizers import Tokenizer
 from client import admin
 from client.api import KvgateClient
 from common.keys import RedisKeys
+from deploy.stack import free_port
 from protos.kvgate.v1 import inference_pb2 as kvgate_pb
+from protos.kvgate.v1 import inference_pb2_grpc as kvgate_grpc
 from protos.kvgate.v1 import internal_pb2 as kvgate_internal_pb
 from tests.helpers import wait_for
 from tests.integration.conftest import MODEL, scrape
@@ -140,6 +143,46 @@ def test_request_metrics_say_the_vllm_front(engine, stack, keys):
     calls = [s for f in families for s in f.samples if s.name == "kvgate_gateway_requests_total"]
     generate = {"service": "vllm.grpc.engine.VllmEngine", "method": "Generate", "api": "vllm"}
     assert any(generate.items() <= s.labels.items() for s in calls), calls
+
+
+def refused_counts(stack, gateway: str) -> dict[str, float]:
+    """kvgate_gateway_refused_total at --max-concurrent-streams, by api, from /metrics."""
+    families = text_string_to_metric_families(scrape(stack, gateway))
+    return {
+        s.labels["api"]: s.value
+        for f in families
+        for s in f.samples
+        if s.name == "kvgate_gateway_refused_total"
+        and s.labels["limit"] == "max_concurrent_streams"
+    }
+
+
+def test_a_stream_past_max_concurrent_streams_is_refused_and_counted_as_vllm(stack, keys):
+    """One stream allowed: while a kvgate.v1 Chat stream is open, a VllmEngine Generate is
+    refused naming the flag, and the refusal is counted under api="vllm"."""
+    port = free_port()
+    stack.start_gateway("gateway-1-stream", port, ["--max-concurrent-streams", "1"])
+    turns: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        chat = kvgate_grpc.InferenceStub(channel).Chat(
+            iter(turns.get, None), metadata=keys["acme"], timeout=CALL_TIMEOUT_S
+        )
+        wait_for(
+            lambda: (
+                'kvgate_gateway_active_streams{api="kvgate",method="Chat"} 1.0'
+                in scrape(stack, "gateway-1-stream")
+            ),
+            "the open Chat stream",
+        )
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        request = pb.GenerateRequest(request_id="over", text=PROMPT, sampling_params=greedy(3))
+        code, details = status_of(stub.Generate(request, metadata=keys["acme"], timeout=60))
+        turns.put(None)
+        list(chat)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code}: {details}"
+    assert "--max-concurrent-streams" in details, details
+    counts = refused_counts(stack, "gateway-1-stream")
+    assert counts.get("vllm") == 1 and counts.get("kvgate", 0) == 0, counts
 
 
 def test_text_input_stops_at_a_stop_string_and_names_it(engine, keys):

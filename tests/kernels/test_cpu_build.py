@@ -1,5 +1,9 @@
 """Building the C kernels and choosing their ISA level (kernels/cpu_build.py)."""
 
+import fnmatch
+import tomllib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -64,3 +68,18 @@ def test_missing_compiler_is_a_clear_reason(tmp_path):
     result = run_python(code, env)
     assert result.returncode == 0, result.stderr
     assert "cannot run the C compiler" in result.stdout and "no-such-cc" in result.stdout
+
+
+def test_an_installed_package_carries_every_file_the_build_reads():
+    """An image installs kvgate without its git tree (pip install /src): the package data
+    must hold every C source and header cpu_build compiles."""
+    root = Path(cpu_build.__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["kernels"]
+    read = [*cpu_build.SOURCES, *cpu_build.HEADERS, cpu_build.PROBE_SOURCE]
+    missing = [
+        path.name
+        for path in read
+        if not any(fnmatch.fnmatch(f"csrc/{path.name}", pattern) for pattern in patterns)
+    ]
+    assert not missing, f"pyproject's kernels package data {patterns} leaves out {missing}"

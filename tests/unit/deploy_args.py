@@ -120,6 +120,14 @@ def check_container(command: list[str], env: dict[str, str], where: str) -> obje
         raise AssertionError(f"{where}: python -m {role} refuses a value: {error}") from None
 
 
+def listened_ports(config: object) -> set[int]:
+    """The fixed ports a process with `config` listens on (a gateway: gRPC, HTTP, TokenSink;
+    every process: metrics and health); 0 (a free port) and -1 (none) are left out."""
+    names = ("port", "http_port", "internal_port", "metrics_port", "health_port")
+    ports = (getattr(config, name, 0) for name in names)
+    return {port for port in ports if port > 0}
+
+
 def module_exists(module: str) -> bool:
     """Whether `python -m module` names a module of this project."""
     path = REPO / Path(*module.split("."))

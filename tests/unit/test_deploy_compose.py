@@ -10,7 +10,7 @@ import jsonschema
 import yaml
 
 from tests.helpers import REPO
-from tests.unit.deploy_args import check_container, image_env
+from tests.unit.deploy_args import check_container, image_env, listened_ports
 
 DEPLOY = REPO / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
@@ -59,16 +59,34 @@ def test_it_runs_redis_with_an_append_only_file_and_each_process_twice() -> None
     assert {"prometheus", "grafana"} <= services.keys()
 
 
+def service_config(name: str, service: dict) -> object:
+    """The validated config of the process a kvgate service runs."""
+    env = image_env() | {k: str(v) for k, v in service["environment"].items()}
+    return check_container(service["command"], env, f"compose service {name}")
+
+
 def test_every_kvgate_service_runs_a_process_that_accepts_its_command() -> None:
     services = compose()["services"]
     for name, service in kvgate_services().items():
-        env = image_env() | {k: str(v) for k, v in service["environment"].items()}
-        config = check_container(service["command"], env, f"compose service {name}")
+        config = service_config(name, service)
         assert urlparse(config.redis_url).hostname in services, f"{name}: {config.redis_url}"
         if service["command"][0] == "gateway":
             assert config.advertise_host == name, f"{name} must advertise its service name"
         if service["command"][0] == "executor":
             assert config.executor_id == name, f"{name}: executor id {config.executor_id}"
+
+
+def test_gateways_publish_their_grpc_and_http_ports_and_nothing_unlistened() -> None:
+    host_ports: list[str] = []
+    for name, service in kvgate_services().items():
+        config = service_config(name, service)
+        mappings = [mapping.split(":") for mapping in service.get("ports", [])]
+        host_ports += [host for host, _ in mappings]
+        published = {int(container) for _, container in mappings}
+        assert published <= listened_ports(config), f"{name} publishes {published}"
+        if service["command"][0] == "gateway":
+            assert {config.port, config.http_port} <= published, f"{name}: {published}"
+    assert len(host_ports) == len(set(host_ports)), f"a host port twice: {host_ports}"
 
 
 def test_prometheus_scrapes_every_kvgate_service_by_name() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
+from gateway.config import HTTP_DISABLED
 from tests.helpers import REPO
 from tests.unit.deploy_args import (
     DOCKERFILE,
@@ -26,6 +27,7 @@ from tests.unit.deploy_args import (
     check_container,
     env_names_read_by_the_code,
     image_env,
+    listened_ports,
     module_exists,
 )
 
@@ -114,15 +116,22 @@ def test_every_exposed_port_is_a_port_the_processes_listen_on_in_the_image() -> 
         # name, Kubernetes: its pod IP); without one it is refused, as the next test shows.
         command = [role, "--advertise-host", "gateway-1"] if role == "gateway" else [role]
         config = check_container(command, env, f"the image's {role}")
-        ports = [getattr(config, f, None) for f in ("port", "internal_port")]
-        ports += [config.metrics_port, config.health_port]
-        listening.update(p for p in ports if p and p > 0)
-        for host_field in ("host", "internal_host", "metrics_host", "health_host"):
+        listening.update(listened_ports(config))
+        for host_field in ("host", "http_host", "internal_host", "metrics_host", "health_host"):
             host = getattr(config, host_field, "0.0.0.0")
             assert host == "0.0.0.0", f"{role} --{host_field}: {host}, unreachable from outside"
     assert {int(p) for p in expose} == listening, (
         f"EXPOSE {expose}; the processes listen on {sorted(listening)}"
     )
+
+
+def test_the_images_gateway_serves_the_http_front_and_can_be_told_not_to() -> None:
+    env = image_env()
+    gateway = ["gateway", "--advertise-host", "gateway-1"]
+    config = check_container(gateway, env, "the image's gateway")
+    assert config.http_port > 0 and config.http_port != config.port, config.http_port
+    off = check_container(gateway, env | {"KVGATE_HTTP_PORT": "-1"}, "a gateway without HTTP")
+    assert off.http_port == HTTP_DISABLED and config.http_port not in listened_ports(off)
 
 
 def test_the_images_gateway_without_an_advertised_host_is_refused_naming_the_flag() -> None:

@@ -24,6 +24,7 @@ from tests.unit.deploy_args import (
     DOCKERFILE,
     check_container,
     image_env,
+    listened_ports,
     module_exists,
     parse_container,
 )
@@ -168,8 +169,7 @@ def test_every_container_runs_a_process_that_accepts_its_args(overlay: str) -> N
         roles.add(args[0])
         redis = urlparse(config.redis_url)
         find(overlay, "Service", redis.hostname)
-        listening = {getattr(config, f, None) for f in ("port", "internal_port")}
-        listening |= {config.metrics_port, config.health_port}
+        listening = listened_ports(config)
         for port in container["ports"]:
             assert port["containerPort"] in listening, f"{where}: {port} is not listened on"
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -180,6 +180,22 @@ def test_every_container_runs_a_process_that_accepts_its_args(overlay: str) -> N
         if args[0] == "gateway":
             assert config.advertise_host == POD_IP, f"{where}: executors must dial the pod IP"
     assert roles == {"gateway", "scheduler", "executor"}, roles
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_service_and_policy_carry_its_grpc_and_http_ports(overlay: str) -> None:
+    workload = find(overlay, "Deployment", "kvgate-gateway")
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    env = container_env(overlay, container)
+    config = check_container([expand(a, env) for a in container["args"]], env, "gateway")
+    public = {config.port, config.http_port}
+    named = {port["name"]: port["containerPort"] for port in container["ports"]}
+    service = find(overlay, "Service", "kvgate-gateway")["spec"]["ports"]
+    targets = {named[port["targetPort"]] for port in service}
+    assert targets == public, f"the Service reaches {targets}; the public ports are {public}"
+    policy = find(overlay, "NetworkPolicy", "kvgate-gateway")["spec"]["ingress"]
+    open_ports = {p["port"] for rule in policy if "from" not in rule for p in rule["ports"]}
+    assert public <= open_ports, f"the NetworkPolicy opens {open_ports}, not all of {public}"
 
 
 def image_model_source() -> str:
