@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from common.finish_reason import FinishReason
 from common.templates import ChatTemplateError
 from gateway.auth import Authenticator, bearer_key
 from gateway.errors import (
@@ -123,6 +124,12 @@ def error_response(error: Exception, openai: OpenAIRequest | None = None) -> JSO
     return JSONResponse(body, status_code=http_status, headers=headers)
 
 
+def internal_error_response(request_id: str) -> JSONResponse:
+    """A 500 for an error the request path does not expect; its trace is in the log."""
+    message = f"internal error in the gateway; its log has request {request_id}'s trace"
+    return JSONResponse(error_json(message, "internal_error", None, "internal"), status_code=500)
+
+
 class SSEResponse(StreamingResponse):
     """A stream of server-sent events whose iterator is closed however the response ends
     (a client gone cancels it while it waits at a yield)."""
@@ -200,6 +207,20 @@ async def merged(streams: list[AsyncIterator[tuple[str, Chunk]]]) -> AsyncIterat
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class GenerationFailed(ServiceError):
+    """The executors could not run a prompt (FINISH_REASON_ERROR): INTERNAL, their message."""
+
+
+async def failing_on_error(stream: AsyncIterator[Item]) -> AsyncIterator[Item]:
+    """The chunks, up to one that ends its generation with an error: GenerationFailed."""
+    async with contextlib.aclosing(stream):
+        async for index, request_id, chunk in stream:
+            if chunk.finish_reason == FinishReason.ERROR:
+                reason = chunk.error_message or "no reason given"
+                raise GenerationFailed(f"the executors could not run the request: {reason}")
+            yield index, request_id, chunk
 
 
 class CallCount:
@@ -308,7 +329,8 @@ class OpenAIFront:
                 raise BodyTooLarge(f"request body: over the limit of {limit} bytes")
         try:
             parsed = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
+            # an integer over Python's digit limit, nesting deeper than the recursion limit
             raise InvalidArgument("body", f"not JSON: {error}") from None
         if not isinstance(parsed, dict):
             raise InvalidArgument("body", "must be a JSON object")
@@ -324,6 +346,7 @@ class OpenAIFront:
         self, request: Request, method: str, read: Callable[[dict], OpenAIRequest]
     ) -> Response:
         count = CallCount(self.metrics, method)
+        request_id = uuid.uuid4().hex
         openai = None
         try:
             tenant = await self._tenant(request)
@@ -333,13 +356,18 @@ class OpenAIFront:
                     f"model: {openai.model!r} is not served here; "
                     f"this gateway serves {self.model_text.model_id!r}"
                 )
-            return await self._answer(request, tenant, openai, method == "chat.completions", count)
+            chat = method == "chat.completions"
+            return await self._answer(request, tenant, openai, chat, count, request_id)
         except ClientGone:
             count.end("CANCELLED")
             return Response(status_code=499)
         except (ServiceError, redis.RedisError) as error:
             count.end_with(error)
             return error_response(error, openai)
+        except Exception:  # a bug: the client still gets OpenAI's shape, the log the trace
+            log.exception("%s request %s failed", method, request_id)
+            count.end("INTERNAL")
+            return internal_error_response(request_id)
 
     def _generations(self, tenant: str, openai: OpenAIRequest, chat: bool, request_id: str):
         """The generation stream of each prompt (one for chat)."""
@@ -382,27 +410,39 @@ class OpenAIFront:
         check_prompt_len(field_name, len(token_ids), limits.max_model_len)
         return token_ids
 
-    async def _answer(
-        self, request: Request, tenant: str, openai: OpenAIRequest, chat: bool, count: CallCount
-    ) -> Response:
-        if self.open_streams >= self.config.max_concurrent_streams:
+    def _open(self, num_generations: int) -> None:
+        """Counts a call's generations in open_streams. Raises: Refused over the limit."""
+        limit = self.config.max_concurrent_streams
+        if self.open_streams + num_generations > limit:
             raise Refused(
                 "max_concurrent_streams",
-                f"the gateway has {self.open_streams} HTTP requests open, its limit "
-                "(--max-concurrent-streams); try again later or another gateway",
+                f"the gateway has {self.open_streams} generations open and this request "
+                f"starts {num_generations}; its limit is {limit} (--max-concurrent-streams); "
+                "try again later or another gateway",
             )
-        request_id = uuid.uuid4().hex
+        self.open_streams += num_generations
+
+    async def _answer(
+        self,
+        request: Request,
+        tenant: str,
+        openai: OpenAIRequest,
+        chat: bool,
+        count: CallCount,
+        request_id: str,
+    ) -> Response:
         if openai.user:
             log.info("request %s for end user %s", request_id, shown(openai.user))
         shape = ResponseShape(chat, openai.model, request_id, openai.logprobs, self.token_text)
-        stream = merged(self._generations(tenant, openai, chat, request_id))
+        generations = self._generations(tenant, openai, chat, request_id)
+        self._open(len(generations))
+        stream = failing_on_error(merged(generations))
         active = self.metrics.active_streams.labels(count.method, API)
-        self.open_streams += 1
         active.inc()
 
         async def close() -> None:
             count.end("CANCELLED")  # unless it ended otherwise before
-            self.open_streams -= 1
+            self.open_streams -= len(generations)
             active.dec()
             await stream.aclose()
 
@@ -447,6 +487,10 @@ class OpenAIFront:
         except (ServiceError, redis.RedisError) as error:
             count.end_with(error)
             yield sse_event(json.loads(error_response(error, openai).body))
+        except Exception:  # a bug: as in _serve
+            log.exception("request %s failed mid-stream", shape.request_id)
+            count.end("INTERNAL")
+            yield sse_event(json.loads(internal_error_response(shape.request_id).body))
 
 
 async def _whole(stream: AsyncIterator[Item], openai: OpenAIRequest) -> list[Choice]:

@@ -101,6 +101,7 @@ class ResponseShape:
     ):
         self.chat = chat
         self.model = model
+        self.request_id = request_id
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.with_logprobs = with_logprobs

@@ -198,7 +198,8 @@ def _logit_bias(value: object) -> dict[int, float]:
         raise InvalidArgument("logit_bias", f"must map token ids to numbers, got {_shown(value)}")
     biases = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit() and int(key) <= MAX_UINT32):
+        is_id = key.isascii() and key.isdigit() and len(key) <= len(str(MAX_UINT32))
+        if not (is_id and int(key) <= MAX_UINT32):
             raise InvalidArgument("logit_bias", f"keys must be token ids, got {_shown(key)}")
         is_number = isinstance(bias, int | float) and not isinstance(bias, bool)
         if not is_number or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
@@ -259,8 +260,9 @@ def _messages(body: dict) -> list[Message]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidArgument(f"messages[{index}]", "must be an object {role, content}")
-        if extra := set(message) - {"role", "content", "name"}:
+        if extra := set(message) - {"role", "content"}:
             field_name = sorted(extra)[0]
+            # name included: the chat templates served render no participant names
             raise InvalidArgument(f"messages[{index}].{field_name}", "is not supported")
         role = message.get("role")
         if role == "developer":  # OpenAI's newer name for the system role

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from gateway.vllm_params import (
 )
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 
+log = logging.getLogger(__name__)
 VLLM_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 SERVER_TYPE = "kvgate"
 API = "vllm"  # the `api` label of this front's request metrics
@@ -53,6 +55,12 @@ FINISH_REASONS = {
 class EngineError(ServiceError):
     """The executors could not run the request (kvgate.v1's FINISH_REASON_ERROR): vLLM's
     servicer answers an engine failure with INTERNAL and its message, and so does this one."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class TokenizerZipFailed(ServiceError):
+    """GetTokenizer could not build the zip: INTERNAL, with what failed."""
 
     code = grpc.StatusCode.INTERNAL
 
@@ -214,10 +222,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: vllm_engine_pb2.AbortRequest, context: aio.ServicerContext
     ) -> vllm_engine_pb2.AbortResponse:
         """Cancels the caller's own requests of these ids streaming through this gateway; an
-        id it does not have (finished, unknown, another tenant's) is passed over."""
+        id it does not have (finished, unknown, another tenant's) is passed over. Every id is
+        checked before any is cancelled: a refused call cancels nothing."""
         tenant = tenant_of(context)
         for index, request_id in enumerate(request.request_ids):
             check_id(f"request_ids[{index}]", request_id)
+        for request_id in request.request_ids:
             self.deps.router.cancel_client_request((tenant, request_id))
         return vllm_engine_pb2.AbortResponse()
 
@@ -308,13 +318,28 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield common_pb2.GetTokenizerChunk(data=data, sha256=sha256)
 
     async def _zip(self) -> TokenizerZip:
-        """Built once, off the event loop, on the first call."""
+        """Built once, off the event loop, on the first call; a failed build is not kept, so
+        the next call builds again.
+
+        Raises:
+            TokenizerZipFailed: the build raised; the message says what failed.
+        """
         if self._tokenizer_zip is None:
             loop = asyncio.get_running_loop()
             self._tokenizer_zip = loop.run_in_executor(
                 None, build_tokenizer_zip, self.model, self.model_text
             )
-        return await asyncio.shield(self._tokenizer_zip)
+        building = self._tokenizer_zip
+        try:
+            return await asyncio.shield(building)
+        except Exception as error:
+            if self._tokenizer_zip is building:
+                self._tokenizer_zip = None
+            log.exception("the tokenizer zip of %s failed to build", self.model)
+            raise TokenizerZipFailed(
+                f"the tokenizer zip of {self.model_text.model_id} failed to build: "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
     async def Embed(self, request, context: aio.ServicerContext):  # noqa: N802
         await _unimplemented(context, "Embed: kvgate serves no embeddings")

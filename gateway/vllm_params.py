@@ -1,7 +1,10 @@
 """vLLM's engine API requests (`vllm.grpc.engine`, the stubs of `smg-grpc-proto`) as kvgate's
 own: the sampling fields translated to kvgate.v1's SamplingParams and checked by the same
 code (gateway/validation.py), so both fronts accept and refuse the same values. A field
-kvgate cannot honour is refused with INVALID_ARGUMENT naming it, never ignored.
+kvgate cannot honour is refused with INVALID_ARGUMENT naming it, never ignored; two are
+accepted without effect, as docs/api.md says: spaces_between_special_tokens (the router makes
+its text from the ids) and grammar_from_first_token (constraints start at the first token
+either way).
 
 vLLM's conventions are kept where its proto leaves a zero meaning "unset": top_p 0 and
 repetition_penalty 0 are 1.0 (off), n 0 is 1, and an unset max_tokens fills the model's

@@ -168,6 +168,8 @@ def bad_request(call, **kwargs) -> openai.BadRequestError:
         ({"extra_body": {"stop_token_ids": [99_999]}}, "stop_token_ids"),
         ({"extra_body": {"min_tokens": 30}, "max_tokens": 10}, "min_tokens"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages[0].name"),
+        ({"logit_bias": {"1" * 5000: 5}}, "logit_bias"),
     ],
 )
 def test_each_bad_field_is_a_bad_request_naming_it(client: openai.OpenAI, fields, param):
@@ -245,6 +247,12 @@ def test_a_quota_refusal_is_a_rate_limit_error_whose_retry_waits_retry_after(sta
         (b'{"model": "stories260K", "prompt": ""}', "prompt"),
         (b'{"model": "stories260K"}', "prompt"),
         (b'{"prompt": "x"}', "model"),
+        (b'{"model": "stories260K", "prompt": "x", "seed": ' + b"1" * 5000 + b"}", "body"),
+        (b"[" * 100_000 + b"]" * 100_000, "body"),
+        (
+            b'{"model": "stories260K", "prompt": "x", "logit_bias": {"' + b"1" * 5000 + b'": 1}}',
+            "logit_bias",
+        ),
     ],
 )
 def test_bad_bodies_are_refused_naming_the_field(stack: Stack, api_key: str, content, param):

@@ -123,6 +123,52 @@ def test_the_answer_streams_the_executors_tokens(
     assert chunks[-1].choices[0].finish_reason == "length", chunks[-1]
 
 
+def sdk_call(gateway: GatewayThread, stream: bool):
+    """A completions call through the SDK in a thread: it waits for the executor's answer."""
+
+    def call() -> list:
+        with openai.OpenAI(base_url=url(gateway, "/v1"), api_key="x", max_retries=0) as sdk:
+            answer = sdk.completions.create(
+                model=MODEL_ID, prompt=PROMPT, max_tokens=40, stream=stream
+            )
+            return list(answer) if stream else [answer]
+
+    return ThreadPoolExecutor(1).submit(call)
+
+
+def send_error(peer: ExecutorPeer, request_id: str, offset: int) -> None:
+    peer.send(
+        request_id,
+        offset,
+        [],
+        finished=True,
+        finish_reason=pb.FINISH_REASON_ERROR,
+        error_message="model step raised: boom",
+    )
+
+
+def test_a_generation_that_fails_is_a_500_with_the_executors_reason(
+    http_gateway: GatewayThread, peer: ExecutorPeer
+):
+    answer = sdk_call(http_gateway, stream=False)
+    send_error(peer, peer.take_request().request_id, 0)
+    with pytest.raises(openai.InternalServerError) as raised:
+        answer.result(timeout=20)
+    assert raised.value.status_code == 500, raised.value.body
+    assert "boom" in raised.value.body["message"], raised.value.body
+
+
+def test_a_stream_that_fails_after_its_first_chunk_ends_with_the_reason(
+    http_gateway: GatewayThread, peer: ExecutorPeer, model_text
+):
+    answer = sdk_call(http_gateway, stream=True)
+    queued = peer.take_request()
+    peer.send(queued.request_id, 0, story_ids(model_text)[:2])
+    send_error(peer, queued.request_id, 2)
+    with pytest.raises(openai.APIError, match="boom"):
+        answer.result(timeout=20)
+
+
 def test_without_an_executor_the_answer_is_503_and_not_ready(
     redis_url: str, redis_client: redis.Redis
 ):
@@ -164,17 +210,24 @@ def test_a_full_queue_is_a_rate_limit_error_naming_the_limit(
         gateway.stop()
 
 
-def test_more_requests_than_max_concurrent_streams_are_refused(
-    redis_url: str, redis_client: redis.Redis
+@pytest.mark.parametrize(
+    ("limit", "prompts"),
+    [(1, PROMPT), (2, [PROMPT, PROMPT])],  # a list of prompts counts one per prompt
+)
+def test_more_generations_than_max_concurrent_streams_are_refused(
+    redis_url: str, redis_client: redis.Redis, limit: int, prompts
 ):
-    gateway = make_gateway(redis_url, http_port=0, max_concurrent_streams=1)
+    gateway = make_gateway(redis_url, http_port=0, max_concurrent_streams=limit)
     peer = ExecutorPeer.attached(redis_client, gateway)
     try:
         with open_stream(gateway):
             peer.take_request()
-            second = httpx.post(url(gateway, "/v1/completions"), json=BODY, timeout=20)
+            body = BODY | {"prompt": prompts}
+            second = httpx.post(url(gateway, "/v1/completions"), json=body, timeout=20)
         assert second.status_code == 429, second.text
-        assert "--max-concurrent-streams" in second.json()["error"]["message"], second.text
+        error = second.json()["error"]
+        assert error["code"] == "max_concurrent_streams", second.text
+        assert "--max-concurrent-streams" in error["message"], second.text
     finally:
         peer.link.close()
         gateway.stop()

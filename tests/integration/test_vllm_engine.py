@@ -8,6 +8,7 @@ import hashlib
 import io
 import queue
 import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -224,6 +225,51 @@ def test_abort_ends_the_callers_stream_and_not_another_tenants(redis_url, redis_
         wait_for(lambda: queued.request_id in executor.aborted_ids(), "the executor's abort")
     finally:
         executor.link.close()
+        gateway.stop()
+
+
+def test_an_abort_with_a_bad_id_cancels_none_of_its_ids(redis_url, redis_client):
+    gateway = make_gateway(redis_url)
+    executor = ExecutorPeer.attached(redis_client, gateway)
+    try:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(gateway.channel)
+        request = pb.GenerateRequest(
+            request_id="keep-me", text=PROMPT, sampling_params=greedy(400), stream=True
+        )
+        call = stub.Generate(request, timeout=CALL_TIMEOUT_S)
+        queued = executor.take_request()
+        executor.send(queued.request_id, 0, [5])
+        assert list(next(call).chunk.token_ids) == [5]
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Abort(pb.AbortRequest(request_ids=["keep-me", "x", "y", "has space"]))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+        assert raised.value.details().startswith("request_ids[3]:"), raised.value.details()
+        executor.send(queued.request_id, 1, [6])
+        after = next(call)
+        assert list(after.chunk.token_ids) == [6], f"the refused abort ended it: {after}"
+        call.cancel()
+    finally:
+        executor.link.close()
+        gateway.stop()
+
+
+def test_a_tokenizer_zip_that_fails_says_why_and_is_built_again(
+    redis_url, redis_client, tmp_path: Path
+):
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    gateway = make_gateway(redis_url, model=str(model))
+    try:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(gateway.channel)
+        (model / "vocab.json").symlink_to("/proc/self/mem")  # a file whose read fails (EIO)
+        code, details = status_of(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+        assert code == grpc.StatusCode.INTERNAL, f"{code}: {details}"
+        assert "failed to build" in details and "Input/output error" in details, details
+        (model / "vocab.json").unlink()
+        chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10))
+        names = zipfile.ZipFile(io.BytesIO(b"".join(c.data for c in chunks))).namelist()
+        assert "tokenizer.json" in names and "vocab.json" not in names, names
+    finally:
         gateway.stop()
 
 
