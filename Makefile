@@ -61,7 +61,7 @@ proto: $(BIN)/.installed
 	$(PYTHON) -m common.protogen
 
 test: setup proto
-	$(PYTHON) -m pytest -q -ra tests
+	$(PYTHON) -m pytest -q -ra --durations=30 tests
 
 test-kernels: setup
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -ra tests/kernels
