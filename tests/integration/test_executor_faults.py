@@ -210,7 +210,15 @@ def test_a_request_that_kills_executors_stops_at_max_attempts(stack, stall_dir):
         last = list(client.stub.Generate(crash, timeout=60.0))[-1]
     assert last.finish_reason == inference_pb2.FINISH_REASON_ERROR, last
     assert "lost its executor 1 times; it is not run again" in last.error_message, last
-    exits = {name: stack.procs[name].poll() for name in ("executor-0", "executor-1")}
+    # The gateway hears of the loss when the executor's links drop, which can be before its
+    # process has finished exiting.
+    names = ("executor-0", "executor-1")
+    wait_for(
+        lambda: any(stack.procs[name].poll() is not None for name in names),
+        "the executor the request crashed to exit",
+        60.0,
+    )
+    exits = {name: stack.procs[name].poll() for name in names}
     assert sorted(exits.values(), key=str) == [CRASH_STATUS, None], f"one died: {exits}"
     stack.stop("gateway-1-attempt")
     restart_executors(stack, stall_dir, *[name for name, code in exits.items() if code])
