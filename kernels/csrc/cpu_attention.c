@@ -333,3 +333,13 @@ int kvgate_attention_layer(const kvgate_attention_step *st, const void *qkv, int
     }
     return failed;
 }
+
+/* Whether heads of 64 and 128 values take the register tiles of cpu_attention_tiles.h (every
+ * level but the portable one; the kernel tests check it). */
+int kvgate_attention_tiles_built(void) {
+#ifdef KVGATE_ATTEND_WIDE
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -5,7 +5,11 @@
  * quantize_activations does (scale = max |x| * float32(1/127), q = round(x * (1 / scale))), so
  * that a block of 32 weights meets its 32 x values in integer multiply-adds: VNNI's vpdpbusd
  * multiplies 64 unsigned bytes (nibbles) by 64 signed bytes and adds each 4 products into a
- * 32-bit lane. With w = q * scale + zero (kernels/quant.py), a block's share of an output is
+ * 32-bit lane; without VNNI (the AVX2 level, AVX-512 CPUs before it) vpmaddubsw adds each 2
+ * products into a 16-bit lane (at most 2 * 15 * 127, exact; the low and high nibbles' pairs
+ * added there too, at most 7620) and vpmaddwd each 2 of those into a 32-bit lane: the same 32-bit
+ * sums, in 64-byte (AVX-512) or 32-byte (AVX2) registers. With w = q * scale + zero
+ * (kernels/quant.py), a block's share of an output is
  *     sum_j w_j x_j = scale * dx * sum_j q_j qx_j + zero * dx * sum_j qx_j,
  * an exact integer sum times two scales, plus the zero times the x block's own sum.
  *
@@ -18,9 +22,11 @@
  *          vpdpbusd sums block b's products;
  *   sums:  4 floats a chunk, dx * sum_j qx_j of each block (what the weight's zero multiplies).
  *
- * The scale, its inverse and the rounding use the embedded-rounding intrinsics: -ffast-math may
- * rewrite plain float divisions (a reciprocal estimate, or a product by an inverse), and the
- * quantization must equal the reference's to the bit.
+ * The scale, its inverse and the rounding use the embedded-rounding intrinsics (AVX-512), or
+ * plain C compiled without -ffast-math (below it): -ffast-math may rewrite float divisions (a
+ * reciprocal estimate, or a product by an inverse), and the quantization must equal the
+ * reference's to the bit. The portable level dequantizes the weights instead (cpu_linear.c),
+ * against x's rounded values q * scale.
  */
 #ifndef KVGATE_CPU_INT4_H
 #define KVGATE_CPU_INT4_H
@@ -101,8 +107,52 @@ static void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
 #undef ROUNDED
 #endif
 
-#if defined(KVGATE_AVX512) && defined(__AVX512VNNI__)
-#define KVGATE_INT4_VNNI 1
+#ifndef KVGATE_AVX512
+/* A block of 32 values (src[j * stride]) rounded to int8 as round_x_block: round-half-even(x *
+ * (1 / scale)) into codes[32], clamped to -127..127 (0 where the product is no number);
+ * returns scale (NaN when the block holds one). Not fast-math: the reference's operations. */
+__attribute__((optimize("no-fast-math"))) static float round_block_codes(const float *src,
+                                                                         int64_t stride,
+                                                                         int8_t *codes) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) { /* a NaN, once met, stays: the reference's amax */
+        const float v = src[j * stride];
+        uint32_t bits;
+        memcpy(&bits, &v, sizeof bits); /* a NaN by its bits, whatever the flags */
+        const int nan = (bits & 0x7fffffffu) > 0x7f800000u;
+        amax = fabsf(v) > amax || nan ? fabsf(v) : amax;
+    }
+    const float scale = amax * (float)(1.0 / 127.0);
+    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int j = 0; j < 32; ++j) {
+        const float q = __builtin_rintf(src[j * stride] * inverse);
+        codes[j] = (int8_t)(q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q == q ? q : 0.0f);
+    }
+    return scale;
+}
+
+/* x's rounded values q * scale (kernels/quant.py's round_activations): row i's value j at
+ * src[i * row_stride + j * feature_stride] into the same place of dst (which may be src). */
+static void round_x_strided(const float *src, float *dst, int64_t m, int64_t k,
+                            int64_t row_stride, int64_t feature_stride) {
+    int8_t codes[32];
+    for (int64_t i = 0; i < m; ++i) {
+        for (int64_t b = 0; b < k; b += 32) {
+            const int64_t at = i * row_stride + b * feature_stride;
+            const float scale = round_block_codes(src + at, feature_stride, codes);
+            for (int j = 0; j < 32; ++j) dst[at + j * feature_stride] = (float)codes[j] * scale;
+        }
+    }
+}
+
+/* x^T (dense [k, m]) rounded into out ([k, m]), as the AVX-512 round_x_columns. */
+static inline void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
+    round_x_strided(x, out, m, k, 1, m);
+}
+#endif
+
+#ifdef KVGATE_VECTOR
+#define KVGATE_INT4_INTEGER 1
 
 #define INT4_X_CHUNK 128  /* x values (4 blocks of 32) per chunk */
 #define INT4_BLOCK_CHUNK 256 /* blocks whose weight scales and zeros are converted at a time */
@@ -131,16 +181,25 @@ static inline int4_x int4_x_layout(char *memory, int64_t m, int64_t k) {
 
 /* Block b of row i (32 floats at src) into x: its int8 values, its scale and its sum. */
 static inline void quantize_x_block(const float *src, int64_t i, int64_t b, const int4_x *x) {
-    __m512i q_lo, q_hi;
-    const float scale_f = round_x_block(src, &q_lo, &q_hi);
     const int64_t chunk = i * x->chunks + b / 4, in_chunk = b % 4;
     int8_t *q = x->q + chunk * INT4_X_CHUNK + 16 * in_chunk;
+#ifdef KVGATE_AVX512
+    __m512i q_lo, q_hi;
+    const float scale = round_x_block(src, &q_lo, &q_hi);
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q_lo));
     _mm_storeu_si128((__m128i *)(q + 64), _mm512_cvtepi32_epi8(q_hi));
-    _mm_storeu_ps(x->lanes + chunk * 16 + 4 * in_chunk, _mm_set1_ps(scale_f));
-    x->sums[chunk * 4 + in_chunk] = scale_f * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+#else
+    int8_t codes[32];
+    const float scale = round_block_codes(src, 1, codes);
+    memcpy(q, codes, 16);
+    memcpy(q + 64, codes + 16, 16);
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += codes[j];
+#endif
+    for (int lane = 0; lane < 4; ++lane) x->lanes[chunk * 16 + 4 * in_chunk + lane] = scale;
+    x->sums[chunk * 4 + in_chunk] = scale * (float)sum;
 }
-
 
 /* m dense float32 rows of ld (>= k) into x, k a multiple of 32; x's memory is zeroed. */
 static void quantize_x(const float *xf, int64_t m, int64_t k, int64_t ld, const int4_x *x) {
@@ -168,11 +227,28 @@ static void int4_block_scales(const uint16_t *scales, const uint16_t *zeros, int
     for (int64_t b = count; b % 4 != 0; ++b) s[b] = z[b] = 0.0f;
 }
 
-/* The scales of blocks c .. c + 3 (zero past `left` blocks: nothing past them is read). */
-static inline __m128 int4_scales4(const int4_row_scales *rs, int64_t c, int64_t left) {
-    if (rs->scales == NULL) return _mm_loadu_ps(rs->s + c);
-    const __mmask8 mask = left >= 4 ? 0xf : (__mmask8)((1u << left) - 1u);
-    return _mm_cvtph_ps(_mm_maskz_loadu_epi16(mask, rs->scales + c));
+/* ---- per register width: INT4_BLOCKS weight blocks (16 bytes each) to a vector, their
+ * scales spread over each block's 4 lanes of sums ---- */
+#ifdef KVGATE_AVX512
+#define INT4_BLOCKS 4
+
+/* The bytes of blocks c .. c + 3 at p (zero past `left` blocks: nothing past them is read). */
+static inline __m512i int4_weight_bytes(const uint8_t *p, int64_t left) {
+    const __mmask64 mask = left >= 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * left)) - 1;
+    return _mm512_maskz_loadu_epi8(mask, p);
+}
+
+/* The scales of blocks c .. c + 3, each in its block's 4 lanes (zero past `left` blocks). */
+static inline __m512 int4_scale_lanes(const int4_row_scales *rs, int64_t c, int64_t left) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m128 four;
+    if (rs->scales == NULL) {
+        four = _mm_loadu_ps(rs->s + c);
+    } else {
+        const __mmask8 mask = left >= 4 ? 0xf : (__mmask8)((1u << left) - 1u);
+        four = _mm_cvtph_ps(_mm_maskz_loadu_epi16(mask, rs->scales + c));
+    }
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
 }
 
 /* The zero terms of `count` blocks: the row's zeros times x's block sums, in 16 lanes that are
@@ -189,9 +265,70 @@ static inline __m512 int4_zero_terms(const int4_row_scales *rs, const float *sum
     return acc;
 }
 
+#define vloadu_si(p) _mm512_loadu_si512(p)
+#define vand_si _mm512_and_si512
+#define vsrli_epi16 _mm512_srli_epi16
+#define vset1_epi8 _mm512_set1_epi8
+#define vcvt_epi32_ps _mm512_cvtepi32_ps
+#ifdef __AVX512VNNI__
+/* lo . x_lo + hi . x_hi, 4 byte products to a 32-bit lane (unsigned lo, hi; signed x). */
+static inline __m512i dot_bytes(__m512i lo, __m512i x_lo, __m512i hi, __m512i x_hi) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x_lo), hi, x_hi);
+}
+#else
+static inline __m512i dot_bytes(__m512i lo, __m512i x_lo, __m512i hi, __m512i x_hi) {
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, x_lo),
+                                           _mm512_maddubs_epi16(hi, x_hi));
+    return _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+}
+#endif
+#else
+#define INT4_BLOCKS 2
+
+static inline __m256i int4_weight_bytes(const uint8_t *p, int64_t left) {
+    if (left >= 2) return _mm256_loadu_si256((const __m256i *)p);
+    return _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline float int4_scale(const int4_row_scales *rs, int64_t b) {
+    return rs->scales != NULL ? _cvtsh_ss(rs->scales[b]) : rs->s[b];
+}
+
+static inline __m256 int4_scale_lanes(const int4_row_scales *rs, int64_t c, int64_t left) {
+    const float second = left >= 2 ? int4_scale(rs, c + 1) : 0.0f;
+    return _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(int4_scale(rs, c)));
+}
+
+static inline __m256 int4_zero_terms(const int4_row_scales *rs, const float *sums, int64_t count) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= count; b += 8) {
+        const __m256 z = rs->zeros != NULL
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rs->zeros + b)))
+            : _mm256_loadu_ps(rs->z + b);
+        acc = _mm256_fmadd_ps(z, _mm256_loadu_ps(sums + b), acc);
+    }
+    float rest = 0.0f;
+    for (; b < count; ++b) rest += (rs->zeros != NULL ? _cvtsh_ss(rs->zeros[b]) : rs->z[b]) * sums[b];
+    return _mm256_add_ps(acc, _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
+}
+
+#define vloadu_si(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vand_si _mm256_and_si256
+#define vsrli_epi16 _mm256_srli_epi16
+#define vset1_epi8 _mm256_set1_epi8
+#define vcvt_epi32_ps _mm256_cvtepi32_ps
+
+static inline __m256i dot_bytes(__m256i lo, __m256i x_lo, __m256i hi, __m256i x_hi) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo),
+                                           _mm256_maddubs_epi16(hi, x_hi));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#endif
+
 /* a##r##i += the zero terms of weight row r against x row i. */
 #define INT4_ZERO_TERM(r, i) \
-    a##r##i = _mm512_add_ps(a##r##i, int4_zero_terms(&rows[r], sums + (i) * sums_ld, count))
+    a##r##i = vadd(a##r##i, int4_zero_terms(&rows[r], sums + (i) * sums_ld, count))
 #define INT4_ZERO_TERMS(r)                          \
     do {                                            \
         INT4_ZERO_TERM(r, 0);                       \
@@ -203,16 +340,16 @@ static inline __m512 int4_zero_terms(const int4_row_scales *rs, const float *sum
 /* a##r##i += block sums of weight row r against x row i, times the blocks' two scales. */
 #define INT4_DOT(r, i)                                                                      \
     do {                                                                                    \
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo##i), \
-                                              hi, xhi##i);                                  \
-        a##r##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s_lanes, xl##i), a##r##i); \
+        const vecf sums_ = vcvt_epi32_ps(dot_bytes(lo, xlo##i, hi, xhi##i));                \
+        a##r##i = vfmadd(sums_, vmul(s_lanes, xl##i), a##r##i);                             \
     } while (0)
 
 /*
- * int4 rows row0 .. row0 + R - 1 against quantized x rows i0 .. i0 + M - 1, a chunk of 4 blocks
- * (64 weight bytes a row) at a time: the nibbles masked and shifted into two vectors of bytes,
- * two vpdpbusd per row of x, and the 16 lanes' integer sums (4 per block) scaled in float32 by
- * the weight block's scale times x's (both spread over the block's 4 lanes).
+ * int4 rows row0 .. row0 + R - 1 against quantized x rows i0 .. i0 + M - 1, INT4_BLOCKS blocks
+ * (16 weight bytes each) at a time: the nibbles masked and shifted into two vectors of bytes,
+ * one dot_bytes per row of x against the x bytes of the same blocks (the low nibbles' at 16 b
+ * in x's chunk, the high ones' 64 bytes further), and the lanes' integer sums (4 per block)
+ * scaled in float32 by the weight block's scale times x's (both spread over the block's lanes).
  */
 static inline __attribute__((always_inline)) void int4_block(
     const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
@@ -220,8 +357,7 @@ static inline __attribute__((always_inline)) void int4_block(
     const int64_t k = io->k, blocks = k / 32, row_bytes = k / 2, groups = k / group_size;
     const int4_x *xq = io->xq;
     float s_blk[ROW_BLOCK][INT4_BLOCK_CHUNK], z_blk[ROW_BLOCK][INT4_BLOCK_CHUNK];
-    const __m512i nibble = _mm512_set1_epi8(15);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const veci nibble = vset1_epi8(15);
     DECLARE_ALL_ACCUMULATORS;
     for (int64_t b0 = 0; b0 < blocks; b0 += INT4_BLOCK_CHUNK) {
         const int64_t count = blocks - b0 < INT4_BLOCK_CHUNK ? blocks - b0 : INT4_BLOCK_CHUNK;
@@ -238,18 +374,17 @@ static inline __attribute__((always_inline)) void int4_block(
         const float *sums = xq->sums + i0 * xq->chunks * 4 + b0;
         const int64_t sums_ld = xq->chunks * 4;
         FOR_ROWS(INT4_ZERO_TERMS);
-        for (int64_t c = 0; c < count; c += 4) {
-            const int64_t chunk = (b0 + c) / 4, left = count - c;
-            const __mmask64 wmask = left >= 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * left)) - 1;
-            const int8_t *xb = xq->q + (i0 * xq->chunks + chunk) * INT4_X_CHUNK;
-            const float *xlb = xq->lanes + (i0 * xq->chunks + chunk) * 16;
+        for (int64_t c = 0; c < count; c += INT4_BLOCKS) {
+            const int64_t chunk = (b0 + c) / 4, in_chunk = (b0 + c) % 4, left = count - c;
+            const int8_t *xb = xq->q + (i0 * xq->chunks + chunk) * INT4_X_CHUNK + 16 * in_chunk;
+            const float *xlb = xq->lanes + (i0 * xq->chunks + chunk) * 16 + 4 * in_chunk;
             const int64_t xb_ld = xq->chunks * INT4_X_CHUNK, xl_ld = xq->chunks * 16;
-/* x row i's chunk (rows past M: row 0's, never used). */
+/* x row i's bytes and scale lanes for these blocks (rows past M: row 0's, never used). */
 #define X_ROW(i)                                                                            \
             const int64_t at##i = M > (i) ? (i) : 0;                                        \
-            const __m512i xlo##i = _mm512_loadu_si512(xb + at##i * xb_ld);                  \
-            const __m512i xhi##i = _mm512_loadu_si512(xb + at##i * xb_ld + 64);             \
-            const __m512 xl##i = _mm512_loadu_ps(xlb + at##i * xl_ld)
+            const veci xlo##i = vloadu_si(xb + at##i * xb_ld);                              \
+            const veci xhi##i = vloadu_si(xb + at##i * xb_ld + 64);                         \
+            const vecf xl##i = vloadu(xlb + at##i * xl_ld)
             X_ROW(0);
             X_ROW(1);
             X_ROW(2);
@@ -258,12 +393,12 @@ static inline __attribute__((always_inline)) void int4_block(
 #define INT4_ROW(r)                                                                         \
             do {                                                                            \
                 const uint8_t *src = q + (row0 + (r)) * row_bytes + (b0 + c) * 16;          \
-                _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);              \
-                const __m512i bytes = _mm512_maskz_loadu_epi8(wmask, src);                  \
-                const __m512i lo = _mm512_and_si512(bytes, nibble);                         \
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);   \
-                const __m512 s_lanes = _mm512_permutexvar_ps(                               \
-                    spread, _mm512_castps128_ps512(int4_scales4(&rows[r], c, left)));       \
+                if ((c & 3) == 0) /* once per 64 bytes */                                   \
+                    _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);          \
+                const veci bytes = int4_weight_bytes(src, left);                            \
+                const veci lo = vand_si(bytes, nibble);                                     \
+                const veci hi = vand_si(vsrli_epi16(bytes, 4), nibble);                     \
+                const vecf s_lanes = int4_scale_lanes(&rows[r], c, left);                   \
                 INT4_DOT(r, 0);                                                             \
                 if (M > 1) INT4_DOT(r, 1);                                                  \
                 if (M > 2) INT4_DOT(r, 2);                                                  \
@@ -286,45 +421,10 @@ static inline __attribute__((always_inline)) void int4_block(
 
 #define INT4_X_BYTES(kind, m, k) 0
 
-/* Without VNNI, int4 weights are dequantized and multiplied in float32 by x rounded to its
- * int8 blocks' values, q * scale (kernels/quant.py's round_activations): row i's value j at
- * src[i * row_stride + j * feature_stride] into the same place of dst (which may be src).
- * Compiled without -ffast-math, so that the scale, its inverse and the rounding are the
- * reference's operations. */
-__attribute__((optimize("no-fast-math"))) static void round_x_strided(
-    const float *src, float *dst, int64_t m, int64_t k, int64_t row_stride,
-    int64_t feature_stride) {
-    for (int64_t i = 0; i < m; ++i) {
-        for (int64_t b = 0; b < k; b += 32) {
-            const int64_t at = i * row_stride + b * feature_stride;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; ++j) {  /* a NaN, once met, stays: the reference's amax */
-                const float v = src[at + j * feature_stride];
-                uint32_t bits;
-                memcpy(&bits, &v, sizeof bits);  /* a NaN by its bits, whatever the flags */
-                const int nan = (bits & 0x7fffffffu) > 0x7f800000u;
-                amax = fabsf(v) > amax || nan ? fabsf(v) : amax;
-            }
-            const float scale = amax * (float)(1.0 / 127.0);
-            const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-            for (int j = 0; j < 32; ++j) {
-                const float q = __builtin_rintf(src[at + j * feature_stride] * inverse);
-                dst[at + j * feature_stride] = (q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q) * scale;
-            }
-        }
-    }
-}
-
-/* m dense rows of ld floats (k a multiple of 32) rounded in place. */
+/* m dense rows of ld floats (k a multiple of 32) rounded in place (the portable level's x
+ * against its dequantized weights). */
 static inline void round_x_blocks(float *x, int64_t m, int64_t k, int64_t ld) {
     round_x_strided(x, x, m, k, ld, 1);
 }
-
-#ifndef KVGATE_AVX512
-/* x^T (dense [k, m]) rounded into out ([k, m]), as round_x_columns above. */
-static inline void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
-    round_x_strided(x, out, m, k, 1, m);
-}
-#endif
 #endif
 #endif
