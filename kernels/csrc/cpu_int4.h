@@ -290,13 +290,17 @@ static inline __m256i int4_weight_bytes(const uint8_t *p, int64_t left) {
     return _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
 }
 
-static inline float int4_scale(const int4_row_scales *rs, int64_t b) {
-    return rs->scales != NULL ? _cvtsh_ss(rs->scales[b]) : rs->s[b];
-}
-
 static inline __m256 int4_scale_lanes(const int4_row_scales *rs, int64_t c, int64_t left) {
-    const float second = left >= 2 ? int4_scale(rs, c + 1) : 0.0f;
-    return _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(int4_scale(rs, c)));
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m128 two;
+    if (rs->scales == NULL) { /* zero-padded to whole chunks: the second is there */
+        two = _mm_castpd_ps(_mm_load_sd((const double *)(rs->s + c)));
+    } else {
+        uint32_t pair = rs->scales[c];
+        if (left >= 2) pair |= (uint32_t)rs->scales[c + 1] << 16;
+        two = _mm_cvtph_ps(_mm_cvtsi32_si128((int)pair));
+    }
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
 }
 
 static inline __m256 int4_zero_terms(const int4_row_scales *rs, const float *sums, int64_t count) {

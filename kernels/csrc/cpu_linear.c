@@ -239,6 +239,22 @@ static inline vecf bf16_weights(const uint16_t *p, int64_t left) {
     const vecf name##2 = R > 1 ? vector_of_row(2) : name##0; \
     const vecf name##3 = R > 1 ? vector_of_row(3) : name##0
 
+/* Features start .. end - 1, VL at a time: whole vectors by WHOLE(r) for every row (a constant
+ * width, so the loads need no tail test and the accumulators stay in registers), then the last
+ * part vector, if any, by TAIL(r). x##v##i holds x row i's features j .. j + VL - 1. */
+#define WHOLE_VECTORS_THEN_TAIL(start, end, WHOLE, TAIL) \
+    do {                                                 \
+        int64_t j = start;                               \
+        for (; j + VL <= (end); j += VL) {               \
+            LOAD_X(v, vloadu, j);                        \
+            FOR_ROWS(WHOLE);                             \
+        }                                                \
+        if (j < (end)) {                                 \
+            LOAD_X(v, vloadu, j);                        \
+            FOR_ROWS(TAIL);                              \
+        }                                                \
+    } while (0)
+
 /*
  * int8 rows row0 .. row0 + R - 1 (R is 1 or ROW_BLOCK) against x rows i0 .. i0 + M - 1, a group
  * at a time (per-channel: one group of k), 16 weights at a time within it, so a vector never
@@ -256,20 +272,21 @@ static inline __attribute__((always_inline)) void int8_block(
         ROW_VECTORS(s, GROUP_SCALE);
 #undef GROUP_SCALE
         const int64_t end = (g + 1) * group_size;
-        for (int64_t j = g * group_size; j < end; j += VL) {
-            LOAD_X(v, vloadu, j);
-#define INT8_ROW(r)                                                                     \
+#define INT8_ROW(r, left)                                                               \
             do {                                                                        \
                 const int8_t *src = q + (row0 + (r)) * k + j;                           \
                 if ((j & 63) < VL) /* once per 64 bytes, whatever the group size */     \
                     _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);      \
-                vecf w = i8_weights(src, end - j);                                     \
-                if (!per_channel) w = vmul(w, s##r);                           \
+                vecf w = i8_weights(src, left);                                         \
+                if (!per_channel) w = vmul(w, s##r);                                    \
                 ACCUMULATE(r, w, xv);                                                   \
             } while (0)
-            FOR_ROWS(INT8_ROW);
+#define INT8_WHOLE(r) INT8_ROW(r, VL)
+#define INT8_TAIL(r) INT8_ROW(r, end - j)
+        WHOLE_VECTORS_THEN_TAIL(g * group_size, end, INT8_WHOLE, INT8_TAIL);
 #undef INT8_ROW
-        }
+#undef INT8_WHOLE
+#undef INT8_TAIL
     }
 #define INT8_OUT(r) WRITE_ROW(r, per_channel ? scales[row0 + (r)] : 1.0f)
     FOR_ROWS(INT8_OUT);
@@ -282,16 +299,17 @@ static inline __attribute__((always_inline)) void f32_block(
     const int64_t k = io->k;
     const float *x = (const float *)io->x + i0 * io->ld;
     DECLARE_ALL_ACCUMULATORS;
-    for (int64_t j = 0; j < k; j += VL) {
-        LOAD_X(v, vloadu, j);
-#define F32_ROW(r)                                                                  \
-        do {                                                                        \
-            const vecf wr = f32_weights(w + (row0 + (r)) * k + j, k - j);           \
-            ACCUMULATE(r, wr, xv);                                                  \
-        } while (0)
-        FOR_ROWS(F32_ROW);
+#define F32_ROW(r, left)                                                            \
+    do {                                                                            \
+        const vecf wr = f32_weights(w + (row0 + (r)) * k + j, left);                \
+        ACCUMULATE(r, wr, xv);                                                      \
+    } while (0)
+#define F32_WHOLE(r) F32_ROW(r, VL)
+#define F32_TAIL(r) F32_ROW(r, k - j)
+    WHOLE_VECTORS_THEN_TAIL(0, k, F32_WHOLE, F32_TAIL);
 #undef F32_ROW
-    }
+#undef F32_WHOLE
+#undef F32_TAIL
     FOR_ROWS(UNSCALED_OUT);
 }
 
@@ -302,16 +320,17 @@ static inline __attribute__((always_inline)) void bf16_wide_block(
     const int64_t k = io->k;
     const float *x = (const float *)io->x + i0 * io->ld;
     DECLARE_ALL_ACCUMULATORS;
-    for (int64_t j = 0; j < k; j += VL) {
-        LOAD_X(v, vloadu, j);
-#define BF16_WIDE_ROW(r)                                                                    \
-        do {                                                                                \
-            const vecf wr = bf16_weights(w + (row0 + (r)) * k + j, k - j);                  \
-            ACCUMULATE(r, wr, xv);                                                          \
-        } while (0)
-        FOR_ROWS(BF16_WIDE_ROW);
+#define BF16_WIDE_ROW(r, left)                                                              \
+    do {                                                                                    \
+        const vecf wr = bf16_weights(w + (row0 + (r)) * k + j, left);                       \
+        ACCUMULATE(r, wr, xv);                                                              \
+    } while (0)
+#define BF16_WHOLE(r) BF16_WIDE_ROW(r, VL)
+#define BF16_TAIL(r) BF16_WIDE_ROW(r, k - j)
+    WHOLE_VECTORS_THEN_TAIL(0, k, BF16_WHOLE, BF16_TAIL);
 #undef BF16_WIDE_ROW
-    }
+#undef BF16_WHOLE
+#undef BF16_TAIL
     FOR_ROWS(UNSCALED_OUT);
 }
 
