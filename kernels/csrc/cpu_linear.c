@@ -293,44 +293,28 @@ static inline __attribute__((always_inline)) void int8_block(
 #undef INT8_OUT
 }
 
-/* float32 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1. */
-static inline __attribute__((always_inline)) void f32_block(
-    const linear_io *io, const float *w, int64_t row0, const int R, int64_t i0, const int M) {
+/* float32 rows (bf16 0), or bfloat16 rows widened exactly in the registers (float32 sums of
+ * exact products, where there is no AVX512-BF16 dot product), row0 .. row0 + R - 1 against
+ * float32 x rows i0 .. i0 + M - 1. */
+static inline __attribute__((always_inline)) void dense_block(
+    const linear_io *io, const void *w, const int bf16, int64_t row0, const int R, int64_t i0,
+    const int M) {
     const int64_t k = io->k;
     const float *x = (const float *)io->x + i0 * io->ld;
     DECLARE_ALL_ACCUMULATORS;
-#define F32_ROW(r, left)                                                            \
-    do {                                                                            \
-        const vecf wr = f32_weights(w + (row0 + (r)) * k + j, left);                \
-        ACCUMULATE(r, wr, xv);                                                      \
-    } while (0)
-#define F32_WHOLE(r) F32_ROW(r, VL)
-#define F32_TAIL(r) F32_ROW(r, k - j)
-    WHOLE_VECTORS_THEN_TAIL(0, k, F32_WHOLE, F32_TAIL);
-#undef F32_ROW
-#undef F32_WHOLE
-#undef F32_TAIL
-    FOR_ROWS(UNSCALED_OUT);
-}
-
-/* bfloat16 rows widened exactly in the registers, against float32 x: float32 sums of exact
- * products, where there is no AVX512-BF16 dot product. */
-static inline __attribute__((always_inline)) void bf16_wide_block(
-    const linear_io *io, const uint16_t *w, int64_t row0, const int R, int64_t i0, const int M) {
-    const int64_t k = io->k;
-    const float *x = (const float *)io->x + i0 * io->ld;
-    DECLARE_ALL_ACCUMULATORS;
-#define BF16_WIDE_ROW(r, left)                                                              \
+#define DENSE_ROW(r, left)                                                                  \
     do {                                                                                    \
-        const vecf wr = bf16_weights(w + (row0 + (r)) * k + j, left);                       \
+        const int64_t at = (row0 + (r)) * k + j;                                            \
+        const vecf wr = bf16 ? bf16_weights((const uint16_t *)w + at, left)                 \
+                             : f32_weights((const float *)w + at, left);                    \
         ACCUMULATE(r, wr, xv);                                                              \
     } while (0)
-#define BF16_WHOLE(r) BF16_WIDE_ROW(r, VL)
-#define BF16_TAIL(r) BF16_WIDE_ROW(r, k - j)
-    WHOLE_VECTORS_THEN_TAIL(0, k, BF16_WHOLE, BF16_TAIL);
-#undef BF16_WIDE_ROW
-#undef BF16_WHOLE
-#undef BF16_TAIL
+#define DENSE_WHOLE(r) DENSE_ROW(r, VL)
+#define DENSE_TAIL(r) DENSE_ROW(r, k - j)
+    WHOLE_VECTORS_THEN_TAIL(0, k, DENSE_WHOLE, DENSE_TAIL);
+#undef DENSE_ROW
+#undef DENSE_WHOLE
+#undef DENSE_TAIL
     FOR_ROWS(UNSCALED_OUT);
 }
 
@@ -465,14 +449,14 @@ static void store_row_vector(const float *src, int64_t n, void *dst, int dtype) 
         else if (wt->kind == KVGATE_W_INT4)                                                 \
             INT4_BLOCK(R, M);                                                               \
         else if (wt->kind == KVGATE_W_F32)                                                  \
-            f32_block(io, wt->q, row0, R, i0, M);                                           \
+            dense_block(io, wt->q, 0, row0, R, i0, M);                                           \
         else                                                                                \
             BF16_BLOCK(R, M);                                                               \
     } while (0)
 #ifdef KVGATE_BF16_DOT
 #define BF16_BLOCK(R, M) bf16_block(io, wt->q, row0, R, i0, M)
 #else
-#define BF16_BLOCK(R, M) bf16_wide_block(io, wt->q, row0, R, i0, M)
+#define BF16_BLOCK(R, M) dense_block(io, wt->q, 1, row0, R, i0, M)
 #endif
 #define INT4_BLOCK(R, M) int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M)
 
