@@ -381,8 +381,12 @@ static void columns_widen(const kvgate_linear_weights *wt, int64_t row0, int row
         } else if (wt->kind == KVGATE_W_INT8) {
             const int8_t *src = (const int8_t *)wt->q + row * k + begin;
             const float *scales = (const float *)wt->scales + row * groups;
-            for (int64_t j = 0; j < count; ++j)
-                dst[j] = (float)src[j] * scales[(begin + j) / wt->group_size];
+            for (int64_t j = 0; j < count;) { /* a group's run at a time: a loop that vectorizes */
+                const int64_t g = (begin + j) / wt->group_size;
+                const int64_t end = (g + 1) * wt->group_size - begin;
+                const int64_t stop = end < count ? end : count;
+                for (; j < stop; ++j) dst[j] = (float)src[j] * scales[g];
+            }
         } else {
             const uint8_t *src = (const uint8_t *)wt->q + row * (k / 2) + begin / 2;
             for (int64_t b = 0; b < count; b += 32) { /* a block of 32 in 16 bytes */
