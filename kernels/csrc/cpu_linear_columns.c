@@ -359,8 +359,16 @@ static void columns_block(const float *w, int64_t w_ld, const float *x, const fl
         const int tail = (int)(left - COLUMNS_LANES * (V - 1) >= COLUMNS_LANES
                                    ? COLUMNS_LANES
                                    : left - COLUMNS_LANES * (V - 1));
-        if (V == 2)
+        /* A whole last vector named by a constant: its loads in the inner loop are plain
+         * vector loads, not a copy of a variable length through the stack. */
+        if (V == 2 && tail == COLUMNS_LANES)
+            columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 2,
+                          COLUMNS_LANES);
+        else if (V == 2)
             columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 2, tail);
+        else if (tail == COLUMNS_LANES)
+            columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 1,
+                          COLUMNS_LANES);
         else
             columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 1, tail);
     }
