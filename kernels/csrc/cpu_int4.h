@@ -145,10 +145,48 @@ static void round_x_strided(const float *src, float *dst, int64_t m, int64_t k,
     }
 }
 
+#ifdef KVGATE_VECTOR
+/* x^T (dense [k, m]) rounded into out ([k, m]), as the AVX-512 round_x_columns: 8 rows of x at
+ * a time, one in each lane, with round_block_codes' arithmetic (the rows past the last 8 by
+ * round_x_strided). */
+__attribute__((optimize("no-fast-math"))) static void round_x_columns(const float *x, int64_t k,
+                                                                      int64_t m, float *out) {
+    const __m256 inverse_127 = _mm256_set1_ps((float)(1.0 / 127.0)), one = _mm256_set1_ps(1.0f);
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), infinity = _mm256_set1_epi32(0x7f800000);
+    const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        for (int64_t j0 = 0; j0 < k; j0 += 32) {
+            const float *src = x + j0 * m + i;
+            __m256 amax = _mm256_setzero_ps();
+            __m256i nan = _mm256_setzero_si256();
+            for (int j = 0; j < 32; ++j) {
+                const __m256 v = _mm256_loadu_ps(src + j * m);
+                const __m256i bits = _mm256_and_si256(_mm256_castps_si256(v), magnitude);
+                amax = _mm256_max_ps(amax, _mm256_castsi256_ps(bits));
+                nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(bits, infinity));
+            }
+            const __m256 scale = _mm256_blendv_ps(_mm256_mul_ps(amax, inverse_127),
+                                                  _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                                  _mm256_castsi256_ps(nan));
+            const __m256 positive = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_GT_OQ);
+            const __m256 inverse = _mm256_and_ps(positive, _mm256_div_ps(one, scale));
+            for (int j = 0; j < 32; ++j) {
+                const __m256 v = _mm256_loadu_ps(src + j * m);
+                const __m256i nearest = _mm256_cvtps_epi32(_mm256_mul_ps(v, inverse));
+                const __m256i q = _mm256_min_epi32(high, _mm256_max_epi32(low, nearest));
+                _mm256_storeu_ps(out + (j0 + j) * m + i, _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale));
+            }
+        }
+    }
+    round_x_strided(x + i, out + i, m - i, k, 1, m);
+}
+#else
 /* x^T (dense [k, m]) rounded into out ([k, m]), as the AVX-512 round_x_columns. */
 static inline void round_x_columns(const float *x, int64_t k, int64_t m, float *out) {
     round_x_strided(x, out, m, k, 1, m);
 }
+#endif
 #endif
 
 #ifdef KVGATE_VECTOR
