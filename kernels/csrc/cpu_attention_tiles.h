@@ -5,8 +5,8 @@
  *
  * Scores: a pass takes TILE_VL cached tokens (a tile) and one query head, accumulates each
  * token's products in its own register and folds the TILE_VL registers into one register of
- * TILE_VL sums (a transpose inside the additions: 45 shuffles and adds where 16 horizontal
- * reductions take 128). The tile's rows stay in the L1 cache for the group's other query heads.
+ * TILE_VL sums (a transpose inside the additions: at AVX-512 45 shuffles and adds where 16
+ * horizontal reductions take 128). The tile's rows stay in the L1 cache for the group's other query heads.
  * Values: each cached value row is loaded once for up to 4 (64 values) or 2 (128) query heads
  * at AVX-512 (one at AVX2, 16 registers), whose outputs stay in registers over the whole context.
  * Rows are read where they lie: float32 rows as they are; bfloat16 rows as pairs in 32-bit
@@ -109,9 +109,12 @@ typedef __m256i tveci;
 
 static inline __attribute__((always_inline)) __m256 sum_each_lane(const __m256 *acc) {
     /* per 128-bit half: sums of lane pairs, then of quads, of registers 0-3 and 4-7 */
-    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+    const __m256 q0 =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 q1 =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20),
+                         _mm256_permute2f128_ps(q0, q1, 0x31));
 }
 
 static inline void store_first(float *dst, __m256 v, int64_t count) {

@@ -152,7 +152,9 @@ static void round_x_strided(const float *src, float *dst, int64_t m, int64_t k,
 __attribute__((optimize("no-fast-math"))) static void round_x_columns(const float *x, int64_t k,
                                                                       int64_t m, float *out) {
     const __m256 inverse_127 = _mm256_set1_ps((float)(1.0 / 127.0)), one = _mm256_set1_ps(1.0f);
-    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), infinity = _mm256_set1_epi32(0x7f800000);
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+    const __m256i infinity = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet_nan = _mm256_set1_epi32(0x7fc00000);
     const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
     int64_t i = 0;
     for (; i + 8 <= m; i += 8) {
@@ -167,7 +169,7 @@ __attribute__((optimize("no-fast-math"))) static void round_x_columns(const floa
                 nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(bits, infinity));
             }
             const __m256 scale = _mm256_blendv_ps(_mm256_mul_ps(amax, inverse_127),
-                                                  _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                                  _mm256_castsi256_ps(quiet_nan),
                                                   _mm256_castsi256_ps(nan));
             const __m256 positive = _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_GT_OQ);
             const __m256 inverse = _mm256_and_ps(positive, _mm256_div_ps(one, scale));
@@ -175,7 +177,8 @@ __attribute__((optimize("no-fast-math"))) static void round_x_columns(const floa
                 const __m256 v = _mm256_loadu_ps(src + j * m);
                 const __m256i nearest = _mm256_cvtps_epi32(_mm256_mul_ps(v, inverse));
                 const __m256i q = _mm256_min_epi32(high, _mm256_max_epi32(low, nearest));
-                _mm256_storeu_ps(out + (j0 + j) * m + i, _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale));
+                _mm256_storeu_ps(out + (j0 + j) * m + i,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(q), scale));
             }
         }
     }
@@ -351,7 +354,8 @@ static inline __m256 int4_zero_terms(const int4_row_scales *rs, const float *sum
         acc = _mm256_fmadd_ps(z, _mm256_loadu_ps(sums + b), acc);
     }
     float rest = 0.0f;
-    for (; b < count; ++b) rest += (rs->zeros != NULL ? _cvtsh_ss(rs->zeros[b]) : rs->z[b]) * sums[b];
+    for (; b < count; ++b)
+        rest += (rs->zeros != NULL ? _cvtsh_ss(rs->zeros[b]) : rs->z[b]) * sums[b];
     return _mm256_add_ps(acc, _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
 }
 

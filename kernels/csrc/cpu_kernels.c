@@ -307,7 +307,8 @@ typedef __m256 rms_vec;
 
 /* The lanes under count, as _mm256_maskload_ps and _mm256_maskstore_ps take them. */
 static inline __m256i first_lanes(int64_t count) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), lanes);
 }
 
 static inline __m256 load_lanes(const void *p, int dtype, int64_t count) {
@@ -373,7 +374,8 @@ static void rms_columns_vector(const rms_args *a, int64_t first, int64_t count) 
         const rms_vec w = rv_set1(load_elem(a->weight, dtype, j));
         for (int64_t v = 0; v < vectors; ++v) {
             const int64_t row = RMS_VL * v;
-            const rms_vec value = load_lanes(summed + (j * summed_ld + row) * size, dtype, lanes[v]);
+            const rms_vec value =
+                load_lanes(summed + (j * summed_ld + row) * size, dtype, lanes[v]);
             /* normed rounded to the dtype before the weight multiplies it, as the reference. */
             rms_vec normed = rv_mul(value, rv_load(scales + row));
             if (dtype != KVGATE_F32) normed = store_lanes(normed_lanes, dtype, lanes[v], normed);
