@@ -13,14 +13,15 @@
  *     sum_j w_j x_j = scale * dx * sum_j q_j qx_j + zero * dx * sum_j qx_j,
  * an exact integer sum times two scales, plus the zero times the x block's own sum.
  *
- * Quantized x, per row, in chunks of 4 blocks (128 values; the last chunk zero-padded):
- *   q:     128 bytes a chunk: the 4 blocks' values 0..15 (block b's at 16 b), then their values
- *          16..31. A weight block's 16 bytes hold its values j and j + 16 in the low and high
- *          nibbles of byte j, so a chunk's 64 weight bytes masked to their low nibbles line up
- *          with the first 64 x bytes, and shifted to their high nibbles with the last 64;
- *   lanes: 16 floats a chunk, block b's dx in lanes 4 b .. 4 b + 3: the lanes into which
- *          vpdpbusd sums block b's products;
- *   sums:  4 floats a chunk, dx * sum_j qx_j of each block (what the weight's zero multiplies).
+ * Quantized x, per row, in chunks of the blocks a vector of weights holds (INT4_BLOCKS: n = 4
+ * at AVX-512, 2 at AVX2; the last chunk zero-padded):
+ *   q:     32 n bytes a chunk: the n blocks' values 0..15 (block b's at 16 b), then their
+ *          values 16..31. A weight block's 16 bytes hold its values j and j + 16 in the low and
+ *          high nibbles of byte j, so a chunk's 16 n weight bytes masked to their low nibbles
+ *          line up with the first 16 n x bytes, and shifted to their high nibbles with the last;
+ *   lanes: 4 n floats a chunk, block b's dx in lanes 4 b .. 4 b + 3: the lanes into which the
+ *          dot product sums block b's products;
+ *   sums:  n floats a chunk, dx * sum_j qx_j of each block (what the weight's zero multiplies).
  *
  * The scale, its inverse and the rounding use the embedded-rounding intrinsics (AVX-512), or
  * plain C compiled without -ffast-math (below it): -ffast-math may rewrite float divisions (a
@@ -195,20 +196,27 @@ static inline void round_x_columns(const float *x, int64_t k, int64_t m, float *
 #ifdef KVGATE_VECTOR
 #define KVGATE_INT4_INTEGER 1
 
-#define INT4_X_CHUNK 128  /* x values (4 blocks of 32) per chunk */
+/* Blocks to a vector of weight bytes (16 bytes a block), and to a chunk of x. */
+#ifdef KVGATE_AVX512
+#define INT4_BLOCKS 4
+#else
+#define INT4_BLOCKS 2
+#endif
+#define INT4_X_CHUNK (32 * INT4_BLOCKS) /* x values (INT4_BLOCKS blocks of 32) per chunk */
+#define INT4_LANES (4 * INT4_BLOCKS)    /* 32-bit lanes of a vector: 4 per block */
 #define INT4_BLOCK_CHUNK 256 /* blocks whose weight scales and zeros are converted at a time */
 
 typedef struct int4_x {
-    int8_t *q;      /* [m, chunks * 128] */
-    float *lanes;   /* [m, chunks * 16] */
-    float *sums;    /* [m, chunks * 4] */
+    int8_t *q;      /* [m, chunks * INT4_X_CHUNK] */
+    float *lanes;   /* [m, chunks * INT4_LANES] */
+    float *sums;    /* [m, chunks * INT4_BLOCKS] */
     int64_t chunks; /* per row */
 } int4_x;
 
 /* Bytes of the quantized x of m rows of k values (q, then lanes, then sums). */
 static inline size_t int4_x_bytes(int64_t m, int64_t k) {
     const int64_t chunks = (k + INT4_X_CHUNK - 1) / INT4_X_CHUNK;
-    return (size_t)(m * chunks * (INT4_X_CHUNK + 16 * 4 + 4 * 4));
+    return (size_t)(m * chunks * (INT4_X_CHUNK + (INT4_LANES + INT4_BLOCKS) * sizeof(float)));
 }
 
 /* Cut `memory` (int4_x_bytes(m, k), zeroed) into x's arrays. */
@@ -216,30 +224,31 @@ static inline int4_x int4_x_layout(char *memory, int64_t m, int64_t k) {
     const int64_t chunks = (k + INT4_X_CHUNK - 1) / INT4_X_CHUNK;
     int4_x x = {(int8_t *)memory, NULL, NULL, chunks};
     x.lanes = (float *)(memory + m * chunks * INT4_X_CHUNK);
-    x.sums = x.lanes + m * chunks * 16;
+    x.sums = x.lanes + m * chunks * INT4_LANES;
     return x;
 }
 
 /* Block b of row i (32 floats at src) into x: its int8 values, its scale and its sum. */
 static inline void quantize_x_block(const float *src, int64_t i, int64_t b, const int4_x *x) {
-    const int64_t chunk = i * x->chunks + b / 4, in_chunk = b % 4;
+    const int64_t chunk = i * x->chunks + b / INT4_BLOCKS, in_chunk = b % INT4_BLOCKS;
     int8_t *q = x->q + chunk * INT4_X_CHUNK + 16 * in_chunk;
 #ifdef KVGATE_AVX512
     __m512i q_lo, q_hi;
     const float scale = round_x_block(src, &q_lo, &q_hi);
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q_lo));
-    _mm_storeu_si128((__m128i *)(q + 64), _mm512_cvtepi32_epi8(q_hi));
+    _mm_storeu_si128((__m128i *)(q + 16 * INT4_BLOCKS), _mm512_cvtepi32_epi8(q_hi));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
 #else
     int8_t codes[32];
     const float scale = round_block_codes(src, 1, codes);
     memcpy(q, codes, 16);
-    memcpy(q + 64, codes + 16, 16);
+    memcpy(q + 16 * INT4_BLOCKS, codes + 16, 16);
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) sum += codes[j];
 #endif
-    for (int lane = 0; lane < 4; ++lane) x->lanes[chunk * 16 + 4 * in_chunk + lane] = scale;
-    x->sums[chunk * 4 + in_chunk] = scale * (float)sum;
+    float *lanes = x->lanes + chunk * INT4_LANES + 4 * in_chunk;
+    for (int lane = 0; lane < 4; ++lane) lanes[lane] = scale;
+    x->sums[chunk * INT4_BLOCKS + in_chunk] = scale * (float)sum;
 }
 
 /* m dense float32 rows of ld (>= k) into x, k a multiple of 32; x's memory is zeroed. */
@@ -271,8 +280,6 @@ static void int4_block_scales(const uint16_t *scales, const uint16_t *zeros, int
 /* ---- per register width: INT4_BLOCKS weight blocks (16 bytes each) to a vector, their
  * scales spread over each block's 4 lanes of sums ---- */
 #ifdef KVGATE_AVX512
-#define INT4_BLOCKS 4
-
 /* The bytes of blocks c .. c + 3 at p (zero past `left` blocks: nothing past them is read). */
 static inline __m512i int4_weight_bytes(const uint8_t *p, int64_t left) {
     const __mmask64 mask = left >= 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * left)) - 1;
@@ -324,8 +331,6 @@ static inline __m512i dot_bytes(__m512i lo, __m512i x_lo, __m512i hi, __m512i x_
 }
 #endif
 #else
-#define INT4_BLOCKS 2
-
 static inline __m256i int4_weight_bytes(const uint8_t *p, int64_t left) {
     if (left >= 2) return _mm256_loadu_si256((const __m256i *)p);
     return _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
@@ -417,19 +422,19 @@ static inline __attribute__((always_inline)) void int4_block(
                 rows[r] = (int4_row_scales){NULL, NULL, s_blk[r], z_blk[r]};
             }
         }
-        const float *sums = xq->sums + i0 * xq->chunks * 4 + b0;
-        const int64_t sums_ld = xq->chunks * 4;
+        const float *sums = xq->sums + i0 * xq->chunks * INT4_BLOCKS + b0;
+        const int64_t sums_ld = xq->chunks * INT4_BLOCKS;
         FOR_ROWS(INT4_ZERO_TERMS);
         for (int64_t c = 0; c < count; c += INT4_BLOCKS) {
-            const int64_t chunk = (b0 + c) / 4, in_chunk = (b0 + c) % 4, left = count - c;
-            const int8_t *xb = xq->q + (i0 * xq->chunks + chunk) * INT4_X_CHUNK + 16 * in_chunk;
-            const float *xlb = xq->lanes + (i0 * xq->chunks + chunk) * 16 + 4 * in_chunk;
-            const int64_t xb_ld = xq->chunks * INT4_X_CHUNK, xl_ld = xq->chunks * 16;
+            const int64_t chunk = (b0 + c) / INT4_BLOCKS, left = count - c;
+            const int8_t *xb = xq->q + (i0 * xq->chunks + chunk) * INT4_X_CHUNK;
+            const float *xlb = xq->lanes + (i0 * xq->chunks + chunk) * INT4_LANES;
+            const int64_t xb_ld = xq->chunks * INT4_X_CHUNK, xl_ld = xq->chunks * INT4_LANES;
 /* x row i's bytes and scale lanes for these blocks (rows past M: row 0's, never used). */
 #define X_ROW(i)                                                                            \
             const int64_t at##i = M > (i) ? (i) : 0;                                        \
             const veci xlo##i = vloadu_si(xb + at##i * xb_ld);                              \
-            const veci xhi##i = vloadu_si(xb + at##i * xb_ld + 64);                         \
+            const veci xhi##i = vloadu_si(xb + at##i * xb_ld + 16 * INT4_BLOCKS);           \
             const vecf xl##i = vloadu(xlb + at##i * xl_ld)
             X_ROW(0);
             X_ROW(1);
