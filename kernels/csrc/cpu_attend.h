@@ -148,11 +148,11 @@ static inline __attribute__((always_inline)) void convert_rows(const paged_kv *k
                        rows + t * head_dim);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if KVGATE_ISA_LEVEL >= 1
 #include "cpu_attention_tiles.h"
 
 /*
- * attend_group for head_dim d = 16 * pieces (64 or 128), by the tile loops of
+ * attend_group for head_dim d = TILE_VL * pieces (64 or 128), by the tile loops of
  * cpu_attention_tiles.h: a float32 or bfloat16 cache read in place, another format's rows
  * converted CHUNK_TOKENS at a time into chunk (CHUNK_TOKENS * d floats), each chunk serving
  * every head of the group. prepared: group * d floats of scratch for the query's form.
@@ -161,7 +161,7 @@ static inline __attribute__((always_inline)) void attend_wide(
     const float *q, const paged_kv *kv, int64_t kv_head, int64_t context_len,
     const int64_t *slots, int64_t group, float scale, float *scores, float *out, float *chunk,
     float *prepared, int pieces) {
-    const int64_t d = 16 * pieces;
+    const int64_t d = TILE_VL * pieces;
     if (kv->cache_dtype == KVGATE_F32 || kv->cache_dtype == KVGATE_BF16) {
         const int bf16 = kv->cache_dtype == KVGATE_BF16;
         const int64_t row = kv->num_kv_heads * d, offset = kv_head * d * (bf16 ? 2 : 4);
@@ -316,12 +316,12 @@ static void attend_group(const float *q, const paged_kv *kv, int64_t kv_head, in
     float *prepared = kv_rows + CHUNK_TOKENS * head_dim;
     if (head_dim == 64) {
         attend_wide(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows,
-                    prepared, 4);
+                    prepared, 64 / TILE_VL);
         return;
     }
     if (head_dim == 128) {
         attend_wide(q, kv, kv_head, context_len, slots, group, scale, scores, out, kv_rows,
-                    prepared, 8);
+                    prepared, 128 / TILE_VL);
         return;
     }
 #endif

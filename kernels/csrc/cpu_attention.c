@@ -18,8 +18,8 @@
  *   out          [num_tokens, num_heads, head_dim]        (activation dtype)
  * Scores, softmax and sums are float32 whatever the dtypes. The activation and cache dtypes are
  * separate arguments: a bfloat16 cache may serve float32 activations and the other way round.
- * Heads of 64 or 128 values run the register-tiled loops of cpu_attention_tiles.h, which read
- * float32 and bfloat16 rows in place. The rows of another 16-bit, int8 or other cache format are
+ * Heads of 64 or 128 values run the register-tiled loops of cpu_attention_tiles.h (AVX-512 and
+ * AVX2 levels), which read float32 and bfloat16 rows in place. The rows of another 16-bit, int8 or other cache format are
  * converted to float32 once per work item, rather than once per query head inside each dot
  * product: a chunk of tokens at a time into scratch for wide heads, one row at a time for
  * narrow heads (head_dim <= 32).
@@ -332,4 +332,14 @@ int kvgate_attention_layer(const kvgate_attention_step *st, const void *qkv, int
         scratch_free(&s);
     }
     return failed;
+}
+
+/* Whether heads of 64 and 128 values take the register tiles of cpu_attention_tiles.h (every
+ * level but the portable one; the kernel tests check it). */
+int kvgate_attention_tiles_built(void) {
+#ifdef KVGATE_ATTEND_WIDE
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -306,36 +306,39 @@ __attribute__((optimize("no-fast-math"))) static inline void quantize_fp8_row(co
     memcpy(row + n, &bits, sizeof bits);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef __AVX2__
 /* e4m3 bytes (widened to 16-bit lanes) as the float16 of value / 256: the sign moves to bit 15
  * and the exponent and mantissa bits to bits 7..13, which float16 (exponent bias 15, not 7)
  * reads as the same value times 2^-8, subnormals included. The NaN pattern (magnitude 0x7f)
  * becomes a float16 NaN. Every e4m3 value is exact in float16, and the caller's scale times
- * 256 restores it: one rounding, as fp8_to_f32(byte) * scale. */
+ * 256 restores it: one rounding, as fp8_to_f32(byte) * scale. mm: _mm256 (16 lanes) or _mm (8),
+ * si: si256 or si128. */
 #define FP8_AS_F16(mm, si, bytes)                                                             \
-    mm##_mask_mov_epi16(                                                                      \
+    mm##_blendv_epi8(                                                                         \
         mm##_or_##si(mm##_and_##si(mm##_slli_epi16(bytes, 8), mm##_set1_epi16((short)0x8000)), \
                      mm##_and_##si(mm##_slli_epi16(bytes, 7), mm##_set1_epi16(0x3f80))),       \
-        mm##_cmpeq_epi16_mask(mm##_and_##si(bytes, mm##_set1_epi16(0x7f)),                    \
-                              mm##_set1_epi16(0x7f)),                                         \
-        mm##_set1_epi16(0x7e00))
+        mm##_set1_epi16(0x7e00),                                                              \
+        mm##_cmpeq_epi16(mm##_and_##si(bytes, mm##_set1_epi16(0x7f)), mm##_set1_epi16(0x7f)))
 #endif
 
-/* n e4m3 bytes times scale as float32: 16 at a time in AVX-512 registers (then 8), one at a
- * time for the rest. */
+/* n e4m3 bytes times scale as float32: 16 at a time in AVX-512 registers, 8 at a time in AVX2
+ * ones, one at a time for the rest. */
 static inline void fp8_row_to_f32(const uint8_t *values, int64_t n, float scale, float *dst) {
     int64_t i = 0;
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef __AVX512F__
     const __m512 scale16 = _mm512_set1_ps(scale * 256.0f);
     for (; i + 16 <= n; i += 16) {
         const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(values + i)));
         const __m512 unscaled = _mm512_cvtph_ps(FP8_AS_F16(_mm256, si256, bytes));
         _mm512_storeu_ps(dst + i, _mm512_mul_ps(unscaled, scale16));
     }
+#endif
+#ifdef __AVX2__
+    const __m256 scale8 = _mm256_set1_ps(scale * 256.0f);
     for (; i + 8 <= n; i += 8) {
         const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(values + i)));
         _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(FP8_AS_F16(_mm, si128, bytes)),
-                                                _mm512_castps512_ps256(scale16)));
+                                                scale8));
     }
 #endif
     for (; i < n; ++i) dst[i] = fp8_to_f32(values[i]) * scale;
@@ -375,10 +378,13 @@ static inline void load_cache_row(const void *src, int dtype, int64_t head_dim, 
         _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
                                                 scale16));
     }
-    for (; i + 8 <= head_dim; i += 8) { /* head_dim is a multiple of 4: at most one pass */
+#endif
+#ifdef __AVX2__
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (; i + 8 <= head_dim; i += 8) {
         const __m128i bytes = _mm_loadl_epi64((const __m128i *)(values + i));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                                                _mm512_castps512_ps256(scale16)));
+        _mm256_storeu_ps(dst + i,
+                         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale8));
     }
 #endif
     for (; i < head_dim; ++i) dst[i] = (float)values[i] * scale;

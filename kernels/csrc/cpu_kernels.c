@@ -259,22 +259,35 @@ RMS_COLUMNS(rms_columns_bf16, uint16_t, LOAD_BF16, STORE_BF16)
 RMS_ROW(rms_row_f32, float, LOAD_F32, STORE_F32)
 RMS_ROW(rms_row_bf16, uint16_t, LOAD_BF16, STORE_BF16)
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if KVGATE_ISA_LEVEL >= 1
 #include <immintrin.h>
 
-/* count (<= 16) contiguous elements of `dtype` as float32 lanes, and back (rounded). */
-static inline __m512 load_lanes(const void *p, int dtype, __mmask16 mask) {
+/* ---- per register width: RMS_VL float32 lanes; load_lanes and store_lanes take `count`
+ * (<= RMS_VL) contiguous elements of `dtype` into lanes, and back (rounded as f32_to_bf16; no
+ * NaN reaches here from finite activations) ---- */
+#if KVGATE_ISA_LEVEL == 2
+#define RMS_VL 16
+typedef __m512 rms_vec;
+#define rv_load _mm512_loadu_ps
+#define rv_store _mm512_storeu_ps
+#define rv_add _mm512_add_ps
+#define rv_mul _mm512_mul_ps
+#define rv_fmadd _mm512_fmadd_ps
+#define rv_set1 _mm512_set1_ps
+
+static inline __m512 load_lanes(const void *p, int dtype, int64_t count) {
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
     if (dtype == KVGATE_F32) return _mm512_maskz_loadu_ps(mask, p);
     const __m256i half = _mm256_maskz_loadu_epi16(mask, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-static inline __m512 store_lanes(void *p, int dtype, __mmask16 mask, __m512 value) {
+static inline __m512 store_lanes(void *p, int dtype, int64_t count, __m512 value) {
+    const __mmask16 mask = (__mmask16)((1u << count) - 1u);
     if (dtype == KVGATE_F32) {
         _mm512_mask_storeu_ps(p, mask, value);
         return value;
     }
-    /* Round to nearest even as f32_to_bf16 (no NaN reaches here from finite activations). */
     const __m512i bits = _mm512_castps_si512(value);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_srli_epi32(
@@ -282,12 +295,50 @@ static inline __m512 store_lanes(void *p, int dtype, __mmask16 mask, __m512 valu
     _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
     return _mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
 }
+#else
+#define RMS_VL 8
+typedef __m256 rms_vec;
+#define rv_load _mm256_loadu_ps
+#define rv_store _mm256_storeu_ps
+#define rv_add _mm256_add_ps
+#define rv_mul _mm256_mul_ps
+#define rv_fmadd _mm256_fmadd_ps
+#define rv_set1 _mm256_set1_ps
+
+/* The lanes under count, as _mm256_maskload_ps and _mm256_maskstore_ps take them. */
+static inline __m256i first_lanes(int64_t count) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), lanes);
+}
+
+static inline __m256 load_lanes(const void *p, int dtype, int64_t count) {
+    if (dtype == KVGATE_F32) return _mm256_maskload_ps(p, first_lanes(count));
+    __m128i half = _mm_setzero_si128();
+    memcpy(&half, p, sizeof(uint16_t) * (size_t)count);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+static inline __m256 store_lanes(void *p, int dtype, int64_t count, __m256 value) {
+    if (dtype == KVGATE_F32) {
+        _mm256_maskstore_ps(p, first_lanes(count), value);
+        return value;
+    }
+    const __m256i bits = _mm256_castps_si256(value);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    /* the 8 16-bit values into the low 128 bits: packed per half, then the halves joined */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+    memcpy(p, &packed, sizeof(uint16_t) * (size_t)count);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(rounded, 16));
+}
+#endif
 
 /*
- * Column-major rows first .. first + count - 1 (count <= RMS_WIDE_BLOCK), 16 rows to a vector.
- * Each feature's run of count contiguous rows is read whole before the next feature's: with
- * one vector of rows per pass (64 bytes of float32 a feature, x_ld rows apart), a prefill of
- * 2048 rows put every feature of the pass 8 KB apart, in the same few cache sets, and ran ten
+ * Column-major rows first .. first + count - 1 (count <= RMS_WIDE_BLOCK), RMS_VL rows to a
+ * vector. Each feature's run of count contiguous rows is read whole before the next feature's:
+ * with one vector of rows per pass (64 bytes of float32 a feature, x_ld rows apart), a prefill
+ * of 2048 rows put every feature of the pass 8 KB apart, in the same few cache sets, and ran ten
  * times slower than the row-major norm of the same data. The sums of squares run down the
  * features in the same order either way.
  */
@@ -295,12 +346,10 @@ static inline __m512 store_lanes(void *p, int dtype, __mmask16 mask, __m512 valu
 static void rms_columns_vector(const rms_args *a, int64_t first, int64_t count) {
     const int dtype = a->dtype;
     const int64_t size = dtype_size(dtype);
-    const int64_t vectors = (count + 15) / 16;
-    __mmask16 masks[RMS_WIDE_BLOCK / 16];
-    for (int64_t v = 0; v < vectors; ++v) {
-        const int64_t lanes = count - 16 * v < 16 ? count - 16 * v : 16;
-        masks[v] = (__mmask16)((1u << lanes) - 1u);
-    }
+    const int64_t vectors = (count + RMS_VL - 1) / RMS_VL;
+    int64_t lanes[RMS_WIDE_BLOCK / RMS_VL];
+    for (int64_t v = 0; v < vectors; ++v)
+        lanes[v] = count - RMS_VL * v < RMS_VL ? count - RMS_VL * v : RMS_VL;
     const char *x = (const char *)a->x + first * size;
     char *out = (char *)a->out + first * size;
     char *sum = a->residual != NULL ? (char *)a->out_residual + first * size : NULL;
@@ -309,28 +358,28 @@ static void rms_columns_vector(const rms_args *a, int64_t first, int64_t count) 
     float squares[RMS_WIDE_BLOCK] = {0.0f}, scales[RMS_WIDE_BLOCK];
     for (int64_t j = 0; j < a->hidden; ++j) {
         for (int64_t v = 0; v < vectors; ++v) {
-            const int64_t row = 16 * v;
-            __m512 value = load_lanes(x + (j * a->x_ld + row) * size, dtype, masks[v]);
+            const int64_t row = RMS_VL * v;
+            rms_vec value = load_lanes(x + (j * a->x_ld + row) * size, dtype, lanes[v]);
             if (sum != NULL) {
                 const char *r = (const char *)a->residual + (j * a->res_ld + first + row) * size;
-                value = store_lanes(sum + (j * a->rows + row) * size, dtype, masks[v],
-                                    _mm512_add_ps(value, load_lanes(r, dtype, masks[v])));
+                value = store_lanes(sum + (j * a->rows + row) * size, dtype, lanes[v],
+                                    rv_add(value, load_lanes(r, dtype, lanes[v])));
             }
-            const __m512 acc = _mm512_loadu_ps(squares + row);
-            _mm512_storeu_ps(squares + row, _mm512_fmadd_ps(value, value, acc));
+            rv_store(squares + row, rv_fmadd(value, value, rv_load(squares + row)));
         }
     }
     for (int64_t i = 0; i < count; ++i) scales[i] = rms_scale(squares[i], a->hidden, a->eps);
-    float normed_lanes[16];
+    float normed_lanes[RMS_VL];
     for (int64_t j = 0; j < a->hidden; ++j) {
-        const __m512 w = _mm512_set1_ps(load_elem(a->weight, dtype, j));
+        const rms_vec w = rv_set1(load_elem(a->weight, dtype, j));
         for (int64_t v = 0; v < vectors; ++v) {
-            const int64_t row = 16 * v;
-            const __m512 value = load_lanes(summed + (j * summed_ld + row) * size, dtype, masks[v]);
+            const int64_t row = RMS_VL * v;
+            const rms_vec value =
+                load_lanes(summed + (j * summed_ld + row) * size, dtype, lanes[v]);
             /* normed rounded to the dtype before the weight multiplies it, as the reference. */
-            __m512 normed = _mm512_mul_ps(value, _mm512_loadu_ps(scales + row));
-            if (dtype != KVGATE_F32) normed = store_lanes(normed_lanes, dtype, masks[v], normed);
-            store_lanes(out + (j * a->rows + row) * size, dtype, masks[v], _mm512_mul_ps(w, normed));
+            rms_vec normed = rv_mul(value, rv_load(scales + row));
+            if (dtype != KVGATE_F32) normed = store_lanes(normed_lanes, dtype, lanes[v], normed);
+            store_lanes(out + (j * a->rows + row) * size, dtype, lanes[v], rv_mul(w, normed));
         }
     }
 }
@@ -357,7 +406,7 @@ void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t 
                      const void *weight, void *out, void *out_residual, int64_t rows,
                      int64_t hidden, int column_major, int dtype, float eps, int num_threads) {
     /* One row held column-major with no gaps is one contiguous row: the row-major loop reads
-     * it in order (the column-major one would take a masked 16-lane vector per element). */
+     * it in order (the column-major one would take a masked vector per element). */
     if (column_major && rows == 1 && x_ld == 1 && (residual == NULL || res_ld == 1))
         column_major = 0;
     const rms_args a = {x, residual, weight, out, out_residual, x_ld, res_ld, rows, hidden,
@@ -369,8 +418,8 @@ void kvgate_rms_norm(const void *x, int64_t x_ld, const void *residual, int64_t 
         /* The widest blocks that still give every thread one (whole vectors of rows). */
         const int64_t threads = num_threads > 0 ? num_threads : 1;
         const int64_t per_thread = (rows + threads - 1) / threads;
-        block = (per_thread + 15) / 16 * 16;
-        block = block > RMS_WIDE_BLOCK ? RMS_WIDE_BLOCK : block < 16 ? 16 : block;
+        block = (per_thread + RMS_VL - 1) / RMS_VL * RMS_VL;
+        block = block > RMS_WIDE_BLOCK ? RMS_WIDE_BLOCK : block < RMS_VL ? RMS_VL : block;
     }
 #endif
     const int64_t blocks = (rows + block - 1) / block;
@@ -434,3 +483,13 @@ void kvgate_fp8_to_f32(const uint8_t *data, int64_t n, float *out) {
 /* The ISA level this library was compiled for (KVGATE_ISA_LEVEL): kernels/cpu_build.py checks
  * it against the level it built, so a build that lost its flags is an error, not a slow path. */
 int kvgate_isa_level(void) { return KVGATE_ISA_LEVEL; }
+
+/* Whether the column-major RMSNorm runs in vector registers (every level but the portable one;
+ * the kernel tests check it, so a level that lost its vector code fails them). */
+int kvgate_rms_norm_vector_built(void) {
+#ifdef KVGATE_RMS_VECTOR
+    return 1;
+#else
+    return 0;
+#endif
+}

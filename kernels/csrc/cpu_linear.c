@@ -9,11 +9,11 @@
  * up to four rows of x are done together, so each weight is loaded and converted once per four
  * rows of x. int8 weights are read a group at a time, the group's scale a vector constant,
  * never applied per weight. int4 weights meet x rounded to int8 blocks of 32 in integer
- * multiply-adds where the CPU has VNNI (cpu_int4.h), each block's sums scaled once, else are
- * dequantized in the registers against x's rounded float32 values. The same kernels run in
- * AVX-512 registers (16 floats) or AVX2 ones (8), by the ISA level the file is compiled for
- * (kernels/cpu_build.py); the portable level multiplies one dequantized weight row at a time. For larger batches the caller multiplies with torch instead, quantized weights
- * dequantized first (kvgate_dequantize).
+ * multiply-adds (cpu_int4.h: VNNI, or vpmaddubsw + vpmaddwd), each block's sums scaled once.
+ * The same kernels run in AVX-512 registers (16 floats) or AVX2 ones (8), by the ISA level the
+ * file is compiled for (kernels/cpu_build.py); the portable level multiplies one dequantized
+ * weight row at a time. For larger batches the caller multiplies with torch instead, quantized
+ * weights dequantized first (kvgate_dequantize).
  *
  * Quantized formats (kernels/quant.py):
  *   int8  q [n, k] int8, scales [n, k / group_size] float32: w = q * scale (per-channel:
@@ -107,6 +107,7 @@ typedef __m512 vecf;
 #define VL 16
 #define vzero _mm512_setzero_ps
 #define vfmadd _mm512_fmadd_ps
+#define vadd _mm512_add_ps
 #define vmul _mm512_mul_ps
 #define vset1 _mm512_set1_ps
 #define vloadu _mm512_loadu_ps
@@ -130,14 +131,6 @@ static inline vecf i8_weights(const int8_t *p, int64_t left) {
     return int8_weights(p, tail_mask16(left));
 }
 
-/* VL bytes of int4 weights (the nibbles of VL weights and of the VL that are 16 further). */
-static inline __m512i int4_bytes(const uint8_t *p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-#define vand_epi32 _mm512_and_si512
-#define vsrli_epi32 _mm512_srli_epi32
-#define vset1_epi32 _mm512_set1_epi32
-#define vcvt_epi32_ps _mm512_cvtepi32_ps
 typedef __m512i veci;
 
 /* VL bfloat16 weights widened exactly (the bits shifted into a float32's upper half). */
@@ -150,6 +143,7 @@ typedef __m256 vecf;
 #define VL 8
 #define vzero _mm256_setzero_ps
 #define vfmadd _mm256_fmadd_ps
+#define vadd _mm256_add_ps
 #define vmul _mm256_mul_ps
 #define vset1 _mm256_set1_ps
 #define vloadu _mm256_loadu_ps
@@ -175,13 +169,6 @@ static inline vecf i8_weights(const int8_t *p, int64_t left) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
 }
 
-static inline __m256i int4_bytes(const uint8_t *p) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-}
-#define vand_epi32 _mm256_and_si256
-#define vsrli_epi32 _mm256_srli_epi32
-#define vset1_epi32 _mm256_set1_epi32
-#define vcvt_epi32_ps _mm256_cvtepi32_ps
 typedef __m256i veci;
 
 static inline vecf bf16_weights(const uint16_t *p, int64_t left) {
@@ -252,6 +239,22 @@ static inline vecf bf16_weights(const uint16_t *p, int64_t left) {
     const vecf name##2 = R > 1 ? vector_of_row(2) : name##0; \
     const vecf name##3 = R > 1 ? vector_of_row(3) : name##0
 
+/* Features start .. end - 1, VL at a time: whole vectors by WHOLE(r) for every row (a constant
+ * width, so the loads need no tail test and the accumulators stay in registers), then the last
+ * part vector, if any, by TAIL(r). x##v##i holds x row i's features j .. j + VL - 1. */
+#define WHOLE_VECTORS_THEN_TAIL(start, end, WHOLE, TAIL) \
+    do {                                                 \
+        int64_t j = start;                               \
+        for (; j + VL <= (end); j += VL) {               \
+            LOAD_X(v, vloadu, j);                        \
+            FOR_ROWS(WHOLE);                             \
+        }                                                \
+        if (j < (end)) {                                 \
+            LOAD_X(v, vloadu, j);                        \
+            FOR_ROWS(TAIL);                              \
+        }                                                \
+    } while (0)
+
 /*
  * int8 rows row0 .. row0 + R - 1 (R is 1 or ROW_BLOCK) against x rows i0 .. i0 + M - 1, a group
  * at a time (per-channel: one group of k), 16 weights at a time within it, so a vector never
@@ -269,104 +272,49 @@ static inline __attribute__((always_inline)) void int8_block(
         ROW_VECTORS(s, GROUP_SCALE);
 #undef GROUP_SCALE
         const int64_t end = (g + 1) * group_size;
-        for (int64_t j = g * group_size; j < end; j += VL) {
-            LOAD_X(v, vloadu, j);
-#define INT8_ROW(r)                                                                     \
+#define INT8_ROW(r, left)                                                               \
             do {                                                                        \
                 const int8_t *src = q + (row0 + (r)) * k + j;                           \
                 if ((j & 63) < VL) /* once per 64 bytes, whatever the group size */     \
                     _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);      \
-                vecf w = i8_weights(src, end - j);                                     \
-                if (!per_channel) w = vmul(w, s##r);                           \
+                vecf w = i8_weights(src, left);                                         \
+                if (!per_channel) w = vmul(w, s##r);                                    \
                 ACCUMULATE(r, w, xv);                                                   \
             } while (0)
-            FOR_ROWS(INT8_ROW);
+#define INT8_WHOLE(r) INT8_ROW(r, VL)
+#define INT8_TAIL(r) INT8_ROW(r, end - j)
+        WHOLE_VECTORS_THEN_TAIL(g * group_size, end, INT8_WHOLE, INT8_TAIL);
 #undef INT8_ROW
-        }
+#undef INT8_WHOLE
+#undef INT8_TAIL
     }
 #define INT8_OUT(r) WRITE_ROW(r, per_channel ? scales[row0 + (r)] : 1.0f)
     FOR_ROWS(INT8_OUT);
 #undef INT8_OUT
 }
 
-/* float32 rows row0 .. row0 + R - 1 against x rows i0 .. i0 + M - 1. */
-static inline __attribute__((always_inline)) void f32_block(
-    const linear_io *io, const float *w, int64_t row0, const int R, int64_t i0, const int M) {
+/* float32 rows (bf16 0), or bfloat16 rows widened exactly in the registers (float32 sums of
+ * exact products, where there is no AVX512-BF16 dot product), row0 .. row0 + R - 1 against
+ * float32 x rows i0 .. i0 + M - 1. */
+static inline __attribute__((always_inline)) void dense_block(
+    const linear_io *io, const void *w, const int bf16, int64_t row0, const int R, int64_t i0,
+    const int M) {
     const int64_t k = io->k;
     const float *x = (const float *)io->x + i0 * io->ld;
     DECLARE_ALL_ACCUMULATORS;
-    for (int64_t j = 0; j < k; j += VL) {
-        LOAD_X(v, vloadu, j);
-#define F32_ROW(r)                                                                  \
-        do {                                                                        \
-            const vecf wr = f32_weights(w + (row0 + (r)) * k + j, k - j);           \
-            ACCUMULATE(r, wr, xv);                                                  \
-        } while (0)
-        FOR_ROWS(F32_ROW);
-#undef F32_ROW
-    }
-    FOR_ROWS(UNSCALED_OUT);
-}
-
-/* bfloat16 rows widened exactly in the registers, against float32 x: float32 sums of exact
- * products, where there is no AVX512-BF16 dot product. */
-static inline __attribute__((always_inline)) void bf16_wide_block(
-    const linear_io *io, const uint16_t *w, int64_t row0, const int R, int64_t i0, const int M) {
-    const int64_t k = io->k;
-    const float *x = (const float *)io->x + i0 * io->ld;
-    DECLARE_ALL_ACCUMULATORS;
-    for (int64_t j = 0; j < k; j += VL) {
-        LOAD_X(v, vloadu, j);
-#define BF16_WIDE_ROW(r)                                                                    \
-        do {                                                                                \
-            const vecf wr = bf16_weights(w + (row0 + (r)) * k + j, k - j);                  \
-            ACCUMULATE(r, wr, xv);                                                          \
-        } while (0)
-        FOR_ROWS(BF16_WIDE_ROW);
-#undef BF16_WIDE_ROW
-    }
-    FOR_ROWS(UNSCALED_OUT);
-}
-
-/*
- * int4 rows dequantized in the registers (q * scale + zero, as kvgate_dequantize) against x
- * rounded to its int8 blocks' float32 values (round_x_blocks), where there is no VNNI: a block
- * of 32 weights is 16 bytes, VL of them give VL weights in their low nibbles and the VL 16
- * further in their high ones.
- */
-static inline __attribute__((always_inline)) void int4_float_block(
-    const linear_io *io, const uint8_t *q, const uint16_t *scales, const uint16_t *zeros,
-    int64_t group_size, int64_t row0, const int R, int64_t i0, const int M) {
-    const int64_t k = io->k, groups = k / group_size;
-    const float *x = (const float *)io->x + i0 * io->ld;
-    const veci nibble = vset1_epi32(15);
-    DECLARE_ALL_ACCUMULATORS;
-    for (int64_t b = 0; b < k; b += 32) {
-        const int64_t g = b / group_size;
-#define INT4_SCALE(r) vset1(f16_to_f32(scales[(row0 + (r)) * groups + g]))
-#define INT4_ZERO(r) vset1(f16_to_f32(zeros[(row0 + (r)) * groups + g]))
-        ROW_VECTORS(s, INT4_SCALE);
-        ROW_VECTORS(z, INT4_ZERO);
-#undef INT4_SCALE
-#undef INT4_ZERO
-        for (int h = 0; h < 16; h += VL) {
-            LOAD_X(lo, vloadu, b + h);
-            LOAD_X(hi, vloadu, b + 16 + h);
-#define INT4_FLOAT_ROW(r)                                                                   \
-            do {                                                                            \
-                const uint8_t *src = q + (row0 + (r)) * (k / 2) + b / 2 + h;                \
-                if (h == 0 && (b & 127) == 0) /* once per 64 bytes */                       \
-                    _mm_prefetch((const char *)src + PREFETCH_BYTES, _MM_HINT_T0);          \
-                const veci bytes = int4_bytes(src);                                         \
-                const vecf wlo = vfmadd(vcvt_epi32_ps(vand_epi32(bytes, nibble)), s##r, z##r); \
-                const vecf whi = vfmadd(vcvt_epi32_ps(vsrli_epi32(bytes, 4)), s##r, z##r);  \
-                ACCUMULATE(r, wlo, xlo);                                                    \
-                ACCUMULATE(r, whi, xhi);                                                    \
-            } while (0)
-            FOR_ROWS(INT4_FLOAT_ROW);
-#undef INT4_FLOAT_ROW
-        }
-    }
+#define DENSE_ROW(r, left)                                                                  \
+    do {                                                                                    \
+        const int64_t at = (row0 + (r)) * k + j;                                            \
+        const vecf wr = bf16 ? bf16_weights((const uint16_t *)w + at, left)                 \
+                             : f32_weights((const float *)w + at, left);                    \
+        ACCUMULATE(r, wr, xv);                                                              \
+    } while (0)
+#define DENSE_WHOLE(r) DENSE_ROW(r, VL)
+#define DENSE_TAIL(r) DENSE_ROW(r, k - j)
+    WHOLE_VECTORS_THEN_TAIL(0, k, DENSE_WHOLE, DENSE_TAIL);
+#undef DENSE_ROW
+#undef DENSE_WHOLE
+#undef DENSE_TAIL
     FOR_ROWS(UNSCALED_OUT);
 }
 
@@ -501,21 +449,16 @@ static void store_row_vector(const float *src, int64_t n, void *dst, int dtype) 
         else if (wt->kind == KVGATE_W_INT4)                                                 \
             INT4_BLOCK(R, M);                                                               \
         else if (wt->kind == KVGATE_W_F32)                                                  \
-            f32_block(io, wt->q, row0, R, i0, M);                                           \
+            dense_block(io, wt->q, 0, row0, R, i0, M);                                           \
         else                                                                                \
             BF16_BLOCK(R, M);                                                               \
     } while (0)
 #ifdef KVGATE_BF16_DOT
 #define BF16_BLOCK(R, M) bf16_block(io, wt->q, row0, R, i0, M)
 #else
-#define BF16_BLOCK(R, M) bf16_wide_block(io, wt->q, row0, R, i0, M)
+#define BF16_BLOCK(R, M) dense_block(io, wt->q, 1, row0, R, i0, M)
 #endif
-#ifdef KVGATE_INT4_VNNI
 #define INT4_BLOCK(R, M) int4_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M)
-#else
-#define INT4_BLOCK(R, M) \
-    int4_float_block(io, wt->q, wt->scales, wt->zeros, wt->group_size, row0, R, i0, M)
-#endif
 
 static void vector_rows_of(const linear_io *io, const weights *wt, int64_t row0, int64_t i0,
                            int R, int M) {
@@ -583,7 +526,7 @@ int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_str
     memset(packed + bytes, 0, X_TAIL * elem + int4_bytes);
     pack_x(x, x_dtype, row_stride, col_stride, m, k, ld, to_bf16, packed);
     linear_io io = {packed, NULL, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
-#ifdef KVGATE_INT4_VNNI
+#ifdef KVGATE_INT4_INTEGER
     int4_x xq;
     if (wt->kind == KVGATE_W_INT4) {
         xq = int4_x_layout(packed + bytes + X_TAIL * elem, m, k);
@@ -695,4 +638,14 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
         free(rows);
     }
     return failed;
+}
+
+/* Whether the small-batch int4 kernel sums its blocks in integer multiply-adds (cpu_int4.h:
+ * every level but the portable one; the kernel tests check it). */
+int kvgate_int4_integer_built(void) {
+#ifdef KVGATE_INT4_INTEGER
+    return 1;
+#else
+    return 0;
+#endif
 }

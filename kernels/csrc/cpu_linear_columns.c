@@ -359,11 +359,40 @@ static void columns_block(const float *w, int64_t w_ld, const float *x, const fl
         const int tail = (int)(left - COLUMNS_LANES * (V - 1) >= COLUMNS_LANES
                                    ? COLUMNS_LANES
                                    : left - COLUMNS_LANES * (V - 1));
-        if (V == 2)
+        /* A whole last vector named by a constant: its loads in the inner loop are plain
+         * vector loads, not a copy of a variable length through the stack. */
+        if (V == 2 && tail == COLUMNS_LANES)
+            columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 2,
+                          COLUMNS_LANES);
+        else if (V == 2)
             columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 2, tail);
+        else if (tail == COLUMNS_LANES)
+            columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 1,
+                          COLUMNS_LANES);
         else
             columns_group(w, w_ld, x + i0, bias, out + i0, m, rows, count, first, 1, tail);
     }
+}
+
+/* The 32 weights of an int4 block (16 bytes at src: weight j in byte j's low nibble, j + 16 in
+ * its high one) as q * scale + zero into dst[32]: 8 at a time in AVX2 registers, else one at a
+ * time. */
+static inline void int4_block_values(const uint8_t *src, float scale, float zero, float *dst) {
+#ifdef __AVX2__
+    const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero);
+    for (int j = 0; j < 16; j += 8) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
+        const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(15));
+        _mm256_storeu_ps(dst + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s, z));
+        const __m256i high = _mm256_srli_epi32(bytes, 4);
+        _mm256_storeu_ps(dst + 16 + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), s, z));
+    }
+#else
+    for (int j = 0; j < 16; ++j) {
+        dst[j] = (float)(src[j] & 15) * scale + zero;
+        dst[j + 16] = (float)(src[j] >> 4) * scale + zero;
+    }
+#endif
 }
 
 /* A block's chunk of weights (rows row0 .. row0 + rows - 1, features begin .. begin + count -
@@ -381,19 +410,18 @@ static void columns_widen(const kvgate_linear_weights *wt, int64_t row0, int row
         } else if (wt->kind == KVGATE_W_INT8) {
             const int8_t *src = (const int8_t *)wt->q + row * k + begin;
             const float *scales = (const float *)wt->scales + row * groups;
-            for (int64_t j = 0; j < count; ++j)
-                dst[j] = (float)src[j] * scales[(begin + j) / wt->group_size];
+            for (int64_t j = 0; j < count;) { /* a group's run at a time: a loop that vectorizes */
+                const int64_t g = (begin + j) / wt->group_size;
+                const int64_t end = (g + 1) * wt->group_size - begin;
+                const int64_t stop = end < count ? end : count;
+                for (; j < stop; ++j) dst[j] = (float)src[j] * scales[g];
+            }
         } else {
             const uint8_t *src = (const uint8_t *)wt->q + row * (k / 2) + begin / 2;
             for (int64_t b = 0; b < count; b += 32) { /* a block of 32 in 16 bytes */
                 const int64_t g = row * groups + (begin + b) / wt->group_size;
-                const float scale = f16_to_f32(((const uint16_t *)wt->scales)[g]);
-                const float zero = f16_to_f32(((const uint16_t *)wt->zeros)[g]);
-                for (int j = 0; j < 16; ++j) {
-                    const uint8_t byte = src[b / 2 + j];
-                    dst[b + j] = (float)(byte & 15) * scale + zero;
-                    dst[b + j + 16] = (float)(byte >> 4) * scale + zero;
-                }
+                int4_block_values(src + b / 2, f16_to_f32(((const uint16_t *)wt->scales)[g]),
+                                  f16_to_f32(((const uint16_t *)wt->zeros)[g]), dst + b);
             }
         }
     }

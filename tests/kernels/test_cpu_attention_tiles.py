@@ -2,9 +2,10 @@
 (kernels/csrc/cpu_attention_tiles.h) against the reference, and the column-major q/k/v that the
 attention step copies row-major itself.
 
-The tiled loops take 16 cached tokens a pass and 4 (64 values) or 2 (128) query heads at once;
-the cases put contexts on both sides of those tiles and of the cache blocks, and GQA ratios
-that fill a head block, leave a remainder or stay under it. A bfloat16 cache is read in place
+The tiled loops take 16 cached tokens a pass and 4 (64 values) or 2 (128) query heads at once
+at the AVX-512 level, 8 tokens and one head at the AVX2 level; the cases put contexts on both
+sides of those tiles and of the cache blocks, and GQA ratios that fill a head block, leave a
+remainder or stay under it. A bfloat16 cache is read in place
 (bfloat16 queries through the AVX512-BF16 dot product, float32 ones widened), float16, int8
 and fp8 (uint8) rows converted a chunk at a time. Tolerances as in test_cpu_dtypes (`close`);
 every format is compared with the reference reading the same cache.
@@ -25,7 +26,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.
 # (head_dim, GQA ratio): 64 values take 4 heads at a time (one block, a part block), 128 take
 # 2 (a block and a remainder); 48 is the untiled path.
 WIDE_SHAPES = [(64, 1), (64, 3), (64, 4), (128, 3), (48, 3)]
-CONTEXT_LENS = [1, 15, 16, 17, 33, 70]  # tiles of 16 tokens, blocks of 16
+CONTEXT_LENS = [1, 15, 16, 17, 33, 70]  # tiles of 16 (AVX-512) or 8 (AVX2) tokens, blocks of 16
 QUERY_LENS = [1, 15, 1, 9, 33, 2]
 
 

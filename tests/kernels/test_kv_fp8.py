@@ -61,10 +61,20 @@ def _mismatches(got: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor)
                      for i in wrong)  # fmt: skip
 
 
-@pytest.mark.parametrize("kernels", CONVERSIONS, ids=IDS)
 @pytest.mark.parametrize("start", [0, 1], ids=["all-256", "last-255"])
-def test_every_byte_decodes_as_torch_reads_it(kernels, start):
-    """255 bytes take the C code's 16-, 8- and 1-wide loops; 256, its 16-wide loop only."""
+@pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
+def test_every_byte_decodes_as_torch_reads_it_in_c(start):
+    """255 bytes take the AVX-512 code's 16-, 8- and 1-wide loops (AVX2: 8 and 1); 256, its
+    widest loop only."""
+    assert_every_byte_decodes_as_torch_reads_it(cpu, start)
+
+
+@pytest.mark.parametrize("start", [0, 1], ids=["all-256", "last-255"])
+def test_every_byte_decodes_as_torch_reads_it_in_triton(start):
+    assert_every_byte_decodes_as_torch_reads_it(triton_fp8, start)
+
+
+def assert_every_byte_decodes_as_torch_reads_it(kernels, start: int) -> None:
     data = every_byte()[start:]
     got, expected = kernels.fp8_e4m3_values(data), fp8_e4m3_values(data)
     got_bits, expected_bits = got.view(torch.int32), expected.view(torch.int32)

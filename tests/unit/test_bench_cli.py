@@ -3,6 +3,7 @@ list of benchmarks; and the `kvgate` client, which loads the benchmark only for 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -88,3 +89,22 @@ def test_kvgate_bench_lists_every_benchmark_and_refuses_an_unknown_one(capsys):
         assert f"  {words} " in listing, f"{words!r} missing from:\n{listing}"
     assert main(["bench", "engine", "warp"]) == 2
     assert "usage: kvgate bench GROUP" in capsys.readouterr().err
+
+
+def test_engine_steps_refuses_a_count_under_one_naming_the_flag(capsys):
+    status = main(["bench", "engine", "steps", "--model", str(MODEL), "--steps", "0"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and "--steps must be at least 1, got 0" in line, (status, line)
+
+
+def test_engine_steps_times_each_format_by_thread_cpu_time(tmp_path):
+    out = tmp_path / "steps.json"
+    flags = ["--model", str(MODEL), "--variants", "float32", "int8", "--streams", "2", "--steps",
+             "3", "--prompt-len", "8", "--out", str(out)]  # fmt: skip
+    assert main(["bench", "engine", "steps", *flags]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["formats"]) == {"float32", "int8"} and result["streams"] == 2
+    for name, f in result["formats"].items():
+        assert 0 < f["step_cpu_ms_min"] <= f["step_cpu_ms_median"], (name, f)
+        assert f["prefill_cpu_s"] > 0 and f["weight_bytes_per_step"] > 0, (name, f)
+    assert result["cpu"]["kernels_isa"] is not None, "the results name the kernels' ISA level"
