@@ -83,11 +83,14 @@ class TextWork:
         check_text_budget(field_name, len(text), self.model_text)
         return await self._run(len(text), self.model_text.encode, text, add_special_tokens)
 
-    async def encode_chat(self, field_name: str, messages: list[Message]) -> list[int]:
-        """Token ids of a conversation; raises ChatTemplateError as ModelText does."""
+    async def encode_chat(
+        self, field_name: str, messages: list[Message], tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation offering `tools`; raises ChatTemplateError as
+        ModelText does."""
         num_chars = sum(len(m.content) for m in messages)
         check_text_budget(field_name, num_chars, self.model_text)
-        return await self._run(num_chars, self.model_text.encode_chat, messages)
+        return await self._run(num_chars, self.model_text.encode_chat, messages, tools)
 
     async def render_chat(self, field_name: str, messages: list[Message]) -> str:
         """The prompt text of a conversation."""
