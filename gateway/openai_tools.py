@@ -187,14 +187,15 @@ def tool_of_grammar_line(problem: str, plan: ToolPlan) -> int | None:
 
 def tools_system_text(plan: ToolPlan) -> str:
     """How a template that renders no tools is told of a forced call's tools."""
-    tools = [
-        {"name": t.name, "description": t.description, "parameters": t.parameters}
-        for t in plan.callable
-    ]
+    lines = []
+    for tool in plan.callable:
+        function = {"name": tool.name, "description": tool.description or None}
+        function["parameters"] = tool.parameters
+        compact = {key: value for key, value in function.items() if value is not None}
+        lines.append(json.dumps(compact, separators=(",", ":")))
     return (
-        "You call functions. Answer with a JSON list of calls, "
-        '[{"name": <function name>, "arguments": <its arguments>}]. The functions:\n'
-        + "\n".join(json.dumps(t) for t in tools)
+        'Call functions: answer [{"name": ..., "arguments": {...}}, ...]. The functions:\n'
+        + "\n".join(lines)
     )
 
 

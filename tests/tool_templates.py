@@ -1,6 +1,7 @@
 # ruff: noqa: E501 (the template as its model ships it)
 """A chat template that renders tools, for tests: Qwen2.5's (Hermes-style <tool_call> calls,
-<tool_response> results), and stories260K saved with it as a model folder."""
+<tool_response> results) with its system prose shortened to fit stories260K's 512 positions,
+and stories260K saved with it as a model folder."""
 
 from __future__ import annotations
 
@@ -16,19 +17,19 @@ HERMES_TEMPLATE = """\
     {%- if messages[0]['role'] == 'system' %}
         {{- messages[0]['content'] }}
     {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+        {{- 'You are Qwen.' }}
     {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {{- "\\n\\n# Tools\\n<tools>" }}
     {%- for tool in tools %}
         {{- "\\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+    {{- "\\n</tools>\\nCall as <tool_call>\\n{\\"name\\": <name>, \\"arguments\\": <object>}\\n</tool_call><|im_end|>\\n" }}
 {%- else %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
     {%- else %}
-        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+        {{- '<|im_start|>system\\nYou are Qwen.<|im_end|>\\n' }}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
