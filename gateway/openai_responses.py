@@ -45,7 +45,7 @@ def usage_json(usages: list[Usage]) -> dict:
 
 def finish_reason_json(reason: FinishReason | None, called: bool = False) -> str | None:
     """stop, length, or vLLM's abort and error; tool_calls for an answer that stopped
-    after calling tools (`called`)."""
+    after calling tools (`called`: its calls are complete)."""
     if reason is None:
         return None
     return "tool_calls" if called and reason == FinishReason.STOP else str(reason)
@@ -176,8 +176,7 @@ class ResponseShape:
             }
             called = False
             if self.chat:
-                item["message"] = self._message(text)
-                called = "tool_calls" in item["message"]
+                item["message"], called = self._message(text)
             else:
                 item["text"] = text
             item["finish_reason"] = finish_reason_json(choice.finish_reason, called)
@@ -187,16 +186,18 @@ class ResponseShape:
         answer["usage"] = usage_json([c.usage for c in choices if c.usage is not None])
         return answer
 
-    def _message(self, text: str) -> dict:
-        """A whole chat answer's message: its content, and its tool_calls when it made any."""
+    def _message(self, text: str) -> tuple[dict, bool]:
+        """A whole chat answer's message: its content, and its tool_calls when it made any;
+        and whether it called tools (all its calls complete)."""
         reader = call_reader(self.tool_plan)
         if reader is None:
-            return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": text}, False
         content = reader.feed(text).content + reader.finish().content
         if not reader.calls:
-            return {"role": "assistant", "content": content}
+            return {"role": "assistant", "content": content}, False
         calls = tool_calls_json(reader.calls)
-        return {"role": "assistant", "content": content or None, "tool_calls": calls}
+        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+        return message, reader.complete
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         """Chat streams open each choice with the assistant's role (and no content when
@@ -221,7 +222,7 @@ class ResponseShape:
         delta = {"content": reading.content} if reading.content else {}
         if reading.deltas:
             delta["tool_calls"] = merged_deltas(reading.deltas)
-        return delta, bool(reader.calls)
+        return delta, bool(reader.calls) and reader.complete
 
     def chunk(self, index: int, chunk: Chunk) -> dict:
         """A stream's chunk of one choice."""

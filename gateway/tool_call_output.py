@@ -1,6 +1,7 @@
 """Tool calls read back from a chat answer's text as it streams, for OpenAI's `tool_calls`.
 
-Two readers, one interface (`feed` each piece of text, `finish` at the end): CallListReader
+Two readers, one interface (`feed` each piece of text, `finish` at the end, `calls` read and
+whether they are `complete`, none cut short by a stop string or max_tokens): CallListReader
 reads a forced call's JSON list, `[{"name": "f", "arguments": {...}}, ...]`, which its grammar
 writes exactly so (the arguments stream out as they come); HermesReader reads the calls a
 model writes unforced ("auto") between <tool_call> and </tool_call>, and passes the rest on
@@ -74,6 +75,7 @@ class CallListReader:
 
     def __init__(self) -> None:
         self.calls: list[ReadCall] = []
+        self.complete = False  # the list's closing "]" was read
         self._text = ""
         self._pos = 0
         self._in_arguments = False
@@ -95,6 +97,7 @@ class CallListReader:
                 if not self._read_head(reading):
                     break  # the head is not all here yet
             else:
+                self.complete = self._text[self._pos] == "]"
                 self._pos += 1  # "[", ", ", a call's closing "}", "]"
         return reading
 
@@ -146,6 +149,11 @@ class HermesReader:
         self.calls: list[ReadCall] = []
         self._pending = ""  # text held back: a block not closed yet, or a tag's beginning
         self._in_call = False
+
+    @property
+    def complete(self) -> bool:
+        """No call is open."""
+        return not self._in_call
 
     def feed(self, text: str) -> Reading:
         self._pending += text

@@ -376,3 +376,14 @@ def test_a_template_without_tools_is_told_of_forced_tools_in_the_system_message(
     assert plain == CONVERSATION[:2] and tools is None
     plain, tools = prompt_messages(none, CONVERSATION[:2], renders_tools=True)
     assert plain == CONVERSATION[:2] and tools is None
+
+
+def test_a_list_cut_short_keeps_its_finish_reason():
+    """A stop string (or max_tokens) that cuts the list: its calls so far, not tool_calls."""
+    cut = Choice(0, [LIST[:-3]], finish_reason=FinishReason.STOP)
+    answer = shape("required").whole([cut])["choices"][0]
+    assert answer["finish_reason"] == "stop", answer
+    assert [c["function"]["name"] for c in answer["message"]["tool_calls"]] == ["get_time", "ping"]
+    streamed = shape("required")
+    last = streamed.chunk(0, Chunk(LIST[:-3], [], finish_reason=FinishReason.STOP))
+    assert last["choices"][0]["finish_reason"] == "stop", last
