@@ -153,8 +153,10 @@ def _tool_choice(value: object, tools: tuple[Tool, ...]) -> tuple[ToolChoice, st
             "tool_choice", "must be 'none', 'auto', 'required' or {type: 'function', function}"
         )
     function = value.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if set(value) != {"type", "function"} or not isinstance(name, str) or set(function) != {"name"}:
+    if set(value) != {"type", "function"} or not isinstance(function, dict):
+        raise InvalidArgument("tool_choice.function", "required: {name: a tool's name}")
+    name = function.get("name")
+    if set(function) != {"name"} or not isinstance(name, str):
         raise InvalidArgument("tool_choice.function", "must be {name: a tool's name}")
     if name not in {t.name for t in tools}:
         raise InvalidArgument("tool_choice.function.name", f"{name!r} is none of the tools")
