@@ -146,7 +146,8 @@ class ResponseShape:
         self.text = text
         self.text_offsets: dict[int, int] = {}  # completions: characters streamed by choice
         self.tool_plan = tool_plan  # chat: what tool calls to read from the text
-        self.readers = {}  # chat with tools: each streamed choice's call reader
+        # chat: each streamed choice's call reader (None: text only)
+        self.readers: dict[int, CallListReader | HermesReader | None] = {}
 
     def _object(self, kind: str, choices: list[dict]) -> dict:
         return {

@@ -277,7 +277,8 @@ def _content(message: dict, index: int) -> str:
 def _message(message: object, index: int, call_ids: set[str]) -> Message:
     if not isinstance(message, dict):
         raise InvalidArgument(f"messages[{index}]", "must be an object {role, content}")
-    if extra := set(message) - {"role", "content", "tool_calls", "tool_call_id"}:
+    given = {key for key, value in message.items() if value is not None}
+    if extra := given - {"role", "content", "tool_calls", "tool_call_id"}:
         field_name = sorted(extra)[0]
         # name included: the chat templates served render no participant names
         raise InvalidArgument(f"messages[{index}].{field_name}", "is not supported")

@@ -199,19 +199,20 @@ def test_the_sdks_pydantic_tools_parse_the_arguments(client: openai.OpenAI):
         assert calls and all(isinstance(c.function.parsed_arguments, Weather) for c in calls)
 
 
-def next_turn(answer) -> list[dict]:
-    """The conversation after the assistant's calls, each answered by a tool message."""
+def next_turn(answer, as_sent: bool = False) -> list:
+    """The conversation after the assistant's calls, each answered by a tool message; the
+    assistant's message as the SDK gave it (`as_sent`) or as a dict."""
     message = answer.choices[0].message
     results = [
         {"role": "tool", "tool_call_id": c.id, "content": f"result {i}"}
         for i, c in enumerate(message.tool_calls)
     ]
-    return [*QUESTION, message.model_dump(exclude_none=True), *results]
+    return [*QUESTION, message if as_sent else message.model_dump(), *results]
 
 
 def test_a_next_turn_with_tool_messages_is_answered(client: openai.OpenAI):
     first = call(client, 0, tool_choice=GET_TIME)
-    messages = next_turn(first)
+    messages = next_turn(first, as_sent=True)
     answer = client.chat.completions.create(
         model=MODEL_ID, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8,
         temperature=0,
