@@ -91,8 +91,16 @@ def read_tool_plan(body: dict) -> ToolPlan | None:
     if not tools:
         if choice_value not in (None, "none"):
             raise InvalidArgument("tool_choice", "needs tools")
+        if parallel is not None:
+            raise InvalidArgument("parallel_tool_calls", "needs tools")
         return None
     choice, named = _tool_choice(choice_value, tools)
+    if parallel is False and choice is ToolChoice.AUTO:
+        raise InvalidArgument(
+            "parallel_tool_calls",
+            "false is served with tool_choice 'required' or a named function (one call "
+            "forced); with 'auto' the model may write several calls",
+        )
     return ToolPlan(tools, choice, named, parallel is not False)
 
 

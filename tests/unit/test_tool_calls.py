@@ -176,6 +176,8 @@ def test_a_tool_schema_that_does_not_compile_names_its_tool(compiler):
         ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [tool("a")], "parallel_tool_calls": 1}, "parallel_tool_calls"),
+        ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+        ({"tools": [tool("a")], "parallel_tool_calls": False}, "parallel_tool_calls"),
         (
             {
                 "tools": [tool("a")],
