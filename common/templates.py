@@ -145,8 +145,8 @@ class ChatTemplate:
         probe = [Message("user", "hi")]
         try:
             text = self._apply(probe, True, tokenize=False, tools=[PROBE_TOOL])
-        except ChatTemplateError:
-            return False
+        except (ChatTemplateError, TypeError, ValueError, LookupError):
+            return False  # a template that cannot render the probe renders no tools
         return PROBE_TOOL["function"]["name"] in text
 
     def render(
