@@ -86,13 +86,18 @@ class ModelText:
             text, add_special_tokens=add_special_tokens, split_special_tokens=True
         )
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation (the template writes BOS)."""
-        return self.chat_template.render(messages, add_generation_prompt)
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt text of a conversation (the template writes BOS), offering `tools`."""
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
-    def encode_chat(self, messages: list[Message]) -> list[int]:
-        """Token ids of a conversation ready for the assistant's reply."""
-        return self.chat_template.encode(messages)
+    def encode_chat(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation ready for the assistant's reply, offering `tools`."""
+        return self.chat_template.encode(messages, tools=tools)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The vocabulary string of each token id."""

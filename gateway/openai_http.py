@@ -47,6 +47,7 @@ from gateway.health import GatewayHealth
 from gateway.metrics import GatewayMetrics
 from gateway.openai_responses import DONE_EVENT, Choice, ResponseShape, TokenText, sse_event
 from gateway.openai_schema import OpenAIRequest, chat_request, completion_request
+from gateway.openai_tools import check_tool_choice, prompt_messages
 from gateway.service import InferenceServicer
 from gateway.validation import check_prompt_len, check_token_ids
 
@@ -109,7 +110,7 @@ def error_response(error: Exception, openai: OpenAIRequest | None = None) -> JSO
     http_status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
     param = None
     if isinstance(error, InvalidArgument):
-        param = openai.openai_param(error.field) if openai is not None else error.field
+        param = openai.error_param(error) if openai is not None else error.field
         if openai is not None and param != error.field:
             message = f"{param}: {str(error).partition(': ')[2]}"
     headers = {}
@@ -357,6 +358,9 @@ class OpenAIFront:
                     f"this gateway serves {self.model_text.model_id!r}"
                 )
             chat = method == "chat.completions"
+            if chat:
+                template = self.model_text.chat_template
+                check_tool_choice(openai.tool_plan, template.writes_hermes_calls)
             return await self._answer(request, tenant, openai, chat, count, request_id)
         except ClientGone:
             count.end("CANCELLED")
@@ -392,8 +396,10 @@ class OpenAIFront:
         ]
 
     async def _chat_prompt(self, openai: OpenAIRequest) -> list[int]:
+        renders_tools = self.model_text.chat_template.renders_tools
+        messages, tools = prompt_messages(openai.tool_plan, openai.messages, renders_tools)
         try:
-            token_ids = await self.servicer.text.encode_chat("messages", openai.messages)
+            token_ids = await self.servicer.text.encode_chat("messages", messages, tools)
         except ChatTemplateError as error:
             raise InvalidArgument("messages", str(error)) from error
         check_prompt_len("messages", len(token_ids), self.model_text.limits.max_model_len)
@@ -433,7 +439,9 @@ class OpenAIFront:
     ) -> Response:
         if openai.user:
             log.info("request %s for end user %s", request_id, shown(openai.user))
-        shape = ResponseShape(chat, openai.model, request_id, openai.logprobs, self.token_text)
+        shape = ResponseShape(
+            chat, openai.model, request_id, openai.logprobs, self.token_text, openai.tool_plan
+        )
         generations = self._generations(tenant, openai, chat, request_id)
         self._open(len(generations))
         stream = failing_on_error(merged(generations))

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 
 from common.finish_reason import FinishReason
 from gateway.generation import Chunk, Usage
+from gateway.openai_tools import ToolChoice, ToolPlan
+from gateway.tool_call_output import (
+    CallListReader,
+    HermesReader,
+    ReadCall,
+    Reading,
+    merged_deltas,
+)
 from protos.kvgate.v1 import inference_pb2
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -35,9 +43,33 @@ def usage_json(usages: list[Usage]) -> dict:
     }
 
 
-def finish_reason_json(reason: FinishReason | None) -> str | None:
-    """stop, length, or vLLM's abort and error."""
-    return None if reason is None else str(reason)
+def finish_reason_json(reason: FinishReason | None, called: bool = False) -> str | None:
+    """stop, length, or vLLM's abort and error; tool_calls for an answer that stopped
+    after calling tools (`called`: its calls are complete)."""
+    if reason is None:
+        return None
+    return "tool_calls" if called and reason == FinishReason.STOP else str(reason)
+
+
+def tool_calls_json(calls: list[ReadCall]) -> list[dict]:
+    """A chat message's tool_calls."""
+    return [
+        {
+            "id": c.call_id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in calls
+    ]
+
+
+def call_reader(plan: ToolPlan | None) -> CallListReader | HermesReader | None:
+    """The reader of one choice's calls (None: the answer is text only)."""
+    if plan is None or plan.choice is ToolChoice.NONE:
+        return None
+    if plan.forced:
+        return CallListReader()
+    return HermesReader({t.name for t in plan.callable})
 
 
 @dataclass(slots=True)
@@ -97,7 +129,13 @@ class ResponseShape:
     """The objects of one endpoint's answer: `chat` (chat.completion) or not (text_completion)."""
 
     def __init__(
-        self, chat: bool, model: str, request_id: str, with_logprobs: bool, text: TokenText
+        self,
+        chat: bool,
+        model: str,
+        request_id: str,
+        with_logprobs: bool,
+        text: TokenText,
+        tool_plan: ToolPlan | None = None,
     ):
         self.chat = chat
         self.model = model
@@ -107,6 +145,9 @@ class ResponseShape:
         self.with_logprobs = with_logprobs
         self.text = text
         self.text_offsets: dict[int, int] = {}  # completions: characters streamed by choice
+        self.tool_plan = tool_plan  # chat: what tool calls to read from the text
+        # chat: each streamed choice's call reader (None: text only)
+        self.readers: dict[int, CallListReader | HermesReader | None] = {}
 
     def _object(self, kind: str, choices: list[dict]) -> dict:
         return {
@@ -134,30 +175,64 @@ class ResponseShape:
                 "index": choice.index,
                 "logprobs": self._logprobs(choice.index, choice.logprobs),
             }
+            called = False
             if self.chat:
-                item["message"] = {"role": "assistant", "content": text}
+                item["message"], called = self._message(text)
             else:
                 item["text"] = text
-            item["finish_reason"] = finish_reason_json(choice.finish_reason)
+            item["finish_reason"] = finish_reason_json(choice.finish_reason, called)
             items.append(item)
         kind = "chat.completion" if self.chat else "text_completion"
         answer = self._object(kind, items)
         answer["usage"] = usage_json([c.usage for c in choices if c.usage is not None])
         return answer
 
+    def _message(self, text: str) -> tuple[dict, bool]:
+        """A whole chat answer's message: its content, and its tool_calls when it made any;
+        and whether it called tools (all its calls complete)."""
+        reader = call_reader(self.tool_plan)
+        if reader is None:
+            return {"role": "assistant", "content": text}, False
+        content = reader.feed(text).content + reader.finish().content
+        if not reader.calls:
+            return {"role": "assistant", "content": content}, False
+        calls = tool_calls_json(reader.calls)
+        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+        return message, reader.complete
+
     def first_chunks(self, num_choices: int) -> list[dict]:
-        """Chat streams open each choice with the assistant's role."""
+        """Chat streams open each choice with the assistant's role (and no content when
+        the answer is a forced call)."""
         if not self.chat:
             return []
-        delta = {"role": "assistant", "content": ""}
+        forced = self.tool_plan is not None and self.tool_plan.forced
+        delta = {"role": "assistant", "content": None if forced else ""}
         return [self._chunk(index, delta, None, None) for index in range(num_choices)]
+
+    def _chat_delta(self, index: int, chunk: Chunk) -> tuple[dict, bool]:
+        """A chat chunk's delta, and whether the choice has called tools so far."""
+        if index not in self.readers:
+            self.readers[index] = call_reader(self.tool_plan)
+        reader = self.readers[index]
+        if reader is None:
+            return {"content": chunk.text}, False
+        reading = reader.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            rest = reader.finish()
+            reading = Reading(reading.content + rest.content, reading.deltas + rest.deltas)
+        delta = {"content": reading.content} if reading.content else {}
+        if reading.deltas:
+            delta["tool_calls"] = merged_deltas(reading.deltas)
+        return delta, bool(reader.calls) and reader.complete
 
     def chunk(self, index: int, chunk: Chunk) -> dict:
         """A stream's chunk of one choice."""
         logprobs = self._logprobs(index, chunk.logprobs)
-        reason = finish_reason_json(chunk.finish_reason)
         if self.chat:
-            return self._chunk(index, {"content": chunk.text}, logprobs, reason)
+            delta, called = self._chat_delta(index, chunk)
+            reason = finish_reason_json(chunk.finish_reason, called)
+            return self._chunk(index, delta, logprobs, reason)
+        reason = finish_reason_json(chunk.finish_reason)
         self.text_offsets[index] = self.text_offsets.get(index, 0) + len(chunk.text)
         item = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
         return self._object("text_completion", [item])

@@ -16,6 +16,14 @@ from common.sampling_params import MAX_LOGIT_BIAS
 from common.templates import ROLES, Message
 from gateway.errors import InvalidArgument, shown
 from gateway.openai_constraints import CONSTRAINT_FIELDS, fill_constraint
+from gateway.openai_tools import (
+    ToolPlan,
+    call_grammar,
+    message_tool_call_id,
+    message_tool_calls,
+    read_tool_plan,
+    tool_of_grammar_line,
+)
 from protos.kvgate.v1 import inference_pb2
 
 MAX_UINT32 = 2**32 - 1
@@ -24,11 +32,8 @@ MAX_PRIORITY = 2**31 - 1
 MAX_USER_CHARS = 256
 # Why each field kvgate does not serve yet is refused (the rest of the message names the field).
 UNSUPPORTED = {
-    "tools": "is not supported by kvgate yet",
-    "tool_choice": "is not supported by kvgate yet",
-    "parallel_tool_calls": "is not supported by kvgate yet",
-    "functions": "is not supported by kvgate yet",
-    "function_call": "is not supported by kvgate yet",
+    "functions": "is not supported by kvgate (use tools)",
+    "function_call": "is not supported by kvgate (use tool_choice)",
     "audio": "is not supported by kvgate (text only)",
     "modalities": "is not supported by kvgate (text only)",
     "prediction": "is not supported by kvgate yet",
@@ -48,7 +53,11 @@ COMMON_FIELDS = frozenset({
     "priority", "session_id", "best_of", "logit_bias", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", *CONSTRAINT_FIELDS,
 })  # fmt: skip
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls",
+}  # fmt: skip
+CHAT_ROLES = (*ROLES, "tool")
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 # The gRPC front's names of the fields whose OpenAI names differ.
 GRPC_NAMES = {"params.max_tokens": "max_tokens", "params.logprobs": "logprobs"}
@@ -69,6 +78,7 @@ class OpenAIRequest:
     user: str = ""
     logprobs: bool = False  # answer with each token's logprob (params.logprobs alternatives)
     names: dict[str, str] = field(default_factory=dict)  # gRPC field name -> the body's
+    tool_plan: ToolPlan | None = None  # chat: the tools and tool_choice (None: no tools)
 
     def openai_param(self, grpc_field: str) -> str:
         """The body's name of a field the request path names as the gRPC front does."""
@@ -76,6 +86,16 @@ class OpenAIRequest:
             return self.names[grpc_field]
         name = grpc_field.removeprefix("params.")
         return GRPC_NAMES.get(name, name)
+
+    def error_param(self, error: InvalidArgument) -> str:
+        """The body's name of the field `error` names: a forced call's grammar that does not
+        compile names the tool whose parameters it could not read, when it can tell."""
+        plan = self.tool_plan
+        if error.field == "params.grammar" and plan is not None and plan.forced:
+            index = tool_of_grammar_line(str(error), plan)
+            if index is not None:
+                return f"tools[{index}].function.parameters"
+        return self.openai_param(error.field)
 
 
 def _is_int(value: object) -> bool:
@@ -238,6 +258,8 @@ def _common(body: dict, allowed: frozenset[str], max_tokens_name: str) -> OpenAI
 def _content(message: dict, index: int) -> str:
     content = message.get("content")
     name = f"messages[{index}].content"
+    if content is None and message.get("tool_calls"):
+        return ""  # an assistant message that only calls tools
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -252,25 +274,45 @@ def _content(message: dict, index: int) -> str:
     return "".join(texts)
 
 
+def _message(message: object, index: int, call_ids: set[str]) -> Message:
+    if not isinstance(message, dict):
+        raise InvalidArgument(f"messages[{index}]", "must be an object {role, content}")
+    given = {key for key, value in message.items() if value is not None}
+    if extra := given - {"role", "content", "tool_calls", "tool_call_id"}:
+        field_name = sorted(extra)[0]
+        # name included: the chat templates served render no participant names
+        raise InvalidArgument(f"messages[{index}].{field_name}", "is not supported")
+    role = message.get("role")
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
+    if role not in CHAT_ROLES:
+        raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}")
+    tool_calls = message_tool_calls(message, index)
+    tool_call_id = message_tool_call_id(message, index, call_ids)
+    call_ids.update(c.call_id for c in tool_calls)
+    return Message(role, _content(message, index), tool_calls, tool_call_id)
+
+
 def _messages(body: dict) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages", "required: a non-empty list of {role, content}")
-    checked = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidArgument(f"messages[{index}]", "must be an object {role, content}")
-        if extra := set(message) - {"role", "content"}:
-            field_name = sorted(extra)[0]
-            # name included: the chat templates served render no participant names
-            raise InvalidArgument(f"messages[{index}].{field_name}", "is not supported")
-        role = message.get("role")
-        if role == "developer":  # OpenAI's newer name for the system role
-            role = "system"
-        if role not in ROLES:
-            raise InvalidArgument(f"messages[{index}].role", f"must be one of {', '.join(ROLES)}")
-        checked.append(Message(role, _content(message, index)))
-    return checked
+    call_ids: set[str] = set()  # of the assistant tool calls so far
+    return [_message(message, index, call_ids) for index, message in enumerate(messages)]
+
+
+def _fill_tools(body: dict, request: OpenAIRequest) -> None:
+    """The tools, and for a forced call its grammar as the request's constraint (with
+    "auto", a constraint the body sets holds for the whole output, calls included)."""
+    plan = read_tool_plan(body)
+    request.tool_plan = plan
+    if plan is None or not plan.forced:
+        return
+    if (kind := request.params.WhichOneof("constraint")) is not None:
+        given = request.openai_param(f"params.{kind}").partition(".")[0]
+        raise InvalidArgument(given, "cannot be combined with a forced tool call's grammar")
+    request.params.grammar = call_grammar(plan)
+    request.names["params.grammar"] = "tools"
 
 
 def chat_request(body: dict) -> OpenAIRequest:
@@ -284,6 +326,7 @@ def chat_request(body: dict) -> OpenAIRequest:
     name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
     request = _common(body, CHAT_FIELDS, name)
     request.messages = _messages(body)
+    _fill_tools(body, request)
     request.logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_UINT32)
     if top is not None and not request.logprobs:

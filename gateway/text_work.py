@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +49,12 @@ def check_text_budget(field_name: str, num_chars: int, model_text: ModelText) ->
             f"({limits.max_model_len} tokens of at most {model_text.longest_token_chars} "
             "characters)",
         )
+
+
+def chat_chars(messages: list[Message], tools: list[dict] | None = None) -> int:
+    """The characters a conversation's rendering costs: its text, calls and tools."""
+    num_chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
+    return num_chars + (len(json.dumps(tools)) if tools else 0)
 
 
 class TextWork:
@@ -83,15 +90,18 @@ class TextWork:
         check_text_budget(field_name, len(text), self.model_text)
         return await self._run(len(text), self.model_text.encode, text, add_special_tokens)
 
-    async def encode_chat(self, field_name: str, messages: list[Message]) -> list[int]:
-        """Token ids of a conversation; raises ChatTemplateError as ModelText does."""
-        num_chars = sum(len(m.content) for m in messages)
+    async def encode_chat(
+        self, field_name: str, messages: list[Message], tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation offering `tools`; raises ChatTemplateError as
+        ModelText does."""
+        num_chars = chat_chars(messages, tools)
         check_text_budget(field_name, num_chars, self.model_text)
-        return await self._run(num_chars, self.model_text.encode_chat, messages)
+        return await self._run(num_chars, self.model_text.encode_chat, messages, tools)
 
     async def render_chat(self, field_name: str, messages: list[Message]) -> str:
         """The prompt text of a conversation."""
-        num_chars = sum(len(m.content) for m in messages)
+        num_chars = chat_chars(messages)
         check_text_budget(field_name, num_chars, self.model_text)
         return await self._run(num_chars, self.model_text.render_chat, messages)
 

@@ -62,7 +62,34 @@ FIELDS = {
     "session_id": st.one_of(st.from_regex(r"[A-Za-z0-9._:-]{1,20}", fullmatch=True), SCALARS),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": SCALARS}), JSON_VALUES),
     "logit_bias": JSON_VALUES,
-    "tools": JSON_VALUES,
+    "tools": st.one_of(
+        JSON_VALUES,
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("function"),
+                    "function": st.fixed_dictionaries(
+                        {"name": st.sampled_from(["f", "g", "bad name"])},
+                        optional={
+                            "parameters": st.one_of(st.just({"type": "object"}), JSON_VALUES)
+                        },
+                    ),
+                }
+            ),
+            max_size=3,
+        ),
+    ),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])}),
+            }
+        ),
+        JSON_VALUES,
+    ),
+    "parallel_tool_calls": SCALARS,
     "response_format": st.one_of(
         st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])}),
         JSON_VALUES,
@@ -130,6 +157,8 @@ def check_answer(answer: httpx.Response, body: dict | None, text: str) -> None:
     assert set(error) == {"message", "type", "param", "code"}, error
     if answer.status_code == 400 and error["param"] not in (None, "body"):
         top = error["param"].split("[")[0].split(".")[0]
+        if top == "tool_choice" and body is not None and "tools" in body:
+            return  # tool_choice's default ("auto" with tools) is refused naming it
         assert body is not None and top in body, f"param {error['param']!r} not in {body}"
 
 

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -109,3 +110,45 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(client: openai.OpenAI
         )
 
     wait_for(counted_cancelled, "the HTTP call counted CANCELLED")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_smollm2_calls_a_tool_it_is_told_of_and_answers_its_result(client: openai.OpenAI):
+    """SmolLM2's template renders no tools: the tools are described in the system message,
+    the grammar holds the call to their schema, and the result's turn renders as text."""
+    model = model_id(client)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schema = WEATHER_TOOL["function"]["parameters"]
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=60, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", f"seed {seed}: {choice}"
+        [tool_call] = choice.message.tool_calls
+        jsonschema.validate(json.loads(tool_call.function.arguments), schema)
+    result = {"role": "tool", "tool_call_id": tool_call.id, "content": "Sunny, 24 degrees"}
+    messages += [choice.message.model_dump(exclude_none=True), result]
+    reply = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
+        max_tokens=24, temperature=0,
+    )  # fmt: skip
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None

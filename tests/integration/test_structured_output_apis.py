@@ -184,7 +184,14 @@ def test_openai_allowed_token_ids_and_skip_special_tokens(client: openai.OpenAI)
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"99999": 1}}, "logit_bias"),
         ({"extra_body": {"allowed_token_ids": [99999]}}, "allowed_token_ids"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
     ],
 )
 def test_openai_bad_constraints_are_bad_requests_naming_the_field(
