@@ -10,12 +10,14 @@ while engine.has_unfinished():
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from common.choices import choice_request_id, split_choice_request_id
 from common.finish_reason import FinishReason
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_N, SamplingParams, choice_seed
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -44,6 +46,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int  # prompt tokens served from the prefix or session cache
     error_message: str = ""  # what failed, with FinishReason.ERROR
+    index: int = 0  # the choice (SamplingParams.n, best_of) these tokens belong to
 
 
 @dataclass(slots=True)
@@ -80,6 +83,8 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             session_ttl_s=config.session_ttl_s,
             num_host_blocks=self.runner.num_host_blocks,
+            # the other ranks do not see block copies: forks recompute their partial block
+            copy_on_write=config.tensor_parallel_size == 1,
         )
         self.scheduler = StepScheduler(config, self.kv_cache, self.max_model_len)
         self.sampler = Sampler(
@@ -88,7 +93,8 @@ class Engine:
         self.structured = StructuredOutput.for_model(
             config.model, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
         )
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by sequence id (a choice's own with n > 1)
+        self._num_sequences: Counter[str] = Counter()  # live sequences per request id
         self._arrivals = itertools.count()
 
     # ---- API ----------------------------------------------------------------------------
@@ -103,8 +109,14 @@ class Engine:
         session_id: str | None = None,
         cache_salt: str | None = None,
         resume_token_ids: list[int] | None = None,
+        choice_index: int = 0,
     ) -> None:
         """Queue a request; it runs from the next `step()`.
+
+        A request with `params.num_sequences` > 1 (n, best_of) is a sequence group: its prompt
+        is prefilled once, then it forks into that many sequences sharing the prompt's blocks
+        (see engine/kv_cache.py), each sampled on its own and reported with its `index`.
+        Choice 0 alone keeps the session's blocks.
 
         Args:
             resume_token_ids: output an earlier run of the request produced (on an executor
@@ -112,6 +124,8 @@ class Engine:
                 max_tokens, min_tokens and the penalties see them, and a seeded request's
                 generator continues past their draws: the whole output equals one
                 undisturbed run. A constraint's matcher replays them too.
+            choice_index: the choice a one-sequence request runs (a choice of a group run
+                again alone): its outputs carry it, and its seed is that choice's.
 
         A request with a constraint whose grammar is not compiled yet (see
         engine/structured.py) compiles off the step loop and runs from the step after;
@@ -121,41 +135,49 @@ class Engine:
             ValueError: a field is invalid (the message names it), or the id is in use.
         """
         self._validate(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
+        self._validate_group(params, resume_token_ids, choice_index)
         resumed = list(resume_token_ids or [])
         tokens = list(prompt_token_ids) + resumed
         if resumed:
             self._validate_prompt(tokens)
-        generator = None
-        if params.seed is not None:
-            generator = Sampler.make_generator(params.seed, self.runner.device)
-            if not params.is_greedy:
-                self.sampler.skip_draws(generator, len(resumed), self.model_config.vocab_size)
+        grouped = params.num_sequences > 1
         req = Request(
-            request_id=request_id,
+            request_id=choice_request_id(request_id, 0) if grouped else request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             arrival_seq=next(self._arrivals),
             priority=priority,
             session_id=session_id,
             cache_salt=cache_salt,
-            generator=generator,
+            generator=self._generator(params, choice_index, len(resumed)),
             all_token_ids=tokens,
+            group_id=request_id,
+            index=choice_index,
+            num_forks=params.num_sequences - 1,
         )
         if params.constraint is None or self.structured.start(req, resumed):
             self.scheduler.add(req)
-        self.requests[request_id] = req
+        self._track(req)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks; it produces no further output.
+        """Stop a request (every sequence of a group), or one choice of a group by its own
+        id (common.choices), and free its blocks; it produces no further output.
 
         Raises:
-            ValueError: no unfinished request has this id.
+            ValueError: no unfinished request or choice has this id.
         """
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        req = self.requests.get(request_id)
+        leader = self._leader_of(request_id)
+        if leader is not None:  # a choice not forked yet (or the one that forks): it never starts
+            leader.unwanted_choices.add(split_choice_request_id(request_id)[1])
+            return
+        sequences = [req] if req is not None else self._sequences_of(request_id)
+        if not sequences:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
-        if not self.structured.cancel(request_id):
-            self.scheduler.finish(req, FinishReason.ABORT)
+        for seq in sequences:
+            self._forget(seq)
+            if not self.structured.cancel(seq.request_id):
+                self.scheduler.finish(seq, FinishReason.ABORT)
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the current batch.
@@ -263,9 +285,11 @@ class Engine:
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv_cache.register_computed_blocks(s.request)
-        sampling = [s.request for s in out.scheduled if s.samples]
+        sampling, rows = self._with_forks([s.request for s in out.scheduled if s.samples])
         if not sampling:
             return []
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
         sampled = self.sampler(logits, self._sampling_batch(sampling))
         outputs = []
         for row, (req, token_id, logprobs) in enumerate(
@@ -280,19 +304,98 @@ class Engine:
                 outputs += self._fail_with(req, problem)
                 continue
             if reason is not None:
-                self.requests.pop(req.request_id, None)
+                self._forget(req)
                 self.scheduler.finish(req, reason)
             outputs.append(
                 RequestOutput(
-                    request_id=req.request_id,
+                    request_id=req.group_id,
                     new_token_ids=[token_id],
                     logprobs=None if logprobs is None else [logprobs],
                     finished=reason is not None,
                     finish_reason=reason,
                     num_cached_tokens=req.num_cached_tokens or 0,
+                    index=req.index,
                 )
             )
         return outputs
+
+    # ---- sequence groups ----------------------------------------------------------------
+
+    def _with_forks(self, sampling: list[Request]) -> tuple[list[Request], list[int]]:
+        """The sequences that sample this step, and the logits row of each: a group whose
+        prompt was just computed forks here, every new sequence sampling from its row."""
+        reqs: list[Request] = []
+        rows: list[int] = []
+        for row, req in enumerate(sampling):
+            family = self._fork(req) if req.num_forks else [req]
+            reqs += family
+            rows += [row] * len(family)
+        return reqs, rows
+
+    def _fork(self, leader: Request) -> list[Request]:
+        """The group's sequences: `leader` and its forks, those aborted before left out."""
+        indexes = range(leader.index + 1, leader.index + 1 + leader.num_forks)
+        family = [self._child(leader, i) for i in indexes if i not in leader.unwanted_choices]
+        leader.num_forks = 0
+        if leader.index in leader.unwanted_choices:
+            self._forget(leader)
+            self.scheduler.finish(leader, FinishReason.ABORT)
+            return family
+        return [leader, *family]
+
+    def _child(self, leader: Request, index: int) -> Request:
+        child = Request(
+            request_id=choice_request_id(leader.group_id, index),
+            prompt_token_ids=leader.prompt_token_ids,
+            params=leader.params,
+            arrival_seq=leader.arrival_seq,
+            priority=leader.priority,
+            cache_salt=leader.cache_salt,
+            generator=self._generator(leader.params, index, 0),
+            matcher=None if leader.matcher is None else leader.matcher.deep_copy(),
+            all_token_ids=list(leader.all_token_ids),
+            num_cached_tokens=leader.num_cached_tokens,
+            group_id=leader.group_id,
+            index=index,
+        )
+        self.kv_cache.fork(leader, child)
+        self.scheduler.start_forked(child)
+        self._track(child)
+        return child
+
+    def _generator(self, params: SamplingParams, index: int, num_resumed: int):
+        """The generator of choice `index` of a seeded request (None unseeded), past the
+        draws of `num_resumed` tokens."""
+        if params.seed is None:
+            return None
+        generator = Sampler.make_generator(choice_seed(params.seed, index), self.runner.device)
+        if not params.is_greedy:
+            self.sampler.skip_draws(generator, num_resumed, self.model_config.vocab_size)
+        return generator
+
+    def _track(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._num_sequences[req.group_id] += 1
+
+    def _forget(self, req: Request) -> None:
+        if self.requests.pop(req.request_id, None) is None:
+            return
+        self._num_sequences[req.group_id] -= 1
+        if not self._num_sequences[req.group_id]:
+            del self._num_sequences[req.group_id]
+
+    def _sequences_of(self, request_id: str) -> list[Request]:
+        if request_id not in self._num_sequences:
+            return []
+        return [r for r in self.requests.values() if r.group_id == request_id]
+
+    def _leader_of(self, choice_id: str) -> Request | None:
+        """The sequence that still has to fork choice `choice_id` (or is it), if any."""
+        choice = split_choice_request_id(choice_id)
+        if choice is None:
+            return None
+        leader = self.requests.get(choice_request_id(choice[0], 0))
+        return leader if leader is not None and leader.num_forks else None
 
     def _run_each_alone(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """After a failed forward pass, runs each of its requests alone, once: those that
@@ -322,12 +425,14 @@ class Engine:
     def _fail_with(self, req: Request, message: str, scheduled: bool = True) -> list[RequestOutput]:
         """Finishes `req` with FinishReason.ERROR and `message` (`scheduled`: it was handed
         to the step scheduler, which gives back its blocks)."""
-        self.requests.pop(req.request_id, None)
+        self._forget(req)
         if scheduled:
             self.scheduler.finish(req, FinishReason.ERROR)
+        indexes = range(req.index, req.index + 1 + req.num_forks)  # forks it never made too
         return [
-            RequestOutput(req.request_id, [], None, True, FinishReason.ERROR,
-                          req.num_cached_tokens or 0, message)
+            RequestOutput(req.group_id, [], None, True, FinishReason.ERROR,
+                          req.num_cached_tokens or 0, message, index)
+            for index in indexes if index not in req.unwanted_choices
         ]  # fmt: skip
 
     def _take_compiled(self) -> list[RequestOutput]:
@@ -369,7 +474,7 @@ class Engine:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._num_sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -384,6 +489,28 @@ class Engine:
             raise ValueError(
                 f"params name token id {params.max_token_id()} (stop_token_ids, logit_bias or "
                 f"allowed_token_ids); the vocabulary has {self.model_config.vocab_size}"
+            )
+
+    def _validate_group(
+        self, params: SamplingParams, resume_token_ids: list[int] | None, choice_index: int
+    ) -> None:
+        num_sequences = params.num_sequences
+        if num_sequences > self.config.max_num_seqs:
+            name = "best_of" if params.best_of else "n"
+            raise ValueError(
+                f"params.{name} ({num_sequences}) must be <= max_num_seqs "
+                f"({self.config.max_num_seqs}): a request's sequences run in one batch"
+            )
+        if isinstance(choice_index, bool) or not isinstance(choice_index, int):
+            raise ValueError(f"choice_index must be an integer, got {choice_index!r}")
+        if not 0 <= choice_index < MAX_N:
+            raise ValueError(f"choice_index must be in [0, {MAX_N}), got {choice_index}")
+        if num_sequences > 1 and choice_index:
+            raise ValueError("choice_index must be 0 for a request of several sequences")
+        if num_sequences > 1 and resume_token_ids:
+            raise ValueError(
+                "resume_token_ids: a request of several sequences resumes choice by choice "
+                "(each with n = 1, its choice_index and its own tokens)"
             )
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
