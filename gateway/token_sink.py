@@ -157,13 +157,17 @@ class TokenRouter:
             tracked.inbox.put_nowait(event)
 
     def cancel_client_request(self, client_key: tuple[str, str]) -> bool:
-        """Cancel the request a client knows as `client_key` (tenant, its request_id), as if
-        the client had cancelled its call. Returns: whether one was streaming here."""
+        """Cancel the request a client knows as `client_key` (tenant, its request_id), every
+        choice of it (gateway/choices.py), as if the client had cancelled its call.
+        Returns: whether one was streaming here."""
+        tenant, client_id = client_key
+        cancelled = False
         for tracked in self._requests.values():
-            if tracked.client_key == client_key:
+            key_tenant, key_id = tracked.client_key
+            if key_tenant == tenant and key_id.partition("#")[0] == client_id:
                 tracked.inbox.put_nowait(ClientCancelled())
-                return True
-        return False
+                cancelled = True
+        return cancelled
 
     @property
     def num_requests(self) -> int:

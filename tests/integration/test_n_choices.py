@@ -38,9 +38,7 @@ def _completion(client: openai.OpenAI, **fields):
 
 def test_greedy_n4_equals_four_separate_greedy_requests(client: openai.OpenAI):
     grouped = _completion(client, n=4, temperature=0, extra_body={"ignore_eos": True})
-    alone = [
-        _completion(client, temperature=0, extra_body={"ignore_eos": True}) for _ in range(4)
-    ]
+    alone = [_completion(client, temperature=0, extra_body={"ignore_eos": True}) for _ in range(4)]
     assert [c.index for c in grouped.choices] == [0, 1, 2, 3], grouped
     for choice, single in zip(grouped.choices, alone, strict=True):
         assert choice.text == single.choices[0].text, (choice, single)

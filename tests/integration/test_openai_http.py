@@ -158,7 +158,7 @@ def bad_request(call, **kwargs) -> openai.BadRequestError:
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 10_000}, "max_completion_tokens"),
         ({"n": 0}, "n"),
-        ({"n": 2, "best_of": 1}, "best_of"),
+        ({"n": 2, "extra_body": {"best_of": 1}}, "best_of"),
         ({"logit_bias": {"one": 5}}, "logit_bias"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
