@@ -166,11 +166,11 @@ class Engine:
         Raises:
             ValueError: no unfinished request or choice has this id.
         """
-        req = self.requests.get(request_id)
         leader = self._leader_of(request_id)
         if leader is not None:  # a choice not forked yet (or the one that forks): it never starts
             leader.unwanted_choices.add(split_choice_request_id(request_id)[1])
             return
+        req = self.requests.get(request_id)
         sequences = [req] if req is not None else self._sequences_of(request_id)
         if not sequences:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")

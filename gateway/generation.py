@@ -337,6 +337,7 @@ class Generation:
             log.warning("could not queue the request again: %s", error, extra=self.log_fields)
             return
         self.redis_down_since = None
+        self.queued_id = self.request_id  # a choice of a group is queued again alone
         log.info("request queued again after a redis outage", extra=self.log_fields)
 
     def _stop_waiting(self, reason: internal_pb2.AbortReason, why: str) -> None:

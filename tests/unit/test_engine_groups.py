@@ -252,3 +252,22 @@ def test_more_sequences_than_the_batch_holds_is_refused_naming_n():
         engine.add_request("r", PROMPT, greedy(4, n=2), resume_token_ids=[5])
     engine.add_request("r", PROMPT, greedy(4, n=4))  # the engine still serves
     assert len(_choices(engine)) == 4
+
+
+def test_without_copy_on_write_a_fork_recomputes_the_partial_block():
+    """Tensor-parallel ranks do not see block copies: forks share full blocks only."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False,
+                        copy_on_write=False)  # fmt: skip
+    parent, child = _request("p", 10), _request("c", 10)
+    assert kv.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    kv.fork(parent, child)
+    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
+    engine = make_engine(block_size=4)
+    engine.kv_cache.copy_on_write = False
+    engine.add_request("group", PROMPT, greedy(12, n=3))
+    grouped = _choices(engine)
+    engine.add_request("alone", PROMPT, greedy(12))
+    alone = _choices(engine)[("alone", 0)]
+    assert all(grouped[("group", i)] == alone for i in range(3)), grouped
+    assert engine.kv_cache.host.take_ops() == []
