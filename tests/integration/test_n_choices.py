@@ -18,11 +18,13 @@ from protos.kvgate.v1 import inference_pb2 as pb
 MODEL_ID = "stories260K"
 PROMPT = "Once upon a time"
 STORY = [{"role": "user", "content": "Tell me a story about a cat."}]
+MAX_NUM_SEQS = ["--max-num-seqs", "8"]
 
 
 @pytest.fixture(scope="module")
 def stack(stack_factory) -> Stack:
-    return stack_factory(num_executors=1, http_port=free_port())
+    # a batch of 8 sequences: a request of more choices is refused by the executor
+    return stack_factory(num_executors=1, http_port=free_port(), executor_flags=MAX_NUM_SEQS)
 
 
 @pytest.fixture
@@ -132,3 +134,22 @@ def test_chat_turns_refuse_several_choices_naming_n(stack: Stack):
             list(kvgate.stub.Chat(iter([turn]), metadata=kvgate.metadata, timeout=60.0))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
     assert raised.value.details().startswith("turn.params.n"), raised.value.details()
+
+
+def test_more_choices_than_an_executor_batch_fail_naming_n_and_it_keeps_serving(stack: Stack):
+    params = sampling_params(max_tokens=4, temperature=0.0)
+    params.n = 16
+    with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
+        request = pb.GenerateRequest(prompt=PROMPT, params=params)
+        chunks = list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
+        last = [c for c in chunks if c.finish_reason]
+        assert sorted(c.index for c in last) == list(range(16)), last
+        for chunk in last:
+            assert chunk.finish_reason == pb.FINISH_REASON_ERROR, chunk
+            assert "params.n (16) must be <= max_num_seqs (8)" in chunk.error_message, chunk
+        params.n = 8
+        request = pb.GenerateRequest(prompt=PROMPT, params=params)
+        chunks = list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
+    finished = [c for c in chunks if c.finish_reason == pb.FINISH_REASON_LENGTH]
+    assert len(finished) == 8, chunks
+    assert stack.procs["executor-0"].poll() is None, "the executor died"
