@@ -153,3 +153,11 @@ def test_more_choices_than_an_executor_batch_fail_naming_n_and_it_keeps_serving(
     finished = [c for c in chunks if c.finish_reason == pb.FINISH_REASON_LENGTH]
     assert len(finished) == 8, chunks
     assert stack.procs["executor-0"].poll() is None, "the executor died"
+
+
+def test_a_list_of_prompts_numbers_choices_prompt_by_prompt(client: openai.OpenAI):
+    prompts = [PROMPT, "The little dog"]
+    answer = _completion(client, prompt=prompts, n=2, temperature=0)
+    singles = [_completion(client, prompt=p, temperature=0).choices[0].text for p in prompts]
+    by_index = {c.index: c.text for c in answer.choices}
+    assert by_index == {0: singles[0], 1: singles[0], 2: singles[1], 3: singles[1]}, by_index

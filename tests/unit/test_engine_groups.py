@@ -271,3 +271,20 @@ def test_without_copy_on_write_a_fork_recomputes_the_partial_block():
     alone = _choices(engine)[("alone", 0)]
     assert all(grouped[("group", i)] == alone for i in range(3)), grouped
     assert engine.kv_cache.host.take_ops() == []
+
+
+def test_choice_0_keeps_the_session_for_the_next_turn():
+    engine = make_engine(block_size=4)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True, n=3)
+    engine.add_request("turn1", PROMPT, params, session_id="s")
+    first = _choices(engine)
+    assert engine.session_ids() == ["s"]
+    (session,) = engine.kv_cache.sessions.values()
+    assert session.token_ids == (PROMPT + first[("turn1", 0)])[: len(session.token_ids)]
+    assert len(session.token_ids) == len(PROMPT) + 7, "choice 0's tokens but the last"
+    turn2 = PROMPT + first[("turn1", 0)] + [300, 301]
+    engine.add_request("turn2", turn2, greedy(2), session_id="s")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[0].num_cached_tokens == len(PROMPT) + 7, outputs[0]
