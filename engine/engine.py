@@ -10,15 +10,15 @@ while engine.has_unfinished():
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from common.choices import choice_request_id, split_choice_request_id
 from common.finish_reason import FinishReason
-from common.sampling_params import MAX_N, SamplingParams, choice_seed
+from common.sampling_params import SamplingParams, choice_seed
 from engine.config import EngineConfig
+from engine.groups import Sequences, check_group
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
@@ -93,8 +93,7 @@ class Engine:
         self.structured = StructuredOutput.for_model(
             config.model, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
         )
-        self.requests: dict[str, Request] = {}  # by sequence id (a choice's own with n > 1)
-        self._num_sequences: Counter[str] = Counter()  # live sequences per request id
+        self.requests = Sequences()
         self._arrivals = itertools.count()
 
     # ---- API ----------------------------------------------------------------------------
@@ -135,7 +134,7 @@ class Engine:
             ValueError: a field is invalid (the message names it), or the id is in use.
         """
         self._validate(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
-        self._validate_group(params, resume_token_ids, choice_index)
+        check_group(params, resume_token_ids, choice_index, self.config.max_num_seqs)
         resumed = list(resume_token_ids or [])
         tokens = list(prompt_token_ids) + resumed
         if resumed:
@@ -157,7 +156,7 @@ class Engine:
         )
         if params.constraint is None or self.structured.start(req, resumed):
             self.scheduler.add(req)
-        self._track(req)
+        self.requests.add(req)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (every sequence of a group), or one choice of a group by its own
@@ -166,16 +165,16 @@ class Engine:
         Raises:
             ValueError: no unfinished request or choice has this id.
         """
-        leader = self._leader_of(request_id)
+        leader = self.requests.leader_of(request_id)
         if leader is not None:  # a choice not forked yet (or the one that forks): it never starts
             leader.unwanted_choices.add(split_choice_request_id(request_id)[1])
             return
         req = self.requests.get(request_id)
-        sequences = [req] if req is not None else self._sequences_of(request_id)
+        sequences = [req] if req is not None else self.requests.of_request(request_id)
         if not sequences:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
         for seq in sequences:
-            self._forget(seq)
+            self.requests.remove(seq)
             if not self.structured.cancel(seq.request_id):
                 self.scheduler.finish(seq, FinishReason.ABORT)
 
@@ -240,7 +239,7 @@ class Engine:
         Returns:
             False when the engine holds no such session for that tenant.
         """
-        for req in self.requests.values():
+        for req in self.requests:
             if req.session_id == session_id and req.cache_salt == cache_salt:
                 req.pins_session = False
         return self.kv_cache.release_session(session_id, cache_salt)
@@ -304,7 +303,7 @@ class Engine:
                 outputs += self._fail_with(req, problem)
                 continue
             if reason is not None:
-                self._forget(req)
+                self.requests.remove(req)
                 self.scheduler.finish(req, reason)
             outputs.append(
                 RequestOutput(
@@ -338,7 +337,7 @@ class Engine:
         family = [self._child(leader, i) for i in indexes if i not in leader.unwanted_choices]
         leader.num_forks = 0
         if leader.index in leader.unwanted_choices:
-            self._forget(leader)
+            self.requests.remove(leader)
             self.scheduler.finish(leader, FinishReason.ABORT)
             return family
         return [leader, *family]
@@ -360,10 +359,12 @@ class Engine:
         )
         self.kv_cache.fork(leader, child)
         self.scheduler.start_forked(child)
-        self._track(child)
+        self.requests.add(child)
         return child
 
-    def _generator(self, params: SamplingParams, index: int, num_resumed: int):
+    def _generator(
+        self, params: SamplingParams, index: int, num_resumed: int
+    ) -> torch.Generator | None:
         """The generator of choice `index` of a seeded request (None unseeded), past the
         draws of `num_resumed` tokens."""
         if params.seed is None:
@@ -372,30 +373,6 @@ class Engine:
         if not params.is_greedy:
             self.sampler.skip_draws(generator, num_resumed, self.model_config.vocab_size)
         return generator
-
-    def _track(self, req: Request) -> None:
-        self.requests[req.request_id] = req
-        self._num_sequences[req.group_id] += 1
-
-    def _forget(self, req: Request) -> None:
-        if self.requests.pop(req.request_id, None) is None:
-            return
-        self._num_sequences[req.group_id] -= 1
-        if not self._num_sequences[req.group_id]:
-            del self._num_sequences[req.group_id]
-
-    def _sequences_of(self, request_id: str) -> list[Request]:
-        if request_id not in self._num_sequences:
-            return []
-        return [r for r in self.requests.values() if r.group_id == request_id]
-
-    def _leader_of(self, choice_id: str) -> Request | None:
-        """The sequence that still has to fork choice `choice_id` (or is it), if any."""
-        choice = split_choice_request_id(choice_id)
-        if choice is None:
-            return None
-        leader = self.requests.get(choice_request_id(choice[0], 0))
-        return leader if leader is not None and leader.num_forks else None
 
     def _run_each_alone(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """After a failed forward pass, runs each of its requests alone, once: those that
@@ -425,7 +402,7 @@ class Engine:
     def _fail_with(self, req: Request, message: str, scheduled: bool = True) -> list[RequestOutput]:
         """Finishes `req` with FinishReason.ERROR and `message` (`scheduled`: it was handed
         to the step scheduler, which gives back its blocks)."""
-        self._forget(req)
+        self.requests.remove(req)
         if scheduled:
             self.scheduler.finish(req, FinishReason.ERROR)
         indexes = range(req.index, req.index + 1 + req.num_forks)  # forks it never made too
@@ -474,7 +451,7 @@ class Engine:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests or request_id in self._num_sequences:
+        if self.requests.in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -489,28 +466,6 @@ class Engine:
             raise ValueError(
                 f"params name token id {params.max_token_id()} (stop_token_ids, logit_bias or "
                 f"allowed_token_ids); the vocabulary has {self.model_config.vocab_size}"
-            )
-
-    def _validate_group(
-        self, params: SamplingParams, resume_token_ids: list[int] | None, choice_index: int
-    ) -> None:
-        num_sequences = params.num_sequences
-        if num_sequences > self.config.max_num_seqs:
-            name = "best_of" if params.best_of else "n"
-            raise ValueError(
-                f"params.{name} ({num_sequences}) must be <= max_num_seqs "
-                f"({self.config.max_num_seqs}): a request's sequences run in one batch"
-            )
-        if isinstance(choice_index, bool) or not isinstance(choice_index, int):
-            raise ValueError(f"choice_index must be an integer, got {choice_index!r}")
-        if not 0 <= choice_index < MAX_N:
-            raise ValueError(f"choice_index must be in [0, {MAX_N}), got {choice_index}")
-        if num_sequences > 1 and choice_index:
-            raise ValueError("choice_index must be 0 for a request of several sequences")
-        if num_sequences > 1 and resume_token_ids:
-            raise ValueError(
-                "resume_token_ids: a request of several sequences resumes choice by choice "
-                "(each with n = 1, its choice_index and its own tokens)"
             )
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
