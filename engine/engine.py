@@ -451,10 +451,10 @@ class Engine:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if self.requests.in_use(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if self.requests.in_use(request_id, params.num_sequences):
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):

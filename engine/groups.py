@@ -27,9 +27,13 @@ class Sequences:
     def get(self, sequence_id: str) -> Request | None:
         return self._by_id.get(sequence_id)
 
-    def in_use(self, request_id: str) -> bool:
-        """Whether a request or a sequence has this id."""
-        return request_id in self._by_id or request_id in self._per_request
+    def in_use(self, request_id: str, num_sequences: int = 1) -> bool:
+        """Whether a request or a sequence has this id, or, for a request of several
+        sequences, one of its choices' ids."""
+        ids = [request_id]
+        if num_sequences > 1:
+            ids += [choice_request_id(request_id, i) for i in range(num_sequences)]
+        return any(i in self._by_id or i in self._per_request for i in ids)
 
     def add(self, req: Request) -> None:
         self._by_id[req.request_id] = req

@@ -190,7 +190,7 @@ class ExecutorService:
 
     def _handle(self, event: InboxEntry | GatewayEvent) -> None:
         if isinstance(event, GatewayAbort):
-            self._abort(event.address, event.request_ids)
+            self._abort(event.address, event.request_ids, event.attempts)
         elif isinstance(event, GatewayGone):
             self._gateway_gone(event.address)
         elif event.message.HasField("assignment"):
@@ -204,7 +204,7 @@ class ExecutorService:
         """Runs an assignment. Its inbox entry stays until the request is done here
         (finished, refused or aborted), so that if this executor dies, the scheduler hands
         every request it owed back to the queue, also one whose gateway never heard of it."""
-        if queued.request_id in self._tracked or queued.request_id in self._open_choices:
+        if self._runs_already(queued):
             self._inbox.handled(entry_id)  # a second assignment of a request it runs
             return
         used_up = attempts_used_up(queued)
@@ -241,6 +241,20 @@ class ExecutorService:
             queued.attempt,
             extra=request_fields(queued.request_id, queued.session_id),
         )
+
+    def _runs_already(self, queued: internal_pb2.QueuedRequest) -> bool:
+        """Whether it runs the request, or a choice of it, already. A choice queued again
+        alone (with the tokens its client has) replaces that choice of a group run here
+        that started over (the scheduler queues a lost executor's group again from the
+        start): that run's output would be refused by the gateway."""
+        if queued.request_id in self._open_choices:
+            return True
+        ids = choice_ids(queued.request_id, queued.params)
+        tracked = self._tracked.get(queued.request_id)
+        if tracked is not None and tracked.group_id and len(ids) == 1:
+            self._abort(tracked.reply_to, [queued.request_id])
+            return False
+        return any(request_id in self._tracked for request_id in ids)
 
     def _track(self, queued: internal_pb2.QueuedRequest, entry_id: str) -> None:
         """Tracks the admitted request, or each of its choices under the choice's own id."""
@@ -283,11 +297,17 @@ class ExecutorService:
             entry.finish_reason = finish_reason_to_pb(finish_reason)
             entry.error_message = error_message
 
-    def _abort(self, address: str, request_ids: list[str]) -> None:
-        for request_id in request_ids:
+    def _abort(
+        self, address: str, request_ids: list[str], attempts: list[int] | None = None
+    ) -> None:
+        """Stops these requests of the gateway at `address`; with `attempts` (one per id)
+        only runs of that attempt or an earlier one."""
+        for i, request_id in enumerate(request_ids):
             tracked = self._tracked.get(request_id)
             if tracked is None or tracked.reply_to != address:
                 continue
+            if attempts and tracked.attempt > attempts[i]:
+                continue  # a later attempt runs here now
             del self._tracked[request_id]
             if self._done(tracked):  # the request's last choice: all of it
                 self._engine.abort(tracked.group_id or request_id)

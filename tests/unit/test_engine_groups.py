@@ -288,3 +288,10 @@ def test_choice_0_keeps_the_session_for_the_next_turn():
     while engine.has_unfinished():
         outputs += engine.step()
     assert outputs[0].num_cached_tokens == len(PROMPT) + 7, outputs[0]
+
+
+def test_a_request_whose_choice_ids_are_in_use_is_refused():
+    engine = make_engine(block_size=4)
+    engine.add_request(choice_request_id("g", 1), PROMPT, greedy(4), choice_index=1)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("g", PROMPT, greedy(4, n=2))
