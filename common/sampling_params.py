@@ -10,6 +10,11 @@ DEFAULT_MAX_TOKENS = 16  # when a request sets none
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 MAX_LOGIT_BIAS = 100.0  # |bias| added to a token's logit, as OpenAI bounds it
+# Most sequences (n, best_of) one request may run: they share one executor's batch.
+MAX_N = 16
+# Choice i > 0 of a seeded request draws from seed + i * SEED_STRIDE (mod 2**64): a stream of
+# its own, reproducible from the request's seed and its index; choice 0 uses the seed itself.
+SEED_STRIDE = 0x9E3779B97F4A7C15
 # Temperatures below this are sampled greedily: dividing logits by a smaller
 # number overflows float32 and the distribution is one-hot anyway (as in vLLM).
 GREEDY_TEMPERATURE = 1e-5
@@ -51,6 +56,10 @@ class SamplingParams:
     # the end of the text, and leave special tokens (BOS, EOS, control tokens) out of it.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Choices returned, each its own sequence sharing the prompt's KV blocks.
+    n: int = 1
+    # Sequences run, of which the n with the highest cumulative logprob are returned; None: n.
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -76,6 +85,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         self._check_logit_masks()
+        self._check_choices()
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamError(name, f"must be a bool, got {getattr(self, name)!r}")
@@ -100,6 +110,18 @@ class SamplingParams:
             self.allowed_token_ids = _checked_token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise SamplingParamError("allowed_token_ids", "must not be empty when set")
+
+    def _check_choices(self) -> None:
+        _check_int("n", self.n, low=1, high=MAX_N)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, low=1, high=MAX_N)
+            if self.best_of < self.n:
+                raise SamplingParamError("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs: best_of when set, else n."""
+        return self.best_of or self.n
 
     @property
     def is_greedy(self) -> bool:
@@ -128,6 +150,11 @@ class SamplingParams:
         """The largest token id the parameters name (-1: none), to check against a vocabulary."""
         named = [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or [])]
         return max(named, default=-1)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (choice 0: the seed)."""
+    return (seed + index * SEED_STRIDE) % (MAX_SEED + 1)
 
 
 def _is_int(value: object) -> bool:

@@ -47,6 +47,8 @@ def sampling_params_from_pb(
         skip_special_tokens=(
             params.skip_special_tokens if params.HasField("skip_special_tokens") else True
         ),
+        n=params.n or 1,
+        best_of=params.best_of or None,
     )
 
 
@@ -112,6 +114,8 @@ def sampling_params_to_pb(sampling: SamplingParams) -> inference_pb2.SamplingPar
         allowed_token_ids=sampling.allowed_token_ids or [],
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         skip_special_tokens=sampling.skip_special_tokens,
+        n=sampling.n,
+        best_of=sampling.best_of or 0,
     )
     if sampling.constraint is not None:
         _constraint_to_pb(sampling.constraint, params)

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from common.choices import choice_request_id, split_choice_request_id
 from common.finish_reason import FinishReason
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, choice_seed
 from engine.config import EngineConfig
+from engine.groups import Sequences, check_group
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
@@ -44,6 +46,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int  # prompt tokens served from the prefix or session cache
     error_message: str = ""  # what failed, with FinishReason.ERROR
+    index: int = 0  # the choice (SamplingParams.n, best_of) these tokens belong to
 
 
 @dataclass(slots=True)
@@ -80,6 +83,8 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             session_ttl_s=config.session_ttl_s,
             num_host_blocks=self.runner.num_host_blocks,
+            # the other ranks do not see block copies: forks recompute their partial block
+            copy_on_write=config.tensor_parallel_size == 1,
         )
         self.scheduler = StepScheduler(config, self.kv_cache, self.max_model_len)
         self.sampler = Sampler(
@@ -88,7 +93,7 @@ class Engine:
         self.structured = StructuredOutput.for_model(
             config.model, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
         )
-        self.requests: dict[str, Request] = {}
+        self.requests = Sequences()
         self._arrivals = itertools.count()
 
     # ---- API ----------------------------------------------------------------------------
@@ -103,8 +108,14 @@ class Engine:
         session_id: str | None = None,
         cache_salt: str | None = None,
         resume_token_ids: list[int] | None = None,
+        choice_index: int = 0,
     ) -> None:
         """Queue a request; it runs from the next `step()`.
+
+        A request with `params.num_sequences` > 1 (n, best_of) is a sequence group: its prompt
+        is prefilled once, then it forks into that many sequences sharing the prompt's blocks
+        (see engine/kv_cache.py), each sampled on its own and reported with its `index`.
+        Choice 0 alone keeps the session's blocks.
 
         Args:
             resume_token_ids: output an earlier run of the request produced (on an executor
@@ -112,6 +123,8 @@ class Engine:
                 max_tokens, min_tokens and the penalties see them, and a seeded request's
                 generator continues past their draws: the whole output equals one
                 undisturbed run. A constraint's matcher replays them too.
+            choice_index: the choice a one-sequence request runs (a choice of a group run
+                again alone): its outputs carry it, and its seed is that choice's.
 
         A request with a constraint whose grammar is not compiled yet (see
         engine/structured.py) compiles off the step loop and runs from the step after;
@@ -121,41 +134,49 @@ class Engine:
             ValueError: a field is invalid (the message names it), or the id is in use.
         """
         self._validate(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
+        check_group(params, resume_token_ids, choice_index, self.config.max_num_seqs)
         resumed = list(resume_token_ids or [])
         tokens = list(prompt_token_ids) + resumed
         if resumed:
             self._validate_prompt(tokens)
-        generator = None
-        if params.seed is not None:
-            generator = Sampler.make_generator(params.seed, self.runner.device)
-            if not params.is_greedy:
-                self.sampler.skip_draws(generator, len(resumed), self.model_config.vocab_size)
+        grouped = params.num_sequences > 1
         req = Request(
-            request_id=request_id,
+            request_id=choice_request_id(request_id, 0) if grouped else request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             arrival_seq=next(self._arrivals),
             priority=priority,
             session_id=session_id,
             cache_salt=cache_salt,
-            generator=generator,
+            generator=self._generator(params, choice_index, len(resumed)),
             all_token_ids=tokens,
+            group_id=request_id,
+            index=choice_index,
+            num_forks=params.num_sequences - 1,
         )
         if params.constraint is None or self.structured.start(req, resumed):
             self.scheduler.add(req)
-        self.requests[request_id] = req
+        self.requests.add(req)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks; it produces no further output.
+        """Stop a request (every sequence of a group), or one choice of a group by its own
+        id (common.choices), and free its blocks; it produces no further output.
 
         Raises:
-            ValueError: no unfinished request has this id.
+            ValueError: no unfinished request or choice has this id.
         """
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        leader = self.requests.leader_of(request_id)
+        if leader is not None:  # a choice not forked yet (or the one that forks): it never starts
+            leader.unwanted_choices.add(split_choice_request_id(request_id)[1])
+            return
+        req = self.requests.get(request_id)
+        sequences = [req] if req is not None else self.requests.of_request(request_id)
+        if not sequences:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
-        if not self.structured.cancel(request_id):
-            self.scheduler.finish(req, FinishReason.ABORT)
+        for seq in sequences:
+            self.requests.remove(seq)
+            if not self.structured.cancel(seq.request_id):
+                self.scheduler.finish(seq, FinishReason.ABORT)
 
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the current batch.
@@ -218,7 +239,7 @@ class Engine:
         Returns:
             False when the engine holds no such session for that tenant.
         """
-        for req in self.requests.values():
+        for req in self.requests:
             if req.session_id == session_id and req.cache_salt == cache_salt:
                 req.pins_session = False
         return self.kv_cache.release_session(session_id, cache_salt)
@@ -263,9 +284,11 @@ class Engine:
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv_cache.register_computed_blocks(s.request)
-        sampling = [s.request for s in out.scheduled if s.samples]
+        sampling, rows = self._with_forks([s.request for s in out.scheduled if s.samples])
         if not sampling:
             return []
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
         sampled = self.sampler(logits, self._sampling_batch(sampling))
         outputs = []
         for row, (req, token_id, logprobs) in enumerate(
@@ -280,19 +303,76 @@ class Engine:
                 outputs += self._fail_with(req, problem)
                 continue
             if reason is not None:
-                self.requests.pop(req.request_id, None)
+                self.requests.remove(req)
                 self.scheduler.finish(req, reason)
             outputs.append(
                 RequestOutput(
-                    request_id=req.request_id,
+                    request_id=req.group_id,
                     new_token_ids=[token_id],
                     logprobs=None if logprobs is None else [logprobs],
                     finished=reason is not None,
                     finish_reason=reason,
                     num_cached_tokens=req.num_cached_tokens or 0,
+                    index=req.index,
                 )
             )
         return outputs
+
+    # ---- sequence groups ----------------------------------------------------------------
+
+    def _with_forks(self, sampling: list[Request]) -> tuple[list[Request], list[int]]:
+        """The sequences that sample this step, and the logits row of each: a group whose
+        prompt was just computed forks here, every new sequence sampling from its row."""
+        reqs: list[Request] = []
+        rows: list[int] = []
+        for row, req in enumerate(sampling):
+            family = self._fork(req) if req.num_forks else [req]
+            reqs += family
+            rows += [row] * len(family)
+        return reqs, rows
+
+    def _fork(self, leader: Request) -> list[Request]:
+        """The group's sequences: `leader` and its forks, those aborted before left out."""
+        indexes = range(leader.index + 1, leader.index + 1 + leader.num_forks)
+        family = [self._child(leader, i) for i in indexes if i not in leader.unwanted_choices]
+        leader.num_forks = 0
+        if leader.index in leader.unwanted_choices:
+            self.requests.remove(leader)
+            self.scheduler.finish(leader, FinishReason.ABORT)
+            return family
+        return [leader, *family]
+
+    def _child(self, leader: Request, index: int) -> Request:
+        child = Request(
+            request_id=choice_request_id(leader.group_id, index),
+            prompt_token_ids=leader.prompt_token_ids,
+            params=leader.params,
+            arrival_seq=leader.arrival_seq,
+            priority=leader.priority,
+            cache_salt=leader.cache_salt,
+            generator=self._generator(leader.params, index, 0),
+            matcher=None if leader.matcher is None else leader.matcher.deep_copy(),
+            all_token_ids=list(leader.all_token_ids),
+            num_cached_tokens=leader.num_cached_tokens,
+            group_id=leader.group_id,
+            index=index,
+        )
+        self.kv_cache.fork(leader, child)
+        self.scheduler.start_forked(child)
+        self.requests.add(child)
+        return child
+
+    def _generator(
+        self, params: SamplingParams, index: int, num_resumed: int
+    ) -> torch.Generator | None:
+        """The generator of choice `index` of a seeded request (None unseeded), past the
+        draws of `num_resumed` tokens."""
+        if params.seed is None:
+            return None
+        generator = Sampler.make_generator(choice_seed(params.seed, index), self.runner.device)
+        if not params.is_greedy:
+            self.sampler.skip_draws(generator, num_resumed, self.model_config.vocab_size)
+        return generator
 
     def _run_each_alone(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """After a failed forward pass, runs each of its requests alone, once: those that
@@ -322,12 +402,14 @@ class Engine:
     def _fail_with(self, req: Request, message: str, scheduled: bool = True) -> list[RequestOutput]:
         """Finishes `req` with FinishReason.ERROR and `message` (`scheduled`: it was handed
         to the step scheduler, which gives back its blocks)."""
-        self.requests.pop(req.request_id, None)
+        self.requests.remove(req)
         if scheduled:
             self.scheduler.finish(req, FinishReason.ERROR)
+        indexes = range(req.index, req.index + 1 + req.num_forks)  # forks it never made too
         return [
-            RequestOutput(req.request_id, [], None, True, FinishReason.ERROR,
-                          req.num_cached_tokens or 0, message)
+            RequestOutput(req.group_id, [], None, True, FinishReason.ERROR,
+                          req.num_cached_tokens or 0, message, index)
+            for index in indexes if index not in req.unwanted_choices
         ]  # fmt: skip
 
     def _take_compiled(self) -> list[RequestOutput]:
@@ -369,10 +451,10 @@ class Engine:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if self.requests.in_use(request_id, params.num_sequences):
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):

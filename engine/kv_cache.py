@@ -6,6 +6,11 @@ hashed block of tokens it stays findable in the prefix cache until it is reused
 the session, which keeps them referenced until the session's next turn, `release_session`,
 its TTL, or eviction under memory pressure (least recently used session first).
 
+The sequences of one request (n, best_of) share its prompt's blocks: `fork` raises the
+reference count of each, and a sequence about to write into a shared block that is not full
+gets a copy of it first (copy on write, queued on `host` with the swaps, in order; without
+`copy_on_write` the fork shares full blocks only and the child recomputes the partial one).
+
 With a host tier (`num_host_blocks` > 0), KV that must leave the device is copied there
 instead of being dropped: a preempted request's blocks (`swap_out`, back with `swap_in`),
 and an evicted session's, which its next turn copies back. Offloaded sessions are dropped
@@ -82,8 +87,10 @@ class KVCacheManager:
         session_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         num_host_blocks: int = 0,
+        copy_on_write: bool = True,
     ) -> None:
         self.block_size = block_size
+        self.copy_on_write = copy_on_write
         self.enable_prefix_caching = enable_prefix_caching
         self.session_ttl_s = session_ttl_s
         self._clock = clock
@@ -222,13 +229,52 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - len(req.block_table))
 
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens of K/V; False (and no change) if full."""
+        """Make room for `num_new_tokens` more tokens of K/V; False (and no change) if full.
+        A shared block the tokens would be written into is replaced by a copy of its own."""
         needed = self.num_blocks_needed(req, num_new_tokens)
-        if not self._make_room(needed):
+        shared = self._shared_tail(req, num_new_tokens)
+        if not self._make_room(needed + (shared is not None)):
             return False
+        if shared is not None:
+            self._copy_tail(req, shared)
         for _ in range(needed):
             req.block_table.append(self._pop_free_block())
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` (a sequence with no blocks) the K/V `parent` has computed by sharing
+        its blocks; whichever writes first into the shared partial block copies it."""
+        assert not child.block_table
+        num_tokens = parent.num_computed_tokens
+        if not self.copy_on_write:
+            num_tokens -= num_tokens % self.block_size
+        table = parent.block_table[: -(-num_tokens // self.block_size)]
+        for block_id in table:
+            self._incref(block_id)
+        child.block_table = list(table)
+        child.num_computed_tokens = num_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = min(parent.num_registered_blocks, len(table))
+        parent.shares_tail = child.shares_tail = num_tokens % self.block_size != 0
+
+    def _shared_tail(self, req: Request, num_new_tokens: int) -> int | None:
+        """The index in the table of the shared, partly filled block the next tokens would
+        be written into, if any."""
+        if not req.shares_tail or num_new_tokens == 0:
+            return None
+        offset = req.num_computed_tokens % self.block_size
+        index = req.num_computed_tokens // self.block_size
+        if offset == 0 or index >= len(req.block_table):
+            return None
+        return index if self.blocks[req.block_table[index]].ref_count > 1 else None
+
+    def _copy_tail(self, req: Request, index: int) -> None:
+        source = req.block_table[index]
+        copy = self._pop_free_block()
+        self.host.copy_block(source, copy)
+        self._decref(source)
+        req.block_table[index] = copy
+        req.shares_tail = False
 
     def free(self, req: Request) -> None:
         """Drop the request's references; its published blocks stay in the prefix cache."""
@@ -240,6 +286,7 @@ class KVCacheManager:
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
+        req.shares_tail = False
 
     def _make_room(self, num_blocks: int) -> bool:
         """Free enough blocks by evicting sessions (LRU first), but only if that suffices."""
@@ -400,6 +447,7 @@ class KVCacheManager:
             self._decref(block_id)
         req.block_table = []
         req.num_registered_blocks = 0
+        req.shares_tail = False
         return True
 
     def swap_in(self, req: Request, num_new_tokens: int) -> bool:

@@ -27,14 +27,26 @@ class SwapOp:
     host_block: int
 
 
+@dataclass(slots=True, frozen=True)
+class BlockCopy:
+    """Copy one device block into another (a shared block copied on write)."""
+
+    source: int
+    destination: int
+
+
+KVOp = SwapOp | BlockCopy
+
+
 class HostTier:
     """Host blocks free or owned (each by one swapped-out request or offloaded session), and
-    the queue of copies the engine runs before the next forward pass."""
+    the queue of copies the engine runs before the next forward pass (with the device's own
+    block copies, in the one order the block manager decided them)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # lowest id popped first
-        self._ops: list[SwapOp] = []
+        self._ops: list[KVOp] = []
         self.num_swapped_out_blocks = 0  # cumulative
         self.num_swapped_in_blocks = 0
 
@@ -61,6 +73,10 @@ class HostTier:
         self._ops += [SwapOp(False, d, h) for h, d in zip(host_blocks, device_blocks, strict=True)]
         self.num_swapped_in_blocks += len(device_blocks)
 
+    def copy_block(self, source: int, destination: int) -> None:
+        """Queue a copy of device block `source` into device block `destination`."""
+        self._ops.append(BlockCopy(source, destination))
+
     def free(self, host_blocks: list[int]) -> None:
         """Give host blocks back. Copies queued from them still read what they hold: a later
         swap out into them is queued, and run, after those copies."""
@@ -72,11 +88,15 @@ class HostTier:
         if not self._ops:
             return
         dropped = set(device_blocks)
-        kept = [op for op in self._ops if op.to_host or op.device_block not in dropped]
+        kept = [
+            op
+            for op in self._ops
+            if not isinstance(op, SwapOp) or op.to_host or op.device_block not in dropped
+        ]
         self.num_swapped_in_blocks -= len(self._ops) - len(kept)
         self._ops = kept
 
-    def take_ops(self) -> list[SwapOp]:
+    def take_ops(self) -> list[KVOp]:
         """The queued copies, in order, leaving the queue empty."""
         ops, self._ops = self._ops, []
         return ops
@@ -98,7 +118,7 @@ class HostKVPool:
         # CUDA: copies still in flight, with the device blocks each touches
         self._in_flight: list[tuple[torch.cuda.Event, set[int]]] = []
 
-    def copy(self, ops: list[SwapOp]) -> None:
+    def copy(self, ops: list[KVOp]) -> None:
         """Run the copies in order (CUDA: queue them on the side stream, after the work
         already queued on the compute stream, which wrote the blocks read here)."""
         if not ops:
@@ -111,7 +131,7 @@ class HostKVPool:
             self._copy_runs(ops)
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._in_flight.append((event, {op.device_block for op in ops}))
+        self._in_flight.append((event, set(_device_blocks(ops))))
 
     @property
     def has_copies_in_flight(self) -> bool:
@@ -130,8 +150,19 @@ class HostKVPool:
                 still.append((event, touched))
         self._in_flight = still
 
-    def _copy_runs(self, ops: list[SwapOp]) -> None:
-        """Copy each run of ops that moves consecutive blocks the same way in one slice copy."""
+    def _copy_runs(self, ops: list[KVOp]) -> None:
+        """Copy each run of swaps that moves consecutive blocks the same way in one slice copy;
+        a device block copy between them where it was queued."""
+        start = 0
+        for i, op in enumerate([*ops, None]):
+            if isinstance(op, SwapOp):
+                continue
+            self._swap_runs(ops[start:i])
+            if op is not None:
+                copy_device_blocks(self.device_caches, [op])
+            start = i + 1
+
+    def _swap_runs(self, ops: list[SwapOp]) -> None:
         for to_host, device_start, host_start, n in _runs(ops):
             dev, host = slice(device_start, device_start + n), slice(host_start, host_start + n)
             for device_layer, host_layer in zip(self.device_caches, self.host_caches, strict=True):
@@ -140,6 +171,29 @@ class HostKVPool:
                         h[host].copy_(d[dev], non_blocking=True)
                     else:
                         d[dev].copy_(h[host], non_blocking=True)
+
+
+def copy_device_blocks(device_caches: list[tuple[torch.Tensor, ...]], copies: list[BlockCopy]):
+    """Copy each `source` block into its `destination`, in every cache tensor."""
+    if not copies:
+        return
+    device = device_caches[0][0].device
+    sources = torch.tensor([c.source for c in copies], device=device)
+    destinations = torch.tensor([c.destination for c in copies], device=device)
+    for layer in device_caches:
+        for tensor in layer:
+            tensor[destinations] = tensor[sources]
+
+
+def _device_blocks(ops: list[KVOp]) -> list[int]:
+    """The device blocks the ops read or write."""
+    blocks = []
+    for op in ops:
+        if isinstance(op, SwapOp):
+            blocks.append(op.device_block)
+        else:
+            blocks += [op.source, op.destination]
+    return blocks
 
 
 def _runs(ops: list[SwapOp]) -> list[tuple[bool, int, int, int]]:

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, DecodeModel
 from engine.host_memory import release_freed_memory, retain_freed_memory, zeroed_tensor
 from engine.kv_cache import slot_of
-from engine.kv_swap import HostKVPool, SwapOp
+from engine.kv_swap import HostKVPool, KVOp, copy_device_blocks
 from engine.models.config import ModelConfig
 from engine.models.llama import ForwardContext
 from engine.models.loader import load_model
@@ -135,10 +135,15 @@ class ModelRunner:
         logger.info("kv host tier: %d blocks", num_blocks)
         return num_blocks
 
-    def swap_blocks(self, ops: list[SwapOp]) -> None:
-        """Run the block manager's copies between the device and the host tier, in order."""
-        if ops:
+    def swap_blocks(self, ops: list[KVOp]) -> None:
+        """Run the block manager's copies between the device and the host tier, and between
+        device blocks (copy on write), in order."""
+        if not ops:
+            return
+        if self.host_pool is not None:
             self.host_pool.copy(ops)
+        else:
+            copy_device_blocks(self.kv_caches, ops)  # no host tier: only device copies
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.rank_config

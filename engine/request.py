@@ -47,10 +47,20 @@ class Request:
     waiting_since_step: int = 0  # the scheduler's step count when it last joined the queue
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Sequence groups (SamplingParams.n, best_of): each choice is a Request of its own, whose
+    # request_id is the choice's (common.choices); group_id is the request's id as added.
+    group_id: str = ""
+    index: int = 0  # the choice this sequence is
+    num_forks: int = 0  # sequences still to fork from this one once its prompt is computed
+    unwanted_choices: set[int] = field(default_factory=set)  # aborted before they forked
+    # its last block may be shared with the sequences it forked from or into: copied on write
+    shares_tail: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -141,7 +141,8 @@ class StepScheduler:
         if not self.waiting or budget == 0 or len(self.running) >= self.config.max_num_seqs:
             return
         for req in self._admission_order():
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            # a group's forks take their seats once its prompt is computed
+            if budget == 0 or len(self.running) + 1 + req.num_forks > self.config.max_num_seqs:
                 break
             if req.host_block_table:  # swapped out: resumes where it stopped
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -163,6 +164,11 @@ class StepScheduler:
                 self.prefix_hit_tokens += num_cached
             self._start_running(req, num_new, out)
             budget -= num_new
+
+    def start_forked(self, req: Request) -> None:
+        """Run a sequence forked from a running one of its group (it holds its blocks)."""
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.sort_key)
 
     def _start_running(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         self.waiting.remove(req)

@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -24,6 +24,8 @@ class GatewayAbort:
 
     address: str
     request_ids: list[str]
+    # one per request id, or empty: stop only a run of that attempt or an earlier one
+    attempts: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,8 +116,9 @@ class GatewayLink:
         try:
             for response in self._call:
                 if response.HasField("abort"):
-                    ids = list(response.abort.request_ids)
-                    self._on_event(GatewayAbort(self.address, ids))
+                    abort = response.abort
+                    attempts = list(abort.attempts)
+                    self._on_event(GatewayAbort(self.address, list(abort.request_ids), attempts))
         except grpc.RpcError as error:
             if not self._closing:
                 log.warning("token stream to gateway %s broke: %s", self.address, error.code())

@@ -13,10 +13,12 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import redis
 
+from common.choices import choice_ids, choice_request_id
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
 from common.keys import RedisKeys
@@ -60,6 +62,9 @@ class Tracked:
     session_id: str = ""  # empty: no session
     attempt: int = 0  # QueuedRequest.attempt, echoed in its output
     entry_id: str = ""  # its assignment's inbox entry, deleted once the request is done here
+    # a choice of a request of several sequences: that request's id and the choice's index
+    group_id: str = ""
+    index: int = 0
 
 
 def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
@@ -95,7 +100,8 @@ class ExecutorService:
         self._board = StatusBoard()
         self._heartbeat = Heartbeat(client, keys, self._board, config.step_stall_s)
         self._links: dict[str, GatewayLink] = {}
-        self._tracked: dict[str, Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}  # by request id, or a choice's own id
+        self._open_choices: Counter[str] = Counter()  # tracked choices per request of several
         self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
         self._drain_requested = threading.Event()
         self._taking_work = True
@@ -184,7 +190,7 @@ class ExecutorService:
 
     def _handle(self, event: InboxEntry | GatewayEvent) -> None:
         if isinstance(event, GatewayAbort):
-            self._abort(event.address, event.request_ids)
+            self._abort(event.address, event.request_ids, event.attempts)
         elif isinstance(event, GatewayGone):
             self._gateway_gone(event.address)
         elif event.message.HasField("assignment"):
@@ -198,7 +204,7 @@ class ExecutorService:
         """Runs an assignment. Its inbox entry stays until the request is done here
         (finished, refused or aborted), so that if this executor dies, the scheduler hands
         every request it owed back to the queue, also one whose gateway never heard of it."""
-        if queued.request_id in self._tracked:
+        if self._runs_already(queued):
             self._inbox.handled(entry_id)  # a second assignment of a request it runs
             return
         used_up = attempts_used_up(queued)
@@ -221,22 +227,13 @@ class ExecutorService:
                 session_id=queued.session_id or None,
                 cache_salt=queued.tenant or None,
                 resume_token_ids=resumed,
+                choice_index=queued.choice_index,
             )
         except ValueError as error:
             self._reject(queued, str(error))
             self._inbox.handled(entry_id)
             return
-        tracked = Tracked(
-            queued.reply_to,
-            len(resumed),
-            queued.tenant,
-            prompt,
-            queued.session_id,
-            queued.attempt,
-            entry_id,
-        )
-        self._tracked[queued.request_id] = tracked
-        self._entry(queued.request_id, tracked).accepted = True
+        self._track(queued, entry_id)
         log.info(
             "request admitted: %d prompt tokens (%d resumed), attempt %d",
             len(prompt) + len(resumed),
@@ -244,6 +241,40 @@ class ExecutorService:
             queued.attempt,
             extra=request_fields(queued.request_id, queued.session_id),
         )
+
+    def _runs_already(self, queued: internal_pb2.QueuedRequest) -> bool:
+        """Whether it runs the request, or a choice of it, already. A choice queued again
+        alone (with the tokens its client has) replaces that choice of a group run here
+        that started over (the scheduler queues a lost executor's group again from the
+        start): that run's output would be refused by the gateway."""
+        if queued.request_id in self._open_choices:
+            return True
+        ids = choice_ids(queued.request_id, queued.params)
+        tracked = self._tracked.get(queued.request_id)
+        if tracked is not None and tracked.group_id and len(ids) == 1:
+            self._abort(tracked.reply_to, [queued.request_id])
+            return False
+        return any(request_id in self._tracked for request_id in ids)
+
+    def _track(self, queued: internal_pb2.QueuedRequest, entry_id: str) -> None:
+        """Tracks the admitted request, or each of its choices under the choice's own id."""
+        ids = choice_ids(queued.request_id, queued.params)
+        for index, request_id in enumerate(ids):
+            tracked = Tracked(
+                queued.reply_to,
+                len(queued.resume_token_ids),
+                queued.tenant,
+                list(queued.prompt_token_ids),
+                queued.session_id,
+                queued.attempt,
+                entry_id,
+                queued.request_id if len(ids) > 1 else "",
+                index if len(ids) > 1 else queued.choice_index,
+            )
+            self._tracked[request_id] = tracked
+            self._entry(request_id, tracked).accepted = True
+        if len(ids) > 1:
+            self._open_choices[queued.request_id] = len(ids)
 
     def _reject(self, queued: internal_pb2.QueuedRequest, reason: str) -> None:
         log.info(
@@ -259,24 +290,45 @@ class ExecutorService:
     ) -> None:
         offset = len(queued.resume_token_ids)
         tracked = Tracked(queued.reply_to, offset, queued.tenant, [], attempt=queued.attempt)
-        entry = self._entry(queued.request_id, tracked)
-        entry.finished = True
-        entry.finish_reason = finish_reason_to_pb(finish_reason)
-        entry.error_message = error_message
+        for index, request_id in enumerate(choice_ids(queued.request_id, queued.params)):
+            entry = self._entry(request_id, tracked)
+            entry.index = index or queued.choice_index
+            entry.finished = True
+            entry.finish_reason = finish_reason_to_pb(finish_reason)
+            entry.error_message = error_message
 
-    def _abort(self, address: str, request_ids: list[str]) -> None:
-        for request_id in request_ids:
+    def _abort(
+        self, address: str, request_ids: list[str], attempts: list[int] | None = None
+    ) -> None:
+        """Stops these requests of the gateway at `address`; with `attempts` (one per id)
+        only runs of that attempt or an earlier one."""
+        for i, request_id in enumerate(request_ids):
             tracked = self._tracked.get(request_id)
             if tracked is None or tracked.reply_to != address:
                 continue
-            self._engine.abort(request_id)
+            if attempts and tracked.attempt > attempts[i]:
+                continue  # a later attempt runs here now
             del self._tracked[request_id]
-            self._inbox.handled(tracked.entry_id)
+            if self._done(tracked):  # the request's last choice: all of it
+                self._engine.abort(tracked.group_id or request_id)
+            else:
+                self._engine.abort(request_id)
             log.info(
                 "request aborted by its gateway",
                 extra=request_fields(request_id, tracked.session_id),
             )
             self._outbox.get(address, {}).pop(request_id, None)
+
+    def _done(self, tracked: Tracked) -> bool:
+        """Counts a tracked request or choice as done here; True when nothing of its request
+        is left, and its inbox entry is deleted then."""
+        if tracked.group_id:
+            self._open_choices[tracked.group_id] -= 1
+            if self._open_choices[tracked.group_id]:
+                return False
+            del self._open_choices[tracked.group_id]
+        self._inbox.handled(tracked.entry_id)
+        return True
 
     def _gateway_gone(self, address: str) -> None:
         link = self._links.pop(address, None)
@@ -302,10 +354,14 @@ class ExecutorService:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            tracked = self._tracked.get(output.request_id)
+            request_id = output.request_id
+            if request_id not in self._tracked:  # a choice of a request of several
+                request_id = choice_request_id(request_id, output.index)
+            tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
-            entry = self._entry(output.request_id, tracked)
+            entry = self._entry(request_id, tracked)
+            entry.index = output.index
             entry.token_ids.extend(output.new_token_ids)
             entry.logprobs.extend(to_logprobs_pb(output.logprobs or []))
             entry.num_cached_tokens = output.num_cached_tokens
@@ -314,15 +370,15 @@ class ExecutorService:
                 entry.finished = True
                 entry.finish_reason = finish_reason_to_pb(output.finish_reason)
                 entry.error_message = output.error_message
-                del self._tracked[output.request_id]
-                self._inbox.handled(tracked.entry_id)
+                del self._tracked[request_id]
+                self._done(tracked)
                 log.log(
                     logging.WARNING if output.error_message else logging.INFO,
                     "request finished: %s, %d cached prompt tokens%s",
                     output.finish_reason,
                     output.num_cached_tokens,
                     f" ({output.error_message})" if output.error_message else "",
-                    extra=request_fields(output.request_id, tracked.session_id),
+                    extra=request_fields(request_id, tracked.session_id),
                 )
 
     def _flush(self) -> bool:

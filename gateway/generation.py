@@ -10,14 +10,17 @@ streamed, so the client's stream goes on without a gap or a repeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass, field
 
 import redis
 
+from common.choices import choice_request_id
 from common.finish_reason import FinishReason
 from common.logs import request_fields
 from common.model_text import ModelText
@@ -84,6 +87,7 @@ class Chunk:
     error_message: str = ""
     priority: int = 0  # set on the last chunk: the priority the request ran at
     priority_clamped: bool = False
+    index: int = 0  # the choice it belongs to (SamplingParams.n, best_of)
 
 
 class BackgroundTasks:
@@ -132,18 +136,29 @@ class Generation:
         tenant: str,
         session_executor_id: str = "",
         admission: Admission | None = None,
+        choice: tuple[str, int] | None = None,
     ) -> None:
         """
         Args:
             admission: what the call takes from its tenant's quotas, when not taken yet: it
                 is taken in the round trip that queues the request.
+            choice: (the request's internal id, the choice's index) of one choice of a
+                request of several sequences (gateway/choices.py); None: a request of one.
         """
         self.spec = spec
-        self.params = sampling_params_to_pb(spec.sampling)  # built once, sent on each attempt
         self.admission = admission
         self.deps = deps
         self.tenant = tenant
-        self.request_id = internal_request_id(tenant, spec.request_id)
+        if choice is None:
+            self.request_id = internal_request_id(tenant, spec.request_id)
+            self.index = 0
+            self.queued_id = self.request_id  # the id it is queued under now
+            sampling = spec.sampling
+        else:
+            self.queued_id, self.index = choice
+            self.request_id = choice_request_id(*choice)
+            sampling = dataclasses.replace(spec.sampling, n=1, best_of=None)
+        self.params = sampling_params_to_pb(sampling)  # built once, sent on each attempt
         self.session_executor_id = session_executor_id
         self.tokens: list[int] = []
         sampling = spec.sampling
@@ -169,6 +184,12 @@ class Generation:
         self.finished = False
         self.log_fields = request_fields(self.request_id, spec.session_id)
 
+    @property
+    def client_key(self) -> tuple[str, str]:
+        """(tenant, the id the client knows it by; a choice's own past choice 0)."""
+        client_id = self.spec.request_id
+        return (self.tenant, choice_request_id(client_id, self.index) if self.index else client_id)
+
     def queued_request(self) -> internal_pb2.QueuedRequest:
         """The QueuedRequest of the current attempt."""
         deadline_unix_ms = int(time.time() * 1000 + (self.queue_deadline - time.monotonic()) * 1000)
@@ -186,6 +207,7 @@ class Generation:
             queue_deadline_unix_ms=deadline_unix_ms,
             attempt=self.attempt,
             max_attempts=self.deps.max_attempts,
+            choice_index=self.index,
         )
 
     async def stream(self) -> AsyncIterator[Chunk]:
@@ -195,15 +217,30 @@ class Generation:
             Unavailable, ResourceExhausted: it could not be queued.
             DeadlineExceeded: no executor accepted it within queue_timeout_s.
         """
-        router = self.deps.router
-        inbox = router.track(self.request_id, (self.tenant, self.spec.request_id))
+        inbox = self.track()
+        async with contextlib.aclosing(self.run(inbox, self.enqueue())) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def track(self) -> asyncio.Queue[RequestEvent]:
+        """Start receiving its events (before it is queued: output may come at once)."""
+        return self.deps.router.track(self.request_id, self.client_key)
+
+    async def run(
+        self, inbox: asyncio.Queue[RequestEvent], queuing: Awaitable[None] | None
+    ) -> AsyncIterator[Chunk]:
+        """Yield its chunks until the last one, after `queuing` (None: queued already, as
+        one choice of a request queued by gateway/choices.py); it stops tracking at the end."""
         try:
-            await self._enqueue()
+            if queuing is not None:
+                await queuing
+            self.maybe_queued = True
             self.admitted = True
             self._log_queued()
             while not self.finished:
                 chunk = await self._handle(await self._next_event(inbox))
                 if chunk is not None:
+                    chunk.index = self.index
                     yield chunk
         finally:
             if not self.finished:
@@ -212,15 +249,16 @@ class Generation:
                     extra=self.log_fields,
                 )
                 self._cancel(internal_pb2.ABORT_REASON_CLIENT_CANCELLED)
-            router.untrack(self.request_id)
+            self.deps.router.untrack(self.request_id)
             self._account()
 
-    async def _enqueue(self) -> None:
-        """Queues the request; a refusal (no executor, queue full) leaves nothing to cancel,
-        so nothing outlives the call, and the client may retry under the same request_id."""
+    async def enqueue(self, queued: internal_pb2.QueuedRequest | None = None) -> None:
+        """Queues the request (or `queued`, a request of several choices); a refusal (no
+        executor, queue full) leaves nothing to cancel, so nothing outlives the call, and
+        the client may retry under the same request_id."""
         self.maybe_queued = True
         try:
-            await self.deps.queue.enqueue(self.queued_request(), self.admission)
+            await self.deps.queue.enqueue(queued or self.queued_request(), self.admission)
         except QuotaExceeded as refusal:
             self.maybe_queued = False
             self.deps.count_refusal(self.tenant, refusal)
@@ -230,7 +268,7 @@ class Generation:
             raise
 
     def _log_queued(self) -> None:
-        num_prompt_tokens = len(self.spec.prompt_token_ids)
+        num_prompt_tokens = len(self.spec.prompt_token_ids) if self.index == 0 else 0
         self.deps.metrics.prompt_tokens.labels(self.spec.api).inc(num_prompt_tokens)
         log.info("request queued: %d prompt tokens", num_prompt_tokens, extra=self.log_fields)
 
@@ -299,6 +337,7 @@ class Generation:
             log.warning("could not queue the request again: %s", error, extra=self.log_fields)
             return
         self.redis_down_since = None
+        self.queued_id = self.request_id  # a choice of a group is queued again alone
         log.info("request queued again after a redis outage", extra=self.log_fields)
 
     def _stop_waiting(self, reason: internal_pb2.AbortReason, why: str) -> None:
@@ -311,7 +350,7 @@ class Generation:
         self.deps.router.abort(self.request_id, reason)
         if self.waiting_for_executor and self.maybe_queued:
             self.deps.background.spawn(
-                self.deps.queue.mark_cancelled(self.request_id), "marking a request cancelled"
+                self.deps.queue.mark_cancelled(self.queued_id), "marking a request cancelled"
             )
 
     async def _handle(self, event: RequestEvent) -> Chunk | None:
@@ -333,6 +372,7 @@ class Generation:
             chunk = Chunk(self._flush_text()[0], [], error_message=used_up)
             return self._last_chunk(chunk, FinishReason.ERROR)
         self.deps.router.resume_from(self.request_id, len(self.tokens))
+        self.queued_id = self.request_id  # a choice runs again alone, under its own id
         self.waiting_for_executor = True
         self.no_executor_since = None  # the grace starts anew for this attempt
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
@@ -433,10 +473,12 @@ class Generation:
         return chunk
 
     def _usage(self) -> Usage:
+        """Its tokens; the prompt counts on choice 0 only (once per request)."""
+        first = self.index == 0
         return Usage(
-            prompt_tokens=len(self.spec.prompt_token_ids),
+            prompt_tokens=len(self.spec.prompt_token_ids) if first else 0,
             completion_tokens=len(self.tokens),
-            cached_prompt_tokens=self.num_cached_tokens,
+            cached_prompt_tokens=self.num_cached_tokens if first else 0,
         )
 
     def _account(self) -> None:

@@ -31,6 +31,7 @@ from starlette.routing import Route
 from common.finish_reason import FinishReason
 from common.templates import ChatTemplateError
 from gateway.auth import Authenticator, bearer_key
+from gateway.choices import interleaved
 from gateway.errors import (
     InvalidArgument,
     NotFound,
@@ -174,40 +175,18 @@ async def unless_client_goes(request: Request, work: Awaitable[T]) -> T:
 Item = tuple[int, str, Chunk]  # (choice index, request id, chunk)
 
 
-async def merged(streams: list[AsyncIterator[tuple[str, Chunk]]]) -> AsyncIterator[Item]:
-    """The chunks of every prompt's generation as they come, by choice index."""
+async def merged(
+    streams: list[AsyncIterator[tuple[str, Chunk]]], n: int = 1
+) -> AsyncIterator[Item]:
+    """The chunks of every prompt's generation as they come, by choice index: prompt i's
+    choice j (of n) is choice i * n + j, as OpenAI numbers them."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as stream:
             async for request_id, chunk in stream:
-                yield 0, request_id, chunk
+                yield chunk.index, request_id, chunk
         return
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[tuple[str, Chunk]]) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    queue.put_nowait((index, item))
-        except Exception as error:  # noqa: BLE001 (re-raised by the consumer)
-            queue.put_nowait((index, error))
-            return
-        queue.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        ended = 0
-        while ended < len(tasks):
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                ended += 1
-                continue
-            yield index, *item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async for index, (request_id, chunk) in interleaved(streams):
+        yield index * n + chunk.index, request_id, chunk
 
 
 class GenerationFailed(ServiceError):
@@ -443,14 +422,14 @@ class OpenAIFront:
             chat, openai.model, request_id, openai.logprobs, self.token_text, openai.tool_plan
         )
         generations = self._generations(tenant, openai, chat, request_id)
-        self._open(len(generations))
-        stream = failing_on_error(merged(generations))
+        self._open(len(generations) * openai.params.n)
+        stream = failing_on_error(merged(generations, openai.params.n))
         active = self.metrics.active_streams.labels(count.method, API)
         active.inc()
 
         async def close() -> None:
             count.end("CANCELLED")  # unless it ended otherwise before
-            self.open_streams -= len(generations)
+            self.open_streams -= len(generations) * openai.params.n
             active.dec()
             await stream.aclose()
 
@@ -479,7 +458,7 @@ class OpenAIFront:
         the first chunk is an `error` event (the SDKs raise it) and ends the stream."""
         usages = {}
         try:
-            for event in shape.first_chunks(max(1, len(openai.prompts))):
+            for event in shape.first_chunks(openai.num_choices):
                 yield sse_event(event)
             item = first
             while item is not None:
@@ -502,7 +481,7 @@ class OpenAIFront:
 
 
 async def _whole(stream: AsyncIterator[Item], openai: OpenAIRequest) -> list[Choice]:
-    choices = [Choice(i) for i in range(max(1, len(openai.prompts)))]
+    choices = [Choice(i) for i in range(openai.num_choices)]
     async for index, _, chunk in stream:
         _add(choices[index], chunk)
     return choices

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from common.sampling_params import MAX_LOGIT_BIAS
+from common.sampling_params import MAX_LOGIT_BIAS, MAX_N
 from common.templates import ROLES, Message
 from gateway.errors import InvalidArgument, shown
 from gateway.openai_constraints import CONSTRAINT_FIELDS, fill_constraint
@@ -79,6 +79,11 @@ class OpenAIRequest:
     logprobs: bool = False  # answer with each token's logprob (params.logprobs alternatives)
     names: dict[str, str] = field(default_factory=dict)  # gRPC field name -> the body's
     tool_plan: ToolPlan | None = None  # chat: the tools and tool_choice (None: no tools)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices of the answer: n for each prompt (one prompt for chat)."""
+        return max(1, len(self.prompts)) * self.params.n
 
     def openai_param(self, grpc_field: str) -> str:
         """The body's name of a field the request path names as the gRPC front does."""
@@ -169,9 +174,19 @@ def _refuse_unsupported(body: dict, allowed: frozenset[str]) -> None:
             raise InvalidArgument(name, UNSUPPORTED[name])
         if name not in allowed and name not in UNSUPPORTED:
             raise InvalidArgument(name, "unknown field (kvgate refuses fields it would ignore)")
-    for name in ("n", "best_of"):
-        if body.get(name) not in (None, 1):
-            raise InvalidArgument(name, f"only 1 is supported by kvgate yet, got {body[name]!r}")
+
+
+def _fill_choices(body: dict, params: inference_pb2.SamplingParams, stream: bool) -> None:
+    """n and best_of; best_of > n ranks whole sequences, so it cannot stream (as OpenAI)."""
+    params.n = _int(body, "n", 1, MAX_N) or 1
+    best_of = _int(body, "best_of", 1, MAX_N)
+    if best_of is None:
+        return
+    if best_of < params.n:
+        raise InvalidArgument("best_of", f"must be >= n ({params.n}), got {best_of}")
+    if stream and best_of > params.n:
+        raise InvalidArgument("best_of", "greater than n cannot be streamed (stream: true)")
+    params.best_of = best_of
 
 
 def _sampling(body: dict, max_tokens_name: str) -> inference_pb2.SamplingParams:
@@ -252,6 +267,7 @@ def _common(body: dict, allowed: frozenset[str], max_tokens_name: str) -> OpenAI
         names={"params.max_tokens": max_tokens_name},
     )
     fill_constraint(body, request.params, request.names)
+    _fill_choices(body, request.params, stream)
     return request
 
 

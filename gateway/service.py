@@ -13,6 +13,7 @@ from common.finish_reason_pb import finish_reason_to_pb
 from common.templates import ROLES, ChatTemplateError, Message
 from common.tenants import TenantLimits
 from gateway.auth import tenant_of
+from gateway.choices import ChoiceGroup
 from gateway.errors import InvalidArgument, NotFound, QuotaExceeded, Refused, ServiceError
 from gateway.generation import Chunk, Generation, GenerationDeps
 from gateway.quotas import Admission, Quotas, clamp_priority
@@ -44,6 +45,7 @@ def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse
         token_ids=chunk.token_ids,
         logprobs=chunk.logprobs,
         error_message=chunk.error_message,
+        index=chunk.index,
     )
     if chunk.finish_reason is not None:
         response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
@@ -214,10 +216,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 else None
             )
             executor_id = session.executor_id if session else ""
-            generation = Generation(spec, self.deps, tenant, executor_id, _untaken(admission))
+            several = spec.sampling.num_sequences > 1
+            kind = ChoiceGroup if several else Generation
+            generation = kind(spec, self.deps, tenant, executor_id, _untaken(admission))
+            # choice 0's executor keeps the session's blocks (engine.add_request)
+            first = generation.choices[0] if several else generation
             async for chunk in generation.stream():
-                if chunk.finish_reason is not None and session is not None:
-                    await self._record_turn(session, generation, [])
+                if chunk.finish_reason is not None and chunk.index == 0 and session is not None:
+                    await self._record_turn(session, first, [])
                 yield spec.request_id, chunk
         finally:
             self._close(admission)
@@ -344,6 +350,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await self._admit(admission)
         prompt = await self._chat_prompt([*history, user])
         spec = await self._spec(prompt, turn.params, turn.priority, "", turn.request_id, limits)
+        if spec.sampling.num_sequences > 1:
+            name = "best_of" if spec.sampling.best_of else "n"
+            raise InvalidArgument(
+                f"turn.params.{name}", "must be 1: a chat turn has one reply (Generate has n)"
+            )
         if conversation.session is None:
             conversation.session = await self._new_session(conversation.tenant, system)
             conversation.opened_session = True

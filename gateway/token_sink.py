@@ -64,8 +64,13 @@ class ExecutorConnection:
     outbox: asyncio.Queue[internal_pb2.ConnectResponse] = field(default_factory=asyncio.Queue)
     heartbeat_gone_since: float | None = None  # monotonic time its heartbeat was first missed
 
-    def send_abort(self, request_ids: list[str], reason: internal_pb2.AbortReason) -> None:
-        abort = internal_pb2.Abort(request_ids=request_ids, reason=reason)
+    def send_abort(
+        self,
+        request_ids: list[str],
+        reason: internal_pb2.AbortReason,
+        attempts: list[int] | None = None,
+    ) -> None:
+        abort = internal_pb2.Abort(request_ids=request_ids, reason=reason, attempts=attempts)
         self.outbox.put_nowait(internal_pb2.ConnectResponse(abort=abort))
 
 
@@ -157,13 +162,17 @@ class TokenRouter:
             tracked.inbox.put_nowait(event)
 
     def cancel_client_request(self, client_key: tuple[str, str]) -> bool:
-        """Cancel the request a client knows as `client_key` (tenant, its request_id), as if
-        the client had cancelled its call. Returns: whether one was streaming here."""
+        """Cancel the request a client knows as `client_key` (tenant, its request_id), every
+        choice of it (gateway/choices.py), as if the client had cancelled its call.
+        Returns: whether one was streaming here."""
+        tenant, client_id = client_key
+        cancelled = False
         for tracked in self._requests.values():
-            if tracked.client_key == client_key:
+            key_tenant, key_id = tracked.client_key
+            if key_tenant == tenant and key_id.partition("#")[0] == client_id:
                 tracked.inbox.put_nowait(ClientCancelled())
-                return True
-        return False
+                cancelled = True
+        return cancelled
 
     @property
     def num_requests(self) -> int:
@@ -237,18 +246,19 @@ class TokenRouter:
 
     def deliver(self, connection: ExecutorConnection, batch: internal_pb2.TokenBatch) -> None:
         """Hand a TokenBatch's entries to their requests; abort entries nobody waits for."""
-        unknown: list[str] = []
+        unknown: list[internal_pb2.RequestTokens] = []
         for entry in batch.requests:
             tracked = self._requests.get(entry.request_id)
             if tracked is None or not tracked.takes(connection, entry):
                 if not entry.finished:
-                    unknown.append(entry.request_id)
+                    unknown.append(entry)
                 continue
             tracked.owner = None if entry.finished else connection
             tracked.attempt = entry.attempt
             tracked.inbox.put_nowait(update_from_pb(connection.executor_id, entry))
         if unknown:
-            connection.send_abort(unknown, internal_pb2.ABORT_REASON_UNKNOWN_REQUEST)
+            ids, attempts = [e.request_id for e in unknown], [e.attempt for e in unknown]
+            connection.send_abort(ids, internal_pb2.ABORT_REASON_UNKNOWN_REQUEST, attempts)
 
 
 def _log_read_error(connection: ExecutorConnection, reader: asyncio.Task[None]) -> None:

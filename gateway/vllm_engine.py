@@ -27,6 +27,7 @@ from common.model_files import gguf_file
 from common.model_text import ModelText
 from common.redis_conn import describe
 from gateway.auth import tenant_of
+from gateway.choices import ChoiceGroup
 from gateway.errors import InvalidArgument, ServiceError
 from gateway.generation import Chunk, Generation
 from gateway.quotas import clamp_priority
@@ -96,19 +97,25 @@ def _read_json(path: Path) -> dict:
 
 
 class GenerateCall:
-    """One Generate call's responses: vLLM's chunks and its complete message."""
+    """One Generate call's responses: vLLM's chunks and a complete message per choice
+    (SamplingParams.n), each with the choice's index."""
 
-    def __init__(self, generation: Generation, spec: GenerationSpec, stream: bool) -> None:
+    def __init__(
+        self, generation: Generation | ChoiceGroup, spec: GenerationSpec, stream: bool
+    ) -> None:
         self.generation = generation
+        self.choices = generation.choices if isinstance(generation, ChoiceGroup) else [generation]
         self.spec = spec
         self.stream = stream
-        self.token_ids: list[int] = []
-        self.logprobs: list[inference_pb2.TokenLogprob] = []
+        self.token_ids: dict[int, list[int]] = {i: [] for i in range(len(self.choices))}
+        self.logprobs: dict[int, list[inference_pb2.TokenLogprob]] = {
+            i: [] for i in range(len(self.choices))
+        }
 
     async def responses(self) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
         async for chunk in self.generation.stream():
-            self.token_ids.extend(chunk.token_ids)
-            self.logprobs.extend(chunk.logprobs)
+            self.token_ids[chunk.index].extend(chunk.token_ids)
+            self.logprobs[chunk.index].extend(chunk.logprobs)
             if self.stream and chunk.token_ids:
                 yield vllm_engine_pb2.GenerateResponse(chunk=self._stream_chunk(chunk))
             if chunk.finish_reason is not None:
@@ -120,7 +127,8 @@ class GenerateCall:
             token_ids=chunk.token_ids,
             prompt_tokens=len(self.spec.prompt_token_ids),
             completion_tokens=len(chunk.token_ids),
-            cached_tokens=self.generation.num_cached_tokens,
+            cached_tokens=self.choices[chunk.index].num_cached_tokens,
+            index=chunk.index,
         )
         if chunk.logprobs:
             message.output_logprobs.CopyFrom(output_logprobs(chunk.logprobs))
@@ -130,28 +138,30 @@ class GenerateCall:
         if chunk.finish_reason == FinishReason.ERROR:
             raise EngineError(chunk.error_message or "the executors could not run the request")
         usage = chunk.usage
+        token_ids, logprobs = self.token_ids[chunk.index], self.logprobs[chunk.index]
         message = vllm_engine_pb2.GenerateComplete(
-            output_ids=[] if self.stream else self.token_ids,
+            output_ids=[] if self.stream else token_ids,
             finish_reason=FINISH_REASONS[chunk.finish_reason],
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_prompt_tokens,
+            index=chunk.index,
         )
-        if self.logprobs and not self.stream:
-            message.output_logprobs.CopyFrom(output_logprobs(self.logprobs))
-        self._set_matched_stop(message, chunk.finish_reason)
+        if logprobs and not self.stream:
+            message.output_logprobs.CopyFrom(output_logprobs(logprobs))
+        self._set_matched_stop(message, chunk)
         return message
 
-    def _set_matched_stop(
-        self, message: vllm_engine_pb2.GenerateComplete, reason: FinishReason
-    ) -> None:
+    def _set_matched_stop(self, message: vllm_engine_pb2.GenerateComplete, chunk: Chunk) -> None:
         """The stop string, or the stop token id (not an end-of-sequence one), that ended it."""
-        if reason != FinishReason.STOP:
+        if chunk.finish_reason != FinishReason.STOP:
             return
-        if self.generation.stops.matched:
-            message.matched_stop_str = self.generation.stops.matched
-        elif self.token_ids and self.token_ids[-1] in self.spec.sampling.stop_token_ids:
-            message.matched_token_id = self.token_ids[-1]
+        token_ids = self.token_ids[chunk.index]
+        matched = self.choices[chunk.index].stops.matched
+        if matched:
+            message.matched_stop_str = matched
+        elif token_ids and token_ids[-1] in self.spec.sampling.stop_token_ids:
+            message.matched_token_id = token_ids[-1]
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -212,7 +222,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         admission = self.kvgate.call_admission(tenant, limits)
         try:
             spec = await self._spec(request, limits)
-            generation = Generation(spec, self.deps, tenant, "", admission)
+            kind = ChoiceGroup if spec.sampling.num_sequences > 1 else Generation
+            generation = kind(spec, self.deps, tenant, "", admission)
             async for response in GenerateCall(generation, spec, request.stream).responses():
                 yield response
         finally:

@@ -53,8 +53,6 @@ def refuse_unsupported_request_fields(request: vllm_engine_pb2.GenerateRequest) 
 
 
 def _refuse_unsupported_sampling(params: vllm_engine_pb2.SamplingParams) -> None:
-    if params.n > 1:
-        raise InvalidArgument(f"{SAMPLING}.n", f"one sequence per request, got n={params.n}")
     if params.WhichOneof("constraint") == "structural_tag":
         raise InvalidArgument(f"{SAMPLING}.structural_tag", "not supported by kvgate")
     for name in UNSUPPORTED_OPTIONALS:
@@ -75,7 +73,7 @@ def kvgate_sampling(
         room: tokens the prompt leaves in the model's context (max_tokens when unset).
 
     Raises:
-        InvalidArgument: a field kvgate does not serve (n > 1, structural_tag...).
+        InvalidArgument: a field kvgate does not serve (structural_tag...).
     """
     _refuse_unsupported_sampling(params)
     translated = inference_pb2.SamplingParams(
@@ -88,6 +86,7 @@ def kvgate_sampling(
         ignore_eos=params.ignore_eos,
         stop_token_ids=params.stop_token_ids,
         stop=params.stop,
+        n=params.n,  # 0 is 1; out of range is refused as kvgate.v1 refuses it
     )
     if params.HasField("temperature"):
         translated.temperature = params.temperature

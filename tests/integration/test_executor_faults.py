@@ -162,6 +162,62 @@ def test_kill_9_of_an_executor_mid_stream_greedy_and_seeded_texts_are_undisturbe
     restart_executors(stack, stall_dir, victim)
 
 
+def run_choices(
+    address: str, req: inference_pb2.GenerateRequest, streaming: list[int] | None = None
+) -> dict[int, tuple[list[int], str]]:
+    """(tokens, finish reason) of each choice of `req`; `streaming` gets an item per chunk
+    with tokens."""
+    choices: dict[int, tuple[list[int], str]] = {}
+    with KvgateClient(address, timeout_s=120.0) as client:
+        for chunk in client.stub.Generate(req, timeout=120.0):
+            tokens, reason = choices.setdefault(chunk.index, ([], ""))
+            tokens.extend(chunk.token_ids)
+            if chunk.finish_reason:
+                choices[chunk.index] = (
+                    tokens,
+                    inference_pb2.FinishReason.Name(chunk.finish_reason),
+                )
+            if streaming is not None and chunk.token_ids:
+                streaming.append(1)
+    return choices
+
+
+def test_kill_9_mid_stream_resumes_each_choice_of_a_request_alone(stack, stall_dir):
+    """A seeded request of three choices (one sequence group on one executor) streams slowly;
+    its executor is killed: each choice is re-queued alone with its own tokens and seed, and
+    every choice equals its undisturbed run."""
+    req = request(3, 120, seeded=True)
+    req.params.n = 3
+    want = run_choices(stack.address, req)
+    wait_idle(stack, "executor-0", "executor-1")
+    slow = [stall_dir / f"executor-{i}.slow" for i in (0, 1)]
+    for path in slow:
+        path.touch()
+    streaming: list[int] = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            sent_ms = now_ms()
+            future = pool.submit(run_choices, stack.address, req, streaming)
+            wait_for(lambda: len(streaming) >= 6, "the choices streaming", 60.0)
+            victim = wait_for(
+                lambda: next((name for name in ("executor-0", "executor-1")
+                              if (running_on(stack, name, sent_ms) or 0) > 0), None),
+                "a heartbeat showing the group running",
+                30.0,
+            )  # fmt: skip
+            stack.stop(victim, sig=signal.SIGKILL)
+            for path in slow:
+                path.unlink()
+            got = future.result(timeout=120)
+    finally:
+        for path in slow:
+            path.unlink(missing_ok=True)
+    assert sorted(got) == [0, 1, 2], got
+    for index in range(3):
+        assert got[index] == want[index], f"choice {index} differs after {victim} was killed"
+    restart_executors(stack, stall_dir, victim)
+
+
 def test_a_wedged_executor_loses_its_requests_to_the_other(stack, stall_dir):
     """executor-1's step stalls for a minute: within --step-stall-s it withdraws its
     heartbeat and reports NOT_SERVING, its requests resume on executor-0, and every text

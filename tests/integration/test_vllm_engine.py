@@ -119,6 +119,25 @@ def test_unary_sends_one_complete_with_every_id(engine, stack, keys):
     assert complete.completion_tokens == 10 and complete.finish_reason == "length", complete
 
 
+def test_n_streams_each_choice_with_its_index(engine, stack, keys):
+    """n = 3 greedy: a complete per choice, each with its index and the greedy ids."""
+    prompt_ids, expected = story_ids(stack, keys, 8)
+    request = pb.GenerateRequest(
+        request_id="n-3",
+        tokenized=pb.TokenizedInput(input_ids=prompt_ids),
+        sampling_params=greedy(8, n=3),
+        stream=True,
+    )
+    responses = list(engine.Generate(request, metadata=keys["acme"], timeout=CALL_TIMEOUT_S))
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for chunk in (r.chunk for r in responses if r.WhichOneof("response") == "chunk"):
+        streamed[chunk.index].extend(chunk.token_ids)
+    completes = [r.complete for r in responses if r.WhichOneof("response") == "complete"]
+    assert sorted(c.index for c in completes) == [0, 1, 2], completes
+    assert streamed == {0: expected, 1: expected, 2: expected}, streamed
+    assert sum(c.completion_tokens for c in completes) == 24, completes
+
+
 def test_logprobs_come_as_output_logprobs(engine, keys):
     request = pb.GenerateRequest(
         request_id="logprobs-1", text=PROMPT, sampling_params=greedy(6, logprobs=2)
@@ -369,7 +388,7 @@ def test_tokenizer_zip_unpacks_into_the_gateways_tokenizer(engine, stack, keys, 
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
-        ({"sampling_params": pb.SamplingParams(n=2)}, "sampling_params.n"),
+        ({"sampling_params": pb.SamplingParams(n=17)}, "sampling_params.n"),
         (
             {"sampling_params": pb.SamplingParams(logit_bias={-5: 1.0})},
             "sampling_params.logit_bias",

@@ -1,0 +1,163 @@
+"""n and best_of through a real stack (redis, scheduler, executor, gateway processes): the
+official `openai` package on the HTTP front and the generated stubs on kvgate.v1. A request's
+choices run as one sequence group on one executor (tests/unit/test_engine_groups.py holds the
+engine's side: block sharing, copy on write, preemption)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import openai
+import pytest
+
+from client.api import KvgateClient, sampling_params
+from deploy.stack import Stack, free_port
+from protos.kvgate.v1 import inference_pb2 as pb
+
+MODEL_ID = "stories260K"
+PROMPT = "Once upon a time"
+STORY = [{"role": "user", "content": "Tell me a story about a cat."}]
+MAX_NUM_SEQS = ["--max-num-seqs", "8"]
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory) -> Stack:
+    # a batch of 8 sequences: a request of more choices is refused by the executor
+    return stack_factory(num_executors=1, http_port=free_port(), executor_flags=MAX_NUM_SEQS)
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0) as sdk:
+        yield sdk
+
+
+def _completion(client: openai.OpenAI, **fields):
+    fields = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 12, **fields}
+    return client.completions.create(**fields)
+
+
+def test_greedy_n4_equals_four_separate_greedy_requests(client: openai.OpenAI):
+    grouped = _completion(client, n=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [_completion(client, temperature=0, extra_body={"ignore_eos": True}) for _ in range(4)]
+    assert [c.index for c in grouped.choices] == [0, 1, 2, 3], grouped
+    for choice, single in zip(grouped.choices, alone, strict=True):
+        assert choice.text == single.choices[0].text, (choice, single)
+    assert grouped.usage.prompt_tokens == alone[0].usage.prompt_tokens, "the prompt counts once"
+    assert grouped.usage.completion_tokens == 4 * 12, grouped.usage
+
+
+def test_streamed_chat_choices_carry_their_index(client: openai.OpenAI):
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=STORY, max_tokens=10, temperature=0, n=3, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts = ["", "", ""]
+    finished, usage = set(), None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    whole = client.chat.completions.create(
+        model=MODEL_ID, messages=STORY, max_tokens=10, temperature=0
+    )
+    assert finished == {0, 1, 2}, finished
+    assert texts == [whole.choices[0].message.content] * 3, texts
+    assert usage.prompt_tokens == whole.usage.prompt_tokens, usage
+
+
+def test_seeded_choices_are_reproducible(client: openai.OpenAI):
+    fields = dict(n=3, temperature=1.0, seed=4242)
+    first = [c.text for c in _completion(client, **fields).choices]
+    second = [c.text for c in _completion(client, **fields).choices]
+    assert first == second, "a seeded request must give the same choices again"
+    assert len(set(first)) > 1, f"the choices should be streams of their own: {first}"
+
+
+def test_best_of_returns_the_choice_of_highest_cumulative_logprob(client: openai.OpenAI):
+    fields = dict(temperature=1.0, seed=99, extra_body={"ignore_eos": True})
+    every = _completion(client, n=3, logprobs=0, **fields).choices
+    sums = [sum(c.logprobs.token_logprobs) for c in every]
+    best = _completion(client, n=1, best_of=3, **fields)
+    assert len(best.choices) == 1 and best.choices[0].index == 0, best
+    assert best.choices[0].text == every[sums.index(max(sums))].text, (best, sums)
+    assert best.choices[0].logprobs is None, "logprobs were not asked for"
+    assert best.usage.completion_tokens == 3 * 12, "every sequence run is counted"
+
+
+def test_kvgate_v1_generate_streams_each_choice_with_its_index(stack: Stack):
+    params = sampling_params(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params.n = 2
+    with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
+        request = pb.GenerateRequest(prompt=PROMPT, params=params)
+        chunks = list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
+    tokens = {0: [], 1: []}
+    for chunk in chunks:
+        tokens[chunk.index].extend(chunk.token_ids)
+    last = [c for c in chunks if c.finish_reason]
+    assert sorted(c.index for c in last) == [0, 1], last
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8, tokens
+    assert [c.usage.prompt_tokens > 0 for c in sorted(last, key=lambda c: c.index)] == [
+        True,
+        False,
+    ], "the prompt counts on choice 0 only"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 17}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+    ],
+)
+def test_bad_n_and_best_of_are_refused_naming_the_field(client: openai.OpenAI, fields, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        _completion(client, **fields)
+    assert raised.value.param == param, raised.value.body
+    assert raised.value.body["message"].startswith(param), raised.value.body
+    assert _completion(client, temperature=0).choices[0].text, "the stack keeps serving"
+
+
+def test_chat_turns_refuse_several_choices_naming_n(stack: Stack):
+    params = sampling_params(max_tokens=4)
+    params.n = 2
+    with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
+        turn = pb.ChatRequest(turn=pb.ChatTurn(content="hi", params=params))
+        with pytest.raises(grpc.RpcError) as raised:
+            list(kvgate.stub.Chat(iter([turn]), metadata=kvgate.metadata, timeout=60.0))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    assert raised.value.details().startswith("turn.params.n"), raised.value.details()
+
+
+def test_more_choices_than_an_executor_batch_fail_naming_n_and_it_keeps_serving(stack: Stack):
+    params = sampling_params(max_tokens=4, temperature=0.0)
+    params.n = 16
+    with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
+        request = pb.GenerateRequest(prompt=PROMPT, params=params)
+        chunks = list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
+        last = [c for c in chunks if c.finish_reason]
+        assert sorted(c.index for c in last) == list(range(16)), last
+        for chunk in last:
+            assert chunk.finish_reason == pb.FINISH_REASON_ERROR, chunk
+            assert "params.n (16) must be <= max_num_seqs (8)" in chunk.error_message, chunk
+        params.n = 8
+        request = pb.GenerateRequest(prompt=PROMPT, params=params)
+        chunks = list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
+    finished = [c for c in chunks if c.finish_reason == pb.FINISH_REASON_LENGTH]
+    assert len(finished) == 8, chunks
+    assert stack.procs["executor-0"].poll() is None, "the executor died"
+
+
+def test_a_list_of_prompts_numbers_choices_prompt_by_prompt(client: openai.OpenAI):
+    prompts = [PROMPT, "The little dog"]
+    answer = _completion(client, prompt=prompts, n=2, temperature=0)
+    singles = [_completion(client, prompt=p, temperature=0).choices[0].text for p in prompts]
+    by_index = {c.index: c.text for c in answer.choices}
+    assert by_index == {0: singles[0], 1: singles[0], 2: singles[1], 3: singles[1]}, by_index
