@@ -193,7 +193,10 @@ class HermesReader:
             call = json.loads(inner)
         except (ValueError, RecursionError):
             return False
-        if not isinstance(call, dict) or call.get("name") not in self.tool_names:
+        if not isinstance(call, dict):
+            return False
+        name = call.get("name")
+        if not isinstance(name, str) or name not in self.tool_names:
             return False
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):

@@ -263,6 +263,15 @@ def test_hermes_reader_holds_back_tags_and_passes_other_text_on():
         ]
 
 
+def test_hermes_blocks_whose_name_is_not_a_string_stay_content():
+    for name in ('["a"]', "{}", "7", "null"):
+        text = f'<tool_call>{{"name": {name}, "arguments": {{}}}}</tool_call>'
+        reader = HermesReader({"a"})
+        reading = reader.feed(text)
+        assert reading.deltas == [], name
+        assert reading.content + reader.finish().content == text, name
+
+
 def shape(tool_choice: object) -> ResponseShape:
     plan = read_tool_plan(body(tools=TOOLS, tool_choice=tool_choice))
     return ResponseShape(True, "m", "r1", False, TokenText(lambda ids: ""), plan)
