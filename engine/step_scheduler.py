@@ -128,6 +128,11 @@ class StepScheduler:
             return (req.priority, True, -req.num_computed_tokens, req.arrival_seq)
         return (req.priority, True, -self.kv_cache.num_cached_prefix_tokens(req), req.arrival_seq)
 
+    def _seats_taken(self) -> int:
+        """Running sequences and the forks running groups will make once their prompt is
+        computed (a group's forks take their seats then)."""
+        return len(self.running) + sum(req.num_forks for req in self.running)
+
     def _admission_order(self) -> list[Request]:
         """The waiting requests in the order they are tried. lpm orders the LPM_WINDOW
         oldest (measuring a request's cached prefix costs a hash lookup per block); the rest
@@ -138,11 +143,10 @@ class StepScheduler:
         return window + self.waiting[LPM_WINDOW:]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if not self.waiting or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or budget == 0 or self._seats_taken() >= self.config.max_num_seqs:
             return
         for req in self._admission_order():
-            # a group's forks take their seats once its prompt is computed
-            if budget == 0 or len(self.running) + 1 + req.num_forks > self.config.max_num_seqs:
+            if budget == 0 or self._seats_taken() + 1 + req.num_forks > self.config.max_num_seqs:
                 break
             if req.host_block_table:  # swapped out: resumes where it stopped
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)

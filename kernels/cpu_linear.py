@@ -78,7 +78,9 @@ def linear(
     """The CPU twin of kernels.reference.linear, column-major (see the module)."""
     check_linear(x, weight, bias)
     out_dtype = out_dtype or x.dtype
-    if 0 < x.shape[0] <= SMALL_BATCH_ROWS:
+    if x.shape[0] == 0:  # a prefill chunk that ends no prompt asks the head for no rows
+        return torch.empty(weight.shape[0], 0, dtype=out_dtype).t()
+    if x.shape[0] <= SMALL_BATCH_ROWS:
         _check_small_batch(x, weight, bias)
         return _small_batch(x, weights_struct(weight, bias), weight.shape[0], out_dtype)
     if _widens_bfloat16(x, weight, out_dtype):

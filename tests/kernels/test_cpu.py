@@ -484,6 +484,22 @@ def test_float32_linear_of_no_features_gives_the_bias():
         assert torch.equal(out, torch.arange(5.0).expand(rows, 5)), rows
 
 
+def test_linear_of_no_rows_is_empty_for_every_weight_format():
+    """A prefill chunk that ends no prompt asks the head for logits of no rows."""
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(40, 64, generator=gen)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x = torch.empty(0, 64, dtype=x_dtype)
+        for weight in (dense.to(x_dtype), quant.quantize_int8(dense), quant.quantize_int4(dense)):
+            run = (
+                cpu_linear.linear
+                if isinstance(weight, torch.Tensor)
+                else cpu_linear.linear_quantized
+            )
+            out = run(x, weight, None, torch.float32)
+            assert out.shape == (0, 40) and out.dtype == torch.float32, (x_dtype, type(weight))
+
+
 def test_linear_checks_its_input():
     with pytest.raises(ValueError, match=r"weight.shape\[1\]"):
         cpu_linear.linear(torch.randn(2, 4), torch.randn(3, 5))

@@ -117,6 +117,18 @@ def test_chunked_prefill_lets_running_requests_decode(tokenizer):
     assert steps_until_long_starts >= 2, "the long prompt was expected to take several chunks"
 
 
+def test_a_lone_prompt_in_chunks_gives_the_tokens_of_one_prefill(tokenizer):
+    """Chunks that end no prompt, with nothing decoding beside them, ask the model's head for
+    no rows."""
+    prompt = tokenizer("The cat jumped over the fence and ran to the big house").input_ids
+    whole = make_engine()
+    whole.add_request("r", prompt, greedy(8))
+    chunked = make_engine(max_num_batched_tokens=4)
+    chunked.add_request("r", prompt, greedy(8))
+    assert chunked.runner.kernels.name == "cpu"
+    assert run_to_completion(chunked)["r"] == run_to_completion(whole)["r"]
+
+
 def test_seeded_sampling_is_independent_of_batch_mates(tokenizer):
     prompt = tokenizer("Once upon a time").input_ids
     params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234)

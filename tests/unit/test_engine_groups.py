@@ -295,3 +295,17 @@ def test_a_request_whose_choice_ids_are_in_use_is_refused():
     engine.add_request(choice_request_id("g", 1), PROMPT, greedy(4), choice_index=1)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("g", PROMPT, greedy(4, n=2))
+
+
+def test_seats_of_forks_to_come_count_against_max_num_seqs():
+    """A group still computing its prompt holds seats for its forks: requests admitted
+    meanwhile never push the running sequences past max_num_seqs."""
+    engine = make_engine(block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    engine.add_request("group", PROMPT, greedy(6, n=4))  # 17 prompt tokens: 3 chunks of 8
+    for i in range(3):
+        engine.add_request(f"other{i}", PROMPT[:3], greedy(6))
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 4, f"at most 4 sequences may run, {most} did"
