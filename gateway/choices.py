@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from common.sampling_pb import sampling_params_to_pb
-from gateway.generation import Chunk, Generation, GenerationDeps, internal_request_id
+from gateway.generation import Chunk, Generation, GenerationDeps, Usage, internal_request_id
 from gateway.quotas import Admission
 from gateway.validation import GenerationSpec
 from protos.kvgate.v1 import internal_pb2
@@ -93,15 +93,29 @@ class ChoiceGroup:
         ranked = sorted(by_choice, key=lambda i: -_cumulative_logprob(by_choice[i]))
         chosen, dropped = ranked[: self.spec.sampling.n], ranked[self.spec.sampling.n :]
         dropped_tokens = sum(len(c.token_ids) for i in dropped for c in by_choice[i])
+        # Choice 0 carries the prompt's counts; they move to whichever choice is now first.
+        prompt = next((c.usage for c in by_choice[0] if c.usage is not None), None)
         for new_index, old_index in enumerate(chosen):
             for chunk in by_choice[old_index]:
                 chunk.index = new_index
                 if not self.returns_logprobs:
                     chunk.logprobs = []
-                if new_index == 0 and chunk.usage is not None:
-                    completion = chunk.usage.completion_tokens + dropped_tokens
-                    chunk.usage = dataclasses.replace(chunk.usage, completion_tokens=completion)
+                if chunk.usage is not None:
+                    chunk.usage = _moved_usage(chunk.usage, new_index, prompt, dropped_tokens)
                 yield chunk
+
+
+def _moved_usage(usage: Usage, new_index: int, prompt: Usage | None, dropped: int) -> Usage:
+    """The usage of a chosen choice now at `new_index`: the first holds the prompt's counts
+    and the tokens of the choices dropped; the others only their own completion."""
+    if new_index != 0:
+        return dataclasses.replace(usage, prompt_tokens=0, cached_prompt_tokens=0)
+    return dataclasses.replace(
+        usage,
+        prompt_tokens=prompt.prompt_tokens if prompt else usage.prompt_tokens,
+        cached_prompt_tokens=prompt.cached_prompt_tokens if prompt else usage.cached_prompt_tokens,
+        completion_tokens=usage.completion_tokens + dropped,
+    )
 
 
 def _cumulative_logprob(chunks: list[Chunk]) -> float:
