@@ -7,7 +7,6 @@ queued (read by the scheduler, not yet placed) while a test acts on them.
 from __future__ import annotations
 
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -57,18 +56,16 @@ def assert_all_complete(futures) -> None:
 
 def test_a_request_queued_past_queue_timeout_s_is_deadline_exceeded_by_the_server(stack):
     """The scheduler's 3 s window holds the request past a 1 s queue_timeout_s; the client
-    would wait 60 s, so DEADLINE_EXCEEDED can only come from the gateway."""
+    would wait 60 s, so DEADLINE_EXCEEDED naming queue_timeout_s can only come from the
+    gateway."""
     port = free_port()
     stack.start_gateway("gateway-impatient", port, ["--queue-timeout-s", "1"])
     address = f"{stack.config.host}:{port}"
-    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
         generate(address, "Once upon a time", timeout_s=60.0, max_tokens=8)
-    elapsed_s = time.monotonic() - started
     code, details = caught.value.code(), caught.value.details()
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED, f"{code}: {details}"
     assert "queue_timeout_s" in details, f"expected the gateway's queue timeout, got {details!r}"
-    assert elapsed_s < 2.9, f"DEADLINE_EXCEEDED after {elapsed_s:.1f} s, not about 1 s"
     wait_for(lambda: queued(stack) == 0, "the expired request to leave the queue", timeout_s=10.0)
     stack.stop("gateway-impatient")
     completion = generate(stack.address, "Once upon a time", max_tokens=1)
@@ -106,11 +103,11 @@ def test_a_full_queue_is_resource_exhausted_and_drains_after_a_restart(stack):
         assert_all_complete(futures)
 
 
-def test_no_live_executor_is_unavailable_within_2_s(stack):
+def test_no_live_executor_is_unavailable_before_the_clients_deadline(stack):
+    """The gateway answers UNAVAILABLE itself (the client would wait 60 s, and end with
+    DEADLINE_EXCEEDED)."""
     stack.stop("executor-0", sig=signal.SIGTERM, timeout_s=30.0)
-    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
-        generate(stack.address, "Once upon a time", timeout_s=10.0, max_tokens=8)
-    elapsed_s = time.monotonic() - started
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
-    assert elapsed_s < 2.0, f"UNAVAILABLE came after {elapsed_s:.1f} s"
+        generate(stack.address, "Once upon a time", timeout_s=60.0, max_tokens=8)
+    code, details = caught.value.code(), caught.value.details()
+    assert code == grpc.StatusCode.UNAVAILABLE and "no executor is alive" in details, details

@@ -137,7 +137,7 @@ def test_a_poison_request_fails_alone_and_the_executors_stay_up(stack):
     assert f"prompt holds token {POISON_TOKEN}" in failed_message(stack.address, poison)
     for name, pid in pids.items():
         assert stack.procs[name].poll() is None and stack.procs[name].pid == pid, f"{name} died"
-        assert stack.health(name) == "SERVING", f"{name} is not serving"
+        wait_for(lambda n=name: stack.health(n) == "SERVING", f"{name} serving", 60.0)
 
 
 def failed_message(address: str, req: inference_pb2.GenerateRequest) -> str:
@@ -242,7 +242,9 @@ def test_a_wedged_executor_loses_its_requests_to_the_other(stack, stall_dir):
             (stall_dir / "executor-1").touch()
             slow.unlink()
             got = [f.result(timeout=120) for f in futures]
-            assert stack.health("executor-1") == "NOT_SERVING", "a stuck step loop must show"
+            wait_for(  # a stuck step loop must show (within its minute-long stall)
+                lambda: stack.health("executor-1") == "NOT_SERVING", "executor-1 NOT_SERVING", 30.0
+            )
         assert_same_texts(got, want, "executor-1 wedged mid-stream")
         assert stack.executor_status("executor-1") is None, "the wedged executor still beats"
     finally:

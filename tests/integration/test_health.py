@@ -32,30 +32,32 @@ def redis_up_sample(stack, name: str) -> str:
     return next(line for line in text.splitlines() if line.startswith("kvgate_redis_up "))
 
 
+def every_process_says(stack, status: str, service: str = "") -> None:
+    """Waits for every process to answer `status` for `service` (a probe of a busy machine
+    can time out: UNREACHABLE, then the next one answers)."""
+    wait_for(
+        lambda: set(statuses(stack, service).values()) == {status},
+        f"every process {status} for {service or 'the server'} (now {statuses(stack, service)})",
+        timeout_s=30.0,
+    )
+
+
 def test_every_process_answers_serving_and_live(stack):
-    assert statuses(stack) == dict.fromkeys(PROCESSES, "SERVING")
-    assert statuses(stack, LIVENESS_SERVICE) == dict.fromkeys(PROCESSES, "SERVING")
+    every_process_says(stack, "SERVING")
+    every_process_says(stack, "SERVING", LIVENESS_SERVICE)
 
 
 def test_while_redis_is_unreachable_every_process_is_not_serving_but_live(stack):
     redis_pid = stack.procs["redis"].pid
     os.kill(redis_pid, signal.SIGSTOP)  # what a hung or partitioned Redis looks like
     try:
-        wait_for(
-            lambda: set(statuses(stack).values()) == {"NOT_SERVING"},
-            f"every process NOT_SERVING with Redis stopped (now {statuses(stack)})",
-            timeout_s=15.0,
-        )
-        assert statuses(stack, LIVENESS_SERVICE) == dict.fromkeys(PROCESSES, "SERVING")
+        every_process_says(stack, "NOT_SERVING")
+        every_process_says(stack, "SERVING", LIVENESS_SERVICE)
         for name in PROCESSES:
             assert redis_up_sample(stack, name) == "kvgate_redis_up 0.0", name
     finally:
         os.kill(redis_pid, signal.SIGCONT)
-    wait_for(
-        lambda: set(statuses(stack).values()) == {"SERVING"},
-        f"every process SERVING again once Redis answers (now {statuses(stack)})",
-        timeout_s=20.0,
-    )
+    every_process_says(stack, "SERVING")  # again, once Redis answers
     assert all(redis_up_sample(stack, name) == "kvgate_redis_up 1.0" for name in PROCESSES)
     completion = generate(stack.address, "Once upon a time", max_tokens=8)
     assert len(completion.token_ids) == 8, completion
@@ -68,12 +70,12 @@ def test_the_gateway_is_not_serving_once_no_executor_has_been_alive_for_5_s(stac
         "the gateway NOT_SERVING with its only executor killed",
         timeout_s=20.0,
     )
-    assert stack.health("gateway", LIVENESS_SERVICE) == "SERVING"
+    wait_for(lambda: stack.health("gateway", LIVENESS_SERVICE) == "SERVING", "gateway live")
     log = (stack.config.log_dir / "gateway.log").read_text()
     assert "NOT_SERVING (no executor has been alive for 5 s)" in log, log[-2000:]
     stack.start_executor("executor-0")
     wait_for(
         lambda: stack.health("gateway") == "SERVING",
         "the gateway SERVING again once an executor is alive",
-        timeout_s=5.0,
+        timeout_s=30.0,
     )

@@ -127,6 +127,22 @@ class Client:
         with self._lock:
             return len(self.events[event])
 
+    def wait(self, stack: Stack, timeout_s: float = 240.0) -> int:
+        """The client's exit status; fails naming the streams still open, with the gateways'
+        and the scheduler's last log lines, if it has not ended within `timeout_s`."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with self._lock:
+                ended = set(self.events["done"]) | set(self.events["failed"])
+            open_streams = sorted(set(range(STREAMS)) - ended)
+            tails = {
+                name: stack.log_path(name).read_text().splitlines()[-15:]
+                for name in ("scheduler", "gateway-1", "gateway-2", "executor-2")
+            }
+            pytest.fail(f"streams {open_streams} still open {timeout_s:g} s after the unplugging; "
+                        f"last log lines: {json.dumps(tails, indent=1)}")  # fmt: skip
+
 
 def test_streams_survive_an_executor_host_unplugged_mid_stream(hosts, cluster, tmp_path):
     client = Client(hosts)
@@ -141,7 +157,7 @@ def test_streams_survive_an_executor_host_unplugged_mid_stream(hosts, cluster, t
         assert client.count("done") == 0, "the load ended before the unplugging"
         hosts.pull_the_plug("executor-1")
         slow_steps(tmp_path).unlink()  # the rest at full speed
-        assert client.proc.wait(240) == 0
+        assert client.wait(cluster) == 0
     finally:
         if client.proc.poll() is None:
             client.proc.kill()

@@ -47,9 +47,10 @@ def test_redis_read_only_for_5_s_is_unavailable_then_everything_recovers(stack):
     and the gateway answered UNKNOWN."""
     before = pids(stack)
     client = stack.redis()
+    streaming: list = []
     with ThreadPoolExecutor(8) as pool:
-        running = pool.submit(outcome, stack.address, "Once upon a time", 300)
-        time.sleep(0.3)
+        running = pool.submit(outcome, stack.address, "Once upon a time", 300, streaming)
+        wait_for(lambda: streaming, "the stream's first token", 60.0)
         client.execute_command("REPLICAOF", "127.0.0.1", "1")  # a master that is not there
         try:
             time.sleep(0.5)

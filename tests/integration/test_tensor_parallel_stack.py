@@ -43,7 +43,10 @@ def child_pids(pid: int) -> list[int]:
     """The live children of process `pid` (every thread's)."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
     return children
 
 
@@ -114,23 +117,28 @@ def test_two_ranks_serve_a_random_llamas_one_rank_tokens(stack_factory, tmp_path
     stack.stop_all()  # two ranks fewer on the cores for the tests after this one
 
 
-def send_unanswered(address: str) -> None:
-    """A request that makes the executor step; no executor is left to answer it."""
-    try:
-        generate(address, PROMPTS[0], timeout_s=30.0, max_tokens=4)
-    except grpc.RpcError:
-        pass
+def send_until_exit(address: str, executor: subprocess.Popen) -> None:
+    """Requests that make the executor step, one after another until it exits (no executor is
+    left to answer them)."""
+    while executor.poll() is None:
+        try:
+            generate(address, PROMPTS[0], timeout_s=30.0, max_tokens=4)
+        except grpc.RpcError:
+            pass
 
 
 def test_a_dead_follower_makes_its_executor_exit_as_a_crash(stack):
     if EXECUTOR in stack.procs:
-        stack.stop(EXECUTOR)  # the request below must reach the executor under test
+        stack.stop(EXECUTOR)
+    # The requests below must reach the executor under test, not a dead one's heartbeat.
+    wait_for(lambda: stack.executor_status(EXECUTOR) is None, f"{EXECUTOR}'s heartbeat gone", 30.0)
     stack.start_executor("executor-1")
     executor = stack.procs["executor-1"]
     (follower,) = followers_of(executor)
     os.kill(follower, signal.SIGKILL)
-    threading.Thread(target=send_unanswered, args=(stack.address,), daemon=True).start()
-    status = executor.wait(timeout=30)
+    threading.Thread(target=send_until_exit, args=(stack.address, executor), daemon=True).start()
+    wait_for(lambda: executor.poll() is not None, "executor-1's exit after its follower's", 120.0)
+    status = executor.returncode
     log = stack.log_path("executor-1").read_text()
     assert status == 70, f"expected exit status 70, got {status}; log tail: {log[-2000:]}"
     assert "tensor parallel: a step failed on the ranks" in log, log[-2000:]
