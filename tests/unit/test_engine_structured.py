@@ -8,6 +8,7 @@ import json
 import math
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -153,17 +154,31 @@ def smollm2() -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2: Path) -> Iterator[Engine]:
+    """One SmolLM2 engine for the module's constraints (each test's requests finish)."""
+    engine = make_engine(smollm2, kv_cache_gib=0.05)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2: Path):
+    return TokenizersBackend.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+
+
 @pytest.mark.parametrize(
     "constraint",
     [schema(PERSON), Constraint(ConstraintKind.REGEX, REGEX)],
     ids=lambda c: c.kind.value,
 )
-def test_allowed_tokens_equal_llguidance_mask_on_smollm2(smollm2, constraint):
-    engine = make_engine(smollm2, kv_cache_gib=0.05)
-    hf_tokenizer = TokenizersBackend.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-    prompt = hf_tokenizer("Describe a person as JSON:").input_ids
-    assert_masks_are_llguidance_masks(engine, hf_tokenizer, constraint, prompt, max_tokens=20)
-    engine.close()
+def test_allowed_tokens_equal_llguidance_mask_on_smollm2(
+    smollm2_engine, smollm2_tokenizer, constraint
+):
+    prompt = smollm2_tokenizer("Describe a person as JSON:").input_ids
+    assert_masks_are_llguidance_masks(
+        smollm2_engine, smollm2_tokenizer, constraint, prompt, max_tokens=20
+    )
 
 
 def assert_masks_are_llguidance_masks(

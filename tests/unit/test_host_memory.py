@@ -49,17 +49,24 @@ PROBE = textwrap.dedent(
 MIB = 1 << 20
 
 
-def _probe(mode: str) -> dict[str, int]:
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE, mode],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    return json.loads(run.stdout.splitlines()[-1])
+def _probes(*modes: str) -> list[dict[str, int]]:
+    """PROBE's readings, one fresh process per mode (started together: each imports torch)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PROBE, mode], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for mode in modes
+    ]  # fmt: skip
+    readings = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        readings.append(json.loads(stdout.splitlines()[-1]))
+    return readings
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mallinfo2/mallopt are glibc's (Linux)")
 def test_a_large_activation_comes_from_the_heap_and_stays_there():
-    default, retained = _probe("default"), _probe("retain")
+    default, retained = _probes("default", "retain")
     # glibc's defaults map a fresh 20 MiB block (and unmap it on free): new pages every step.
     assert default["mmapped"] >= 20 * MIB, default
     assert retained["mmapped"] == 0, retained
