@@ -137,7 +137,20 @@ def test_a_poison_request_fails_alone_and_the_executors_stay_up(stack):
     assert f"prompt holds token {POISON_TOKEN}" in failed_message(stack.address, poison)
     for name, pid in pids.items():
         assert stack.procs[name].poll() is None and stack.procs[name].pid == pid, f"{name} died"
-        wait_for(lambda n=name: stack.health(n) == "SERVING", f"{name} serving", 60.0)
+        wait_serving(stack, name)
+
+
+def wait_serving(stack: Stack, name: str, timeout_s: float = 60.0) -> None:
+    """Waits for `name` to answer SERVING (a probe's 1 s deadline can pass on a busy machine);
+    fails naming the statuses it gave and the end of its log, which says why it was not."""
+    deadline = time.monotonic() + timeout_s
+    seen: list[str] = []
+    while (status := stack.health(name)) != "SERVING":
+        seen += [status] if not seen or seen[-1] != status else []
+        if time.monotonic() > deadline:
+            tail = stack.log_path(name).read_text()[-3000:]
+            pytest.fail(f"{name} not SERVING within {timeout_s:g} s, it answered {seen}:\n{tail}")
+        time.sleep(0.1)
 
 
 def failed_message(address: str, req: inference_pb2.GenerateRequest) -> str:
