@@ -29,6 +29,10 @@ SINK_PORT = 50052
 # Few batch slots: a stream waits its turn, so the load is still running at the unplugging.
 EXECUTOR_FLAGS = ["--num-gpu-blocks", "512", "--max-num-seqs", "16", "--torch-threads", "1"]
 SLOW_STEP_S = 0.01  # a 480-token stream takes at least 4.8 s until the unplugging
+# After the unplugging the surviving executor's 16 slots run the streams of both in turns: a
+# re-queued stream waits for a slot as long as the client waits for all (the default 30 s ran
+# out on a loaded machine, failing streams DEADLINE_EXCEEDED).
+WAIT_S = 240.0
 
 # Root is needed to create namespaces (CI runs as root); iproute2 comes with `make setup`, so
 # a missing `ip` fails the test rather than skipping it.
@@ -88,6 +92,7 @@ def start_cluster(stack: Stack, hosts: Hosts, slow_file: Path) -> None:
         address = hosts.addresses[name]
         argv = [*python, "gateway", "--model", str(MODEL), "--host", address, "--port", str(PORT)]
         argv += ["--internal-host", address, "--internal-port", str(SINK_PORT), "--auth", "off"]
+        argv += ["--queue-timeout-s", str(WAIT_S)]
         argv += common
         stack.spawn(name, hosts.command(name, argv))
     ready = {
@@ -127,7 +132,7 @@ class Client:
         with self._lock:
             return len(self.events[event])
 
-    def wait(self, stack: Stack, timeout_s: float = 240.0) -> int:
+    def wait(self, stack: Stack, timeout_s: float = WAIT_S) -> int:
         """The client's exit status; fails naming the streams still open, with the gateways'
         and the scheduler's last log lines, if it has not ended within `timeout_s`."""
         try:
