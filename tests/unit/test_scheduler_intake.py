@@ -82,24 +82,47 @@ def test_a_window_closing_within_redis_resolution_is_slept_out_exactly(
     assert slept and 0.0 < slept[0] <= expected_s and sum(slept) <= expected_s, slept
 
 
+class VirtualTime:
+    """The intake's `time`: a clock that moves only by its sleeps and the stream's reads (on a
+    busy machine a real read or wake-up can take longer than the lead it is to teach)."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+        self.wake_targets: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.wake_targets.append(self.now_s + seconds)
+        self.now_s += seconds
+
+
+class TimedStream(RecordingStream):
+    """A RecordingStream whose reads take `read_s` of a VirtualTime."""
+
+    def __init__(self, clock: VirtualTime, read_s: float) -> None:
+        super().__init__()
+        self.clock, self.read_s_virtual = clock, read_s
+
+    def read_new(self, block_ms: int | None, count: int) -> list[StreamEntry]:
+        self.clock.now_s += self.read_s_virtual
+        return super().read_new(block_ms, count)
+
+
 def test_the_last_read_before_a_window_closes_starts_early_by_what_reads_take(monkeypatch):
     """The read before a close starts early by the average of what the reads took, and the
     batch still leaves no earlier than the close."""
-    intake, _ = intake_with(RecordingStream(read_s=0.005), window_ms=2.0)
-    wake_targets: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        wake_targets.append(time.monotonic() + seconds)
-        real_sleep(seconds)
-
-    monkeypatch.setattr("scheduler.intake.time.sleep", sleep)
+    clock = VirtualTime()
+    monkeypatch.setattr("scheduler.intake.time", clock)
+    intake, _ = intake_with(TimedStream(clock, read_s=0.005), window_ms=2.0)
     for _ in range(10):
-        due_s = time.monotonic() + 0.02
-        wake_targets.clear()
+        due_s = clock.monotonic() + 0.02
+        clock.wake_targets.clear()
         intake.read_until(due_s)
-        assert time.monotonic() >= due_s
+        assert clock.monotonic() >= due_s
     assert 0.004 < intake.read_lead_s, intake.read_lead_s
-    assert wake_targets[0] <= due_s - 0.004, "the last read did not start early"
+    assert clock.wake_targets[0] <= due_s - 0.004, "the last read did not start early"
 
 
 def test_a_long_window_waits_on_the_stream_only_until_a_resolution_before_its_close(
