@@ -60,8 +60,10 @@ model: $(BIN)/.installed
 proto: $(BIN)/.installed
 	$(PYTHON) -m common.protogen
 
+# Two workers (tests/conftest.py): the tests that start servers one after another on one,
+# the in-process tests on the other; docs/testing.md.
 test: setup proto
-	$(PYTHON) -m pytest -q -ra --durations=30 tests
+	$(PYTHON) -m pytest -q -ra --durations=30 -n 2 --dist loadgroup tests
 
 test-kernels: setup
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -ra tests/kernels
