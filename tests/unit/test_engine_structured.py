@@ -49,6 +49,10 @@ COLORS = {
     "required": ["colors"],
     "additionalProperties": False,
 }
+# Every schema bounds its output (maxLength, maxItems, enums, integer ranges): the longest
+# JSON any of them accepts, each string character written as a 6-character \u escape, is
+# under 100 characters, so within SAMPLED_MAX_TOKENS (a token is at least one byte) an
+# output always finishes with `stop`.
 SCHEMAS = [
     PERSON,
     COLORS,
@@ -63,6 +67,8 @@ SCHEMAS = [
 ]
 REGEX = r"[a-z]{2,5}( [a-z]{2,5}){1,3}\."
 CHOICES = ("yes", "no", "maybe so")
+SAMPLED_MAX_TOKENS = 120
+SEEDS = range(50)  # sampled outputs checked per constraint, at temperature 1.0
 LARK = 'start: "(" expr ")"\nexpr: NUM | NUM "+" NUM\nNUM: /[0-9]{1,3}/'
 # Sampler paths the sampled runs rotate through (greedy, top-k/p, min-p, penalties).
 SAMPLER_PATHS = [
@@ -84,7 +90,9 @@ def engine() -> Engine:
     return make_engine()
 
 
-def sampled(constraint: Constraint, seed: int, max_tokens: int = 120, **kw) -> SamplingParams:
+def sampled(
+    constraint: Constraint, seed: int, max_tokens: int = SAMPLED_MAX_TOKENS, **kw
+) -> SamplingParams:
     kw.setdefault("temperature", 1.0)
     return SamplingParams(max_tokens=max_tokens, seed=seed, constraint=constraint, **kw)
 
@@ -204,7 +212,7 @@ def test_schemas_by_seeds_all_validate_on_every_sampler_path(engine, tokenizer):
     params = {
         f"{i}-{seed}": sampled(schema(value), seed, **SAMPLER_PATHS[seed % len(SAMPLER_PATHS)])
         for i, value in enumerate(SCHEMAS)
-        for seed in range(10)
+        for seed in SEEDS
     }
     results = run(engine, params, tokenizer("Once upon a time").input_ids)
     for request_id, (tokens, reason, error) in results.items():
@@ -221,7 +229,7 @@ def test_regex_choice_and_grammar_outputs_match(engine, tokenizer):
         "choice": (Constraint(ConstraintKind.CHOICE, choices=CHOICES), CHOICES.__contains__),
         "grammar": (Constraint(ConstraintKind.GRAMMAR, LARK), lark.fullmatch),
     }
-    params = {f"{k}-{s}": sampled(c, s) for k, (c, _) in kinds.items() for s in range(10)}
+    params = {f"{k}-{s}": sampled(c, s) for k, (c, _) in kinds.items() for s in SEEDS}
     results = run(engine, params, tokenizer("Once upon a time").input_ids)
     for request_id, (tokens, reason, error) in results.items():
         text = decoded(tokenizer, tokens)
