@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -111,22 +112,37 @@ def stream(stub: inference_pb2_grpc.InferenceStub, params: inference_pb2.Samplin
     return tokens, inference_pb2.FinishReason.Name(reason), text
 
 
-def stack_round(address: str, streams: int, output_len: int, schema: dict | None) -> dict:
-    """All streams at once through kvgate.v1: tokens/s, how the streams ended, and the first
-    stream's text."""
-    with ThreadPoolExecutor(streams) as pool, grpc.insecure_channel(address) as channel:
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds the processes have used (/proc/PID/stat)."""
+    total_ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total_ticks += int(fields[11]) + int(fields[12])  # utime and stime
+    return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def rates(tokens: int, wall_s: float, cpu_s: float) -> dict:
+    return {"tokens_per_s": tokens / wall_s, "tokens_per_cpu_s": tokens / cpu_s}
+
+
+def stack_round(stack: Stack, streams: int, output_len: int, schema: dict | None) -> dict:
+    """All streams at once through kvgate.v1: tokens per second of wall time and per CPU
+    second of the stack's processes, how the streams ended, and the first stream's text."""
+    pids = [process.pid for process in stack.procs.values()]
+    with ThreadPoolExecutor(streams) as pool, grpc.insecure_channel(stack.address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), cpu_seconds(pids)
         done = list(pool.map(lambda s: stream(stub, kvgate_params(output_len, s, schema)),
                              range(streams)))  # fmt: skip
-        elapsed = time.perf_counter() - start
+        wall_s, cpu_s = time.perf_counter() - start, cpu_seconds(pids) - start_cpu
     ends = [(tokens, reason) for tokens, reason, _ in done]
-    return {"tokens_per_s": sum(t for t, _ in ends) / elapsed, "ends": ends, "text": done[0][2]}
+    return rates(sum(t for t, _ in ends), wall_s, cpu_s) | {"ends": ends, "text": done[0][2]}
 
 
 def engine_round(engine: Engine, prompt: list[int], streams: int, output_len: int, schema) -> dict:
-    """All streams added at once to the Engine, stepped until done: tokens/s and ends."""
-    start = time.perf_counter()
+    """All streams added at once to the Engine, stepped until done: tokens per second of wall
+    time and per CPU second of this process (its grammar threads included), and the ends."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     for seed in range(streams):
         engine.add_request(f"r{seed}", prompt, engine_params(output_len, seed, schema))
     tokens = dict.fromkeys(range(streams), 0)
@@ -137,28 +153,32 @@ def engine_round(engine: Engine, prompt: list[int], streams: int, output_len: in
             tokens[index] += len(output.new_token_ids)
             if output.finish_reason is not None:
                 reasons[index] = f"FINISH_REASON_{output.finish_reason.name}"
-    elapsed = time.perf_counter() - start
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
     ends = [(tokens[i], reasons.get(i, "")) for i in range(streams)]
-    return {"tokens_per_s": sum(tokens.values()) / elapsed, "ends": ends}
+    return rates(sum(tokens.values()), wall_s, cpu_s) | {"ends": ends}
 
 
 def interleaved_rounds(measure: Callable[[dict | None], dict], schema: dict, repeats: int):
     """`repeats` rounds of each side in turn, after one untimed round of each (compiles,
-    first allocations): per side the tokens/s of each round, the ends that were not the full
-    run (each stream must end with FINISH_REASON_LENGTH), and a text of the last round."""
+    first allocations): per side each round's tokens per wall and per CPU second, the ends that
+    were not the full run (each stream must end with FINISH_REASON_LENGTH), and a text of the
+    last round."""
     sides = {"unconstrained": None, "schema": schema}
     for side in sides.values():
         measure(side)
-    rates: dict[str, list[float]] = {name: [] for name in sides}
+    rounds: dict[str, dict[str, list[float]]] = {
+        rate: {name: [] for name in sides} for rate in ("tokens_per_s", "tokens_per_cpu_s")
+    }
     short: dict[str, list] = {name: [] for name in sides}
     texts: dict[str, str] = {}
     for _ in range(repeats):
         for name, side in sides.items():
             result = measure(side)
-            rates[name].append(result["tokens_per_s"])
+            for rate, samples in rounds.items():
+                samples[name].append(result[rate])
             short[name] += [end for end in result["ends"] if end[1] != "FINISH_REASON_LENGTH"]
             texts[name] = result.get("text", "")
-    return {"rounds": rates, "short_ends": short, "texts": texts}
+    return {"rounds": rounds, "short_ends": short, "texts": texts}
 
 
 def ttft_once(stub: inference_pb2_grpc.InferenceStub, params: inference_pb2.SamplingParams):
@@ -201,7 +221,7 @@ def measure_stack(model: str, folder: Path, args: argparse.Namespace, schema: di
         ttft_turns(stack.address, 2, 0.0, "warm-up")  # untimed: compiles the cached schema
         ttft = ttft_turns(stack.address, args.ttft_requests, args.ttft_interval_s, "first-use")
         rounds = interleaved_rounds(
-            lambda side: stack_round(stack.address, args.streams, args.output_len, side),
+            lambda side: stack_round(stack, args.streams, args.output_len, side),
             schema,
             args.repeats,
         )
@@ -275,23 +295,27 @@ def run(args: argparse.Namespace) -> dict:
         "cpu": cpu_features(),
         "load_average_at_start": load_at_start,  # 1, 5 and 15 minutes: other work running
         "load_average_at_end": load_average(),
-        "tokens_per_s_schema_over_unconstrained": {
-            "stack": ratios(samples["stack"]["rounds"]),
-            "engine": ratios(samples["engine"]["rounds"]),
+        "schema_over_unconstrained": {
+            where: {rate: ratios(rounds) for rate, rounds in samples[where]["rounds"].items()}
+            for where in ("stack", "engine")
         },
         **ttft_report(samples["ttft_samples_ms"]),
         **samples,
     }
 
 
+def rate_line(what: str, rounds: dict[str, list[float]], ratio: dict) -> str:
+    schema, free = (statistics.median(rounds[side]) for side in ("schema", "unconstrained"))
+    return (f"  {what:<23} schema {schema:9.1f}, unconstrained {free:9.1f}: "
+            f"{ratio['median']:.2f}x median, {ratio['best']:.2f}x best (>= 0.85)")  # fmt: skip
+
+
 def summarize(result: dict) -> None:
     print(f"{result['model']}: {result['streams']} streams x {result['output_len']} tokens, "
           f"{result['repeats']} rounds; load {result['load_average_at_end']}")  # fmt: skip
-    for where, ratio in result["tokens_per_s_schema_over_unconstrained"].items():
-        rounds = result[where]["rounds"]
-        schema, free = (statistics.median(rounds[side]) for side in ("schema", "unconstrained"))
-        print(f"  {where:<6} tokens/s schema {schema:9.1f}, unconstrained {free:9.1f}: "
-              f"{ratio['median']:.2f}x median, {ratio['best']:.2f}x best (>= 0.85)")  # fmt: skip
+    for where, by_rate in result["schema_over_unconstrained"].items():
+        for rate, ratio in by_rate.items():
+            print(rate_line(f"{where} {rate}", result[where]["rounds"][rate], ratio))
     p50, paired = result["ttft_ms_p50"], result["ttft_paired_ms_cached_minus_unconstrained"]
     print(f"  TTFT p50 ms: unconstrained {p50['unconstrained']:.2f}, cached schema "
           f"{p50['cached_schema']:.2f} (paired {paired['median']:+.2f}, 95% "

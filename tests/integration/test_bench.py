@@ -119,12 +119,13 @@ def test_serve_structured_measures_schema_streams_beside_unconstrained_ones(tmp_
     assert done.returncode == 0, f"serve structured exited {done.returncode}:\n{done.stderr}"
     results = json.loads(out.read_text())
     for where in ("stack", "engine"):
-        rounds, short = results[where]["rounds"], results[where]["short_ends"]
-        assert all(len(r) == 1 and r[0] > 0 for r in rounds.values()), f"{where}: {rounds}"
+        short = results[where]["short_ends"]
         assert short == {"unconstrained": [], "schema": []}, f"{where}: {short}"
-        assert set(results["tokens_per_s_schema_over_unconstrained"][where]) == {
-            "median", "best", "by_round"
-        }  # fmt: skip
+        for rate in ("tokens_per_s", "tokens_per_cpu_s"):
+            rounds = results[where]["rounds"][rate]
+            assert all(len(r) == 1 and r[0] > 0 for r in rounds.values()), (where, rate, rounds)
+            ratio = results["schema_over_unconstrained"][where][rate]
+            assert set(ratio) == {"median", "best", "by_round"}, ratio
     text, head = results["stack"]["texts"]["schema"], '[{"name":"'  # the schema's only start
     assert len(text) >= 5 and text[: len(head)] == head[: len(text)], results["stack"]
     samples = results["ttft_samples_ms"]
