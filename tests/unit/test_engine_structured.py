@@ -8,6 +8,7 @@ import json
 import math
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -83,6 +84,17 @@ SAMPLER_PATHS = [
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(STORIES_260K)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_model_thread() -> Iterator[None]:
+    """One torch thread, as an executor beside the rest of a stack runs: on a busy 2-core
+    machine two threads wait on each other at every parallel region (the 250 requests of
+    the schemas-by-seeds test took 55 s with two, 3 s with one, at a load average of 20)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
