@@ -12,7 +12,11 @@ from engine.request import Request
 
 
 class Sequences:
-    """Every unfinished sequence, by its own id (a choice's, `common.choices`, with n > 1)."""
+    """Every unfinished sequence, by its own id (a choice's, `common.choices`, with n > 1).
+
+    A group's first sequence goes by the request's id until it forks, and by choice 0's
+    id from then on: choice 0 run again alone (its executor was lost) may come while the
+    group restarted on the same executor has not forked yet."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, Request] = {}
@@ -39,6 +43,12 @@ class Sequences:
         self._by_id[req.request_id] = req
         self._per_request[req.group_id] += 1
 
+    def rename(self, req: Request, sequence_id: str) -> None:
+        """File `req` under `sequence_id` from now on."""
+        del self._by_id[req.request_id]
+        req.request_id = sequence_id
+        self._by_id[sequence_id] = req
+
     def remove(self, req: Request) -> None:
         """Forget a sequence (one already forgotten is left alone)."""
         if self._by_id.pop(req.request_id, None) is None:
@@ -58,7 +68,7 @@ class Sequences:
         choice = split_choice_request_id(choice_id)
         if choice is None:
             return None
-        leader = self._by_id.get(choice_request_id(choice[0], 0))
+        leader = self._by_id.get(choice[0])
         return leader if leader is not None and leader.num_forks else None
 
 
