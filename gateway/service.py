@@ -10,6 +10,7 @@ from grpc import aio
 
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
+from common.sampling_params import SamplingParams
 from common.templates import ROLES, ChatTemplateError, Message
 from common.tenants import TenantLimits
 from gateway.auth import tenant_of
@@ -25,6 +26,7 @@ from gateway.validation import (
     GenerationSpec,
     StopLimits,
     check_id,
+    check_num_sequences,
     check_prompt_len,
     check_stop,
     check_token_ids,
@@ -119,7 +121,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             priority_clamped=clamped,
         )
         await self.text.check_constraint(spec.sampling.constraint)
+        await self.check_num_sequences(spec.sampling)
         return spec
+
+    async def check_num_sequences(self, sampling: SamplingParams) -> None:
+        """Refuses a request of more sequences (n, best_of) than an executor runs at once
+        (a group runs in one batch of one executor), by the executors' heartbeats.
+
+        Raises:
+            InvalidArgument: naming `params.n` or `params.best_of`.
+        """
+        if sampling.num_sequences > 1:
+            check_num_sequences(sampling, await self.queue.executor_statuses())
 
     def _admission(
         self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
