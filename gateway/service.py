@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from grpc import aio
 
+from common.choices import num_sequences as num_sequences_of
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_N, SamplingParams
 from common.templates import ROLES, ChatTemplateError, Message
 from common.tenants import TenantLimits
 from gateway.auth import tenant_of
@@ -135,21 +136,39 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             check_num_sequences(sampling, await self.queue.executor_statuses())
 
     def _admission(
-        self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        *,
+        take_request: bool,
+        open_stream: bool,
+        num_sequences: int = 1,
     ) -> Admission | None:
-        """The quotas' admission (not taken yet), refusals counted."""
+        """The quotas' admission (not taken yet), refusals counted; a request of several
+        sequences (n, best_of as asked, not checked yet: out of range counts one) counts
+        each."""
+        if not 1 <= num_sequences <= MAX_N:
+            num_sequences = 1
         try:
             return self.quotas.admission(
-                tenant, limits, take_request=take_request, open_stream=open_stream
+                tenant,
+                limits,
+                take_request=take_request,
+                open_stream=open_stream,
+                num_sequences=num_sequences,
             )
         except QuotaExceeded as refusal:
             self.deps.count_refusal(tenant, refusal)
             raise
 
-    def call_admission(self, tenant: str, limits: TenantLimits) -> Admission | None:
-        """The admission of another front's one-request call (a request and a stream, taken
-        as the request is queued), refusals counted."""
-        return self._admission(tenant, limits, take_request=True, open_stream=True)
+    def call_admission(
+        self, tenant: str, limits: TenantLimits, num_sequences: int
+    ) -> Admission | None:
+        """The admission of another front's one-request call (a request and a stream per
+        sequence, taken as the request is queued), refusals counted."""
+        return self._admission(
+            tenant, limits, take_request=True, open_stream=True, num_sequences=num_sequences
+        )
 
     def end_call(self, admission: Admission | None) -> None:
         """Releases what a call's admission holds (its stream's lease)."""
@@ -212,7 +231,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             (the request id, a chunk) until the last chunk.
         """
         limits = await self.quotas.limits(tenant)
-        admission = self._admission(tenant, limits, take_request=True, open_stream=True)
+        admission = self._admission(
+            tenant, limits, take_request=True, open_stream=True,
+            num_sequences=num_sequences_of(params),
+        )  # fmt: skip
         try:
             if session_id:
                 # Opening a session writes it: the quotas are taken first, so that a refused

@@ -220,7 +220,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_request_at = time.time()
         tenant = tenant_of(context)
         limits = await self.kvgate.quotas.limits(tenant)
-        admission = self.kvgate.call_admission(tenant, limits)
+        admission = self.kvgate.call_admission(tenant, limits, request.sampling_params.n)
         try:
             spec = await self._spec(request, limits)
             kind = ChoiceGroup if spec.sampling.num_sequences > 1 else Generation
