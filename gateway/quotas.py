@@ -30,6 +30,7 @@ import redis
 import redis.asyncio as aioredis
 
 from common.keys import RedisKeys
+from common.sampling_params import MAX_N
 from common.tenants import TenantLimits
 from gateway.errors import QuotaExceeded
 
@@ -217,11 +218,14 @@ class Quotas:
     ) -> Admission | None:
         """What to take: `num_sequences` requests (take_request) and as many places among
         the tenant's open streams (open_stream); None when the tenant has no such limit.
-        Nothing is taken yet.
+        Nothing is taken yet. `num_sequences` is n or best_of as asked, not checked yet: out
+        of range, it counts one (validation refuses the request).
 
         Raises:
             QuotaExceeded: take_request, and a refusal by a bucket of the tenant is remembered.
         """
+        if not 1 <= num_sequences <= MAX_N:
+            num_sequences = 1
         if take_request:
             self._refusals.check(tenant, limits)
         slot = None

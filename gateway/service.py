@@ -11,7 +11,7 @@ from grpc import aio
 from common.choices import num_sequences as num_sequences_of
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
-from common.sampling_params import MAX_N, SamplingParams
+from common.sampling_params import SamplingParams
 from common.templates import ROLES, ChatTemplateError, Message
 from common.tenants import TenantLimits
 from gateway.auth import tenant_of
@@ -136,27 +136,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             check_num_sequences(sampling, await self.queue.executor_statuses())
 
     def _admission(
-        self,
-        tenant: str,
-        limits: TenantLimits,
-        *,
-        take_request: bool,
-        open_stream: bool,
-        num_sequences: int = 1,
+        self, tenant: str, limits: TenantLimits, **wanted: bool | int
     ) -> Admission | None:
-        """The quotas' admission (not taken yet), refusals counted; a request of several
-        sequences (n, best_of as asked, not checked yet: out of range counts one) counts
-        each."""
-        if not 1 <= num_sequences <= MAX_N:
-            num_sequences = 1
+        """The quotas' admission of what is `wanted` (Quotas.admission's keywords), not taken
+        yet; refusals counted."""
         try:
-            return self.quotas.admission(
-                tenant,
-                limits,
-                take_request=take_request,
-                open_stream=open_stream,
-                num_sequences=num_sequences,
-            )
+            return self.quotas.admission(tenant, limits, **wanted)
         except QuotaExceeded as refusal:
             self.deps.count_refusal(tenant, refusal)
             raise
