@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from client.api import KvgateClient, sampling_params
+from client.api import KvgateClient, choice_texts, sampling_params
 from deploy.stack import Stack, free_port
 from protos.kvgate.v1 import inference_pb2 as pb
 
@@ -110,6 +110,16 @@ def test_kvgate_v1_generate_streams_each_choice_with_its_index(stack: Stack):
         True,
         False,
     ], "the prompt counts on choice 0 only"
+
+
+def test_the_clients_choice_texts_gather_each_choice(stack: Stack):
+    params = sampling_params(max_tokens=10, temperature=0.0, ignore_eos=True, n=3)
+    with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
+        texts = ["", "", ""]
+        for index, text in choice_texts(kvgate.generate_stream(PROMPT, params)):
+            texts[index] += text
+        alone = kvgate.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert texts == [alone.text] * 3, (texts, alone.text)
 
 
 @pytest.mark.parametrize(
