@@ -33,11 +33,18 @@ class Sequences:
 
     def in_use(self, request_id: str, num_sequences: int = 1) -> bool:
         """Whether a request or a sequence has this id, or, for a request of several
-        sequences, one of its choices' ids."""
+        sequences, one of its choices' ids, or a group not forked yet still has to fork
+        the choice of this id (it has not been aborted)."""
         ids = [request_id]
         if num_sequences > 1:
             ids += [choice_request_id(request_id, i) for i in range(num_sequences)]
-        return any(i in self._by_id or i in self._per_request for i in ids)
+        return any(i in self._by_id or i in self._per_request or self._to_fork(i) for i in ids)
+
+    def _to_fork(self, choice_id: str) -> bool:
+        leader = self.leader_of(choice_id)
+        return leader is not None and split_choice_request_id(choice_id)[1] not in (
+            leader.unwanted_choices
+        )
 
     def add(self, req: Request) -> None:
         self._by_id[req.request_id] = req

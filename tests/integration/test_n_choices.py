@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import grpc
 import openai
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from client.api import KvgateClient, choice_texts, sampling_params
 from deploy.stack import Stack, free_port
@@ -177,6 +178,19 @@ def test_openai_choices_past_max_num_seqs_are_a_400_naming_the_field(
         _completion(client, **fields)
     assert raised.value.param == param, raised.value.body
     assert raised.value.body["message"].startswith(f"{param}: 9 sequences"), raised.value.body
+
+
+def test_vllm_choices_past_max_num_seqs_are_invalid_argument_naming_the_field(stack: Stack):
+    request = vllm_engine_pb2.GenerateRequest(
+        text=PROMPT, sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4, n=9)
+    )
+    with grpc.insecure_channel(stack.address) as channel:
+        engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(engine.Generate(request, timeout=60.0))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    details = raised.value.details()
+    assert details.startswith("sampling_params.n: 9 sequences"), details
 
 
 def test_a_list_of_prompts_numbers_choices_prompt_by_prompt(client: openai.OpenAI):

@@ -295,6 +295,11 @@ def test_a_request_whose_choice_ids_are_in_use_is_refused():
     engine.add_request(choice_request_id("g", 1), PROMPT, greedy(4), choice_index=1)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("g", PROMPT, greedy(4, n=2))
+    engine.add_request("h", PROMPT, greedy(4, n=2))  # not forked yet: its choices are its own
+    for index in (0, 1):
+        with pytest.raises(ValueError, match="already in use"):
+            one = greedy(4)
+            engine.add_request(choice_request_id("h", index), PROMPT, one, choice_index=index)
 
 
 def test_seats_of_forks_to_come_count_against_max_num_seqs():
