@@ -11,10 +11,9 @@ updated by one atomic script, QUOTA_SCRIPT, on Redis's clock:
   it has refilled above it); it holds one minute's worth.
 Open streams (Generate and Chat calls; a request of n choices counts n, and one of more than
 the limit opens only when the tenant has none open) hold a lease each in a sorted set per
-tenant, renewed
-every STREAM_LEASE_S / 3 by the gateway that holds them, so a dead gateway's streams free
-their places within STREAM_LEASE_S. A request asking for a more urgent priority than the
-tenant's max_priority runs at max_priority, and its last chunk says so.
+tenant, renewed every STREAM_LEASE_S / 3 by the gateway that holds them, so a dead gateway's
+streams free their places within STREAM_LEASE_S. A request asking for a more urgent priority
+than the tenant's max_priority runs at max_priority, and its last chunk says so.
 """
 
 from __future__ import annotations
