@@ -379,6 +379,8 @@ class ExecutorService:
             entry.index = output.index
             entry.token_ids.extend(output.new_token_ids)
             entry.logprobs.extend(to_logprobs_pb(output.logprobs or []))
+            if output.prompt_logprobs is not None:
+                entry.prompt_logprobs.extend(to_logprobs_pb(output.prompt_logprobs))
             entry.num_cached_tokens = output.num_cached_tokens
             tracked.offset += len(output.new_token_ids)
             if output.finished:

@@ -49,6 +49,7 @@ def chunk_to_pb(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse
         logprobs=chunk.logprobs,
         error_message=chunk.error_message,
         index=chunk.index,
+        prompt_logprobs=chunk.prompt_logprobs,
     )
     if chunk.finish_reason is not None:
         response.finish_reason = finish_reason_to_pb(chunk.finish_reason)

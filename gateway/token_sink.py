@@ -38,6 +38,8 @@ class TokenUpdate:
     num_cached_tokens: int
     error_message: str = ""
     attempt: int = 0
+    # SamplingParams.prompt_logprobs, with the first token: entry i is prompt token i + 1's
+    prompt_logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +117,7 @@ def update_from_pb(executor_id: str, entry: internal_pb2.RequestTokens) -> Token
         num_cached_tokens=entry.num_cached_tokens,
         error_message=entry.error_message,
         attempt=entry.attempt,
+        prompt_logprobs=list(entry.prompt_logprobs),
     )
 
 

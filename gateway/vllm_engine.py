@@ -81,6 +81,25 @@ def output_logprobs(logprobs: list[inference_pb2.TokenLogprob]) -> vllm_engine_p
     )
 
 
+def input_logprobs(
+    prompt_token_ids: list[int], logprobs: list[inference_pb2.TokenLogprob]
+) -> vllm_engine_pb2.InputLogProbs:
+    """The prompt's log-probabilities in vLLM's shape: the first token's has no value."""
+    return vllm_engine_pb2.InputLogProbs(
+        token_logprobs=[vllm_engine_pb2.InputTokenLogProb()]
+        + [vllm_engine_pb2.InputTokenLogProb(value=entry.logprob) for entry in logprobs],
+        token_ids=prompt_token_ids,
+        top_logprobs=[vllm_engine_pb2.TopLogProbs()]
+        + [
+            vllm_engine_pb2.TopLogProbs(
+                values=[top.logprob for top in entry.top],
+                token_ids=[top.token_id for top in entry.top],
+            )
+            for entry in logprobs
+        ],
+    )
+
+
 def model_description(model: str) -> tuple[str, list[str]]:
     """The model's type and architectures: config.json's, or the GGUF file's architecture."""
     gguf = gguf_file(model)
@@ -111,11 +130,14 @@ class GenerateCall:
         self.logprobs: dict[int, list[inference_pb2.TokenLogprob]] = {
             i: [] for i in range(len(self.choices))
         }
+        self.prompt_logprobs: dict[int, list[inference_pb2.TokenLogprob]] = {}
 
     async def responses(self) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
         async for chunk in self.generation.stream():
             self.token_ids[chunk.index].extend(chunk.token_ids)
             self.logprobs[chunk.index].extend(chunk.logprobs)
+            if chunk.prompt_logprobs is not None:
+                self.prompt_logprobs[chunk.index] = chunk.prompt_logprobs
             if self.stream and chunk.token_ids:
                 yield vllm_engine_pb2.GenerateResponse(chunk=self._stream_chunk(chunk))
             if chunk.finish_reason is not None:
@@ -132,7 +154,12 @@ class GenerateCall:
         )
         if chunk.logprobs:
             message.output_logprobs.CopyFrom(output_logprobs(chunk.logprobs))
+        if chunk.prompt_logprobs is not None:  # a choice's first chunk
+            message.input_logprobs.CopyFrom(self._input_logprobs(chunk.prompt_logprobs))
         return message
+
+    def _input_logprobs(self, logprobs: list) -> vllm_engine_pb2.InputLogProbs:
+        return input_logprobs(self.spec.prompt_token_ids, logprobs)
 
     def _complete(self, chunk: Chunk) -> vllm_engine_pb2.GenerateComplete:
         if chunk.finish_reason == FinishReason.ERROR:
@@ -149,6 +176,9 @@ class GenerateCall:
         )
         if logprobs and not self.stream:
             message.output_logprobs.CopyFrom(output_logprobs(logprobs))
+        prompt_logprobs = self.prompt_logprobs.get(chunk.index)
+        if prompt_logprobs is not None and not self.stream:
+            message.input_logprobs.CopyFrom(self._input_logprobs(prompt_logprobs))
         self._set_matched_stop(message, chunk)
         return message
 
