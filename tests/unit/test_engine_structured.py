@@ -365,6 +365,17 @@ def test_no_allowed_token_finishes_the_request_alone_with_an_error(engine, token
     assert len(results["fine"][0]) == 5, results["fine"]
 
 
+def test_a_constraint_complete_before_min_tokens_finishes_with_stop(engine, tokenizer):
+    """The grammar's end comes before min_tokens: only end-of-sequence is allowed and
+    min_tokens masks it; the request ends there, complete, as `stop`."""
+    prompt = tokenizer("Once upon a time").input_ids
+    digit = Constraint(ConstraintKind.REGEX, "0")
+    results = run(engine, {"short": sampled(digit, 0, min_tokens=5)}, prompt)
+    tokens, reason, error = results["short"]
+    assert (reason, error) == (FinishReason.STOP, ""), results["short"]
+    assert tokenizer.decode(tokens) == "0", tokens
+
+
 def test_a_grammar_that_does_not_compile_finishes_with_an_error_naming_the_field(engine):
     results = run(engine, {"bad": sampled(Constraint(ConstraintKind.REGEX, "[a-"), 0)}, [1])
     _, reason, error = results["bad"]
