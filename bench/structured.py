@@ -7,9 +7,11 @@ Two figures, each against unconstrained requests measured beside it:
 - **tokens/s**: `--streams` streams with a JSON schema against as many unconstrained ones
   (EOS ignored), in interleaved rounds, through the stack's kvgate.v1 API (what a client gets)
   and on an in-process Engine of the same model (the executor's own step, where the mask is
-  computed, without the stack's share of the CPU). The schema (ROWS_SCHEMA) asks for at least
-  `--output-len` objects, so no stream can end before `--output-len` tokens: both sides
-  produce the same tokens, and the figure is schema / unconstrained (target >= 0.85).
+  computed, without the stack's share of the CPU), each per second of wall time and per CPU
+  second (which other work on a shared machine inflates less). The schema (rows_schema) asks
+  for at least `--output-len` objects, so no stream can end before `--output-len` tokens:
+  both sides produce the same tokens, and the figure is schema / unconstrained (target
+  >= 0.85).
 - **TTFT** as a kvgate.v1 client sees it, the three kinds of request taking turns: no
   constraint, a schema the gateway and executor have compiled before (cached), and a schema
   new to both each time (first use: one compile in the gateway before queueing, one in the
