@@ -25,6 +25,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens of K/V computed for it this step
     samples: bool  # the step reaches its last known token, so a new token is sampled
+    # Logits wanted from its last new tokens: 1 when it samples, all of them while its
+    # prompt's logprobs are wanted (Request.wants_prompt_logprobs), else 0.
+    logit_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -182,7 +185,8 @@ class StepScheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         samples = req.num_computed_tokens + num_new == req.num_tokens
-        return ScheduledRequest(req, num_new, samples)
+        logit_rows = num_new if req.wants_prompt_logprobs else int(samples)
+        return ScheduledRequest(req, num_new, samples, logit_rows)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Take a request out of the queues and give back (or pin) its blocks."""
