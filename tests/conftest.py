@@ -43,5 +43,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if any(path == p or p in path.parents for p in SERVER_TESTS):
             group = "servers"
         else:
-            group = str(path.relative_to(TESTS))
+            group = str(path)
         item.add_marker(pytest.mark.xdist_group(group))
