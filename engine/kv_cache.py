@@ -241,6 +241,13 @@ class KVCacheManager:
             req.block_table.append(self._pop_free_block())
         return True
 
+    def trim_slots(self, req: Request) -> None:
+        """Free the blocks past the request's computed tokens (allocated for proposed tokens
+        that were rejected): its table is then what a step without them would have left."""
+        num_kept = -(-req.num_computed_tokens // self.block_size)
+        while len(req.block_table) > num_kept:
+            self._decref(req.block_table.pop())
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` (a sequence with no blocks) the K/V `parent` has computed by sharing
         its blocks; whichever writes first into the shared partial block copies it."""

@@ -186,7 +186,8 @@ class ModelRunner:
 
         Returns:
             [num_sampling, vocab] float32 logits, one row per scheduled request that samples,
-            in batch order (every_row: [num_batched_tokens, vocab]).
+            in batch order, and one more per proposed token it verifies (every_row:
+            [num_batched_tokens, vocab]).
         """
         if self.host_pool is not None and self.host_pool.has_copies_in_flight:
             self.host_pool.wait_for({b for s in out.scheduled for b in s.request.block_table})
@@ -252,11 +253,13 @@ class ModelRunner:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             table = req.block_table
-            input_ids.extend(req.all_token_ids[start:end])
+            tokens = req.all_token_ids + s.spec_token_ids if s.spec_token_ids else req.all_token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(slot_of(table, p, bs) for p in range(start, end))
-            if s.samples:
-                sample_rows.append(len(input_ids) - 1)
+            if s.samples:  # a proposed token's position samples too
+                last = len(input_ids)
+                sample_rows.extend(range(last - 1 - len(s.spec_token_ids), last))
         step = self._attention_step(scheduled, positions, slots)
         rows = (
             None if len(sample_rows) == len(input_ids) else self._tensor(sample_rows, torch.int64)

@@ -55,6 +55,10 @@ class Request:
     unwanted_choices: set[int] = field(default_factory=set)  # aborted before they forked
     # its last block may be shared with the sequences it forked from or into: copied on write
     shares_tail: bool = False
+    # Speculative decoding (engine/speculative.py): recent share of proposed tokens accepted,
+    # and steps it has gone without proposals since that share fell below the threshold.
+    spec_acceptance_rate: float = 1.0
+    spec_skipped_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -1,0 +1,312 @@
+"""Speculative decoding on the real stories260K engine: the output with n-gram proposals is the
+output without them (greedy, and seeded sampling token for token), the KV cache is rolled
+back to what a run without proposals holds, and the rule that skips proposals works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.constraints import Constraint, ConstraintKind
+from common.sampling_params import SamplingParams
+from engine.config import EngineConfig, SpeculativeConfig, pop_engine_config
+from engine.engine import Engine
+from engine.speculative import NgramProposer, propose_ngram
+from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine
+
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+    "One day, Lily saw a big red ball. "
+)
+# Lets every request propose: the rule is tested on its own below.
+ALWAYS = SpeculativeConfig(min_acceptance_rate=0.0, disable_by_batch_size=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(STORIES_260K)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Prompts that repeat themselves (proposals get accepted) and ones that do not."""
+    texts = [
+        "The dog ran and ran and ran and ran and",
+        "Lily and Ben went to the park. They",
+        STORY * 3,
+        "The fish swam",
+    ]
+    return [tokenizer(t).input_ids for t in texts]
+
+
+def run(
+    prompts: list[list[int]],
+    params: SamplingParams,
+    spec: SpeculativeConfig | None,
+    **engine_fields,
+) -> tuple[dict[str, list], Engine]:
+    """Each prompt's (tokens, logprobs, finish reasons) by request id, and the engine."""
+    engine = make_engine(speculative_config=spec, **engine_fields)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    return drain(engine), engine
+
+
+def drain(engine: Engine) -> dict[str, list]:
+    got: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            key = f"{out.request_id}/{out.index}"
+            tokens, logprobs, reasons = got.setdefault(key, ([], [], []))
+            tokens += out.new_token_ids
+            logprobs += out.logprobs or []
+            reasons.append(out.finish_reason)
+    return got
+
+
+def assert_same(without: dict, with_spec: dict) -> None:
+    assert with_spec.keys() == without.keys()
+    for key, (tokens, logprobs, reasons) in without.items():
+        got_tokens, got_logprobs, got_reasons = with_spec[key]
+        assert got_tokens == tokens, f"{key}: expected {tokens}\ngot      {got_tokens}"
+        assert got_reasons[-1] == reasons[-1], f"{key}: finish {reasons[-1]} vs {got_reasons[-1]}"
+        assert len(got_logprobs) == len(logprobs)
+        for want, got in zip(logprobs, got_logprobs, strict=True):
+            assert got.token_id == want.token_id
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
+def accepted(engine: Engine) -> int:
+    return engine.stats().num_spec_accepted_tokens
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+
+def test_config_from_vllm_json():
+    config = SpeculativeConfig.from_json(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
+        '"prompt_lookup_min": 1}'
+    )
+    assert (config.num_speculative_tokens, config.prompt_lookup_max) == (3, 5)
+    assert config.prompt_lookup_min == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"method": "eagle"}', "speculative_config.method"),
+        ('{"num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens"),
+        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 4}', "config.prompt_lookup_min"),
+        ('{"model": "/models/draft", "num_speculative_tokens": 4}', "speculative_config.model"),
+        ('{"lookahead": 2}', "speculative_config.lookahead"),
+        ('{"min_acceptance_rate": 2}', "speculative_config.min_acceptance_rate"),
+        ("[4]", "speculative_config must be a JSON object"),
+        ("{", "speculative_config must be a JSON object"),
+    ],
+)
+def test_bad_config_names_the_key(text, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.from_json(text)
+
+
+def test_flag_parses_and_names_itself():
+    base = {"model": STORIES_260K, "max_model_len": 0, "num_gpu_blocks": 0, "dtype": "auto"}
+    config = pop_engine_config({**base, "speculative_config": '{"method": "ngram"}'})
+    assert config.speculative_config == SpeculativeConfig()
+    assert pop_engine_config({**base, "speculative_config": ""}).speculative_config is None
+    with pytest.raises(ValueError, match="--speculative-config: speculative_config.method"):
+        pop_engine_config({**base, "speculative_config": '{"method": "draft"}'})
+
+
+def test_ngram_lookup_takes_the_longest_latest_suffix_match():
+    tokens = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3]
+    # the suffix [2, 3] occurs twice before: the latest one is followed by 7, 8, 4
+    assert propose_ngram(tokens, 1, 4, 3) == [7, 8, 4]
+    # [4, 2, 3] occurs nowhere before, [2, 3] does
+    assert propose_ngram(tokens + [7], 2, 4, 2) == [8, 4]
+    assert propose_ngram([5, 6, 7, 8], 1, 3, 4) == []
+    assert propose_ngram(tokens, 3, 4, 3) == []  # only a 2-token match: below the minimum
+
+
+# ---- greedy ---------------------------------------------------------------------------------
+
+
+def test_greedy_tokens_identical_with_and_without_proposals(prompts):
+    without, _ = run(prompts, greedy(80, logprobs=2), None)
+    with_spec, engine = run(prompts, greedy(80, logprobs=2), ALWAYS)
+    assert_same(without, with_spec)
+    stats = engine.stats()
+    assert stats.num_spec_accepted_tokens > 0, "no proposal was accepted on repeating prompts"
+    assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens
+    assert stats.num_free_blocks == stats.num_total_blocks  # every block came back
+
+
+def test_greedy_with_proposals_equals_transformers(tokenizer, prompts):
+    hf_model = AutoModelForCausalLM.from_pretrained(STORIES_260K, dtype=torch.float32).eval()
+    engine = make_engine(speculative_config=ALWAYS)
+    engine.add_request("story", prompts[0], greedy(100))
+    got = drain(engine)["story/0"][0]
+    assert accepted(engine) > 0
+    expected = hf_generate(hf_model, prompts[0], 100)
+    decode = tokenizer.decode
+    assert got == expected, f"expected {decode(expected)!r}\ngot {decode(got)!r}"
+
+
+# ---- rollback -------------------------------------------------------------------------------
+
+
+class ForcedProposer(NgramProposer):
+    """Proposes `k` tokens whose first `num_right` are the target's own (from a run without
+    proposals) and the rest wrong: the rejection comes at position `num_right`."""
+
+    def __init__(self, engine: Engine, truth: list[int], num_right: int, k: int = 4) -> None:
+        super().__init__(ALWAYS, engine.max_model_len, [])
+        self.truth, self.num_right, self.k = truth, num_right, k
+        self.lengths: list[int] = []  # of each proposal made
+
+    def _propose(self, req) -> list[int]:
+        done = req.num_output_tokens
+        right = self.truth[done : done + self.num_right]
+        wrong = [(t + 1) % 512 for t in self.truth[done + len(right) : done + self.k]]
+        room = req.params.max_tokens - done - 1
+        proposal = (right + wrong)[:room]
+        self.lengths += [len(proposal)] if proposal else []
+        return proposal
+
+
+def cache_state(engine: Engine, req_id: str) -> tuple:
+    req = engine.requests.get(req_id)
+    kv = engine.kv_cache
+    return (req.num_computed_tokens, len(req.block_table), kv.num_free_blocks,
+            sorted(kv._hash_to_block))  # fmt: skip
+
+
+def states_by_length(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[dict, list]:
+    """The cache's state after each step by the request's token count, and its tokens."""
+    engine.add_request("r", prompt, greedy(max_tokens))
+    states, tokens = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        if engine.has_unfinished():
+            states[engine.requests.get("r").num_tokens] = cache_state(engine, "r")
+    return states, tokens
+
+
+@pytest.mark.parametrize("num_right", [0, 1, 2, 3, 4])
+def test_rejection_at_each_position_rolls_the_cache_back(prompts, num_right):
+    prompt, max_tokens = prompts[1], 40
+    plain = make_engine(num_gpu_blocks=64, block_size=4)
+    expected_states, truth = states_by_length(plain, prompt, max_tokens)
+    engine = make_engine(num_gpu_blocks=64, block_size=4, speculative_config=ALWAYS)
+    engine.proposer = proposer = ForcedProposer(engine, truth, num_right)
+    states, tokens = states_by_length(engine, prompt, max_tokens)
+    assert tokens == truth
+    stats = engine.stats()
+    assert stats.num_spec_drafts == len(proposer.lengths) > 0
+    assert stats.num_spec_accepted_tokens == sum(min(num_right, n) for n in proposer.lengths)
+    assert stats.num_spec_bonus_tokens == sum(n <= num_right for n in proposer.lengths)
+    for length, state in states.items():
+        assert state == expected_states[length], f"after {length} tokens: {state} vs plain"
+    assert stats.num_free_blocks == plain.stats().num_free_blocks
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_identical_over_many_seeds(prompts):
+    """The verifier samples each proposed position with the draws the run without proposals
+    uses, so every seed gives the same tokens: the output distribution is the target's."""
+    results, engines = [], []
+    for spec in (None, ALWAYS):
+        engine = make_engine(speculative_config=spec)
+        for seed in range(16):
+            params = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.95, seed=seed)
+            engine.add_request(f"s{seed}", prompts[seed % 2], params)
+        results.append(drain(engine))
+        engines.append(engine)
+    assert_same(*results)
+    assert accepted(engines[1]) > 0
+    assert len({tuple(tokens) for tokens, _, _ in results[0].values()}) > 2  # seeds differ
+
+
+def test_penalties_stops_and_limits_kept(prompts, tokenizer):
+    stop_id = tokenizer(" ball").input_ids[-1]
+    params = SamplingParams(
+        max_tokens=50, temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2,
+        presence_penalty=0.1, min_tokens=10, stop_token_ids=[stop_id], logprobs=1,
+        logit_bias={stop_id: 2.0},
+    )  # fmt: skip
+    without, _ = run(prompts, params, None)
+    with_spec, engine = run(prompts, params, ALWAYS)
+    assert_same(without, with_spec)
+    assert engine.stats().num_spec_drafts > 0
+    short, engine = run(prompts, greedy(7), ALWAYS)
+    assert all(len(tokens) == 7 for tokens, _, _ in short.values())
+
+
+def test_structured_constraint_with_proposals(prompts):
+    regex = Constraint(ConstraintKind.REGEX, "(Lily saw a big red ball\\. )+")
+    results = []
+    for spec in (None, ALWAYS):
+        params = [SamplingParams(max_tokens=40, temperature=0.8, seed=s, constraint=regex)
+                  for s in range(3)]  # fmt: skip
+        engine = make_engine(speculative_config=spec)
+        for i, p in enumerate(params):
+            engine.add_request(f"c{i}", prompts[1], p)
+        results.append(drain(engine))
+    assert_same(*results)
+    assert accepted(engine) > 0, "the repeating constraint should make proposals acceptable"
+
+
+def test_sequence_groups_preemption_and_prefix_cache(prompts):
+    params = SamplingParams(max_tokens=60, temperature=0.9, seed=5, n=3)
+    results, engines = [], []
+    for spec in (None, ALWAYS):
+        # few blocks: requests are preempted and recomputed
+        result, engine = run([prompts[0], prompts[0], prompts[2]], params, spec,
+                             num_gpu_blocks=40, block_size=8)  # fmt: skip
+        engine.add_request("again", prompts[2], greedy(30))  # its prompt's blocks are cached
+        result.update(drain(engine))
+        results.append(result)
+        engines.append(engine)
+    assert_same(*results)
+    plain, spec = (e.stats() for e in engines)
+    assert plain.num_preemptions > 0
+    assert spec.num_spec_accepted_tokens > 0
+    assert spec.prefix_hit_tokens == plain.prefix_hit_tokens > 0
+    assert spec.num_free_blocks == plain.num_free_blocks
+
+
+# ---- the rule -------------------------------------------------------------------------------
+
+
+def test_no_proposals_for_a_large_batch_or_a_hot_temperature(prompts):
+    crowded = SpeculativeConfig(disable_by_batch_size=len(prompts) - 1, min_acceptance_rate=0)
+    _, engine = run(prompts, greedy(20), crowded)
+    assert engine.stats().num_spec_drafts == 0
+    hot = SamplingParams(max_tokens=20, temperature=1.5, seed=1)
+    _, engine = run(prompts[:1], hot, SpeculativeConfig(max_temperature=1.0))
+    assert engine.stats().num_spec_drafts == 0
+
+
+def test_low_acceptance_stops_proposals_then_retries(prompts):
+    max_tokens = 40
+    _, truth = states_by_length(make_engine(), prompts[1], max_tokens)
+    rule = SpeculativeConfig(min_acceptance_rate=0.5, retry_after_steps=10)
+    engine = make_engine(speculative_config=rule)
+    engine.proposer = ForcedProposer(engine, truth, num_right=0)
+    engine.proposer.config = rule
+    _, tokens = states_by_length(engine, prompts[1], max_tokens)
+    assert tokens == truth
+    # rate 1.0 -> 0.7 -> 0.49 (two drafts), then one draft every 10 steps (each rejected)
+    drafts = engine.stats().num_spec_drafts
+    assert 2 < drafts <= 2 + max_tokens // 10, f"{drafts} drafts"
+
+
+def test_engine_config_refuses_a_non_config():
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineConfig(model=STORIES_260K, speculative_config={"method": "ngram"})
