@@ -46,6 +46,7 @@ COMMANDS = (
     Command("engine", "dtypes", "bench.cpu", "64 streams per number format"),
     Command("engine", "steps", "bench.steps", "formats' step CPU time, stepped in turn"),
     Command("engine", "choices", "bench.choices", "n choices of one request vs n requests"),
+    Command("engine", "spec", "bench.speculative", "one stream with n-gram speculation vs without"),
     Command("engine", "gpu", "bench.kernels", "the Engine on one CUDA GPU"),
     Command("kernels", "linear", "bench.kernels", "CPU linear layers beside torch's"),
     Command("kernels", "gpu", "bench.kernels", "paged attention on one CUDA GPU"),

@@ -13,6 +13,7 @@ from common.sampling_params import SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig, pop_engine_config
 from engine.engine import Engine
 from engine.speculative import NgramProposer, propose_ngram
+from executor.metrics import ExecutorMetrics
 from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine
 
 STORY = (
@@ -305,6 +306,25 @@ def test_low_acceptance_stops_proposals_then_retries(prompts):
     # rate 1.0 -> 0.7 -> 0.49 (two drafts), then one draft every 10 steps (each rejected)
     drafts = engine.stats().num_spec_drafts
     assert 2 < drafts <= 2 + max_tokens // 10, f"{drafts} drafts"
+
+
+def test_executor_metrics_count_proposals(prompts):
+    _, engine = run(prompts[:1], greedy(60), ALWAYS)
+    metrics = ExecutorMetrics()
+    metrics.record_stats(engine.stats())
+    sample = metrics.registry.get_sample_value
+    stats, labels = engine.stats(), {"method": "ngram"}
+    assert sample("kvgate_executor_spec_accepted_tokens_total", labels) > 0
+    assert sample("kvgate_executor_spec_accepted_tokens_total", labels) == (
+        stats.num_spec_accepted_tokens
+    )
+    assert sample("kvgate_executor_spec_proposed_tokens_total", labels) == (
+        stats.num_spec_proposed_tokens
+    )
+    assert sample("kvgate_executor_spec_bonus_tokens_total", labels) == stats.num_spec_bonus_tokens
+    assert sample("kvgate_executor_spec_drafts_total", labels) == stats.num_spec_drafts
+    ratio = stats.num_spec_accepted_tokens / stats.num_spec_proposed_tokens
+    assert sample("kvgate_executor_spec_acceptance_ratio", labels) == pytest.approx(ratio)
 
 
 def test_engine_config_refuses_a_non_config():
