@@ -12,7 +12,9 @@ from common.constraints import Constraint, ConstraintKind
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig, pop_engine_config
 from engine.engine import Engine
+from engine.generate import main as generate_main
 from engine.speculative import NgramProposer, propose_ngram
+from executor.config import ExecutorConfig
 from executor.metrics import ExecutorMetrics
 from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine
 
@@ -120,6 +122,29 @@ def test_flag_parses_and_names_itself():
     assert pop_engine_config({**base, "speculative_config": ""}).speculative_config is None
     with pytest.raises(ValueError, match="--speculative-config: speculative_config.method"):
         pop_engine_config({**base, "speculative_config": '{"method": "draft"}'})
+
+
+def test_executor_flag_and_environment(monkeypatch):
+    text = '{"method": "ngram", "num_speculative_tokens": 2}'
+    config = ExecutorConfig.from_args(["--model", str(STORIES_260K), "--speculative-config", text])
+    assert config.engine.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    monkeypatch.setenv("KVGATE_SPECULATIVE_CONFIG", text)  # as `make run` passes it on
+    config = ExecutorConfig.from_args(["--model", str(STORIES_260K)])
+    assert config.engine.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    monkeypatch.setenv("KVGATE_SPECULATIVE_CONFIG", '{"num_speculative_tokens": 99}')
+    with pytest.raises(ValueError, match="--speculative-config: .*num_speculative_tokens"):
+        ExecutorConfig.from_args(["--model", str(STORIES_260K)])
+
+
+def test_generate_command_with_speculation(capsys):
+    argv = ["--model", str(STORIES_260K), "--prompt", "The dog ran and ran and ran and"]
+    argv += ["--max-tokens", "40", "--ignore-eos"]
+    assert generate_main(argv) == 0
+    plain = capsys.readouterr().out
+    assert generate_main([*argv, "--speculative-config", '{"method": "ngram"}']) == 0
+    assert capsys.readouterr().out == plain
+    assert generate_main([*argv, "--speculative-config", '{"model": "draft"}']) == 2
+    assert "speculative_config.model" in capsys.readouterr().err
 
 
 def test_ngram_lookup_takes_the_longest_latest_suffix_match():
