@@ -112,12 +112,13 @@ class NgramProposer:
 
 
 def _cut_at_stop(tokens: list[int], req: Request, eos_token_ids: set[int]) -> list[int]:
-    """The proposal up to its first stop token (included: no position follows one), then
-    only as much as the request's constraint accepts."""
+    """The proposal before its first stop or end-of-sequence token (the model's own token
+    after the proposals may still be one; no position is computed past one), then only as
+    much as the request's constraint accepts."""
     stops = eos_token_ids.union(req.params.stop_token_ids)
     for i, token_id in enumerate(tokens):
         if token_id in stops:
-            tokens = tokens[: i + 1]
+            tokens = tokens[:i]
             break
     if req.matcher is not None and tokens:
         tokens = tokens[: req.matcher.validate_tokens(tokens)]

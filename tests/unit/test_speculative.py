@@ -8,15 +8,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.speculative import PROMPTS
 from common.constraints import Constraint, ConstraintKind
+from common.model_text import ModelText
 from common.sampling_params import SamplingParams
+from deploy.models import default_gguf_path
 from engine.config import EngineConfig, SpeculativeConfig, pop_engine_config
 from engine.engine import Engine
 from engine.generate import main as generate_main
+from engine.request import Request
 from engine.speculative import NgramProposer, propose_ngram
 from executor.config import ExecutorConfig
 from executor.metrics import ExecutorMetrics
-from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine
+from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine, one_torch_thread
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside. "
@@ -157,6 +161,22 @@ def test_ngram_lookup_takes_the_longest_latest_suffix_match():
     assert propose_ngram(tokens, 3, 4, 3) == []  # only a 2-token match: below the minimum
 
 
+def test_proposals_end_before_a_stop_token_and_within_max_tokens():
+    tokens = [5, 6, 7, 8, 2, 9, 5, 6]  # the suffix 5, 6 was followed by 7, 8, 2 (EOS), 9
+
+    def proposal(**params) -> list[int]:
+        proposer = NgramProposer(SpeculativeConfig(), max_model_len=100, eos_token_ids=[2])
+        req = Request("r", tokens[:1], SamplingParams(**params), 0, all_token_ids=list(tokens))
+        req.num_computed_tokens = len(tokens) - 1
+        return proposer.propose([req]).get("r", [])
+
+    assert proposal(max_tokens=50) == [7, 8]
+    assert proposal(max_tokens=50, stop_token_ids=[8]) == [7]
+    assert proposal(max_tokens=9) == [7]  # 7 produced, 1 this step's own: room for 1
+    assert proposal(max_tokens=8) == []
+    assert proposal(max_tokens=50, temperature=1.5) == []  # the rule: too hot
+
+
 # ---- greedy ---------------------------------------------------------------------------------
 
 
@@ -179,6 +199,22 @@ def test_greedy_with_proposals_equals_transformers(tokenizer, prompts):
     expected = hf_generate(hf_model, prompts[0], 100)
     decode = tokenizer.decode
     assert got == expected, f"expected {decode(expected)!r}\ngot {decode(got)!r}"
+
+
+def test_smollm2_quoting_greedy_identical_and_accepted():
+    path = default_gguf_path()
+    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
+    prompt = ModelText(str(path)).encode(PROMPTS["quote"])
+    results, engines = [], []
+    with one_torch_thread():
+        for spec in (None, ALWAYS):
+            engine = make_engine(path, kv_cache_gib=0.05, speculative_config=spec)
+            engine.add_request("quote", prompt, greedy(24, logprobs=1))
+            results.append(drain(engine))
+            engines.append(engine)
+    assert_same(*results)
+    stats = engines[1].stats()
+    assert stats.num_spec_accepted_tokens >= 12, stats  # the model copies its prompt
 
 
 # ---- rollback -------------------------------------------------------------------------------
