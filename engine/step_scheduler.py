@@ -121,8 +121,10 @@ class StepScheduler:
             return []
         spec = proposal[: budget - 1]
         kv = self.kv_cache
-        # free blocks only (one spare for a copy on write): no session is evicted for them
-        if not spec or kv.num_blocks_needed(req, 1 + len(spec)) >= kv.num_free_blocks:
+        # free blocks only, leaving one per running request (its next token's) and one for a
+        # copy on write: a proposal never evicts a session or preempts a request
+        spare = kv.num_free_blocks - len(self.running)
+        if not spec or kv.num_blocks_needed(req, 1 + len(spec)) >= spare:
             return []
         if not kv.allocate_slots(req, 1 + len(spec)):
             return []
