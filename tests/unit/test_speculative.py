@@ -343,6 +343,24 @@ def test_sequence_groups_preemption_and_prefix_cache(prompts):
     assert spec.num_free_blocks == plain.num_free_blocks
 
 
+def test_resumed_seeded_request_and_abort(prompts):
+    """A seeded request resumed with the tokens an earlier run gave continues that run (its
+    generator skips their draws); an abort in the middle gives every block back."""
+    params = SamplingParams(max_tokens=50, temperature=0.8, seed=11)
+    whole, _ = run(prompts[:1], params, ALWAYS)
+    tokens = whole["r0/0"][0]
+    engine = make_engine(speculative_config=ALWAYS)
+    engine.add_request("resumed", prompts[0], params, resume_token_ids=tokens[:20])
+    assert drain(engine)["resumed/0"][0] == tokens[20:]
+    engine.add_request("aborted", prompts[0], greedy(200))
+    while engine.has_unfinished() and engine.stats().num_spec_drafts < 3:
+        engine.step()
+    assert engine.has_unfinished(), "the request ended before three drafts"
+    engine.abort("aborted")
+    stats = engine.stats()
+    assert stats.num_free_blocks + stats.num_session_blocks == stats.num_total_blocks
+
+
 # ---- the rule -------------------------------------------------------------------------------
 
 
