@@ -10,7 +10,7 @@ tokens (prompt and output, `prompt_lookup_min` to `prompt_lookup_max` tokens lon
 occurred before, most recent occurrence first, and proposes the up to `num_speculative_tokens`
 tokens that followed it (vLLM's "ngram" method, prompt lookup decoding).
 
-Proposing is skipped where it would cost more than it saves (`SpeculativeConfig.proposes`):
+Proposing is skipped where it would cost more than it saves (`proposes`):
 a step with more than `disable_by_batch_size` running requests (the forward pass is no longer
 bound by reading the weights, so extra positions cost compute), a request sampled at a
 temperature above `max_temperature`, or one whose recent acceptance rate fell below
@@ -97,7 +97,7 @@ class NgramProposer:
 
     def _propose(self, req: Request) -> list[int]:
         """At most as many tokens as the request may still produce after this step's own
-        one (max_tokens, the model's length), cut after a stop token and to the prefix its
+        one (max_tokens, the model's length), cut before a stop token and to the prefix its
         constraint accepts."""
         params, config = req.params, self.config
         room = min(
