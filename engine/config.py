@@ -33,15 +33,17 @@ PREEMPTION_MODES = ("swap", "recompute")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 
 
-# Proposers of speculative decoding (engine/speculative.py).
-SPECULATIVE_METHODS = ("ngram",)
+# Proposers of speculative decoding: prompt lookup (engine/speculative.py) or a smaller model
+# with the same tokenizer (engine/draft.py).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config, plus the thresholds of the rule that skips proposals."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # draft_model when `model` is given
+    model: str | None = None  # draft_model: the draft's checkpoint folder or GGUF file
     num_speculative_tokens: int = 4  # k: tokens proposed per step at most
     prompt_lookup_max: int = 4  # the longest suffix looked up
     prompt_lookup_min: int = 2  # the shortest suffix looked up
@@ -57,6 +59,19 @@ class SpeculativeConfig:
             "method",
             "one of " + ", ".join(SPECULATIVE_METHODS),
             self.method,
+        )
+        drafts = self.method == "draft_model"
+        _require_spec(
+            (self.model is not None) == drafts,
+            "model",
+            "a checkpoint folder or GGUF file with method draft_model, and only then",
+            self.model,
+        )
+        _require_spec(
+            not drafts or (isinstance(self.model, str) and os.path.exists(self.model)),
+            "model",
+            "an existing checkpoint folder or GGUF file",
+            self.model,
         )
         _require_spec_int(self.num_speculative_tokens, "num_speculative_tokens", 1, 16)
         _require_spec_int(self.prompt_lookup_max, "prompt_lookup_max", 1, 64)
@@ -92,10 +107,7 @@ class SpeculativeConfig:
         if not isinstance(values, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
         if "model" in values:
-            raise ValueError(
-                "speculative_config.model: draft-model speculation is not supported; use "
-                '{"method": "ngram"}'
-            )
+            values.setdefault("method", "draft_model")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

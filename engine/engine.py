@@ -18,6 +18,7 @@ from common.choices import choice_request_id, split_choice_request_id
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams, choice_seed
 from engine.config import EngineConfig
+from engine.draft import DraftProposer
 from engine.groups import Sequences, check_group
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -101,15 +102,18 @@ class Engine:
             config.model, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
         )
         self.verifier = Verifier(self.kv_cache, self.sampler, self.model_config.vocab_size)
-        self.proposer = None
-        if config.speculative_config is not None:
-            self.proposer = NgramProposer(
-                config.speculative_config,
-                self.max_model_len,
-                list(self.model_config.eos_token_ids),
-            )
+        self.proposer = self._proposer(config)
         self.requests = Sequences()
         self._arrivals = itertools.count()
+
+    def _proposer(self, config: EngineConfig) -> NgramProposer | DraftProposer | None:
+        spec, eos_token_ids = config.speculative_config, list(self.model_config.eos_token_ids)
+        if spec is None:
+            return None
+        if spec.method == "draft_model":
+            num_blocks = self.runner.num_blocks
+            return DraftProposer(spec, config, self.max_model_len, eos_token_ids, num_blocks)
+        return NgramProposer(spec, self.max_model_len, eos_token_ids)
 
     # ---- API ----------------------------------------------------------------------------
 

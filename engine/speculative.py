@@ -5,10 +5,11 @@ k + 1 positions (its last token and the proposals) in one forward pass over the 
 the way a prompt chunk is computed, and the engine keeps the longest prefix of proposals the
 target model agrees with, plus the target's own next token (engine/engine.py verifies).
 
-The proposer here needs no second model: it looks for the longest suffix of the request's
-tokens (prompt and output, `prompt_lookup_min` to `prompt_lookup_max` tokens long) that
-occurred before, most recent occurrence first, and proposes the up to `num_speculative_tokens`
-tokens that followed it (vLLM's "ngram" method, prompt lookup decoding).
+The n-gram proposer needs no second model (engine/draft.py runs one): it looks for the
+longest suffix of the request's tokens (prompt and output, `prompt_lookup_min` to
+`prompt_lookup_max` tokens long) that occurred before, most recent occurrence first, and
+proposes the up to `num_speculative_tokens` tokens that followed it (vLLM's "ngram" method,
+prompt lookup decoding).
 
 Proposing is skipped where it would cost more than it saves (`proposes`):
 a step with more than `disable_by_batch_size` running requests (the forward pass is no longer
@@ -96,22 +97,25 @@ class NgramProposer:
         return proposals
 
     def _propose(self, req: Request) -> list[int]:
-        """At most as many tokens as the request may still produce after this step's own
-        one (max_tokens, the model's length), cut before a stop token and to the prefix its
-        constraint accepts."""
-        params, config = req.params, self.config
-        room = min(
-            params.max_tokens - req.num_output_tokens - 1,
-            self.max_model_len - req.num_tokens - 1,
-            config.num_speculative_tokens,
-        )
+        config = self.config
+        room = proposal_room(req, config, self.max_model_len)
         tokens = propose_ngram(
             req.all_token_ids, config.prompt_lookup_min, config.prompt_lookup_max, room
         )
-        return _cut_at_stop(tokens, req, self.eos_token_ids)
+        return cut_at_stop(tokens, req, self.eos_token_ids)
 
 
-def _cut_at_stop(tokens: list[int], req: Request, eos_token_ids: set[int]) -> list[int]:
+def proposal_room(req: Request, config: SpeculativeConfig, max_model_len: int) -> int:
+    """How many tokens a request may be proposed: as many as it may still produce after
+    this step's own one (max_tokens, the model's length), at most num_speculative_tokens."""
+    return min(
+        req.params.max_tokens - req.num_output_tokens - 1,
+        max_model_len - req.num_tokens - 1,
+        config.num_speculative_tokens,
+    )
+
+
+def cut_at_stop(tokens: list[int], req: Request, eos_token_ids: set[int]) -> list[int]:
     """The proposal before its first stop or end-of-sequence token (the model's own token
     after the proposals may still be one; no position is computed past one), then only as
     much as the request's constraint accepts."""

@@ -4,6 +4,9 @@ back to what a run without proposals holds, and the rule that skips proposals wo
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -359,6 +362,38 @@ def test_resumed_seeded_request_and_abort(prompts):
     engine.abort("aborted")
     stats = engine.stats()
     assert stats.num_free_blocks + stats.num_session_blocks == stats.num_total_blocks
+
+
+# ---- draft model ----------------------------------------------------------------------------
+
+
+def test_draft_model_output_identical_and_its_cache_freed(prompts):
+    """stories260K drafting for itself: greedy proposals are all accepted; seeded sampling
+    keeps its tokens; the draft's shadows leave its cache once their requests end."""
+    draft = SpeculativeConfig.from_json(json.dumps({"model": str(STORIES_260K)}))
+    assert draft.method == "draft_model"
+    draft = replace(draft, min_acceptance_rate=0.0, disable_by_batch_size=64)
+    for params in (greedy(40, logprobs=1), SamplingParams(max_tokens=40, temperature=0.8, seed=3)):
+        without, _ = run(prompts[:2], params, None)
+        with_spec, engine = run(prompts[:2], params, draft)
+        assert_same(without, with_spec)
+        stats = engine.stats()
+        assert stats.spec_method == "draft_model" and stats.num_spec_accepted_tokens > 0
+        if params.is_greedy:
+            assert stats.num_spec_accepted_tokens == stats.num_spec_proposed_tokens
+        engine.step()  # a step with nothing running forgets the finished requests' shadows
+        draft_cache = engine.proposer.kv_cache
+        assert draft_cache.num_free_blocks == draft_cache.num_blocks
+
+
+def test_draft_model_with_another_tokenizer_is_refused():
+    smollm2 = default_gguf_path()
+    assert smollm2.is_file(), f"{smollm2} is missing: `make setup` fetches it"
+    draft = SpeculativeConfig.from_json(json.dumps({"model": str(smollm2)}))
+    with pytest.raises(ValueError, match="speculative_config.model .* another tokenizer"):
+        make_engine(speculative_config=draft)
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        SpeculativeConfig(method="ngram", model=str(STORIES_260K))
 
 
 # ---- the rule -------------------------------------------------------------------------------
