@@ -1,7 +1,7 @@
-"""`kvgate bench engine spec`: one stream's decode tokens/s with and without n-gram
-speculative decoding, in one run, on a prompt the model quotes back (the opening of Lewis
-Carroll's "Alice's Adventures in Wonderland", 1865, public domain) and on one it answers with
-new text.
+"""`kvgate bench engine spec`: one stream's decode tokens/s with and without speculative
+decoding (n-gram by default; any --speculative-config, a draft model's too), in one run, on a
+prompt the model quotes back (the opening of Lewis Carroll's "Alice's Adventures in
+Wonderland", 1865, public domain) and on one it answers with new text.
 
 Two engines of one configuration but --speculative-config run the same greedy request in
 interleaved rounds; a round's rate counts the tokens after the first one (the prompt's step
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     spec = SpeculativeConfig.from_json(args.speculative_config)
     engines = {
         name: Engine(EngineConfig(model=path, device=args.device, speculative_config=config))
-        for name, config in (("off", None), ("ngram", spec))
+        for name, config in (("off", None), ("spec", spec))
     }
     text = ModelText(path)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -87,37 +87,37 @@ def run(args: argparse.Namespace) -> dict:
 
 def _workload(engines: dict, prompt: list[int], params: SamplingParams, args) -> dict:
     outputs: dict[str, list[int]] = {}
-    before = engines["ngram"].stats()
+    before = engines["spec"].stats()
 
     def measure(name: str) -> float:
         outputs[name], rate = decode_tokens(engines[name], prompt, params)
         return rate
 
     best, samples = best_rates({name: lambda n=name: measure(n) for name in engines}, args.repeats)
-    after = engines["ngram"].stats()
+    after = engines["spec"].stats()
     proposed = after.num_spec_proposed_tokens - before.num_spec_proposed_tokens
     accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
     return {
         "prompt_tokens": len(prompt),
         "off_tokens_per_s": best["off"],
-        "ngram_tokens_per_s": best["ngram"],
-        "speedup": best["ngram"] / best["off"],
-        "speedup_median": median(samples["ngram"]) / median(samples["off"]),
+        "spec_tokens_per_s": best["spec"],
+        "speedup": best["spec"] / best["off"],
+        "speedup_median": median(samples["spec"]) / median(samples["off"]),
         "samples_tokens_per_s": samples,
         "proposed_tokens": proposed,
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "drafts": after.num_spec_drafts - before.num_spec_drafts,
-        "same_tokens": outputs["off"] == outputs["ngram"],
+        "same_tokens": outputs["off"] == outputs["spec"],
     }
 
 
 def summarize(result: dict) -> None:
-    print(f"{result['model']}, one greedy stream of {result['output_len']} tokens, "
+    print(f"{result['model']}, one greedy stream of {result['output_len']} tokens, spec: "
           f"{result['speculative_config']}")  # fmt: skip
     for name, w in result["workloads"].items():
         print(f"  {name:<6} ({w['prompt_tokens']:4d}-token prompt) off "
-              f"{w['off_tokens_per_s']:7.1f} tok/s, ngram {w['ngram_tokens_per_s']:7.1f} tok/s: "
+              f"{w['off_tokens_per_s']:7.1f} tok/s, spec {w['spec_tokens_per_s']:7.1f} tok/s: "
               f"{w['speedup']:.2f}x best, {w['speedup_median']:.2f}x median; accepted "
               f"{w['accepted_tokens']}/{w['proposed_tokens']} "
               f"({w['acceptance_rate']:.0%}) in {w['drafts']} drafts")  # fmt: skip
