@@ -169,7 +169,7 @@ class EngineConfig:
     preemption_mode: str | None = None  # swap or recompute; None: swap when there is a host tier
     # Ranks (processes, one device each on CUDA) splitting the heads and MLP columns.
     tensor_parallel_size: int = 1
-    # Speculative decoding with n-gram proposals (engine/speculative.py); None: off.
+    # Speculative decoding: n-gram or draft-model proposals (engine/speculative.py); None: off.
     speculative_config: SpeculativeConfig | None = None
 
     @property
@@ -348,8 +348,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=env_str("KVGATE_SPECULATIVE_CONFIG", ""),
         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (docs/speculative-decoding.md); '
-        "empty: off",
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_PATH, '
+        '"num_speculative_tokens": 4} (docs/speculative-decoding.md); empty: off',
     )
     add(
         "--tensor-parallel-size",
