@@ -93,12 +93,12 @@ class SpeculativeConfig:
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
-        """The config of a --speculative-config JSON object.
+        """The config of a --speculative-config JSON object (vLLM's: a `model` without a
+        `method` is method draft_model).
 
         Raises:
-            ValueError: not a JSON object, a key that is not a field (a draft `model`
-                among them: only the ngram method runs here), or a value out of range;
-                the message names the key.
+            ValueError: not a JSON object, a key that is not a field, or a value out of
+                range; the message names the key.
         """
         try:
             values = json.loads(text)
