@@ -46,6 +46,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Each prompt token's logprob (after the first, which has none) with this many of the most
+    # likely alternatives; None: not reported. Such a request computes its whole prompt (the
+    # prefix and session caches are not used for it).
+    prompt_logprobs: int | None = None
     # Structured output: the output must match it (common/constraints.py); None: free text.
     constraint: Constraint | None = None
     # Added to the logits of these token ids before sampling, each in [-100, 100].
@@ -84,6 +88,8 @@ class SamplingParams:
             raise SamplingParamError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         self._check_logit_masks()
         self._check_choices()
         for name in ("include_stop_str_in_output", "skip_special_tokens"):

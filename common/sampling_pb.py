@@ -40,6 +40,7 @@ def sampling_params_from_pb(
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
         constraint=constraint_from_pb(params),
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=list(params.allowed_token_ids) or None,
@@ -123,4 +124,6 @@ def sampling_params_to_pb(sampling: SamplingParams) -> inference_pb2.SamplingPar
         params.seed = sampling.seed
     if sampling.logprobs is not None:
         params.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        params.prompt_logprobs = sampling.prompt_logprobs
     return params

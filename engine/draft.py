@@ -109,7 +109,7 @@ class DraftProposer:
             shadows = [s for s in shadows if self._allocate(s)]
             if not shadows:
                 break
-            scheduled = [ScheduledRequest(s, s.num_tokens - s.num_computed_tokens, True)
+            scheduled = [ScheduledRequest(s, s.num_tokens - s.num_computed_tokens, True, 1)
                          for s in shadows]  # fmt: skip
             scheduled.sort(key=lambda s: s.num_new_tokens != 1)
             logits = self.runner.execute(

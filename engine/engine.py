@@ -23,7 +23,7 @@ from engine.groups import Sequences, check_group
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from engine.sampler import Sampler, SamplingBatch, TokenLogprobs, token_logprobs
 from engine.speculative import Accepted, NgramProposer, Verifier
 from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
 from engine.structured import StructuredOutput, advance
@@ -49,6 +49,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix or session cache
     error_message: str = ""  # what failed, with FinishReason.ERROR
     index: int = 0  # the choice (SamplingParams.n, best_of) these tokens belong to
+    # SamplingParams.prompt_logprobs, with the first output: entry p is prompt token p + 1's
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -158,9 +160,8 @@ class Engine:
         tokens = list(prompt_token_ids) + resumed
         if resumed:
             self._validate_prompt(tokens)
-        grouped = params.num_sequences > 1
         req = Request(
-            request_id=choice_request_id(request_id, 0) if grouped else request_id,
+            request_id=request_id,  # a group's first sequence: choice 0's id once it forks
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             arrival_seq=next(self._arrivals),
@@ -179,16 +180,18 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (every sequence of a group), or one choice of a group by its own
-        id (common.choices), and free its blocks; it produces no further output.
+        id (common.choices), and free its blocks; it produces no further output. An id some
+        sequence has names that sequence: a choice run alone under its own id is not taken
+        for that choice of its group.
 
         Raises:
             ValueError: no unfinished request or choice has this id.
         """
-        leader = self.requests.leader_of(request_id)
+        req = self.requests.get(request_id)  # a sequence, a choice run alone, or a group unforked
+        leader = None if req is not None else self.requests.leader_of(request_id)
         if leader is not None:  # a choice not forked yet (or the one that forks): it never starts
             leader.unwanted_choices.add(split_choice_request_id(request_id)[1])
             return
-        req = self.requests.get(request_id)
         sequences = [req] if req is not None else self.requests.of_request(request_id)
         if not sequences:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
@@ -306,12 +309,19 @@ class Engine:
     # ---- step internals -----------------------------------------------------------------
 
     def _update(self, out: SchedulerOutput, logits) -> list[RequestOutput]:
+        sample_rows, end = [], 0  # the logits row each sampling request samples from
         for s in out.scheduled:
+            end += s.logit_rows
+            if s.request.wants_prompt_logprobs:
+                self._add_prompt_logprobs(s, logits[end - s.logit_rows : end])
+            if s.samples:  # its last row, and one before it per proposed token
+                sample_rows.extend(range(end - 1 - len(s.spec_token_ids), end))
             s.request.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             self.kv_cache.register_computed_blocks(s.request)
         sampling, rows = self._with_forks([s for s in out.scheduled if s.samples])
         if not sampling:
             return []
+        rows = [sample_rows[row] for row in rows]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         draws = self.verifier.draws_before(sampling)
@@ -327,7 +337,7 @@ class Engine:
     def _take(self, req: Request, proposed: list[int], tokens: Accepted) -> list[RequestOutput]:
         """Append the tokens a request's rows sampled (its one, or its verified proposals
         and the target's next), roll its KV back to them, and report them."""
-        reason, failure = None, NO_ALLOWED_TOKEN if tokens.blocked else ""
+        reason, failure = None, ""
         for i, token_id in enumerate(tokens.token_ids):
             req.all_token_ids.append(token_id)
             reason = self._finish_reason(req, token_id)
@@ -341,10 +351,13 @@ class Engine:
         if proposed:
             self.verifier.roll_back(req, proposed, tokens.token_ids)
         outputs = []
-        if tokens.token_ids:  # before a failure: the tokens the steps before it gave
+        ends_blocked = tokens.blocked and reason is None and not failure
+        if tokens.token_ids:  # before an end: the tokens the steps before it gave
             outputs.append(self._output(req, tokens, None if failure else reason))
         if failure:
             return outputs + self._fail_with(req, failure)
+        if ends_blocked:
+            return outputs + self._end_blocked(req)
         if reason is not None:
             self.requests.remove(req)
             self.scheduler.finish(req, reason)
@@ -359,7 +372,29 @@ class Engine:
             finish_reason=reason,
             num_cached_tokens=req.num_cached_tokens or 0,
             index=req.index,
+            prompt_logprobs=self._take_prompt_logprobs(req),
         )
+
+    def _add_prompt_logprobs(self, scheduled: ScheduledRequest, logits: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens that this step's rows of `scheduled`
+        predict (row i is position start + i, predicting the token after it)."""
+        req = scheduled.request
+        start = req.num_computed_tokens
+        num_rows = min(scheduled.num_new_tokens, req.num_prompt_tokens - 1 - start)
+        del req.prompt_logprobs[start:]  # recomputed after a preemption
+        if num_rows > 0:
+            targets = req.prompt_token_ids[start + 1 : start + 1 + num_rows]
+            req.prompt_logprobs += token_logprobs(
+                logits[:num_rows], targets, req.params.prompt_logprobs
+            )
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request) -> list[TokenLogprobs] | None:
+        """The prompt's logprobs, once, with a sequence's first output."""
+        if not req.wants_prompt_logprobs:
+            return None
+        req.prompt_logprobs_sent = True
+        return req.prompt_logprobs
 
     # ---- sequence groups ----------------------------------------------------------------
 
@@ -390,6 +425,7 @@ class Engine:
             self.requests.remove(leader)
             self.scheduler.finish(leader, FinishReason.ABORT)
             return family
+        self.requests.rename(leader, choice_request_id(leader.group_id, leader.index))
         return [leader, *family]
 
     def _child(self, leader: Request, index: int) -> Request:
@@ -403,6 +439,7 @@ class Engine:
             generator=self._generator(leader.params, index, 0),
             matcher=None if leader.matcher is None else leader.matcher.deep_copy(),
             all_token_ids=list(leader.all_token_ids),
+            prompt_logprobs=list(leader.prompt_logprobs),
             num_cached_tokens=leader.num_cached_tokens,
             group_id=leader.group_id,
             index=index,
@@ -460,6 +497,21 @@ class Engine:
             RequestOutput(req.group_id, [], None, True, FinishReason.ERROR,
                           req.num_cached_tokens or 0, message, index)
             for index in indexes if index not in req.unwanted_choices
+        ]  # fmt: skip
+
+    def _end_blocked(self, req: Request) -> list[RequestOutput]:
+        """Ends a request left with no token to sample: with FinishReason.STOP when its
+        constraint is complete (min_tokens masked the end-of-sequence it allows, as it
+        would a stop token), else with FinishReason.ERROR."""
+        if req.matcher is None or not req.matcher.is_accepting():
+            return self._fail_with(req, NO_ALLOWED_TOKEN)
+        self.requests.remove(req)
+        self.scheduler.finish(req, FinishReason.STOP)
+        cached = req.num_cached_tokens or 0
+        prompt_logprobs = self._take_prompt_logprobs(req)  # a constraint complete at once
+        return [
+            RequestOutput(req.group_id, [], None, True, FinishReason.STOP, cached,
+                          index=req.index, prompt_logprobs=prompt_logprobs)
         ]  # fmt: skip
 
     def _take_compiled(self) -> list[RequestOutput]:

@@ -151,14 +151,14 @@ class KVCacheManager:
         """Give a request with no blocks the longest cached prefix of its tokens.
 
         The session's own blocks and the prefix cache are both tried; the longer hit wins. A
-        hit never covers the last token, whose logits the request still needs. The caller
+        hit never covers more than `Request.max_cached_tokens`. The caller
         releases the session once the request is admitted (this turn replaces it).
 
         Returns:
             The number of tokens whose K/V the request now holds.
         """
         assert not req.block_table and req.num_computed_tokens == 0
-        max_tokens = req.num_tokens - 1
+        max_tokens = req.max_cached_tokens
         session_hit = self._match_session(req, max_tokens)
         prefix_hit = self._match_prefix(req, max_tokens)
         hit = session_hit if session_hit.num_tokens >= prefix_hit.num_tokens else prefix_hit
@@ -183,7 +183,7 @@ class KVCacheManager:
 
     def num_cached_prefix_tokens(self, req: Request) -> int:
         """The tokens `acquire_cached_prefix` would give the request now, taking nothing."""
-        max_tokens = req.num_tokens - 1
+        max_tokens = req.max_cached_tokens
         session_hit = self._match_session(req, max_tokens)
         return max(session_hit.num_tokens, self._match_prefix(req, max_tokens).num_tokens)
 

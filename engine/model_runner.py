@@ -182,11 +182,11 @@ class ModelRunner:
 
         Args:
             out: the step's requests and token counts.
-            every_row: return the logits of every new token, not only of those that sample.
+            every_row: return the logits of every new token, not only of the wanted ones.
 
         Returns:
-            [num_sampling, vocab] float32 logits, one row per scheduled request that samples,
-            in batch order, and one more per proposed token it verifies (every_row:
+            [num_rows, vocab] float32 logits: each scheduled request's last `logit_rows` new
+            tokens (with proposed tokens, theirs too), in batch order (every_row:
             [num_batched_tokens, vocab]).
         """
         if self.host_pool is not None and self.host_pool.has_copies_in_flight:
@@ -194,11 +194,11 @@ class ModelRunner:
         graphs = self.decode_graphs
         if not every_row and graphs is not None and graphs.fits(out.scheduled):
             logits = graphs.run(out.scheduled)
-            rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+            rows = [i for i, s in enumerate(out.scheduled) if s.logit_rows]
             return logits if len(rows) == len(out.scheduled) else logits[rows]
-        input_ids, step, sample_rows = self._prepare(out.scheduled)
+        input_ids, step, logit_rows = self._prepare(out.scheduled)
         if every_row:
-            sample_rows = None
+            logit_rows = None
         step = self.kernels.prepare_attention(step, self.kv_caches[0][0])
         if self.group is None:
             hidden = self.forward(input_ids, step)
@@ -209,8 +209,8 @@ class ModelRunner:
             except Exception as error:
                 self.group.fail(error)
                 raise
-        if sample_rows is not None:
-            hidden = hidden[sample_rows]
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
         return self.model.compute_logits(hidden, self.kernels)
 
     def decode_model(self) -> DecodeModel:
@@ -243,12 +243,13 @@ class ModelRunner:
     def _prepare(
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, AttentionStep, torch.Tensor | None]:
-        """The step's token ids, its attention inputs, and the rows that sample (None: all)."""
+        """The step's token ids, its attention inputs, and the rows whose logits are wanted
+        (None: all)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
+        logit_rows: list[int] = []
         for s in scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
@@ -257,13 +258,9 @@ class ModelRunner:
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(slot_of(table, p, bs) for p in range(start, end))
-            if s.samples:  # a proposed token's position samples too
-                last = len(input_ids)
-                sample_rows.extend(range(last - 1 - len(s.spec_token_ids), last))
+            logit_rows.extend(range(len(input_ids) - s.logit_rows, len(input_ids)))
         step = self._attention_step(scheduled, positions, slots)
-        rows = (
-            None if len(sample_rows) == len(input_ids) else self._tensor(sample_rows, torch.int64)
-        )
+        rows = None if len(logit_rows) == len(input_ids) else self._tensor(logit_rows, torch.int64)
         return self._tensor(input_ids, torch.int64), step, rows
 
     def _attention_step(

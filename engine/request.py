@@ -59,6 +59,10 @@ class Request:
     # and steps it has gone without proposals since that share fell below the threshold.
     spec_acceptance_rate: float = 1.0
     spec_skipped_steps: int = 0
+    # SamplingParams.prompt_logprobs: entry p is prompt token p + 1's, filled as the prompt's
+    # chunks are computed and sent with the first output token (then prompt_logprobs_sent).
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -81,6 +85,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not sent yet: every prompt position's logits
+        are needed, so no cached prefix may stand in for them."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most leading tokens a cache hit may cover: never the last one, whose logits
+        the request still needs, and none while it wants its prompt's logprobs."""
+        return 0 if self.wants_prompt_logprobs else self.num_tokens - 1
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -365,14 +365,25 @@ def _token_logprobs(
     if not rows:
         return result
     row_index = torch.tensor(rows, device=logits.device)
-    logprobs = logits[row_index].float().log_softmax(dim=-1)
-    chosen = token_ids[row_index]
-    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    num_top = min(max(batch.params[i].logprobs for i in rows), logprobs.shape[-1])
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-    top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()
-    for j, (row, token_id) in enumerate(zip(rows, chosen.tolist(), strict=True)):
-        n = batch.params[row].logprobs
-        top = list(zip(top_ids[j][:n], top_logprobs[j][:n], strict=True))
-        result[row] = TokenLogprobs(token_id, chosen_logprobs[j], top)
+    num_top = max(batch.params[i].logprobs for i in rows)
+    found = token_logprobs(logits[row_index], token_ids[row_index].tolist(), num_top)
+    for row, entry in zip(rows, found, strict=True):
+        entry.top = entry.top[: batch.params[row].logprobs]
+        result[row] = entry
     return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Each row's logprob of its token in `token_ids`, with the row's `num_top` most likely
+    tokens, under the log-softmax of `logits` ([rows, vocab])."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
+    chosen_logprobs = logprobs.gather(1, chosen).squeeze(1).tolist()
+    top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(token_id, logprob, list(zip(ids, values, strict=True)))
+        for token_id, logprob, ids, values in zip(
+            token_ids, chosen_logprobs, top_ids, top_logprobs, strict=True
+        )
+    ]

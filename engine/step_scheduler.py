@@ -25,6 +25,10 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens of K/V computed for it this step
     samples: bool  # the step reaches its last known token, so a new token is sampled
+    # Logits wanted from its last new tokens: 1 when it samples, all of them while its
+    # prompt's logprobs are wanted (Request.wants_prompt_logprobs), else 0; with proposed
+    # tokens, 1 + their number.
+    logit_rows: int = 0
     # proposed tokens verified this step (engine/speculative.py): computed after the
     # request's last token, each position sampled; counted in num_new_tokens
     spec_token_ids: list[int] = field(default_factory=list)
@@ -101,7 +105,9 @@ class StepScheduler:
             spec = self._room_for_proposal(req, proposals.get(req.request_id), budget)
             if spec:
                 scheduled.add(req.request_id)
-                out.scheduled.append(ScheduledRequest(req, 1 + len(spec), True, spec))
+                out.scheduled.append(
+                    ScheduledRequest(req, 1 + len(spec), True, 1 + len(spec), spec)
+                )
                 budget -= 1 + len(spec)
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -215,7 +221,8 @@ class StepScheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         samples = req.num_computed_tokens + num_new == req.num_tokens
-        return ScheduledRequest(req, num_new, samples)
+        logit_rows = num_new if req.wants_prompt_logprobs else int(samples)
+        return ScheduledRequest(req, num_new, samples, logit_rows)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Take a request out of the queues and give back (or pin) its blocks."""

@@ -88,6 +88,8 @@ class Chunk:
     priority: int = 0  # set on the last chunk: the priority the request ran at
     priority_clamped: bool = False
     index: int = 0  # the choice it belongs to (SamplingParams.n, best_of)
+    # SamplingParams.prompt_logprobs, on the first chunk: entry i is prompt token i + 1's
+    prompt_logprobs: list[inference_pb2.TokenLogprob] | None = None
 
 
 class BackgroundTasks:
@@ -161,6 +163,7 @@ class Generation:
         self.params = sampling_params_to_pb(sampling)  # built once, sent on each attempt
         self.session_executor_id = session_executor_id
         self.tokens: list[int] = []
+        self.sent_prompt_logprobs = False
         sampling = spec.sampling
         self.detokenizer = IncrementalDetokenizer(
             deps.model_text.tokenizer, spec.prompt_token_ids, sampling.skip_special_tokens
@@ -191,14 +194,16 @@ class Generation:
         return (self.tenant, choice_request_id(client_id, self.index) if self.index else client_id)
 
     def queued_request(self) -> internal_pb2.QueuedRequest:
-        """The QueuedRequest of the current attempt."""
+        """The QueuedRequest of the current attempt. Of a request's choices only choice 0
+        names the session: its executor keeps the session's blocks (engine.add_request)."""
         deadline_unix_ms = int(time.time() * 1000 + (self.queue_deadline - time.monotonic()) * 1000)
+        in_session = self.index == 0
         return internal_pb2.QueuedRequest(
             request_id=self.request_id,
             reply_to=self.deps.reply_to,
             tenant=self.tenant,
-            session_id=self.spec.session_id,
-            session_executor_id=self.session_executor_id,
+            session_id=self.spec.session_id if in_session else "",
+            session_executor_id=self.session_executor_id if in_session else "",
             priority=self.spec.priority,
             prompt_token_ids=self.spec.prompt_token_ids,
             resume_token_ids=self.tokens,
@@ -402,6 +407,9 @@ class Generation:
         self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         new_ids, new_logprobs = self._unseen(update)
         chunk = self._text_of(new_ids, new_logprobs, now)
+        if update.prompt_logprobs and not self.sent_prompt_logprobs:
+            chunk.prompt_logprobs = update.prompt_logprobs  # a resumed run sends them again
+            self.sent_prompt_logprobs = True
         if chunk.finish_reason is not None:
             if not update.finished:
                 self.deps.router.abort(self.request_id, internal_pb2.ABORT_REASON_STOP_STRING)

@@ -46,6 +46,7 @@ from gateway.errors import (
 from gateway.generation import Chunk
 from gateway.health import GatewayHealth
 from gateway.metrics import GatewayMetrics
+from gateway.openai_echo import PromptEcho
 from gateway.openai_responses import DONE_EVENT, Choice, ResponseShape, TokenText, sse_event
 from gateway.openai_schema import OpenAIRequest, chat_request, completion_request
 from gateway.openai_tools import check_tool_choice, prompt_messages
@@ -240,7 +241,7 @@ class OpenAIFront:
         self.health = health
         self.metrics = metrics
         self.model_text = servicer.model_text
-        self.token_text = TokenText(servicer.model_text.tokenizer.decode)
+        self.token_text = TokenText(servicer.model_text.tokenizer)
         self.open_streams = 0
 
     def app(self) -> Starlette:
@@ -352,8 +353,10 @@ class OpenAIFront:
             count.end("INTERNAL")
             return internal_error_response(request_id)
 
-    def _generations(self, tenant: str, openai: OpenAIRequest, chat: bool, request_id: str):
-        """The generation stream of each prompt (one for chat)."""
+    def _generations(
+        self, tenant: str, openai: OpenAIRequest, chat: bool, request_id: str, echo: PromptEcho
+    ):
+        """The generation stream of each prompt (one for chat); `echo` learns each prompt."""
         if chat:
             prompts = [lambda: self._chat_prompt(openai)]
         else:
@@ -361,7 +364,9 @@ class OpenAIFront:
                 raise InvalidArgument("prompt", f"at most {MAX_PROMPTS} prompts per request")
             if len(openai.prompts) > 1 and openai.session_id:
                 raise InvalidArgument("session_id", "takes one prompt, not a list")
-            prompts = [lambda p=p, i=i: self._prompt(p, i) for i, p in enumerate(openai.prompts)]
+            prompts = [
+                lambda p=p, i=i: self._prompt(p, i, echo) for i, p in enumerate(openai.prompts)
+            ]
         ids = (
             [request_id]
             if len(prompts) == 1
@@ -384,7 +389,7 @@ class OpenAIFront:
         check_prompt_len("messages", len(token_ids), self.model_text.limits.max_model_len)
         return token_ids
 
-    async def _prompt(self, prompt: str | list[int], index: int) -> list[int]:
+    async def _prompt(self, prompt: str | list[int], index: int, echo: PromptEcho) -> list[int]:
         limits = self.model_text.limits
         field_name = "prompt" if index == 0 else f"prompt[{index}]"
         if isinstance(prompt, str):
@@ -393,7 +398,13 @@ class OpenAIFront:
             token_ids = prompt
             check_token_ids(field_name, token_ids, limits.vocab_size)
         check_prompt_len(field_name, len(token_ids), limits.max_model_len)
+        if echo.echo:
+            text = prompt if isinstance(prompt, str) else self._decode(prompt)
+            echo.record(index, text, token_ids)
         return token_ids
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.model_text.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _open(self, num_generations: int) -> None:
         """Counts a call's generations in open_streams. Raises: Refused over the limit."""
@@ -419,11 +430,18 @@ class OpenAIFront:
         if openai.user:
             log.info("request %s for end user %s", request_id, shown(openai.user))
         shape = ResponseShape(
-            chat, openai.model, request_id, openai.logprobs, self.token_text, openai.tool_plan
+            chat,
+            openai.model,
+            request_id,
+            openai.logprobs,
+            self.token_text,
+            openai.tool_plan,
+            prompt_logprobs=openai.prompt_logprobs,
         )
-        generations = self._generations(tenant, openai, chat, request_id)
+        echo = PromptEcho(openai.echo, openai.echo_only, openai.params.n)
+        generations = self._generations(tenant, openai, chat, request_id, echo)
         self._open(len(generations) * openai.params.n)
-        stream = failing_on_error(merged(generations, openai.params.n))
+        stream = echoed(failing_on_error(merged(generations, openai.params.n)), echo)
         active = self.metrics.active_streams.labels(count.method, API)
         active.inc()
 
@@ -480,6 +498,13 @@ class OpenAIFront:
             yield sse_event(json.loads(internal_error_response(shape.request_id).body))
 
 
+async def echoed(stream: AsyncIterator[Item], echo: PromptEcho) -> AsyncIterator[Item]:
+    """The chunks as `echo` rewrites them (unchanged without echo)."""
+    async with contextlib.aclosing(stream):
+        async for index, request_id, chunk in stream:
+            yield index, request_id, echo.rewrite(index, chunk)
+
+
 async def _whole(stream: AsyncIterator[Item], openai: OpenAIRequest) -> list[Choice]:
     choices = [Choice(i) for i in range(openai.num_choices)]
     async for index, _, chunk in stream:
@@ -490,6 +515,8 @@ async def _whole(stream: AsyncIterator[Item], openai: OpenAIRequest) -> list[Cho
 def _add(choice: Choice, chunk: Chunk) -> None:
     choice.text.append(chunk.text)
     choice.logprobs.extend(chunk.logprobs)
+    if chunk.prompt_logprobs is not None:
+        choice.prompt_logprobs = chunk.prompt_logprobs
     if chunk.finish_reason is not None:
         choice.finish_reason = chunk.finish_reason
         choice.usage = chunk.usage

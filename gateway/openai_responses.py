@@ -7,8 +7,12 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from tokenizers import Tokenizer
+
 from common.finish_reason import FinishReason
+from common.token_bytes import TokenBytes
 from gateway.generation import Chunk, Usage
+from gateway.openai_echo import vllm_prompt_logprobs
 from gateway.openai_tools import ToolChoice, ToolPlan
 from gateway.tool_call_output import (
     CallListReader,
@@ -72,22 +76,26 @@ def call_reader(plan: ToolPlan | None) -> CallListReader | HermesReader | None:
     return HermesReader({t.name for t in plan.callable})
 
 
-@dataclass(slots=True)
 class TokenText:
-    """Each token's text, for logprobs (the model's tokenizer decodes one id at a time)."""
+    """Each token's text and bytes, for logprobs: what the token adds to the text, its
+    leading space included (common/token_bytes.py); a token holding part of a UTF-8
+    character reads as U+FFFD, its `bytes` exact."""
 
-    decode: object  # tokenizers.Tokenizer.decode
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.token_bytes = TokenBytes(tokenizer)
 
     def of(self, token_id: int) -> str:
-        return self.decode([token_id])
+        return self.token_bytes.text(token_id)
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        return list(self.token_bytes.of(token_id))
 
 
 def chat_logprobs(logprobs: list[inference_pb2.TokenLogprob], text: TokenText) -> dict:
     """A chat choice's logprobs: {content: [{token, logprob, bytes, top_logprobs}]}."""
 
     def entry(token_id: int, logprob: float) -> dict:
-        token = text.of(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": text.of(token_id), "logprob": logprob, "bytes": text.bytes_of(token_id)}
 
     content = []
     for lp in logprobs:
@@ -100,7 +108,8 @@ def chat_logprobs(logprobs: list[inference_pb2.TokenLogprob], text: TokenText) -
 def completion_logprobs(
     logprobs: list[inference_pb2.TokenLogprob], text: TokenText, text_offset: int
 ) -> dict:
-    """A text choice's logprobs: parallel lists of tokens, logprobs, alternatives, offsets."""
+    """A text choice's logprobs: parallel lists of tokens, logprobs, alternatives, offsets
+    (an echoed prompt's first token has a null logprob and alternatives)."""
     tokens, offsets = [], []
     for lp in logprobs:
         offsets.append(text_offset)
@@ -109,7 +118,10 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{text.of(t.token_id): t.logprob for t in lp.top} for lp in logprobs],
+        "top_logprobs": [
+            None if lp.top is None else {text.of(t.token_id): t.logprob for t in lp.top}
+            for lp in logprobs
+        ],
         "text_offset": offsets,
     }
 
@@ -123,6 +135,7 @@ class Choice:
     logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[inference_pb2.TokenLogprob] | None = None
 
 
 class ResponseShape:
@@ -136,6 +149,7 @@ class ResponseShape:
         with_logprobs: bool,
         text: TokenText,
         tool_plan: ToolPlan | None = None,
+        prompt_logprobs: bool = False,
     ):
         self.chat = chat
         self.model = model
@@ -146,6 +160,7 @@ class ResponseShape:
         self.text = text
         self.text_offsets: dict[int, int] = {}  # completions: characters streamed by choice
         self.tool_plan = tool_plan  # chat: what tool calls to read from the text
+        self.prompt_logprobs = prompt_logprobs  # report vLLM's prompt_logprobs
         # chat: each streamed choice's call reader (None: text only)
         self.readers: dict[int, CallListReader | HermesReader | None] = {}
 
@@ -181,11 +196,18 @@ class ResponseShape:
             else:
                 item["text"] = text
             item["finish_reason"] = finish_reason_json(choice.finish_reason, called)
+            self._add_prompt_logprobs(item, choice.prompt_logprobs)
             items.append(item)
         kind = "chat.completion" if self.chat else "text_completion"
         answer = self._object(kind, items)
         answer["usage"] = usage_json([c.usage for c in choices if c.usage is not None])
+        if self.chat and self.prompt_logprobs and items:  # vLLM's: one list, the answer's
+            answer["prompt_logprobs"] = items[0].pop("prompt_logprobs", None)
         return answer
+
+    def _add_prompt_logprobs(self, item: dict, entries: list | None) -> None:
+        if self.prompt_logprobs and entries is not None:
+            item["prompt_logprobs"] = vllm_prompt_logprobs(entries, self.text)
 
     def _message(self, text: str) -> tuple[dict, bool]:
         """A whole chat answer's message: its content, and its tool_calls when it made any;
@@ -231,11 +253,15 @@ class ResponseShape:
         if self.chat:
             delta, called = self._chat_delta(index, chunk)
             reason = finish_reason_json(chunk.finish_reason, called)
-            return self._chunk(index, delta, logprobs, reason)
-        reason = finish_reason_json(chunk.finish_reason)
-        self.text_offsets[index] = self.text_offsets.get(index, 0) + len(chunk.text)
-        item = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
-        return self._object("text_completion", [item])
+            answer = self._chunk(index, delta, logprobs, reason)
+        else:
+            reason = finish_reason_json(chunk.finish_reason)
+            self.text_offsets[index] = self.text_offsets.get(index, 0) + len(chunk.text)
+            item = {"index": index, "text": chunk.text, "logprobs": logprobs}
+            item["finish_reason"] = reason
+            answer = self._object("text_completion", [item])
+        self._add_prompt_logprobs(answer["choices"][0], chunk.prompt_logprobs)
+        return answer
 
     def _chunk(self, index: int, delta: dict, logprobs: dict | None, reason: str | None) -> dict:
         item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

@@ -43,7 +43,7 @@ UNSUPPORTED = {
     "store": "is not supported by kvgate (nothing is stored)",
     "metadata": "is not supported by kvgate (nothing is stored)",
     "service_tier": "is not supported by kvgate (use priority)",
-    "echo": "is not supported by kvgate yet",
+    "echo": "is served on /v1/completions only",
 }
 # Fields both endpoints read; then each endpoint's own.
 COMMON_FIELDS = frozenset({
@@ -51,14 +51,14 @@ COMMON_FIELDS = frozenset({
     "seed", "presence_penalty", "frequency_penalty", "user", "n", "logprobs",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
     "priority", "session_id", "best_of", "logit_bias", "allowed_token_ids",
-    "include_stop_str_in_output", "skip_special_tokens", *CONSTRAINT_FIELDS,
+    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", *CONSTRAINT_FIELDS,
 })  # fmt: skip
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls",
 }  # fmt: skip
 CHAT_ROLES = (*ROLES, "tool")
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 # The gRPC front's names of the fields whose OpenAI names differ.
 GRPC_NAMES = {"params.max_tokens": "max_tokens", "params.logprobs": "logprobs"}
 
@@ -79,6 +79,11 @@ class OpenAIRequest:
     logprobs: bool = False  # answer with each token's logprob (params.logprobs alternatives)
     names: dict[str, str] = field(default_factory=dict)  # gRPC field name -> the body's
     tool_plan: ToolPlan | None = None  # chat: the tools and tool_choice (None: no tools)
+    # completions' echo: each choice's text (and logprobs) starts with its prompt's
+    echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    # vLLM's prompt_logprobs: each choice reports its prompt's logprobs in vLLM's shape
+    prompt_logprobs: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -170,7 +175,7 @@ def _token_ids(value: object, name: str) -> list[int]:
 
 def _refuse_unsupported(body: dict, allowed: frozenset[str]) -> None:
     for name, value in body.items():
-        if name in UNSUPPORTED and value is not None and value is not False:
+        if name in UNSUPPORTED and name not in allowed and value is not None and value is not False:
             raise InvalidArgument(name, UNSUPPORTED[name])
         if name not in allowed and name not in UNSUPPORTED:
             raise InvalidArgument(name, "unknown field (kvgate refuses fields it would ignore)")
@@ -268,6 +273,9 @@ def _common(body: dict, allowed: frozenset[str], max_tokens_name: str) -> OpenAI
     )
     fill_constraint(body, request.params, request.names)
     _fill_choices(body, request.params, stream)
+    if (prompt_logprobs := _int(body, "prompt_logprobs", 0, MAX_UINT32)) is not None:
+        request.params.prompt_logprobs = prompt_logprobs
+        request.prompt_logprobs = True
     return request
 
 
@@ -359,12 +367,20 @@ def completion_request(body: dict) -> OpenAIRequest:
     Raises:
         InvalidArgument: naming the first bad field as the body does.
     """
+    echo = _bool(body, "echo")
+    echo_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    if echo_only:  # vLLM's way of scoring a prompt: one token is run and left out
+        body = {**body, "max_tokens": 1}
     request = _common(body, COMPLETION_FIELDS, "max_tokens")
     request.prompts = _prompts(body.get("prompt"))
+    request.echo, request.echo_only = echo, echo_only
     logprobs = _int(body, "logprobs", 0, MAX_UINT32)
     if logprobs is not None:
         request.logprobs = True
         request.params.logprobs = logprobs
+        if echo:  # the echoed prompt's tokens come with their logprobs too
+            request.params.prompt_logprobs = max(logprobs, request.params.prompt_logprobs)
+            request.names.setdefault("params.prompt_logprobs", "logprobs")
     return request
 
 

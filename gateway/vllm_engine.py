@@ -81,6 +81,25 @@ def output_logprobs(logprobs: list[inference_pb2.TokenLogprob]) -> vllm_engine_p
     )
 
 
+def input_logprobs(
+    prompt_token_ids: list[int], logprobs: list[inference_pb2.TokenLogprob]
+) -> vllm_engine_pb2.InputLogProbs:
+    """The prompt's log-probabilities in vLLM's shape: the first token's has no value."""
+    return vllm_engine_pb2.InputLogProbs(
+        token_logprobs=[vllm_engine_pb2.InputTokenLogProb()]
+        + [vllm_engine_pb2.InputTokenLogProb(value=entry.logprob) for entry in logprobs],
+        token_ids=prompt_token_ids,
+        top_logprobs=[vllm_engine_pb2.TopLogProbs()]
+        + [
+            vllm_engine_pb2.TopLogProbs(
+                values=[top.logprob for top in entry.top],
+                token_ids=[top.token_id for top in entry.top],
+            )
+            for entry in logprobs
+        ],
+    )
+
+
 def model_description(model: str) -> tuple[str, list[str]]:
     """The model's type and architectures: config.json's, or the GGUF file's architecture."""
     gguf = gguf_file(model)
@@ -111,11 +130,14 @@ class GenerateCall:
         self.logprobs: dict[int, list[inference_pb2.TokenLogprob]] = {
             i: [] for i in range(len(self.choices))
         }
+        self.prompt_logprobs: dict[int, list[inference_pb2.TokenLogprob]] = {}
 
     async def responses(self) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
         async for chunk in self.generation.stream():
             self.token_ids[chunk.index].extend(chunk.token_ids)
             self.logprobs[chunk.index].extend(chunk.logprobs)
+            if chunk.prompt_logprobs is not None:
+                self.prompt_logprobs[chunk.index] = chunk.prompt_logprobs
             if self.stream and chunk.token_ids:
                 yield vllm_engine_pb2.GenerateResponse(chunk=self._stream_chunk(chunk))
             if chunk.finish_reason is not None:
@@ -132,7 +154,12 @@ class GenerateCall:
         )
         if chunk.logprobs:
             message.output_logprobs.CopyFrom(output_logprobs(chunk.logprobs))
+        if chunk.prompt_logprobs is not None:  # a choice's first chunk
+            message.input_logprobs.CopyFrom(self._input_logprobs(chunk.prompt_logprobs))
         return message
+
+    def _input_logprobs(self, logprobs: list) -> vllm_engine_pb2.InputLogProbs:
+        return input_logprobs(self.spec.prompt_token_ids, logprobs)
 
     def _complete(self, chunk: Chunk) -> vllm_engine_pb2.GenerateComplete:
         if chunk.finish_reason == FinishReason.ERROR:
@@ -149,6 +176,9 @@ class GenerateCall:
         )
         if logprobs and not self.stream:
             message.output_logprobs.CopyFrom(output_logprobs(logprobs))
+        prompt_logprobs = self.prompt_logprobs.get(chunk.index)
+        if prompt_logprobs is not None and not self.stream:
+            message.input_logprobs.CopyFrom(self._input_logprobs(prompt_logprobs))
         self._set_matched_stop(message, chunk)
         return message
 
@@ -199,6 +229,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
         try:
             await self.kvgate.text.check_constraint(sampling.constraint)
+            await self.kvgate.check_num_sequences(sampling)
         except InvalidArgument as error:
             raise renamed(error) from None
         priority, clamped = clamp_priority(0, limits)
@@ -219,7 +250,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_request_at = time.time()
         tenant = tenant_of(context)
         limits = await self.kvgate.quotas.limits(tenant)
-        admission = self.kvgate.call_admission(tenant, limits)
+        admission = self.kvgate.call_admission(tenant, limits, request.sampling_params.n)
         try:
             spec = await self._spec(request, limits)
             kind = ChoiceGroup if spec.sampling.num_sequences > 1 else Generation
@@ -247,7 +278,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.HealthCheckResponse:
         """Healthy while an executor that is alive and not draining can take work."""
         try:
-            statuses = await self._executor_statuses()
+            statuses = await self.deps.queue.executor_statuses()
         except redis.RedisError as error:
             message = f"redis unreachable: {describe(error)}; no request can be queued"
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=message)
@@ -286,7 +317,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: vllm_engine_pb2.GetServerInfoRequest, context: aio.ServicerContext
     ) -> vllm_engine_pb2.GetServerInfoResponse:
         """This gateway's view: its streaming requests, uptime, and the executors' sizes."""
-        statuses = await self._executor_statuses()
+        statuses = await self.deps.queue.executor_statuses()
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=self.deps.router.num_requests,
             is_paused=False,
@@ -303,7 +334,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.GetLoadsResponse:
         """One SchedulerLoad per live executor (its dp_rank is its place in id order), from
         the status each one's heartbeat last wrote."""
-        statuses = await self._executor_statuses()
+        statuses = await self.deps.queue.executor_statuses()
         loads = [_load_of(rank, status) for rank, status in enumerate(statuses)]
         if request.HasField("dp_rank"):
             loads = [load for load in loads if load.dp_rank == request.dp_rank]
@@ -313,14 +344,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             dp_rank_count=len(statuses),
             loads=loads,
         )
-
-    async def _executor_statuses(self) -> list[internal_pb2.ExecutorStatus]:
-        queue = self.deps.queue
-        executor_ids = await queue.live_executor_ids()
-        if not executor_ids:
-            return []
-        raw = await queue.client.mget([queue.keys.executor_status(e) for e in executor_ids])
-        return [internal_pb2.ExecutorStatus.FromString(r) for r in raw if r is not None]
 
     async def GetTokenizer(  # noqa: N802 (gRPC method name)
         self, request: common_pb2.GetTokenizerRequest, context: aio.ServicerContext

@@ -34,7 +34,7 @@ SAMPLING = "sampling_params"
 # GenerateRequest fields of disaggregated prefill, multimodal input and data parallelism.
 UNSUPPORTED_MESSAGES = ("kv_transfer_params", "mm_inputs", "media_refs")
 # Sampling fields with presence that kvgate has no counterpart of yet.
-UNSUPPORTED_OPTIONALS = ("prompt_logprobs", "truncate_prompt_tokens")
+UNSUPPORTED_OPTIONALS = ("truncate_prompt_tokens",)
 
 
 def refuse_unsupported_request_fields(request: vllm_engine_pb2.GenerateRequest) -> None:
@@ -58,10 +58,12 @@ def _refuse_unsupported_sampling(params: vllm_engine_pb2.SamplingParams) -> None
     for name in UNSUPPORTED_OPTIONALS:
         if params.HasField(name):
             raise InvalidArgument(f"{SAMPLING}.{name}", "not supported by kvgate")
-    if params.HasField("logprobs") and params.logprobs < 0:
-        raise InvalidArgument(
-            f"{SAMPLING}.logprobs", f"must be 0-20 (-1, all, is not served), got {params.logprobs}"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name) and getattr(params, name) < 0:
+            raise InvalidArgument(
+                f"{SAMPLING}.{name}",
+                f"must be 0-20 (-1, all, is not served), got {getattr(params, name)}",
+            )
 
 
 def kvgate_sampling(
@@ -100,6 +102,8 @@ def kvgate_sampling(
         translated.seed = params.seed
     if params.HasField("logprobs"):
         translated.logprobs = params.logprobs
+    if params.HasField("prompt_logprobs"):
+        translated.prompt_logprobs = params.prompt_logprobs
     _translate_logit_masks(params, translated)
     return translated
 

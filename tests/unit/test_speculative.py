@@ -313,6 +313,23 @@ def test_penalties_stops_and_limits_kept(prompts, tokenizer):
     assert all(len(tokens) == 7 for tokens, _, _ in short.values())
 
 
+def test_prompt_logprobs_kept(prompts):
+    got = []
+    for spec in (None, ALWAYS):
+        engine = make_engine(speculative_config=spec)
+        engine.add_request("p", prompts[0], greedy(60, prompt_logprobs=2))
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        got.append(([t for o in outputs for t in o.new_token_ids], outputs[0].prompt_logprobs))
+        assert all(o.prompt_logprobs is None for o in outputs[1:])
+    assert accepted(engine) > 0
+    (tokens, prompt_logprobs), (spec_tokens, spec_prompt_logprobs) = got
+    assert spec_tokens == tokens
+    assert len(spec_prompt_logprobs) == len(prompts[0]) - 1
+    assert [e.token_id for e in spec_prompt_logprobs] == [e.token_id for e in prompt_logprobs]
+
+
 def test_structured_constraint_with_proposals(prompts):
     regex = Constraint(ConstraintKind.REGEX, "(Lily saw a big red ball\\. )+")
     results = []

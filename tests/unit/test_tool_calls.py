@@ -274,7 +274,8 @@ def test_hermes_blocks_whose_name_is_not_a_string_stay_content():
 
 def shape(tool_choice: object) -> ResponseShape:
     plan = read_tool_plan(body(tools=TOOLS, tool_choice=tool_choice))
-    return ResponseShape(True, "m", "r1", False, TokenText(lambda ids: ""), plan)
+    text = TokenText(ModelText(STORIES_260K).tokenizer)
+    return ResponseShape(True, "m", "r1", False, text, plan)
 
 
 LIST = (
