@@ -17,7 +17,7 @@ import torch
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, common_prefix_len
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.speculative import cut_at_stop, proposal_room, proposes
@@ -68,8 +68,6 @@ class DraftProposer:
         self._forget_gone(running)
         rooms = {}
         for req in running:
-            if req.num_tokens - req.num_computed_tokens != 1 or req.num_forks:
-                continue
             if not proposes(self.config, req, len(running)):
                 continue
             room = proposal_room(req, self.config, self.max_model_len)
@@ -96,7 +94,7 @@ class DraftProposer:
         if shadow is None:
             shadow = Request(req.request_id, [], SamplingParams(max_tokens=1), 0)
             self.shadows[req.request_id] = shadow
-        common = _common_prefix_len(shadow.all_token_ids, req.all_token_ids)
+        common = common_prefix_len(shadow.all_token_ids, req.all_token_ids, req.num_tokens)
         shadow.all_token_ids = list(req.all_token_ids)
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, common, req.num_tokens - 1)
         self.kv_cache.trim_slots(shadow)
@@ -143,11 +141,3 @@ def _check_same_tokenizer(draft: str, target: str) -> int:
             f"{target!r}: a draft must share its vocabulary"
         )
     return len(vocab)
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

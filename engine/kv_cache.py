@@ -206,7 +206,7 @@ class KVCacheManager:
         session = self._find_session(req.session_id, req.cache_salt)
         if session is None:
             return PrefixHit()
-        num_common = _common_prefix_len(session.token_ids, req.all_token_ids, max_tokens)
+        num_common = common_prefix_len(session.token_ids, req.all_token_ids, max_tokens)
         if (
             session.host_block_ids and num_common
         ):  # the copy back is the request's own: a partial block too
@@ -491,7 +491,7 @@ class KVCacheManager:
         return [session_id for _, session_id in (*self.sessions, *self.host_sessions)]
 
 
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
     for i in range(n):
         if a[i] != b[i]:

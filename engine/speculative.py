@@ -36,7 +36,10 @@ ACCEPTANCE_SMOOTHING = 0.3
 
 
 def proposes(config: SpeculativeConfig, req: Request, num_running: int) -> bool:
-    """The rule: whether `req` gets proposals this step (see the module docstring)."""
+    """The rule: whether `req` gets proposals this step (see the module docstring); only
+    a decoding request (one token left to compute, no forks pending) may."""
+    if req.num_tokens - req.num_computed_tokens != 1 or req.num_forks:
+        return False
     if num_running > config.disable_by_batch_size:
         return False
     if req.params.temperature > config.max_temperature:
@@ -87,8 +90,6 @@ class NgramProposer:
         """Proposals by request id, for decoding requests only (one token left to compute)."""
         proposals: dict[str, list[int]] = {}
         for req in running:
-            if req.num_tokens - req.num_computed_tokens != 1 or req.num_forks:
-                continue
             if not proposes(self.config, req, len(running)):
                 continue
             tokens = self._propose(req)
