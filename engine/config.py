@@ -51,7 +51,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
     max_temperature: float = 1.0  # a request sampled hotter than this never proposes
     min_acceptance_rate: float = 0.2  # below this recent rate a request stops proposing ...
-    retry_after_steps: int = 16  # ... for this many of its steps, then tries again
+    retry_after_steps: int = 32  # ... for this many of its steps, then tries again
 
     def __post_init__(self) -> None:
         _require_spec(

@@ -32,7 +32,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
 
 # The weight of the newest step in a request's acceptance rate (an exponential moving average).
-ACCEPTANCE_SMOOTHING = 0.3
+ACCEPTANCE_SMOOTHING = 0.5
 
 
 def proposes(config: SpeculativeConfig, req: Request, num_running: int) -> bool:
