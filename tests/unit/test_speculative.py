@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.speculative import PROMPTS
+from bench.decoding import PROMPTS
 from common.constraints import Constraint, ConstraintKind
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
