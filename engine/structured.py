@@ -18,7 +18,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
+import numpy as np
 import torch
 
 from common.constraints import (
@@ -138,14 +139,16 @@ class StructuredOutput:
         constrained = [(r.matcher, row, p) for row, (r, p) in pairs if r.matcher is not None]
         if not constrained:
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(reqs), self.vocab_size)
+        # llguidance.numpy, not llguidance.torch: importing that one compiles a kernel with
+        # torch.compile, seconds of every executor's start, for a mask the sampler applies
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(reqs), self.vocab_size)
         rows = [(matcher, row) for matcher, row, tokens in constrained if not tokens]
         if rows:
-            llguidance.torch.fill_next_token_bitmask_par(self._mask_executor, rows, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par(self._mask_executor, rows, bitmask)
         for matcher, row, tokens in constrained:
             if tokens:
                 _fill_after(matcher, tokens, bitmask, row)
-        return bitmask
+        return torch.from_numpy(bitmask)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -159,13 +162,13 @@ def advance(req: Request, token_id: int) -> str | None:
 
 
 def _fill_after(
-    matcher: llguidance.LLMatcher, tokens: list[int], bitmask: torch.Tensor, row: int
+    matcher: llguidance.LLMatcher, tokens: list[int], bitmask: np.ndarray, row: int
 ) -> None:
     """Fill `row` with what the matcher allows after `tokens` (which it accepts: proposals are
     cut to the prefix their constraint accepts), leaving the matcher as it was."""
     if not matcher.consume_tokens(tokens):
         raise RuntimeError(f"the constraint refused proposed tokens: {matcher.get_error()}")
-    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
     matcher.rollback(len(tokens))
 
 
