@@ -67,6 +67,25 @@ def add_workload(
     parser.add_argument("--output-len", type=int, default=output_len, help="output tokens")
 
 
+def add_stream_rounds(
+    parser: argparse.ArgumentParser, output_len: int, repeats: int, streams: int = 64
+) -> None:
+    """--streams, --output-len, --repeats: rounds of streams sent at once, through a stack."""
+    parser.add_argument("--streams", type=int, default=streams, help="streams at once per round")
+    parser.add_argument(
+        "--output-len", type=int, default=output_len, help="output tokens per stream"
+    )
+    add_repeats(parser, repeats)
+
+
+def add_ttft_turns(parser: argparse.ArgumentParser, requests: int, what: str) -> None:
+    """--ttft-requests, --ttft-interval-s: TTFT samples per `what`, the kinds taking turns."""
+    parser.add_argument(
+        "--ttft-requests", type=int, default=requests, help=f"TTFT samples per {what}"
+    )
+    parser.add_argument("--ttft-interval-s", type=float, default=0.05, help="gap between turns")
+
+
 def add_repeats(parser: argparse.ArgumentParser, default: int) -> None:
     """--repeats: interleaved rounds of every measure; a figure is its best or median round."""
     parser.add_argument("--repeats", type=int, default=default, help="rounds of every measure")

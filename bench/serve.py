@@ -45,7 +45,8 @@ from bench.harness import (
     Benchmark,
     add_device,
     add_model,
-    add_repeats,
+    add_stream_rounds,
+    add_ttft_turns,
     add_workload,
     load_average,
     print_json,
@@ -519,11 +520,8 @@ def fronts_report(args: argparse.Namespace, ttft: dict, rounds: dict, load_at_st
 
 def add_fronts_arguments(parser: argparse.ArgumentParser) -> None:
     add_model(parser, str(SHARED_MODEL), "the served model folder (default: stories260K)")
-    parser.add_argument("--ttft-requests", type=int, default=100, help="TTFT samples per front")
-    parser.add_argument("--ttft-interval-s", type=float, default=0.05, help="gap between turns")
-    parser.add_argument("--streams", type=int, default=64, help="streams at once per round")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens per stream")
-    add_repeats(parser, 5)
+    add_ttft_turns(parser, 100, "front")
+    add_stream_rounds(parser, output_len=128, repeats=5)
 
 
 BENCHMARKS = {

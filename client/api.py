@@ -113,6 +113,7 @@ def sampling_params(
     seed: int | None = None,
     ignore_eos: bool = False,
     stop: list[str] | None = None,
+    n: int | None = None,
 ) -> inference_pb2.SamplingParams:
     """SamplingParams with only the given fields set (the gateway fills in the rest).
 
@@ -126,6 +127,7 @@ def sampling_params(
         ("top_p", top_p),
         ("top_k", top_k),
         ("seed", seed),
+        ("n", n),
     ):
         if value is not None:
             try:
@@ -165,6 +167,17 @@ def completion_fields(fields: dict[str, object]) -> dict[str, object]:
     `request_id` as they are, the rest as `sampling_params` into `params`."""
     request_fields = {k: fields.pop(k) for k in REQUEST_FIELDS if k in fields}
     return {"params": sampling_params(**fields), **request_fields}
+
+
+def choice_texts(
+    chunks: Iterable[inference_pb2.GenerateResponse],
+) -> Iterator[tuple[int, str]]:
+    """(choice index, text) of each chunk that brings text, as they stream: the chunks of a
+    request of n choices interleave, and the texts of one index in order are its choice's
+    whole text (index 0 alone for a request of one)."""
+    for chunk in chunks:
+        if chunk.text:
+            yield chunk.index, chunk.text
 
 
 def ended(error: grpc.RpcError) -> bool:

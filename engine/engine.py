@@ -141,9 +141,8 @@ class Engine:
         tokens = list(prompt_token_ids) + resumed
         if resumed:
             self._validate_prompt(tokens)
-        grouped = params.num_sequences > 1
         req = Request(
-            request_id=choice_request_id(request_id, 0) if grouped else request_id,
+            request_id=request_id,  # a group's first sequence: choice 0's id once it forks
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             arrival_seq=next(self._arrivals),
@@ -162,16 +161,18 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (every sequence of a group), or one choice of a group by its own
-        id (common.choices), and free its blocks; it produces no further output.
+        id (common.choices), and free its blocks; it produces no further output. An id some
+        sequence has names that sequence: a choice run alone under its own id is not taken
+        for that choice of its group.
 
         Raises:
             ValueError: no unfinished request or choice has this id.
         """
-        leader = self.requests.leader_of(request_id)
+        req = self.requests.get(request_id)  # a sequence, a choice run alone, or a group unforked
+        leader = None if req is not None else self.requests.leader_of(request_id)
         if leader is not None:  # a choice not forked yet (or the one that forks): it never starts
             leader.unwanted_choices.add(split_choice_request_id(request_id)[1])
             return
-        req = self.requests.get(request_id)
         sequences = [req] if req is not None else self.requests.of_request(request_id)
         if not sequences:
             raise ValueError(f"request_id {request_id!r} is not a running or waiting request")
@@ -304,7 +305,7 @@ class Engine:
             zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)
         ):
             if row in sampled.blocked_rows:
-                outputs += self._fail_with(req, NO_ALLOWED_TOKEN)
+                outputs += self._end_blocked(req)
                 continue
             req.all_token_ids.append(token_id)
             reason = self._finish_reason(req, token_id)
@@ -371,6 +372,7 @@ class Engine:
             self.requests.remove(leader)
             self.scheduler.finish(leader, FinishReason.ABORT)
             return family
+        self.requests.rename(leader, choice_request_id(leader.group_id, leader.index))
         return [leader, *family]
 
     def _child(self, leader: Request, index: int) -> Request:
@@ -442,6 +444,21 @@ class Engine:
             RequestOutput(req.group_id, [], None, True, FinishReason.ERROR,
                           req.num_cached_tokens or 0, message, index)
             for index in indexes if index not in req.unwanted_choices
+        ]  # fmt: skip
+
+    def _end_blocked(self, req: Request) -> list[RequestOutput]:
+        """Ends a request left with no token to sample: with FinishReason.STOP when its
+        constraint is complete (min_tokens masked the end-of-sequence it allows, as it
+        would a stop token), else with FinishReason.ERROR."""
+        if req.matcher is None or not req.matcher.is_accepting():
+            return self._fail_with(req, NO_ALLOWED_TOKEN)
+        self.requests.remove(req)
+        self.scheduler.finish(req, FinishReason.STOP)
+        cached = req.num_cached_tokens or 0
+        prompt_logprobs = self._take_prompt_logprobs(req)  # a constraint complete at once
+        return [
+            RequestOutput(req.group_id, [], None, True, FinishReason.STOP, cached,
+                          index=req.index, prompt_logprobs=prompt_logprobs)
         ]  # fmt: skip
 
     def _take_compiled(self) -> list[RequestOutput]:

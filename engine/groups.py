@@ -12,7 +12,11 @@ from engine.request import Request
 
 
 class Sequences:
-    """Every unfinished sequence, by its own id (a choice's, `common.choices`, with n > 1)."""
+    """Every unfinished sequence, by its own id (a choice's, `common.choices`, with n > 1).
+
+    A group's first sequence goes by the request's id until it forks, and by choice 0's
+    id from then on: choice 0 run again alone (its executor was lost) may come while the
+    group restarted on the same executor has not forked yet."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, Request] = {}
@@ -29,15 +33,28 @@ class Sequences:
 
     def in_use(self, request_id: str, num_sequences: int = 1) -> bool:
         """Whether a request or a sequence has this id, or, for a request of several
-        sequences, one of its choices' ids."""
+        sequences, one of its choices' ids, or a group not forked yet still has to fork
+        the choice of this id (it has not been aborted)."""
         ids = [request_id]
         if num_sequences > 1:
             ids += [choice_request_id(request_id, i) for i in range(num_sequences)]
-        return any(i in self._by_id or i in self._per_request for i in ids)
+        return any(i in self._by_id or i in self._per_request or self._to_fork(i) for i in ids)
+
+    def _to_fork(self, choice_id: str) -> bool:
+        leader = self.leader_of(choice_id)
+        return leader is not None and split_choice_request_id(choice_id)[1] not in (
+            leader.unwanted_choices
+        )
 
     def add(self, req: Request) -> None:
         self._by_id[req.request_id] = req
         self._per_request[req.group_id] += 1
+
+    def rename(self, req: Request, sequence_id: str) -> None:
+        """File `req` under `sequence_id` from now on."""
+        del self._by_id[req.request_id]
+        req.request_id = sequence_id
+        self._by_id[sequence_id] = req
 
     def remove(self, req: Request) -> None:
         """Forget a sequence (one already forgotten is left alone)."""
@@ -58,7 +75,7 @@ class Sequences:
         choice = split_choice_request_id(choice_id)
         if choice is None:
             return None
-        leader = self._by_id.get(choice_request_id(choice[0], 0))
+        leader = self._by_id.get(choice[0])
         return leader if leader is not None and leader.num_forks else None
 
 

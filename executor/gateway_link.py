@@ -26,6 +26,8 @@ class GatewayAbort:
     request_ids: list[str]
     # one per request id, or empty: stop only a run of that attempt or an earlier one
     attempts: list[int] = field(default_factory=list)
+    # one per request id, or empty: stop only the run of that number (RequestTokens.run)
+    runs: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,8 +119,14 @@ class GatewayLink:
             for response in self._call:
                 if response.HasField("abort"):
                     abort = response.abort
-                    attempts = list(abort.attempts)
-                    self._on_event(GatewayAbort(self.address, list(abort.request_ids), attempts))
+                    self._on_event(
+                        GatewayAbort(
+                            self.address,
+                            list(abort.request_ids),
+                            list(abort.attempts),
+                            list(abort.runs),
+                        )
+                    )
         except grpc.RpcError as error:
             if not self._closing:
                 log.warning("token stream to gateway %s broke: %s", self.address, error.code())

@@ -9,6 +9,7 @@ more is taken, and assignments still unread in the inbox go back to the request 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -65,6 +66,7 @@ class Tracked:
     # a choice of a request of several sequences: that request's id and the choice's index
     group_id: str = ""
     index: int = 0
+    run: int = 0  # the number of the admission it runs in (RequestTokens.run)
 
 
 def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
@@ -102,6 +104,7 @@ class ExecutorService:
         self._links: dict[str, GatewayLink] = {}
         self._tracked: dict[str, Tracked] = {}  # by request id, or a choice's own id
         self._open_choices: Counter[str] = Counter()  # tracked choices per request of several
+        self._runs = itertools.count(1)  # numbers of the admissions (RequestTokens.run)
         self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
         self._drain_requested = threading.Event()
         self._taking_work = True
@@ -190,7 +193,7 @@ class ExecutorService:
 
     def _handle(self, event: InboxEntry | GatewayEvent) -> None:
         if isinstance(event, GatewayAbort):
-            self._abort(event.address, event.request_ids, event.attempts)
+            self._abort(event.address, event.request_ids, event.attempts, event.runs)
         elif isinstance(event, GatewayGone):
             self._gateway_gone(event.address)
         elif event.message.HasField("assignment"):
@@ -259,6 +262,7 @@ class ExecutorService:
     def _track(self, queued: internal_pb2.QueuedRequest, entry_id: str) -> None:
         """Tracks the admitted request, or each of its choices under the choice's own id."""
         ids = choice_ids(queued.request_id, queued.params)
+        run = next(self._runs)
         for index, request_id in enumerate(ids):
             tracked = Tracked(
                 queued.reply_to,
@@ -270,6 +274,7 @@ class ExecutorService:
                 entry_id,
                 queued.request_id if len(ids) > 1 else "",
                 index if len(ids) > 1 else queued.choice_index,
+                run,
             )
             self._tracked[request_id] = tracked
             self._entry(request_id, tracked).accepted = True
@@ -298,16 +303,23 @@ class ExecutorService:
             entry.error_message = error_message
 
     def _abort(
-        self, address: str, request_ids: list[str], attempts: list[int] | None = None
+        self,
+        address: str,
+        request_ids: list[str],
+        attempts: list[int] | None = None,
+        runs: list[int] | None = None,
     ) -> None:
         """Stops these requests of the gateway at `address`; with `attempts` (one per id)
-        only runs of that attempt or an earlier one."""
+        only runs of that attempt or an earlier one, with `runs` only the run of that
+        number."""
         for i, request_id in enumerate(request_ids):
             tracked = self._tracked.get(request_id)
             if tracked is None or tracked.reply_to != address:
                 continue
             if attempts and tracked.attempt > attempts[i]:
                 continue  # a later attempt runs here now
+            if runs and tracked.run != runs[i]:
+                continue  # another run of the id runs here now
             del self._tracked[request_id]
             if self._done(tracked):  # the request's last choice: all of it
                 self._engine.abort(tracked.group_id or request_id)
@@ -347,7 +359,10 @@ class ExecutorService:
         entry = entries.get(request_id)
         if entry is None:
             entry = internal_pb2.RequestTokens(
-                request_id=request_id, offset=tracked.offset, attempt=tracked.attempt
+                request_id=request_id,
+                offset=tracked.offset,
+                attempt=tracked.attempt,
+                run=tracked.run,
             )
             entries[request_id] = entry
         return entry

@@ -194,14 +194,16 @@ class Generation:
         return (self.tenant, choice_request_id(client_id, self.index) if self.index else client_id)
 
     def queued_request(self) -> internal_pb2.QueuedRequest:
-        """The QueuedRequest of the current attempt."""
+        """The QueuedRequest of the current attempt. Of a request's choices only choice 0
+        names the session: its executor keeps the session's blocks (engine.add_request)."""
         deadline_unix_ms = int(time.time() * 1000 + (self.queue_deadline - time.monotonic()) * 1000)
+        in_session = self.index == 0
         return internal_pb2.QueuedRequest(
             request_id=self.request_id,
             reply_to=self.deps.reply_to,
             tenant=self.tenant,
-            session_id=self.spec.session_id,
-            session_executor_id=self.session_executor_id,
+            session_id=self.spec.session_id if in_session else "",
+            session_executor_id=self.session_executor_id if in_session else "",
             priority=self.spec.priority,
             prompt_token_ids=self.spec.prompt_token_ids,
             resume_token_ids=self.tokens,

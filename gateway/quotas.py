@@ -3,15 +3,17 @@
 A tenant's limits (common/tenants.py TenantLimits, set with `kvgate admin limits set`) are
 cached for --auth-cache-s. Two token buckets live in one Redis hash per tenant and are
 updated by one atomic script, QUOTA_SCRIPT, on Redis's clock:
-- requests per second: each Generate call and Chat turn takes one; it holds one second's
-  worth (at least one).
+- requests per second: each Generate call and Chat turn takes one, a request of n choices
+  (or best_of sequences) n; it holds one second's worth (at least one), and a request of more
+  than it holds needs it full (it goes below zero then).
 - generated tokens per minute: a request is admitted while the bucket is above zero, and its
   tokens are taken when it finishes (the bucket may go below zero: later requests wait until
   it has refilled above it); it holds one minute's worth.
-Open streams (Generate and Chat calls) hold a lease each in a sorted set per tenant, renewed
-every STREAM_LEASE_S / 3 by the gateway that holds them, so a dead gateway's streams free
-their places within STREAM_LEASE_S. A request asking for a more urgent priority than the
-tenant's max_priority runs at max_priority, and its last chunk says so.
+Open streams (Generate and Chat calls; a request of n choices counts n, and one of more than
+the limit opens only when the tenant has none open) hold a lease each in a sorted set per
+tenant, renewed every STREAM_LEASE_S / 3 by the gateway that holds them, so a dead gateway's
+streams free their places within STREAM_LEASE_S. A request asking for a more urgent priority
+than the tenant's max_priority runs at max_priority, and its last chunk says so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import redis
 import redis.asyncio as aioredis
 
 from common.keys import RedisKeys
+from common.sampling_params import MAX_N
 from common.tenants import TenantLimits
 from gateway.errors import QuotaExceeded
 
@@ -36,35 +39,38 @@ STREAM_LEASE_S = 30.0
 STREAMS_RETRY_MS = 1000
 
 # take_quota(buckets hash key, streams sorted set key, args): args are requests_per_s,
-# tokens_per_min, max_streams, take a request (1/0), stream member to add ('' none), lease ms,
-# generated tokens to take. Returns {0, 0} when admitted (and everything taken), else
-# {limit, retry after ms} with limit 1 = requests per second, 2 = tokens per minute, 3 = open
-# streams; nothing is taken then. A Lua function, so that the enqueue script can run it too.
+# tokens_per_min, max_streams, requests to take (0: none), stream places to take, lease ms,
+# generated tokens to take, then the stream members to add (one per place). Returns {0, 0}
+# when admitted (and everything taken), else {limit, retry after ms} with limit 1 = requests
+# per second, 2 = tokens per minute, 3 = open streams; nothing is taken then. A Lua function,
+# so that the enqueue script can run it too.
 TAKE_QUOTA = """
 local function take_quota(buckets, streams, a)
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local rps, tpm, max_streams = tonumber(a[1]), tonumber(a[2]), tonumber(a[3])
-  local take, member = a[4] == '1', a[5]
+  local take, places = tonumber(a[4]), tonumber(a[5])
   local lease_ms, charge = tonumber(a[6]), tonumber(a[7])
   local b = redis.call('HMGET', buckets, 'requests', 'tokens', 'at_ms')
   local elapsed = math.max(0, now - (tonumber(b[3]) or now))
   local req_cap = math.max(1, rps)
   local requests = math.min(req_cap, (tonumber(b[1]) or req_cap) + elapsed * rps / 1000)
   local tokens = math.min(tpm, (tonumber(b[2]) or tpm) + elapsed * tpm / 60000)
-  if take and rps > 0 and requests < 1 then
-    return {1, math.ceil((1 - requests) * 1000 / rps)}
+  local needed = math.min(take, req_cap)
+  if take > 0 and rps > 0 and requests < needed then
+    return {1, math.ceil((needed - requests) * 1000 / rps)}
   end
-  if take and tpm > 0 and tokens <= 0 then
+  if take > 0 and tpm > 0 and tokens <= 0 then
     return {2, math.ceil((1 - tokens) * 60000 / tpm)}
   end
-  if member ~= '' then
+  if places > 0 then
     redis.call('ZREMRANGEBYSCORE', streams, '-inf', now)
-    if redis.call('ZCARD', streams) >= max_streams then return {3, 0} end
-    redis.call('ZADD', streams, now + lease_ms, member)
+    local open = redis.call('ZCARD', streams)
+    if open > 0 and open + places > max_streams then return {3, 0} end
+    for i = 1, places do redis.call('ZADD', streams, now + lease_ms, a[7 + i]) end
     redis.call('PEXPIRE', streams, lease_ms)
   end
-  if take and rps > 0 then requests = requests - 1 end
+  if rps > 0 then requests = requests - take end
   if tpm > 0 then tokens = tokens - charge end
   local full_ms = 0
   if rps > 0 then full_ms = (req_cap - requests) * 1000 / rps end
@@ -95,7 +101,7 @@ class StreamSlot:
     """A place among a tenant's open streams, held by this gateway."""
 
     tenant: str
-    member: str
+    members: tuple[str, ...]  # one per sequence of its request (n, best_of)
 
 
 @dataclass(slots=True)
@@ -201,39 +207,54 @@ class Quotas:
         return cached[0] if cached is not None else TenantLimits()
 
     def admission(
-        self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        *,
+        take_request: bool,
+        open_stream: bool,
+        num_sequences: int = 1,
     ) -> Admission | None:
-        """What to take: one request (take_request) and a place among the tenant's open
-        streams (open_stream); None when the tenant has no such limit. Nothing is taken yet.
+        """What to take: `num_sequences` requests (take_request) and as many places among
+        the tenant's open streams (open_stream); None when the tenant has no such limit.
+        Nothing is taken yet. `num_sequences` is n or best_of as asked, not checked yet: out
+        of range, it counts one (validation refuses the request).
 
         Raises:
             QuotaExceeded: take_request, and a refusal by a bucket of the tenant is remembered.
         """
+        if not 1 <= num_sequences <= MAX_N:
+            num_sequences = 1
         if take_request:
             self._refusals.check(tenant, limits)
         slot = None
         if open_stream and limits.max_streams > 0:
-            slot = StreamSlot(tenant, f"{self._gateway_id}/{uuid.uuid4().hex}")
+            stream = f"{self._gateway_id}/{uuid.uuid4().hex}"
+            slot = StreamSlot(tenant, tuple(f"{stream}#{i}" for i in range(num_sequences)))
             # Renewed from now on: a renewal only updates members in Redis (ZADD XX).
-            self._held.setdefault(tenant, set()).add(slot.member)
+            self._held.setdefault(tenant, set()).update(slot.members)
         if slot is None and not (take_request and limits.rated):
             return None
-        args = self._args(limits, take_request, slot.member if slot else "", 0)
+        num_requests = num_sequences if take_request else 0
+        args = self._args(limits, num_requests, slot.members if slot else (), 0)
         return Admission(tenant, limits, self._tenant_keys(tenant), args, slot, self._refusals)
 
     def _tenant_keys(self, tenant: str) -> list[str]:
         return [self.keys.tenant_buckets(tenant), self.keys.tenant_streams(tenant)]
 
-    def _args(self, limits: TenantLimits, take_request: bool, member: str, charge: int) -> list:
+    def _args(
+        self, limits: TenantLimits, num_requests: int, members: tuple[str, ...], charge: int
+    ) -> list:
         """take_quota's args."""
         return [
             repr(float(limits.requests_per_s)),
             limits.tokens_per_min,
             limits.max_streams,
-            int(take_request),
-            member,
+            num_requests,
+            len(members),
             self.lease_ms,
             charge,
+            *members,
         ]
 
     async def take(self, admission: Admission) -> None:
@@ -251,7 +272,7 @@ class Quotas:
         """Stop renewing the place's lease."""
         held = self._held.get(slot.tenant)
         if held is not None:
-            held.discard(slot.member)
+            held.difference_update(slot.members)
             if not held:
                 del self._held[slot.tenant]
 
@@ -259,13 +280,13 @@ class Quotas:
         """Give the place back (forget it first). Called for a place taken, or that may have
         been (the answer lost to a cancelled call), never for one refused."""
         self.forget(slot)
-        await self.client.zrem(self.keys.tenant_streams(slot.tenant), slot.member)
+        await self.client.zrem(self.keys.tenant_streams(slot.tenant), *slot.members)
 
     async def charge_tokens(self, tenant: str, num_tokens: int) -> None:
         """Take a finished request's generated tokens from the tenant's bucket (if it has one)."""
         limits = self.cached_limits(tenant)
         if limits.tokens_per_min > 0 and num_tokens > 0:
-            args = self._args(limits, False, "", num_tokens)
+            args = self._args(limits, 0, (), num_tokens)
             await self._script(keys=self._tenant_keys(tenant), args=args)  # never refused
 
     def start(self) -> None:

@@ -234,6 +234,14 @@ class RequestQueue:
             self._liveness = None
         self._liveness_read_at = time.monotonic()
 
+    async def executor_statuses(self) -> list[internal_pb2.ExecutorStatus]:
+        """The status each live executor's heartbeat last wrote (its limits and load)."""
+        executor_ids = await self.live_executor_ids()
+        if not executor_ids:
+            return []
+        raw = await self.client.mget([self.keys.executor_status(e) for e in executor_ids])
+        return [internal_pb2.ExecutorStatus.FromString(r) for r in raw if r is not None]
+
     async def live_executor_ids(self) -> list[str]:
         """Ids of the executors whose heartbeat has not expired."""
         members = sorted(m.decode() for m in await self.client.smembers(self.keys.executors))

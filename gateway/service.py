@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from grpc import aio
 
+from common.choices import num_sequences as num_sequences_of
 from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
+from common.sampling_params import SamplingParams
 from common.templates import ROLES, ChatTemplateError, Message
 from common.tenants import TenantLimits
 from gateway.auth import tenant_of
@@ -25,6 +27,7 @@ from gateway.validation import (
     GenerationSpec,
     StopLimits,
     check_id,
+    check_num_sequences,
     check_prompt_len,
     check_stop,
     check_token_ids,
@@ -120,24 +123,38 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             priority_clamped=clamped,
         )
         await self.text.check_constraint(spec.sampling.constraint)
+        await self.check_num_sequences(spec.sampling)
         return spec
 
+    async def check_num_sequences(self, sampling: SamplingParams) -> None:
+        """Refuses a request of more sequences (n, best_of) than an executor runs at once
+        (a group runs in one batch of one executor), by the executors' heartbeats.
+
+        Raises:
+            InvalidArgument: naming `params.n` or `params.best_of`.
+        """
+        if sampling.num_sequences > 1:
+            check_num_sequences(sampling, await self.queue.executor_statuses())
+
     def _admission(
-        self, tenant: str, limits: TenantLimits, *, take_request: bool, open_stream: bool
+        self, tenant: str, limits: TenantLimits, **wanted: bool | int
     ) -> Admission | None:
-        """The quotas' admission (not taken yet), refusals counted."""
+        """The quotas' admission of what is `wanted` (Quotas.admission's keywords), not taken
+        yet; refusals counted."""
         try:
-            return self.quotas.admission(
-                tenant, limits, take_request=take_request, open_stream=open_stream
-            )
+            return self.quotas.admission(tenant, limits, **wanted)
         except QuotaExceeded as refusal:
             self.deps.count_refusal(tenant, refusal)
             raise
 
-    def call_admission(self, tenant: str, limits: TenantLimits) -> Admission | None:
-        """The admission of another front's one-request call (a request and a stream, taken
-        as the request is queued), refusals counted."""
-        return self._admission(tenant, limits, take_request=True, open_stream=True)
+    def call_admission(
+        self, tenant: str, limits: TenantLimits, num_sequences: int
+    ) -> Admission | None:
+        """The admission of another front's one-request call (a request and a stream per
+        sequence, taken as the request is queued), refusals counted."""
+        return self._admission(
+            tenant, limits, take_request=True, open_stream=True, num_sequences=num_sequences
+        )
 
     def end_call(self, admission: Admission | None) -> None:
         """Releases what a call's admission holds (its stream's lease)."""
@@ -200,7 +217,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             (the request id, a chunk) until the last chunk.
         """
         limits = await self.quotas.limits(tenant)
-        admission = self._admission(tenant, limits, take_request=True, open_stream=True)
+        admission = self._admission(
+            tenant, limits, take_request=True, open_stream=True,
+            num_sequences=num_sequences_of(params),
+        )  # fmt: skip
         try:
             if session_id:
                 # Opening a session writes it: the quotas are taken first, so that a refused

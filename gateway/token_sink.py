@@ -67,12 +67,11 @@ class ExecutorConnection:
     heartbeat_gone_since: float | None = None  # monotonic time its heartbeat was first missed
 
     def send_abort(
-        self,
-        request_ids: list[str],
-        reason: internal_pb2.AbortReason,
-        attempts: list[int] | None = None,
+        self, request_ids: list[str], reason: internal_pb2.AbortReason, **only: list[int]
     ) -> None:
-        abort = internal_pb2.Abort(request_ids=request_ids, reason=reason, attempts=attempts)
+        """Asks the executor to stop these requests; `only` (Abort's `attempts`, `runs`:
+        one per id) narrows it to the runs the gateway refused output of."""
+        abort = internal_pb2.Abort(request_ids=request_ids, reason=reason, **only)
         self.outbox.put_nowait(internal_pb2.ConnectResponse(abort=abort))
 
 
@@ -259,9 +258,13 @@ class TokenRouter:
             tracked.owner = None if entry.finished else connection
             tracked.attempt = entry.attempt
             tracked.inbox.put_nowait(update_from_pb(connection.executor_id, entry))
-        if unknown:
-            ids, attempts = [e.request_id for e in unknown], [e.attempt for e in unknown]
-            connection.send_abort(ids, internal_pb2.ABORT_REASON_UNKNOWN_REQUEST, attempts)
+        if unknown:  # aborted run by run: another run of an id may be there, to be kept
+            connection.send_abort(
+                [e.request_id for e in unknown],
+                internal_pb2.ABORT_REASON_UNKNOWN_REQUEST,
+                attempts=[e.attempt for e in unknown],
+                runs=[e.run for e in unknown],
+            )
 
 
 def _log_read_error(connection: ExecutorConnection, reader: asyncio.Task[None]) -> None:

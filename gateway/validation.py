@@ -16,7 +16,7 @@ from common.model_text import ModelLimits
 from common.sampling_params import SamplingParamError, SamplingParams
 from common.sampling_pb import sampling_params_from_pb
 from gateway.errors import InvalidArgument, shown
-from protos.kvgate.v1 import inference_pb2
+from protos.kvgate.v1 import inference_pb2, internal_pb2
 
 MAX_ID_LEN = 128
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]+")
@@ -132,3 +132,19 @@ def checked_sampling_params(
         return sampling_params_from_pb(params, max_tokens=max_tokens, min_tokens=params.min_tokens)
     except (SamplingParamError, ConstraintError) as err:
         raise InvalidArgument(f"params.{err.field}", err.problem) from None
+
+
+def check_num_sequences(
+    sampling: SamplingParams, statuses: list[internal_pb2.ExecutorStatus]
+) -> None:
+    """Raises: InvalidArgument naming `params.n` (or `params.best_of`) when the request asks
+    for more sequences than the executors taking work run at once (their max_num_seqs); no
+    such executor: nothing to check against (queueing says so)."""
+    limit = max((s.max_num_seqs for s in statuses if not s.draining), default=0)
+    if limit and sampling.num_sequences > limit:
+        name = "best_of" if sampling.best_of else "n"
+        raise InvalidArgument(
+            f"params.{name}",
+            f"{sampling.num_sequences} sequences; an executor runs at most {limit} at once "
+            "(--max-num-seqs), and a request's sequences run together on one",
+        )

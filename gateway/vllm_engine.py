@@ -229,6 +229,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
         try:
             await self.kvgate.text.check_constraint(sampling.constraint)
+            await self.kvgate.check_num_sequences(sampling)
         except InvalidArgument as error:
             raise renamed(error) from None
         priority, clamped = clamp_priority(0, limits)
@@ -249,7 +250,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_request_at = time.time()
         tenant = tenant_of(context)
         limits = await self.kvgate.quotas.limits(tenant)
-        admission = self.kvgate.call_admission(tenant, limits)
+        admission = self.kvgate.call_admission(tenant, limits, request.sampling_params.n)
         try:
             spec = await self._spec(request, limits)
             kind = ChoiceGroup if spec.sampling.num_sequences > 1 else Generation
@@ -277,7 +278,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.HealthCheckResponse:
         """Healthy while an executor that is alive and not draining can take work."""
         try:
-            statuses = await self._executor_statuses()
+            statuses = await self.deps.queue.executor_statuses()
         except redis.RedisError as error:
             message = f"redis unreachable: {describe(error)}; no request can be queued"
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=message)
@@ -316,7 +317,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: vllm_engine_pb2.GetServerInfoRequest, context: aio.ServicerContext
     ) -> vllm_engine_pb2.GetServerInfoResponse:
         """This gateway's view: its streaming requests, uptime, and the executors' sizes."""
-        statuses = await self._executor_statuses()
+        statuses = await self.deps.queue.executor_statuses()
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=self.deps.router.num_requests,
             is_paused=False,
@@ -333,7 +334,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.GetLoadsResponse:
         """One SchedulerLoad per live executor (its dp_rank is its place in id order), from
         the status each one's heartbeat last wrote."""
-        statuses = await self._executor_statuses()
+        statuses = await self.deps.queue.executor_statuses()
         loads = [_load_of(rank, status) for rank, status in enumerate(statuses)]
         if request.HasField("dp_rank"):
             loads = [load for load in loads if load.dp_rank == request.dp_rank]
@@ -343,14 +344,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             dp_rank_count=len(statuses),
             loads=loads,
         )
-
-    async def _executor_statuses(self) -> list[internal_pb2.ExecutorStatus]:
-        queue = self.deps.queue
-        executor_ids = await queue.live_executor_ids()
-        if not executor_ids:
-            return []
-        raw = await queue.client.mget([queue.keys.executor_status(e) for e in executor_ids])
-        return [internal_pb2.ExecutorStatus.FromString(r) for r in raw if r is not None]
 
     async def GetTokenizer(  # noqa: N802 (gRPC method name)
         self, request: common_pb2.GetTokenizerRequest, context: aio.ServicerContext

@@ -107,6 +107,34 @@ def test_serve_fronts_times_the_three_fronts_of_one_gateway(tmp_path):
     assert results["http_client"].startswith("httpx"), results["http_client"]
 
 
+def test_serve_structured_measures_schema_streams_beside_unconstrained_ones(tmp_path):
+    """`kvgate bench serve structured` at a tiny size: both sides' rounds through the stack and
+    the Engine, every stream run to --output-len (the command exits 1 otherwise), the
+    schema's text held to it, and TTFT samples of the three kinds of request."""
+    out = tmp_path / "structured.json"
+    command = [sys.executable, "-m", "bench.cli", "serve", "structured", "--model", str(MODEL)]
+    command += ["--streams", "3", "--output-len", "5", "--repeats", "1", "--ttft-requests", "2"]
+    command += ["--ttft-interval-s", "0", "--kv-cache-gib", "0.05", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"serve structured exited {done.returncode}:\n{done.stderr}"
+    results = json.loads(out.read_text())
+    for where in ("stack", "engine"):
+        short = results[where]["short_ends"]
+        assert short == {"unconstrained": [], "schema": []}, f"{where}: {short}"
+        for rate in ("tokens_per_s", "tokens_per_cpu_s"):
+            rounds = results[where]["rounds"][rate]
+            assert all(len(r) == 1 and r[0] > 0 for r in rounds.values()), (where, rate, rounds)
+            ratio = results["schema_over_unconstrained"][where][rate]
+            assert set(ratio) == {"median", "best", "by_round"}, ratio
+    text, head = results["stack"]["texts"]["schema"], '[{"name":"'  # the schema's only start
+    assert len(text) >= 5 and text[: len(head)] == head[: len(text)], results["stack"]
+    samples = results["ttft_samples_ms"]
+    assert {side: len(values) for side, values in samples.items()} == {
+        "unconstrained": 2, "cached_schema": 2, "first_use_schema": 2
+    }, samples  # fmt: skip
+    assert min(min(values) for values in samples.values()) > 0, samples
+
+
 def test_max_concurrency_one_runs_requests_one_after_another(stack, tmp_path):
     out = tmp_path / "serial.json"
     kvgate_bench(

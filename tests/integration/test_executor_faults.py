@@ -14,9 +14,12 @@ import json
 import signal
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
+import jsonschema
 import pytest
 
 from client.api import Completion, KvgateClient, sampling_params
@@ -24,7 +27,12 @@ from deploy.stack import Stack, free_port
 from engine.faults import CRASH_STATUS
 from protos.kvgate.v1 import inference_pb2
 from tests.helpers import wait_for
+from tests.unit.test_engine_structured import PERSON
 
+# Four bounded PERSON objects: always complete within 400 tokens (each object's JSON is
+# under 80 characters), and long enough to be cut by a kill mid-stream.
+PEOPLE = {"type": "array", "items": PERSON, "minItems": 4, "maxItems": 4}
+T = TypeVar("T")
 POISON_TOKEN = 509
 CRASH_TOKEN = 510
 PROMPTS = ["Once upon a time", "The cat", "A big red ball", "Tom had a toy", "The sun was"]
@@ -182,6 +190,39 @@ def run_choices(
     return choices
 
 
+def kill_mid_stream(
+    stack: Stack, stall_dir: Path, call: Callable[[list], T], streamed: int
+) -> tuple[T, str, int]:
+    """Runs call(streaming) on a thread with both executors slowed; once `streaming` holds
+    `streamed` items, kills with SIGKILL the executor a heartbeat shows running the call's
+    work and lets the other run at full speed. Returns: the call's result, the executor
+    killed, and how many items `streaming` held at the kill."""
+    wait_idle(stack, "executor-0", "executor-1")
+    slow = [stall_dir / f"executor-{i}.slow" for i in (0, 1)]
+    for path in slow:
+        path.touch()
+    streaming: list = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            sent_ms = now_ms()
+            future = pool.submit(call, streaming)
+            wait_for(lambda: len(streaming) >= streamed, "the request streaming", 60.0)
+            victim = wait_for(
+                lambda: next((name for name in ("executor-0", "executor-1")
+                              if (running_on(stack, name, sent_ms) or 0) > 0), None),
+                "a heartbeat showing the request running",
+                30.0,
+            )  # fmt: skip
+            stack.stop(victim, sig=signal.SIGKILL)
+            streamed_at_kill = len(streaming)
+            for path in slow:
+                path.unlink()
+            return future.result(timeout=120), victim, streamed_at_kill
+    finally:
+        for path in slow:
+            path.unlink(missing_ok=True)
+
+
 def test_kill_9_mid_stream_resumes_each_choice_of_a_request_alone(stack, stall_dir):
     """A seeded request of three choices (one sequence group on one executor) streams slowly;
     its executor is killed: each choice is re-queued alone with its own tokens and seed, and
@@ -189,32 +230,48 @@ def test_kill_9_mid_stream_resumes_each_choice_of_a_request_alone(stack, stall_d
     req = request(3, 120, seeded=True)
     req.params.n = 3
     want = run_choices(stack.address, req)
-    wait_idle(stack, "executor-0", "executor-1")
-    slow = [stall_dir / f"executor-{i}.slow" for i in (0, 1)]
-    for path in slow:
-        path.touch()
-    streaming: list[int] = []
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            sent_ms = now_ms()
-            future = pool.submit(run_choices, stack.address, req, streaming)
-            wait_for(lambda: len(streaming) >= 6, "the choices streaming", 60.0)
-            victim = wait_for(
-                lambda: next((name for name in ("executor-0", "executor-1")
-                              if (running_on(stack, name, sent_ms) or 0) > 0), None),
-                "a heartbeat showing the group running",
-                30.0,
-            )  # fmt: skip
-            stack.stop(victim, sig=signal.SIGKILL)
-            for path in slow:
-                path.unlink()
-            got = future.result(timeout=120)
-    finally:
-        for path in slow:
-            path.unlink(missing_ok=True)
+    got, victim, _ = kill_mid_stream(
+        stack, stall_dir, lambda streaming: run_choices(stack.address, req, streaming), 6
+    )
     assert sorted(got) == [0, 1, 2], got
     for index in range(3):
         assert got[index] == want[index], f"choice {index} differs after {victim} was killed"
+    restart_executors(stack, stall_dir, victim)
+
+
+def counted(
+    chunks: Iterator[inference_pb2.GenerateResponse], streamed: list[int]
+) -> Iterator[inference_pb2.GenerateResponse]:
+    """The chunks, each chunk's token ids added to `streamed` as it comes."""
+    for chunk in chunks:
+        streamed.extend(chunk.token_ids)
+        yield chunk
+
+
+def run_counted(address: str, req: inference_pb2.GenerateRequest, streamed: list[int]):
+    with KvgateClient(address, timeout_s=120.0) as client:
+        return Completion.of(counted(client.stub.Generate(req, timeout=120.0), streamed))
+
+
+def test_kill_9_mid_stream_a_constrained_stream_resumes_and_still_validates(stack, stall_dir):
+    """A seeded request held to a JSON schema streams slowly; its executor is killed in the
+    middle of the JSON: the request resumes on the other executor, whose matcher replays the
+    tokens already streamed, and the output equals its undisturbed run and validates."""
+    params = inference_pb2.SamplingParams(
+        max_tokens=400, temperature=1.0, seed=11, json_schema=json.dumps(PEOPLE)
+    )
+    req = inference_pb2.GenerateRequest(prompt=PROMPTS[0], params=params)
+    want = run(stack.address, req)
+    assert want.finish_reason == "stop", f"the undisturbed run did not finish: {want}"
+    got, victim, streamed_at_kill = kill_mid_stream(
+        stack, stall_dir, lambda streaming: run_counted(stack.address, req, streaming), 5
+    )
+    assert streamed_at_kill < len(got.token_ids), f"{victim} was killed after the last token"
+    assert (got.finish_reason, got.token_ids) == (want.finish_reason, want.token_ids), (
+        f"after {victim} was killed at token {streamed_at_kill}:\n"
+        f"want {want.finish_reason} {want.text!r}\ngot  {got.finish_reason} {got.text!r}"
+    )
+    jsonschema.validate(json.loads(got.text), PEOPLE)
     restart_executors(stack, stall_dir, victim)
 
 

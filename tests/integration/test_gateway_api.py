@@ -364,6 +364,25 @@ def test_a_broken_executor_stream_requeues_with_the_streamed_tokens(
     assert text == STORY, "the stream must go on without a gap or a repeat"
 
 
+def test_choices_requeued_alone_carry_the_session_on_choice_0_only(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    """Choice 0 alone keeps a session's blocks (engine.add_request): a choice k > 0 run again
+    alone must not bring its own tokens into the session's cache."""
+    params = pb.SamplingParams(max_tokens=8, temperature=0.0, n=2)
+    call = generate(gateway, request_id="two", session_id="s-two", params=params)
+    group = executor.take_request()
+    assert group.session_id == "s-two", group
+    tokens = story_ids(model_text)
+    for index in (0, 1):
+        executor.send(f"{group.request_id}#{index}", 0, tokens[:2], index=index)
+    executor.link.close()
+    requeued = {r.choice_index: r for r in (executor.take_request(), executor.take_request())}
+    assert requeued[0].session_id == "s-two", requeued[0]
+    assert (requeued[1].session_id, requeued[1].session_executor_id) == ("", ""), requeued[1]
+    call.cancel()
+
+
 def test_client_cancel_aborts_the_executors_work(
     gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
 ):

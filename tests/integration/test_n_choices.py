@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import grpc
 import openai
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from client.api import KvgateClient, sampling_params
+from client.api import KvgateClient, choice_texts, sampling_params
 from deploy.stack import Stack, free_port
 from protos.kvgate.v1 import inference_pb2 as pb
 
@@ -23,7 +24,7 @@ MAX_NUM_SEQS = ["--max-num-seqs", "8"]
 
 @pytest.fixture(scope="module")
 def stack(stack_factory) -> Stack:
-    # a batch of 8 sequences: a request of more choices is refused by the executor
+    # a batch of 8 sequences: a request of more choices is refused by the gateway
     return stack_factory(num_executors=1, http_port=free_port(), executor_flags=MAX_NUM_SEQS)
 
 
@@ -112,6 +113,16 @@ def test_kvgate_v1_generate_streams_each_choice_with_its_index(stack: Stack):
     ], "the prompt counts on choice 0 only"
 
 
+def test_the_clients_choice_texts_gather_each_choice(stack: Stack):
+    params = sampling_params(max_tokens=10, temperature=0.0, ignore_eos=True, n=3)
+    with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
+        texts = ["", "", ""]
+        for index, text in choice_texts(kvgate.generate_stream(PROMPT, params)):
+            texts[index] += text
+        alone = kvgate.generate(PROMPT, max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert texts == [alone.text] * 3, (texts, alone.text)
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -141,23 +152,45 @@ def test_chat_turns_refuse_several_choices_naming_n(stack: Stack):
     assert raised.value.details().startswith("turn.params.n"), raised.value.details()
 
 
-def test_more_choices_than_an_executor_batch_fail_naming_n_and_it_keeps_serving(stack: Stack):
+def test_more_choices_than_an_executor_batch_are_refused_naming_n_before_queueing(stack: Stack):
     params = sampling_params(max_tokens=4, temperature=0.0)
     params.n = 16
     with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
         request = pb.GenerateRequest(prompt=PROMPT, params=params)
-        chunks = list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
-        last = [c for c in chunks if c.finish_reason]
-        assert sorted(c.index for c in last) == list(range(16)), last
-        for chunk in last:
-            assert chunk.finish_reason == pb.FINISH_REASON_ERROR, chunk
-            assert "params.n (16) must be <= max_num_seqs (8)" in chunk.error_message, chunk
+        with pytest.raises(grpc.RpcError) as raised:
+            list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+        assert raised.value.details().startswith("params.n: 16 sequences"), raised.value.details()
+        assert "at most 8 at once" in raised.value.details(), raised.value.details()
         params.n = 8
         request = pb.GenerateRequest(prompt=PROMPT, params=params)
         chunks = list(kvgate.stub.Generate(request, metadata=kvgate.metadata, timeout=60.0))
     finished = [c for c in chunks if c.finish_reason == pb.FINISH_REASON_LENGTH]
     assert len(finished) == 8, chunks
     assert stack.procs["executor-0"].poll() is None, "the executor died"
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"n": 9}, "n"), ({"best_of": 9}, "best_of")])
+def test_openai_choices_past_max_num_seqs_are_a_400_naming_the_field(
+    client: openai.OpenAI, fields, param
+):
+    with pytest.raises(openai.BadRequestError) as raised:
+        _completion(client, **fields)
+    assert raised.value.param == param, raised.value.body
+    assert raised.value.body["message"].startswith(f"{param}: 9 sequences"), raised.value.body
+
+
+def test_vllm_choices_past_max_num_seqs_are_invalid_argument_naming_the_field(stack: Stack):
+    request = vllm_engine_pb2.GenerateRequest(
+        text=PROMPT, sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=4, n=9)
+    )
+    with grpc.insecure_channel(stack.address) as channel:
+        engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(engine.Generate(request, timeout=60.0))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    details = raised.value.details()
+    assert details.startswith("sampling_params.n: 9 sequences"), details
 
 
 def test_a_list_of_prompts_numbers_choices_prompt_by_prompt(client: openai.OpenAI):

@@ -153,6 +153,27 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI):
         assert len(choice.message.tool_calls) == 1, choice.message
 
 
+@pytest.mark.parametrize("tool_choice", ["required", GET_WEATHER])
+def test_every_choice_of_n_is_a_valid_forced_call(client: openai.OpenAI, tool_choice):
+    """n = 3: each choice is a call of its own (the grammar's matcher is forked with it)."""
+    names = set(SCHEMAS) if tool_choice == "required" else {"get_weather"}
+    answer = call(client, 5, n=3, tool_choice=tool_choice, parallel_tool_calls=False)
+    assert [c.index for c in answer.choices] == [0, 1, 2], answer
+    for choice in answer.choices:
+        assert_valid_calls(choice, names, f"choice {choice.index}")
+        assert len(choice.message.tool_calls) == 1, choice.message
+    ids = [c.message.tool_calls[0].id for c in answer.choices]
+    assert len(set(ids)) == 3, f"tool call ids repeat across choices: {ids}"
+    chunks = list(call(client, 5, n=3, tool_choice=tool_choice, parallel_tool_calls=False,
+                       stream=True))  # fmt: skip
+    arguments = {0: "", 1: "", 2: ""}
+    for choice in (c for chunk in chunks for c in chunk.choices):
+        for piece in choice.delta.tool_calls or []:
+            arguments[choice.index] += piece.function.arguments
+    whole = {c.index: c.message.tool_calls[0].function.arguments for c in answer.choices}
+    assert arguments == whole, "a streamed choice's call differs from the whole answer's"
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_streamed_calls_have_openais_chunks_and_accumulate_to_the_whole_answer(
     client: openai.OpenAI, parallel: bool

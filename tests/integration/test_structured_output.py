@@ -17,10 +17,15 @@ import pytest
 from client.api import Completion, KvgateClient
 from protos.kvgate.v1 import inference_pb2 as pb
 from tests.integration.conftest import Stack
-from tests.unit.test_engine_structured import CHOICES, REGEX, SCHEMAS
+from tests.unit.test_engine_structured import (
+    CHOICES,
+    REGEX,
+    SAMPLED_MAX_TOKENS,
+    SCHEMAS,
+    SEEDS,
+)
 
 PROMPT = "Once upon a time"
-SEEDS = range(10)
 
 
 @pytest.fixture(scope="module")
@@ -43,29 +48,37 @@ def refusal(address: str, params: pb.SamplingParams) -> tuple[grpc.StatusCode, s
 
 
 def sampled(seed: int, **constraint) -> pb.SamplingParams:
-    return pb.SamplingParams(max_tokens=120, temperature=1.0, seed=seed, **constraint)
+    return pb.SamplingParams(
+        max_tokens=SAMPLED_MAX_TOKENS, temperature=1.0, seed=seed, **constraint
+    )
 
 
-def test_schemas_by_seeds_validate_through_the_api(stack: Stack):
-    jobs = [(s, sampled(seed, json_schema=json.dumps(s))) for s in SCHEMAS for seed in SEEDS]
-    with ThreadPoolExecutor(16) as pool:
-        done = list(pool.map(lambda job: (job[0], complete(stack.address, job[1])), jobs))
-    for value, completion in done:
-        assert completion.finish_reason == "stop", f"{completion.finish_reason}: {completion}"
-        jsonschema.validate(json.loads(completion.text), value)
+def complete_seeds(address: str, **constraint) -> list[Completion]:
+    """One completion per seed of SEEDS, all sent at once on one channel (the executor batches
+    them), each checked to have finished with `stop`."""
+    with KvgateClient(address, timeout_s=120.0, retry=False) as client:
+
+        def complete_seed(seed: int) -> Completion:
+            return Completion.of(client.generate_stream(PROMPT, sampled(seed, **constraint)))
+
+        with ThreadPoolExecutor(len(SEEDS)) as pool:
+            done = list(pool.map(complete_seed, SEEDS))
+    for seed, completion in zip(SEEDS, done, strict=True):
+        assert completion.finish_reason == "stop", f"seed {seed}: {completion}"
+    return done
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_schema_outputs_over_seeds_validate_through_the_api(stack: Stack, schema: dict):
+    for completion in complete_seeds(stack.address, json_schema=json.dumps(schema)):
+        jsonschema.validate(json.loads(completion.text), schema)
 
 
 def test_regex_and_choice_outputs_match_through_the_api(stack: Stack):
-    jobs = [sampled(seed, regex=REGEX) for seed in SEEDS]
-    jobs += [sampled(seed, choice=pb.Choice(choices=CHOICES)) for seed in SEEDS]
-    with ThreadPoolExecutor(16) as pool:
-        done = list(pool.map(lambda params: (params, complete(stack.address, params)), jobs))
-    for params, completion in done:
-        assert completion.finish_reason == "stop", f"{completion.finish_reason}: {completion}"
-        if params.WhichOneof("constraint") == "regex":
-            assert re.fullmatch(REGEX, completion.text), completion.text
-        else:
-            assert completion.text in CHOICES, completion.text
+    for completion in complete_seeds(stack.address, regex=REGEX):
+        assert re.fullmatch(REGEX, completion.text), completion.text
+    for completion in complete_seeds(stack.address, choice=pb.Choice(choices=CHOICES)):
+        assert completion.text in CHOICES, completion.text
 
 
 def test_logit_bias_allowed_token_ids_and_special_tokens_through_the_api(stack: Stack):

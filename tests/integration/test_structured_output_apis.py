@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import jsonschema
@@ -22,12 +23,18 @@ from client.api import Completion, KvgateClient
 from deploy.stack import Stack, free_port
 from protos.kvgate.v1 import inference_pb2
 from tests.integration.conftest import MODEL
-from tests.unit.test_engine_structured import CHOICES, REGEX, SCHEMAS
+from tests.unit.test_engine_structured import (
+    CHOICES,
+    REGEX,
+    SAMPLED_MAX_TOKENS,
+    SCHEMAS,
+    SEEDS,
+)
 
 MODEL_ID = "stories260K"
 PROMPT = "Once upon a time"
 STORY = [{"role": "user", "content": "Tell me a story about a cat."}]
-SEEDS = range(3)
+FEW_SEEDS = range(3)  # for the other spellings of a constraint and json_object
 FORCED_TOKEN = 77  # a token logit_bias +100 forces at every step
 BAD_SCHEMA = {"type": "object", "not": {"type": "string"}}  # `not`: llguidance refuses it
 vllm = vllm_engine_pb2
@@ -67,15 +74,27 @@ def json_schema_format(schema: dict) -> dict:
 
 def chat(client: openai.OpenAI, seed: int, **fields):
     answer = client.chat.completions.create(
-        model=MODEL_ID, messages=STORY, max_tokens=120, temperature=1.0, seed=seed, **fields
+        model=MODEL_ID,
+        messages=STORY,
+        max_tokens=SAMPLED_MAX_TOKENS,
+        temperature=1.0,
+        seed=seed,
+        **fields,
     )
     return answer.choices[0]
 
 
+def over_seeds(call: Callable[[int], object]) -> list:
+    """call(seed) for every seed of SEEDS, all at once (the executor batches them)."""
+    with ThreadPoolExecutor(len(SEEDS)) as pool:
+        return list(pool.map(call, SEEDS))
+
+
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_openai_json_schema_outputs_validate_over_seeds(client: openai.OpenAI, schema: dict):
-    for seed in SEEDS:
-        choice = chat(client, seed, response_format=json_schema_format(schema))
+    response_format = json_schema_format(schema)
+    choices = over_seeds(lambda seed: chat(client, seed, response_format=response_format))
+    for seed, choice in zip(SEEDS, choices, strict=True):
         assert choice.finish_reason == "stop", f"seed {seed}: {choice}"
         jsonschema.validate(json.loads(choice.message.content), schema)
 
@@ -105,7 +124,7 @@ def quote_biases(tokenizer: Tokenizer) -> dict[str, int]:
 
 
 def test_openai_json_object_outputs_are_objects(client: openai.OpenAI, tokenizer: Tokenizer):
-    for seed in SEEDS:
+    for seed in FEW_SEEDS:
         choice = chat(
             client,
             seed,
@@ -129,12 +148,16 @@ def completion_text(client: openai.OpenAI, seed: int, extra_body: dict) -> str:
     return answer.choices[0].text
 
 
+def completion_texts(client: openai.OpenAI, extra_body: dict) -> list[str]:
+    return over_seeds(lambda seed: completion_text(client, seed, extra_body))
+
+
 def test_openai_structured_outputs_regex_and_choice_match(client: openai.OpenAI):
-    for seed in SEEDS:
-        text = completion_text(client, seed, {"structured_outputs": {"regex": REGEX}})
-        assert re.fullmatch(REGEX, text), f"seed {seed}: {text!r}"
-        text = completion_text(client, seed, {"structured_outputs": {"choice": list(CHOICES)}})
-        assert text in CHOICES, f"seed {seed}: {text!r}"
+    for text in completion_texts(client, {"structured_outputs": {"regex": REGEX}}):
+        assert re.fullmatch(REGEX, text), text
+    for text in completion_texts(client, {"structured_outputs": {"choice": list(CHOICES)}}):
+        assert text in CHOICES, text
+    for seed in FEW_SEEDS:
         text = completion_text(client, seed, {"guided_choice": list(CHOICES)})
         assert text in CHOICES, f"seed {seed}: {text!r}"
 
@@ -214,7 +237,11 @@ def vllm_generate(
 
 def vllm_sampled(seed: int, **constraint) -> vllm_engine_pb2.SamplingParams:
     return vllm.SamplingParams(
-        max_tokens=120, temperature=1.0, seed=seed, skip_special_tokens=True, **constraint
+        max_tokens=SAMPLED_MAX_TOKENS,
+        temperature=1.0,
+        seed=seed,
+        skip_special_tokens=True,
+        **constraint,
     )
 
 
@@ -224,17 +251,24 @@ def vllm_text(engine, tokenizer: Tokenizer, params: vllm_engine_pb2.SamplingPara
     return tokenizer.decode(list(complete.output_ids), skip_special_tokens=True)
 
 
-def test_vllm_json_schema_regex_and_choice_outputs_match(engine, tokenizer: Tokenizer):
-    for seed in SEEDS:
-        for schema in SCHEMAS:
-            text = vllm_text(engine, tokenizer, vllm_sampled(seed, json_schema=json.dumps(schema)))
-            jsonschema.validate(json.loads(text), schema)
-        text = vllm_text(engine, tokenizer, vllm_sampled(seed, regex=REGEX))
-        assert re.fullmatch(REGEX, text), f"seed {seed}: {text!r}"
-        choice = vllm.ChoiceConstraint(choices=CHOICES)
-        text = vllm_text(engine, tokenizer, vllm_sampled(seed, choice=choice))
-        assert text in CHOICES, f"seed {seed}: {text!r}"
-        biases = {int(i): bias for i, bias in quote_biases(tokenizer).items()}
+def vllm_texts(engine, tokenizer: Tokenizer, **constraint) -> list[str]:
+    """The text of every seed of SEEDS under `constraint`, all sent at once."""
+    return over_seeds(lambda seed: vllm_text(engine, tokenizer, vllm_sampled(seed, **constraint)))
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_vllm_json_schema_outputs_validate_over_seeds(engine, tokenizer: Tokenizer, schema):
+    for text in vllm_texts(engine, tokenizer, json_schema=json.dumps(schema)):
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_vllm_regex_choice_and_json_object_outputs_match(engine, tokenizer: Tokenizer):
+    for text in vllm_texts(engine, tokenizer, regex=REGEX):
+        assert re.fullmatch(REGEX, text), text
+    for text in vllm_texts(engine, tokenizer, choice=vllm.ChoiceConstraint(choices=CHOICES)):
+        assert text in CHOICES, text
+    biases = {int(i): bias for i, bias in quote_biases(tokenizer).items()}
+    for seed in FEW_SEEDS:
         params = vllm_sampled(seed, json_object=True, logit_bias=biases)
         assert json.loads(vllm_text(engine, tokenizer, params)) == {}
 

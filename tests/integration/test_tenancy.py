@@ -275,6 +275,40 @@ def test_open_streams_over_the_limit_are_refused_until_one_ends(
     wait_for(admitted, "a stream once the first one ended")
 
 
+def finish_choices(executor: ExecutorPeer, queued: internal_pb2.QueuedRequest, n: int) -> None:
+    """Finish each of the queued request's n choices with one token."""
+    for index in range(n):
+        executor.send(
+            f"{queued.request_id}#{index}", 0, [2], index=index, finished=True,
+            finish_reason=pb.FINISH_REASON_STOP,
+        )  # fmt: skip
+
+
+def test_a_request_of_n_choices_takes_n_requests_per_second(
+    gateway: GatewayThread, executor: ExecutorPeer, redis_client: redis.Redis
+):
+    set_limits(redis_client, "acme", requests_per_s=2)
+    acme = new_key(redis_client, "acme")
+    call = generate(gateway, acme, params=pb.SamplingParams(max_tokens=4, n=2))
+    finish_choices(executor, executor.take_request(), 2)
+    assert len([c for c in call if c.finish_reason]) == 2
+    details, _ = quota_refusal(generate(gateway, acme))
+    assert "requests per second" in details, details
+
+
+def test_a_request_of_n_choices_holds_n_open_streams(
+    gateway: GatewayThread, executor: ExecutorPeer, redis_client: redis.Redis
+):
+    set_limits(redis_client, "acme", max_streams=3)
+    acme = new_key(redis_client, "acme")
+    first = generate(gateway, acme, params=pb.SamplingParams(max_tokens=4, n=2))
+    queued = executor.take_request()
+    details, _ = quota_refusal(generate(gateway, acme, params=pb.SamplingParams(n=2)))
+    assert "open streams" in details, details
+    finish_choices(executor, queued, 2)
+    list(first)
+
+
 def test_a_priority_above_the_tenants_highest_is_clamped_and_said_so(
     gateway: GatewayThread, executor: ExecutorPeer, redis_client: redis.Redis
 ):

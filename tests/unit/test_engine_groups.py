@@ -295,6 +295,11 @@ def test_a_request_whose_choice_ids_are_in_use_is_refused():
     engine.add_request(choice_request_id("g", 1), PROMPT, greedy(4), choice_index=1)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("g", PROMPT, greedy(4, n=2))
+    engine.add_request("h", PROMPT, greedy(4, n=2))  # not forked yet: its choices are its own
+    for index in (0, 1):
+        with pytest.raises(ValueError, match="already in use"):
+            one = greedy(4)
+            engine.add_request(choice_request_id("h", index), PROMPT, one, choice_index=index)
 
 
 def test_seats_of_forks_to_come_count_against_max_num_seqs():
@@ -309,3 +314,33 @@ def test_seats_of_forks_to_come_count_against_max_num_seqs():
         engine.step()
         most = max(most, len(engine.scheduler.running))
     assert most == 4, f"at most 4 sequences may run, {most} did"
+
+
+def test_choice_0_run_again_alone_beside_its_unforked_group():
+    """An executor given choice 0 alone (with its client's tokens) while the group restarted
+    there has not forked yet stops that group's choice 0 and runs the one alone."""
+    engine = make_engine(block_size=4)
+    engine.add_request("ref", PROMPT, greedy(8))
+    alone = _choices(engine)[("ref", 0)]
+    engine.add_request("g", PROMPT, greedy(8, n=3))
+    engine.abort(choice_request_id("g", 0))
+    engine.add_request(
+        choice_request_id("g", 0), PROMPT, greedy(8), resume_token_ids=alone[:3], choice_index=0
+    )
+    tokens = _choices(engine)
+    assert sorted(tokens) == [("g", 1), ("g", 2), (choice_request_id("g", 0), 0)], tokens.keys()
+    assert tokens[(choice_request_id("g", 0), 0)] == alone[3:], "choice 0 did not resume"
+    assert _held_blocks(engine) == 0
+
+
+def test_abort_of_a_choice_run_alone_stops_it_not_the_unforked_group():
+    """A choice run alone under its own id while its group has not forked: an abort of that
+    id stops the run alone (the group's choice of that index was stopped already)."""
+    engine = make_engine(block_size=4)
+    engine.add_request("g", PROMPT, greedy(8, n=3))
+    engine.abort(choice_request_id("g", 1))
+    engine.add_request(choice_request_id("g", 1), PROMPT, greedy(8), choice_index=1)
+    engine.abort(choice_request_id("g", 1))
+    tokens = _choices(engine)
+    assert sorted(tokens) == [("g", 0), ("g", 2)], f"the aborted run alone went on: {tokens}"
+    assert _held_blocks(engine) == 0

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -49,6 +50,10 @@ COLORS = {
     "required": ["colors"],
     "additionalProperties": False,
 }
+# Every schema bounds its output (maxLength, maxItems, enums, integer ranges): the longest
+# JSON any of them accepts, each string character written as a 6-character \u escape, is
+# under 100 characters, so within SAMPLED_MAX_TOKENS (a token is at least one byte) an
+# output always finishes with `stop`.
 SCHEMAS = [
     PERSON,
     COLORS,
@@ -63,6 +68,8 @@ SCHEMAS = [
 ]
 REGEX = r"[a-z]{2,5}( [a-z]{2,5}){1,3}\."
 CHOICES = ("yes", "no", "maybe so")
+SAMPLED_MAX_TOKENS = 120
+SEEDS = range(50)  # sampled outputs checked per constraint, at temperature 1.0
 LARK = 'start: "(" expr ")"\nexpr: NUM | NUM "+" NUM\nNUM: /[0-9]{1,3}/'
 # Sampler paths the sampled runs rotate through (greedy, top-k/p, min-p, penalties).
 SAMPLER_PATHS = [
@@ -79,12 +86,25 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(STORIES_260K)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_model_thread() -> Iterator[None]:
+    """One torch thread, as an executor beside the rest of a stack runs: on a busy 2-core
+    machine two threads wait on each other at every parallel region (the 250 requests of
+    the schemas-by-seeds test took 55 s with two, 3 s with one, at a load average of 20)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return make_engine()
 
 
-def sampled(constraint: Constraint, seed: int, max_tokens: int = 120, **kw) -> SamplingParams:
+def sampled(
+    constraint: Constraint, seed: int, max_tokens: int = SAMPLED_MAX_TOKENS, **kw
+) -> SamplingParams:
     kw.setdefault("temperature", 1.0)
     return SamplingParams(max_tokens=max_tokens, seed=seed, constraint=constraint, **kw)
 
@@ -204,7 +224,7 @@ def test_schemas_by_seeds_all_validate_on_every_sampler_path(engine, tokenizer):
     params = {
         f"{i}-{seed}": sampled(schema(value), seed, **SAMPLER_PATHS[seed % len(SAMPLER_PATHS)])
         for i, value in enumerate(SCHEMAS)
-        for seed in range(10)
+        for seed in SEEDS
     }
     results = run(engine, params, tokenizer("Once upon a time").input_ids)
     for request_id, (tokens, reason, error) in results.items():
@@ -221,7 +241,7 @@ def test_regex_choice_and_grammar_outputs_match(engine, tokenizer):
         "choice": (Constraint(ConstraintKind.CHOICE, choices=CHOICES), CHOICES.__contains__),
         "grammar": (Constraint(ConstraintKind.GRAMMAR, LARK), lark.fullmatch),
     }
-    params = {f"{k}-{s}": sampled(c, s) for k, (c, _) in kinds.items() for s in range(10)}
+    params = {f"{k}-{s}": sampled(c, s) for k, (c, _) in kinds.items() for s in SEEDS}
     results = run(engine, params, tokenizer("Once upon a time").input_ids)
     for request_id, (tokens, reason, error) in results.items():
         text = decoded(tokenizer, tokens)
@@ -343,6 +363,17 @@ def test_no_allowed_token_finishes_the_request_alone_with_an_error(engine, token
     assert results["blocked"][1] == FinishReason.ERROR
     assert "no token is allowed" in results["blocked"][2], results["blocked"]
     assert len(results["fine"][0]) == 5, results["fine"]
+
+
+def test_a_constraint_complete_before_min_tokens_finishes_with_stop(engine, tokenizer):
+    """The grammar's end comes before min_tokens: only end-of-sequence is allowed and
+    min_tokens masks it; the request ends there, complete, as `stop`."""
+    prompt = tokenizer("Once upon a time").input_ids
+    digit = Constraint(ConstraintKind.REGEX, "0")
+    results = run(engine, {"short": sampled(digit, 0, min_tokens=5)}, prompt)
+    tokens, reason, error = results["short"]
+    assert (reason, error) == (FinishReason.STOP, ""), results["short"]
+    assert tokenizer.decode(tokens) == "0", tokens
 
 
 def test_a_grammar_that_does_not_compile_finishes_with_an_error_naming_the_field(engine):

@@ -1,0 +1,202 @@
+"""A choice queued again alone meets its group's restart on one executor: a real executor
+process, a real redis-server, and the gateway's real TokenSink servicer and token router on a
+real gRPC server, with the scheduler's part (the executor's inbox) played by the test.
+
+When an executor is lost, the gateway queues each unfinished choice again alone (with the
+tokens its client has) and the scheduler queues the whole group again from the start (from the
+lost executor's inbox). Both may land on one executor, in either order; the gateway refuses
+the restarted group's output of a choice past which its client already is, and aborts it.
+The order that matters is forced here: the aborts the gateway sends are held back until the
+choice run alone has started, as a busy gateway or network may delay them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from grpc import aio
+
+from common.keys import PAYLOAD_FIELD, RedisKeys
+from deploy.stack import free_port
+from gateway.token_sink import RequestEvent, TokenRouter, TokenSinkServicer, TokenUpdate
+from protos.kvgate.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
+from tests.helpers import REPO, STORIES_260K, WAIT_S, wait_for
+
+KEYS = RedisKeys()
+EXECUTOR = "e1"
+PROMPT = [1, 403, 407, 261, 378, 275, 263, 271]
+CLIENT_TOKENS = [379, 290, 297]  # what choice 1's client got before the first executor was lost
+MAX_TOKENS = 8
+
+
+class HeldSink(TokenSinkServicer):
+    """The gateway's TokenSink, whose messages to executors (aborts) wait until released."""
+
+    def __init__(self, router: TokenRouter) -> None:
+        super().__init__(router)
+        self.held: list[internal_pb2.ConnectResponse] = []
+        self.released = asyncio.Event()
+
+    async def Connect(self, request_iterator, context) -> AsyncIterator:  # noqa: N802
+        async for response in super().Connect(request_iterator, context):
+            self.held.append(response)
+            await self.released.wait()
+            yield response
+
+
+class GatewaySide:
+    """A token router and its held TokenSink on a gRPC server, on an event loop thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.router = TokenRouter()
+        self.address = f"127.0.0.1:{free_port()}"
+        self.sink, self.server = self.call(self._serve())
+        self.inboxes: dict[str, asyncio.Queue[RequestEvent]] = {}
+        self.events: dict[str, list[RequestEvent]] = {}
+
+    def call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WAIT_S)
+
+    async def _serve(self) -> tuple[HeldSink, aio.Server]:
+        sink = HeldSink(self.router)
+        server = aio.server()
+        internal_pb2_grpc.add_TokenSinkServicer_to_server(sink, server)
+        server.add_insecure_port(self.address)
+        await server.start()
+        return sink, server
+
+    def track_after_a_lost_executor(self, request_id: str, resume_offsets: list[int]) -> None:
+        """Tracks the request's choices as a gateway does once their executor was lost:
+        attempt 0 ran on "e0" and streamed `resume_offsets[i]` tokens of choice i."""
+
+        async def track() -> None:
+            lost = self.router.connect("e0")
+            for index, offset in enumerate(resume_offsets):
+                choice_id = f"{request_id}#{index}"
+                self.inboxes[choice_id] = self.router.track(choice_id, ("default", choice_id))
+                entry = internal_pb2.RequestTokens(
+                    request_id=choice_id, token_ids=CLIENT_TOKENS[:offset], accepted=True
+                )
+                self.router.deliver(lost, internal_pb2.TokenBatch(requests=[entry]))
+            self.router.disconnect(lost)
+            for index, offset in enumerate(resume_offsets):
+                self.router.resume_from(f"{request_id}#{index}", offset)
+
+        self.call(track())
+
+    def updates(self, choice_id: str) -> list[TokenUpdate]:
+        """The token updates the router handed to the choice so far."""
+
+        async def drain() -> list[RequestEvent]:
+            inbox = self.inboxes[choice_id]
+            got = self.events.setdefault(choice_id, [])
+            while not inbox.empty():
+                got.append(inbox.get_nowait())
+            return got
+
+        return [e for e in self.call(drain()) if isinstance(e, TokenUpdate)]
+
+    def held_aborts(self) -> list[internal_pb2.Abort]:
+        return [r.abort for r in self.sink.held if r.HasField("abort")]
+
+    def release(self) -> None:
+        self.loop.call_soon_threadsafe(self.sink.released.set)
+
+    def stop(self) -> None:
+        self.release()
+        self.call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def gateway_side() -> Iterator[GatewaySide]:
+    side = GatewaySide()
+    yield side
+    side.stop()
+
+
+@pytest.fixture
+def executor_process(redis_url: str, redis_client: redis.Redis, tmp_path: Path):
+    argv = [
+        sys.executable, "-m", "executor", "--model", str(STORIES_260K), "--redis-url", redis_url,
+        "--executor-id", EXECUTOR, "--num-gpu-blocks", "64", "--metrics-port", "-1",
+        "--health-port", "-1",
+    ]  # fmt: skip
+    log_path = tmp_path / "executor.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        wait_for(
+            lambda: redis_client.get(KEYS.executor_status(EXECUTOR)) or process.poll() is not None,
+            "the executor's first heartbeat",
+            timeout_s=120.0,
+        )
+        assert process.poll() is None, log_path.read_text()
+        yield log_path
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def assign(client: redis.Redis, queued: internal_pb2.QueuedRequest) -> None:
+    """Writes an assignment into the executor's inbox, as the scheduler does."""
+    message = internal_pb2.InboxMessage()
+    message.assignment.request.CopyFrom(queued)
+    message.assignment.executor_id = EXECUTOR
+    client.xadd(KEYS.executor_inbox(EXECUTOR), {PAYLOAD_FIELD: message.SerializeToString()})
+
+
+def queued(request_id: str, reply_to: str, n: int, **fields) -> internal_pb2.QueuedRequest:
+    params = inference_pb2.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, ignore_eos=True, n=n
+    )
+    return internal_pb2.QueuedRequest(
+        request_id=request_id,
+        reply_to=reply_to,
+        tenant="default",
+        prompt_token_ids=PROMPT,
+        params=params,
+        queue_deadline_unix_ms=int(time.time() * 1000) + 60_000,
+        **fields,
+    )
+
+
+def test_a_late_abort_of_the_refused_group_restart_spares_the_choice_run_alone(
+    gateway_side: GatewaySide, executor_process: Path, redis_client: redis.Redis
+):
+    gateway_side.track_after_a_lost_executor("g", [0, len(CLIENT_TOKENS)])
+    assign(redis_client, queued("g", gateway_side.address, n=2, attempt=1))
+    refused = wait_for(
+        lambda: [a for a in gateway_side.held_aborts() if "g#1" in a.request_ids],
+        "the gateway to refuse the restarted group's choice 1 (its client is past it)",
+    )
+    assert list(refused[0].attempts) == [1], refused
+    alone = queued(
+        "g#1", gateway_side.address, n=1, attempt=1, choice_index=1,
+        resume_token_ids=CLIENT_TOKENS,
+    )  # fmt: skip
+    assign(redis_client, alone)
+    wait_for(
+        lambda: any(u.accepted and u.offset == 3 for u in gateway_side.updates("g#1")),
+        "choice 1 run alone to start where its client is",
+    )
+    gateway_side.release()  # the abort of the group's choice 1 reaches the executor now
+
+    def finished() -> bool:
+        return any(u.finished for u in gateway_side.updates("g#1"))
+
+    wait_for(finished, "choice 1 run alone to finish (a late abort of its group stopped it?)")
+    tokens = [t for u in gateway_side.updates("g#1") if u.attempt == 1 for t in u.token_ids]
+    assert len(tokens) == MAX_TOKENS - len(CLIENT_TOKENS), tokens
+    (last,) = [u for u in gateway_side.updates("g#1") if u.finished]
+    assert last.finish_reason is not None and not last.error_message, last
