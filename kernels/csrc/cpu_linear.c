@@ -558,7 +558,7 @@ int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_str
             if (w_row == NULL) continue;
             const int64_t row0 = b * ROW_BLOCK;
             const int R = n - row0 < ROW_BLOCK ? (int)(n - row0) : ROW_BLOCK;
-            if (R == ROW_BLOCK)
+            if (R == ROW_BLOCK && !reads_rows_in_turn(wt, m))
                 run_rows(&io, wt, row0, ROW_BLOCK, w_row);
             else
                 for (int r = 0; r < R; ++r) run_rows(&io, wt, row0 + r, 1, w_row);
