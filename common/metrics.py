@@ -178,6 +178,21 @@ METRICS = {
     "kvgate_executor_offloaded_sessions": MetricSpec(
         "counter", "pinned sessions moved to the host tier under memory pressure"
     ),
+    "kvgate_executor_spec_drafts": MetricSpec(
+        "counter", "steps in which a request verified speculatively proposed tokens", ("method",)
+    ),
+    "kvgate_executor_spec_proposed_tokens": MetricSpec(
+        "counter", "tokens proposed by speculative decoding and verified", ("method",)
+    ),
+    "kvgate_executor_spec_accepted_tokens": MetricSpec(
+        "counter", "proposed tokens the target model agreed with (kept)", ("method",)
+    ),
+    "kvgate_executor_spec_bonus_tokens": MetricSpec(
+        "counter", "target tokens gained after a fully accepted proposal", ("method",)
+    ),
+    "kvgate_executor_spec_acceptance_ratio": MetricSpec(
+        "gauge", "accepted over proposed tokens since the executor started", ("method",)
+    ),
     "kvgate_executor_kernels": MetricSpec(
         "gauge",
         "1, labelled with the kernel backend (triton, cpu, reference) and the ISA level the CPU "

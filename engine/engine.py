@@ -18,11 +18,13 @@ from common.choices import choice_request_id, split_choice_request_id
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams, choice_seed
 from engine.config import EngineConfig
+from engine.draft import DraftProposer
 from engine.groups import Sequences, check_group
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch, TokenLogprobs, token_logprobs
+from engine.speculative import Accepted, NgramProposer, Verifier
 from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
 from engine.structured import StructuredOutput, advance
 
@@ -69,6 +71,12 @@ class EngineStats:
     num_swapped_out_blocks: int  # cumulative blocks copied from the device to the host tier
     num_swapped_in_blocks: int  # cumulative blocks copied back to the device
     num_offloaded_sessions: int  # cumulative sessions moved to the host tier under pressure
+    # speculative decoding (engine/speculative.py), cumulative
+    spec_method: str  # the proposer's method; empty: no speculation
+    num_spec_drafts: int  # steps in which a request verified proposed tokens
+    num_spec_proposed_tokens: int
+    num_spec_accepted_tokens: int  # proposed tokens the target agreed with
+    num_spec_bonus_tokens: int  # the target's token after a fully accepted proposal
 
 
 class Engine:
@@ -95,8 +103,19 @@ class Engine:
         self.structured = StructuredOutput.for_model(
             config.model, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
         )
+        self.verifier = Verifier(self.kv_cache, self.sampler, self.model_config.vocab_size)
+        self.proposer = self._proposer(config)
         self.requests = Sequences()
         self._arrivals = itertools.count()
+
+    def _proposer(self, config: EngineConfig) -> NgramProposer | DraftProposer | None:
+        spec, eos_token_ids = config.speculative_config, list(self.model_config.eos_token_ids)
+        if spec is None:
+            return None
+        if spec.method == "draft_model":
+            num_blocks = self.runner.num_blocks
+            return DraftProposer(spec, config, self.max_model_len, eos_token_ids, num_blocks)
+        return NgramProposer(spec, self.max_model_len, eos_token_ids)
 
     # ---- API ----------------------------------------------------------------------------
 
@@ -190,7 +209,8 @@ class Engine:
         """
         self.kv_cache.expire_sessions()
         refused = self._take_compiled()
-        out = self.scheduler.schedule()
+        proposals = self.proposer.propose(self.scheduler.running) if self.proposer else {}
+        out = self.scheduler.schedule(proposals)
         self.runner.swap_blocks(self.kv_cache.host.take_ops())
         if out.is_empty:
             self.structured.wait(COMPILE_WAIT_S)
@@ -261,7 +281,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Queue lengths, block usage and cumulative cache and preemption counters."""
-        kv, host = self.kv_cache, self.kv_cache.host
+        kv, host, spec = self.kv_cache, self.kv_cache.host, self.verifier.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + self.structured.num_compiling,
@@ -279,6 +299,11 @@ class Engine:
             num_swapped_out_blocks=host.num_swapped_out_blocks,
             num_swapped_in_blocks=host.num_swapped_in_blocks,
             num_offloaded_sessions=kv.num_offloaded_sessions,
+            spec_method="" if self.proposer is None else self.proposer.config.method,
+            num_spec_drafts=spec.num_drafts,
+            num_spec_proposed_tokens=spec.num_proposed_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
+            num_spec_bonus_tokens=spec.num_bonus_tokens,
         )
 
     # ---- step internals -----------------------------------------------------------------
@@ -289,45 +314,66 @@ class Engine:
             end += s.logit_rows
             if s.request.wants_prompt_logprobs:
                 self._add_prompt_logprobs(s, logits[end - s.logit_rows : end])
-            if s.samples:
-                sample_rows.append(end - 1)
-            s.request.num_computed_tokens += s.num_new_tokens
+            if s.samples:  # its last row, and one before it per proposed token
+                sample_rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+            s.request.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             self.kv_cache.register_computed_blocks(s.request)
-        sampling, rows = self._with_forks([s.request for s in out.scheduled if s.samples])
+        sampling, rows = self._with_forks([s for s in out.scheduled if s.samples])
         if not sampling:
             return []
         rows = [sample_rows[row] for row in rows]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        draws = self.verifier.draws_before(sampling)
         sampled = self.sampler(logits, self._sampling_batch(sampling))
-        outputs = []
-        for row, (req, token_id, logprobs) in enumerate(
-            zip(sampling, sampled.token_ids, sampled.logprobs, strict=True)
-        ):
-            if row in sampled.blocked_rows:
-                outputs += self._end_blocked(req)
-                continue
+        outputs, first_row = [], 0
+        for req, proposed in sampling:
+            tokens = self.verifier.accepted(req, proposed, sampled, first_row)
+            self.verifier.rewind(req, draws, len(tokens.token_ids))
+            outputs += self._take(req, proposed, tokens)
+            first_row += 1 + len(proposed)
+        return outputs
+
+    def _take(self, req: Request, proposed: list[int], tokens: Accepted) -> list[RequestOutput]:
+        """Append the tokens a request's rows sampled (its one, or its verified proposals
+        and the target's next), roll its KV back to them, and report them."""
+        reason, failure = None, ""
+        for i, token_id in enumerate(tokens.token_ids):
             req.all_token_ids.append(token_id)
             reason = self._finish_reason(req, token_id)
             if reason is None and (problem := advance(req, token_id)) is not None:
-                outputs += self._fail_with(req, problem)
-                continue
+                failure = problem
+                del tokens.token_ids[i:], tokens.logprobs[i:]
+                break
             if reason is not None:
-                self.requests.remove(req)
-                self.scheduler.finish(req, reason)
-            outputs.append(
-                RequestOutput(
-                    request_id=req.group_id,
-                    new_token_ids=[token_id],
-                    logprobs=None if logprobs is None else [logprobs],
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    num_cached_tokens=req.num_cached_tokens or 0,
-                    index=req.index,
-                    prompt_logprobs=self._take_prompt_logprobs(req),
-                )
-            )
+                del tokens.token_ids[i + 1 :], tokens.logprobs[i + 1 :]
+                break
+        if proposed:
+            self.verifier.roll_back(req, proposed, tokens.token_ids)
+        outputs = []
+        ends_blocked = tokens.blocked and reason is None and not failure
+        if tokens.token_ids:  # before an end: the tokens the steps before it gave
+            outputs.append(self._output(req, tokens, None if failure else reason))
+        if failure:
+            return outputs + self._fail_with(req, failure)
+        if ends_blocked:
+            return outputs + self._end_blocked(req)
+        if reason is not None:
+            self.requests.remove(req)
+            self.scheduler.finish(req, reason)
         return outputs
+
+    def _output(self, req: Request, tokens: Accepted, reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.group_id,
+            new_token_ids=tokens.token_ids,
+            logprobs=None if req.params.logprobs is None else tokens.logprobs,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            index=req.index,
+            prompt_logprobs=self._take_prompt_logprobs(req),
+        )
 
     def _add_prompt_logprobs(self, scheduled: ScheduledRequest, logits: torch.Tensor) -> None:
         """Record the logprobs of the prompt tokens that this step's rows of `scheduled`
@@ -352,16 +398,23 @@ class Engine:
 
     # ---- sequence groups ----------------------------------------------------------------
 
-    def _with_forks(self, sampling: list[Request]) -> tuple[list[Request], list[int]]:
-        """The sequences that sample this step, and the logits row of each: a group whose
-        prompt was just computed forks here, every new sequence sampling from its row."""
-        reqs: list[Request] = []
+    def _with_forks(
+        self, sampling: list[ScheduledRequest]
+    ) -> tuple[list[tuple[Request, list[int]]], list[int]]:
+        """The sequences that sample this step with the tokens proposed for each, and the
+        logits rows of their positions: a group whose prompt was just computed forks here,
+        every new sequence sampling from its row."""
+        seqs: list[tuple[Request, list[int]]] = []
         rows: list[int] = []
-        for row, req in enumerate(sampling):
+        first_row = 0
+        for s in sampling:
+            req, num_rows = s.request, 1 + len(s.spec_token_ids)
             family = self._fork(req) if req.num_forks else [req]
-            reqs += family
-            rows += [row] * len(family)
-        return reqs, rows
+            seqs += [(seq, s.spec_token_ids) for seq in family]
+            for _ in family:
+                rows += range(first_row, first_row + num_rows)
+            first_row += num_rows
+        return seqs, rows
 
     def _fork(self, leader: Request) -> list[Request]:
         """The group's sequences: `leader` and its forks, those aborted before left out."""
@@ -469,13 +522,18 @@ class Engine:
             self.scheduler.add(req)
         return [o for f in failed for o in self._fail_with(f.request, f.message, scheduled=False)]
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+    def _sampling_batch(self, sampling: list[tuple[Request, list[int]]]) -> SamplingBatch:
+        """One row per sampled position: a request verifying proposals has a row per
+        proposed token more, each seeing the proposals before it as produced."""
+        rows = [(req, proposed[:j]) for req, proposed in sampling
+                for j in range(1 + len(proposed))]  # fmt: skip
+        reqs = [req for req, _ in rows]
         return SamplingBatch(
             params=[r.params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids + ahead for r, ahead in rows],
             generators=[r.generator for r in reqs],
-            token_bitmask=self.structured.bitmask(reqs),
+            token_bitmask=self.structured.bitmask(reqs, [ahead for _, ahead in rows]),
         )
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:

@@ -206,7 +206,7 @@ class KVCacheManager:
         session = self._find_session(req.session_id, req.cache_salt)
         if session is None:
             return PrefixHit()
-        num_common = _common_prefix_len(session.token_ids, req.all_token_ids, max_tokens)
+        num_common = common_prefix_len(session.token_ids, req.all_token_ids, max_tokens)
         if (
             session.host_block_ids and num_common
         ):  # the copy back is the request's own: a partial block too
@@ -240,6 +240,13 @@ class KVCacheManager:
         for _ in range(needed):
             req.block_table.append(self._pop_free_block())
         return True
+
+    def trim_slots(self, req: Request) -> None:
+        """Free the blocks past the request's computed tokens (allocated for proposed tokens
+        that were rejected): its table is then what a step without them would have left."""
+        num_kept = -(-req.num_computed_tokens // self.block_size)
+        while len(req.block_table) > num_kept:
+            self._decref(req.block_table.pop())
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` (a sequence with no blocks) the K/V `parent` has computed by sharing
@@ -484,7 +491,7 @@ class KVCacheManager:
         return [session_id for _, session_id in (*self.sessions, *self.host_sessions)]
 
 
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
     for i in range(n):
         if a[i] != b[i]:

@@ -192,7 +192,8 @@ class ModelRunner:
 
         Returns:
             [num_rows, vocab] float32 logits: each scheduled request's last `logit_rows` new
-            tokens, in batch order (every_row: [num_batched_tokens, vocab]).
+            tokens (with proposed tokens, theirs too), in batch order (every_row:
+            [num_batched_tokens, vocab]).
         """
         if self.host_pool is not None and self.host_pool.has_copies_in_flight:
             self.host_pool.wait_for({b for s in out.scheduled for b in s.request.block_table})
@@ -259,7 +260,8 @@ class ModelRunner:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             table = req.block_table
-            input_ids.extend(req.all_token_ids[start:end])
+            tokens = req.all_token_ids + s.spec_token_ids if s.spec_token_ids else req.all_token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(slot_of(table, p, bs) for p in range(start, end))
             logit_rows.extend(range(len(input_ids) - s.logit_rows, len(input_ids)))

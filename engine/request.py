@@ -55,6 +55,11 @@ class Request:
     unwanted_choices: set[int] = field(default_factory=set)  # aborted before they forked
     # its last block may be shared with the sequences it forked from or into: copied on write
     shares_tail: bool = False
+    # Speculative decoding (engine/speculative.py): recent share of proposed tokens accepted
+    # (a new request starts halfway: a first fully rejected draft can stop it), and steps it
+    # has gone without proposals since that share fell below the threshold.
+    spec_acceptance_rate: float = 0.5
+    spec_skipped_steps: int = 0
     # SamplingParams.prompt_logprobs: entry p is prompt token p + 1's, filled as the prompt's
     # chunks are computed and sent with the first output token (then prompt_logprobs_sent).
     prompt_logprobs: list = field(default_factory=list)

@@ -26,8 +26,12 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens of K/V computed for it this step
     samples: bool  # the step reaches its last known token, so a new token is sampled
     # Logits wanted from its last new tokens: 1 when it samples, all of them while its
-    # prompt's logprobs are wanted (Request.wants_prompt_logprobs), else 0.
+    # prompt's logprobs are wanted (Request.wants_prompt_logprobs), else 0; with proposed
+    # tokens, 1 + their number.
     logit_rows: int = 0
+    # proposed tokens verified this step (engine/speculative.py): computed after the
+    # request's last token, each position sampled; counted in num_new_tokens
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -67,8 +71,12 @@ class StepScheduler:
         req.waiting_since_step = self.num_steps
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """Choose the next step's requests and their token counts, allocating their blocks.
+
+        Args:
+            proposals: proposed tokens of decoding requests by request id, verified this step
+                where the token budget and free blocks allow (never preempting for them).
 
         Returns:
             The step's decision; empty when nothing can run.
@@ -76,7 +84,7 @@ class StepScheduler:
         self.num_steps += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, budget, proposals or {})
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
@@ -84,7 +92,9 @@ class StepScheduler:
         self.num_batched_tokens += out.num_batched_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, proposals: dict[str, list[int]]
+    ) -> int:
         scheduled: set[str] = set()
         # one-token requests (decodes) first, so a long chunked prefill never stalls them
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -92,6 +102,14 @@ class StepScheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            spec = self._room_for_proposal(req, proposals.get(req.request_id), budget)
+            if spec:
+                scheduled.add(req.request_id)
+                out.scheduled.append(
+                    ScheduledRequest(req, 1 + len(spec), True, 1 + len(spec), spec)
+                )
+                budget -= 1 + len(spec)
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, num_new, scheduled, out):
                 continue
@@ -99,6 +117,24 @@ class StepScheduler:
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
         return budget
+
+    def _room_for_proposal(
+        self, req: Request, proposal: list[int] | None, budget: int
+    ) -> list[int]:
+        """The part of a decoding request's proposal the budget leaves room for, with its
+        slots allocated; empty when there is none or its blocks are not free."""
+        if not proposal or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        spec = proposal[: budget - 1]
+        kv = self.kv_cache
+        # free blocks only, leaving one per running request (its next token's) and one for a
+        # copy on write: a proposal never evicts a session or preempts a request
+        spare = kv.num_free_blocks - len(self.running)
+        if not spec or kv.num_blocks_needed(req, 1 + len(spec)) >= spare:
+            return []
+        if not kv.allocate_slots(req, 1 + len(spec)):
+            return []
+        return spec
 
     def _allocate_or_preempt(
         self, req: Request, num_new: int, scheduled: set[str], out: SchedulerOutput

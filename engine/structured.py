@@ -122,15 +122,29 @@ class StructuredOutput:
             entry[1].cancel()
         return entry is not None
 
-    def bitmask(self, reqs: list[Request]) -> torch.Tensor | None:
+    def bitmask(
+        self, reqs: list[Request], proposed: list[list[int]] | None = None
+    ) -> torch.Tensor | None:
         """The allowed next tokens of each request as an int32 [len(reqs), words] bitmask
         (llguidance's layout: bit i of word j allows token 32 * j + i), all ones for requests
-        without a constraint; None when no request has one."""
-        rows = [(req.matcher, row) for row, req in enumerate(reqs) if req.matcher is not None]
-        if not rows:
+        without a constraint; None when no request has one.
+
+        Args:
+            proposed: per row, proposed tokens (engine/speculative.py) the row's request is
+                taken to have produced first; its matcher is rolled back after. None: none.
+        """
+        proposed = proposed or [[] for _ in reqs]
+        pairs = enumerate(zip(reqs, proposed, strict=True))
+        constrained = [(r.matcher, row, p) for row, (r, p) in pairs if r.matcher is not None]
+        if not constrained:
             return None
         bitmask = llguidance.torch.allocate_token_bitmask(len(reqs), self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask_par(self._mask_executor, rows, bitmask)
+        rows = [(matcher, row) for matcher, row, tokens in constrained if not tokens]
+        if rows:
+            llguidance.torch.fill_next_token_bitmask_par(self._mask_executor, rows, bitmask)
+        for matcher, row, tokens in constrained:
+            if tokens:
+                _fill_after(matcher, tokens, bitmask, row)
         return bitmask
 
     def close(self) -> None:
@@ -142,6 +156,17 @@ def advance(req: Request, token_id: int) -> str | None:
     if req.matcher is None or req.matcher.consume_token(token_id):
         return None
     return f"the constraint refused token {token_id}: {req.matcher.get_error()}"
+
+
+def _fill_after(
+    matcher: llguidance.LLMatcher, tokens: list[int], bitmask: torch.Tensor, row: int
+) -> None:
+    """Fill `row` with what the matcher allows after `tokens` (which it accepts: proposals are
+    cut to the prefix their constraint accepts), leaving the matcher as it was."""
+    if not matcher.consume_tokens(tokens):
+        raise RuntimeError(f"the constraint refused proposed tokens: {matcher.get_error()}")
+    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+    matcher.rollback(len(tokens))
 
 
 def _replayed(matcher: llguidance.LLMatcher, replay: list[int]) -> llguidance.LLMatcher:

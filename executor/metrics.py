@@ -12,7 +12,10 @@ from common.metrics import METRICS, ProcessMetrics
 from engine.engine import EngineStats
 
 # What a scrape shows before the first snapshot: an empty engine.
-IDLE_STATS = EngineStats(**{name: 0 for name in EngineStats.__dataclass_fields__})
+IDLE_STATS = EngineStats(
+    **{name: 0 for name in EngineStats.__dataclass_fields__ if name != "spec_method"},
+    spec_method="",
+)
 
 
 class EngineStatsCollector(Collector):
@@ -43,6 +46,29 @@ class EngineStatsCollector(Collector):
         yield family("kvgate_executor_swapped_out_blocks", stats.num_swapped_out_blocks)
         yield family("kvgate_executor_swapped_in_blocks", stats.num_swapped_in_blocks)
         yield family("kvgate_executor_offloaded_sessions", stats.num_offloaded_sessions)
+        yield from self._speculative(stats)
+
+    def _speculative(self, stats: EngineStats) -> Iterator[Metric]:
+        """Speculative decoding's counts, labelled with the proposer's method (none when
+        speculation is off)."""
+        counts = {
+            "kvgate_executor_spec_drafts": stats.num_spec_drafts,
+            "kvgate_executor_spec_proposed_tokens": stats.num_spec_proposed_tokens,
+            "kvgate_executor_spec_accepted_tokens": stats.num_spec_accepted_tokens,
+            "kvgate_executor_spec_bonus_tokens": stats.num_spec_bonus_tokens,
+        }
+        for name, value in counts.items():
+            counter = CounterMetricFamily(name, METRICS[name].documentation, labels=["method"])
+            if stats.spec_method:
+                counter.add_metric([stats.spec_method], value, created=self._created_unix_s)
+            yield counter
+        name = "kvgate_executor_spec_acceptance_ratio"
+        ratio = GaugeMetricFamily(name, METRICS[name].documentation, labels=["method"])
+        if stats.spec_method:
+            proposed = stats.num_spec_proposed_tokens
+            accepted = stats.num_spec_accepted_tokens
+            ratio.add_metric([stats.spec_method], accepted / proposed if proposed else 0.0)
+        yield ratio
 
     def describe(self) -> Iterator[Metric]:
         """The families `collect` yields, so the registry knows their names."""
