@@ -92,6 +92,9 @@ VARIANTS = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    # int8 layers against activations rounded to int8 blocks (--int8-activations)
+    "int8-a8": {"quantization": "int8", "int8_activations": True},
+    "int4-a8": {"quantization": "int4", "int8_activations": True},
 }
 
 

@@ -71,6 +71,8 @@ VARIANTS = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    "int8-a8": {"quantization": "int8", "int8_activations": True},
+    "int4-a8": {"quantization": "int4", "int8_activations": True},
     "kv-float16": {"kv_cache_dtype": "float16"},
     "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
     "kv-int8": {"kv_cache_dtype": "int8"},

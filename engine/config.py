@@ -160,6 +160,9 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; float32, float16, bfloat16, int8, fp8
     quantization: str = "none"  # weight-only: none, int8 (per channel), int4 (groups of 32)
+    # int8 layers (int8's, int4's output layer) multiply x rounded to int8 blocks of 32, as
+    # int4 layers always do: integer products on the CPU (docs/cpu-speed.md)
+    int8_activations: bool = False
     kernels: str | None = None  # None: KVGATE_KERNELS or the device default
     retain_freed_memory: bool = True  # CPU: glibc keeps freed activations (engine/host_memory)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
@@ -249,6 +252,12 @@ class EngineConfig:
             "quantization",
             "one of none, int8, int4",
             self.quantization,
+        )
+        _require(
+            not self.int8_activations or self.quantization != "none",
+            "int8_activations",
+            "only with quantization int8 or int4",
+            self.int8_activations,
         )
         _require(
             not (self.device == "cpu" and self.dtype == "float16"),
@@ -435,6 +444,13 @@ def _add_format_flags(add) -> None:
         "--quantization",
         default=env_str("KVGATE_QUANTIZATION", "none"),
         help="weight-only: none, int8 (per channel) or int4 (groups of 32)",
+    )
+    add(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("KVGATE_INT8_ACTIVATIONS", False),
+        help="with --quantization: int8 layers multiply activations rounded to int8 blocks of "
+        "32 (integer products, as int4 layers always do)",
     )
     add(
         "--enforce-eager",

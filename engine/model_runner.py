@@ -55,7 +55,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kernels = get_kernels(self.device, config.kernels, self.dtype)
         self.model, self.model_config = load_model(
-            config.model, self.device, self.dtype, config.quantization, self.rank, num_ranks
+            config.model,
+            self.device,
+            self.dtype,
+            config.quantization,
+            self.rank,
+            num_ranks,
+            config.int8_activations,
         )
         self.rank_config: ModelConfig = self.model.config  # this rank's heads and columns
         head_dim = self.model_config.head_dim

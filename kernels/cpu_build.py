@@ -49,6 +49,7 @@ HEADERS = tuple(
         "cpu_attention_tiles.h",
         "cpu_transpose.h",
         "cpu_int4.h",
+        "cpu_int8_blocks.h",
     )
 )
 PROBE_SOURCE = CSRC / "cpu_isa.c"
@@ -116,6 +117,7 @@ class LinearWeightsStruct(ctypes.Structure):
         ("group_size", _i64),
         ("out_features", _i64),
         ("in_features", _i64),
+        ("x_int8", _int),
     ]
 
 
@@ -187,6 +189,7 @@ _SIGNATURES = {
     "kvgate_linear_columns_available": ([], _int),
     "kvgate_attention_tiles_built": ([], _int),
     "kvgate_int4_integer_built": ([], _int),
+    "kvgate_int8_integer_built": ([], _int),
     "kvgate_rms_norm_vector_built": ([], _int),
     "kvgate_linear_tiles_available": ([], _int),
     "kvgate_linear_tiles": ([_linear_p, _ptr, _int, _i64, _ptr, _int, _int], _int),

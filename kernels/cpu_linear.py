@@ -62,7 +62,7 @@ def weights_struct(
         zeros = None if weight.zeros is None else weight.zeros.data_ptr()
         return LinearWeightsStruct(
             kind, weight.qweight.data_ptr(), weight.scales.data_ptr(), zeros, _pointer(bias),
-            weight.group_size, weight.out_features, weight.in_features,
+            weight.group_size, weight.out_features, weight.in_features, weight.int8_activations,
         )  # fmt: skip
     kind = WEIGHT_KINDS[str(weight.dtype).removeprefix("torch.")]
     return LinearWeightsStruct(kind, weight.data_ptr(), None, None, _pointer(bias), 0,
@@ -251,7 +251,7 @@ def _dequantized_matmul(
         out = torch.empty(weight.out_features, rows, dtype=torch.float32)
         _quantized_columns_into(_features_major(x), weight, out)
     else:
-        if weight.bits == 4:
+        if weight.rounds_activations:
             x = round_activations(x).to(x.dtype)
         out = torch.empty(weight.out_features, rows, dtype=x.dtype)
         rows_per_chunk = max(1, DEQUANTIZE_CHUNK_ELEMENTS // weight.in_features)
@@ -277,6 +277,8 @@ def _tiles(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) on the AMX tile kernel, column-major [rows, out_features]."""
+    if weight.int8_activations:
+        x = round_activations(x).to(x.dtype)
     weights = weights_struct(weight, bias)
     out = torch.empty(weights.out_features, x.shape[0], dtype=out_dtype)
     x_t = _features_major(x)

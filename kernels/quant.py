@@ -24,7 +24,7 @@ rows with `permute_rows` and fuses projections with `concat_rows`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,9 @@ class QuantizedWeight:
     scales: torch.Tensor
     zeros: torch.Tensor | None  # int4 only
     group_size: int
+    # int8 only: x rounded to int8 blocks of 32 before the product, as int4's always is
+    # (integer block sums on the CPU); False: weight-only, x as it is
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         _check_format(self)
@@ -62,6 +65,11 @@ class QuantizedWeight:
         parts = [self.qweight, self.scales] + ([] if self.zeros is None else [self.zeros])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    @property
+    def rounds_activations(self) -> bool:
+        """Whether x is rounded to int8 blocks of 32 before the product (quantize_activations)."""
+        return self.bits == 4 or self.int8_activations
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as a dense [out_features, in_features] tensor (computed in float32)."""
         return self.dequantize_rows(slice(None)).to(dtype)
@@ -77,8 +85,9 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         zeros = None if self.zeros is None else self.zeros.to(device)
         return QuantizedWeight(
-            self.bits, self.qweight.to(device), self.scales.to(device), zeros, self.group_size
-        )
+            self.bits, self.qweight.to(device), self.scales.to(device), zeros, self.group_size,
+            self.int8_activations,
+        )  # fmt: skip
 
 
 def _check_format(w: QuantizedWeight) -> None:
@@ -106,6 +115,20 @@ def _check_format(w: QuantizedWeight) -> None:
         raise ValueError("qweight must be contiguous")
     if w.bits == 8 and w.zeros is not None:
         raise ValueError("int8 weights have no zeros")
+    if w.int8_activations and (w.bits != 8 or w.group_size % ACTIVATION_BLOCK != 0):
+        raise ValueError(
+            f"int8_activations needs int8 weights in groups of a multiple of {ACTIVATION_BLOCK} "
+            f"(per channel: in_features), got {w.bits} bits, group_size {w.group_size}"
+        )
+
+
+def with_int8_activations(weight: QuantizedWeight) -> QuantizedWeight:
+    """An int8 weight in groups of a multiple of ACTIVATION_BLOCK (per channel included) as one
+    that multiplies x rounded to int8 blocks (integer products on the CPU); any other weight as
+    it is (int4 always rounds x)."""
+    if weight.bits != 8 or weight.group_size % ACTIVATION_BLOCK != 0:
+        return weight
+    return replace(weight, int8_activations=True)
 
 
 def int8_weight(

@@ -227,8 +227,9 @@ def linear_quantized(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x @ w^T + bias for a quantized w, computed in float32 from the dequantized weight and
-    rounded once to the result's dtype; for int4 weights x is first rounded to int8 blocks of
-    32 values (kernels.quant.round_activations), for int8 it is used as it is.
+    rounded once to the result's dtype; for int4 weights (and int8 ones with int8_activations)
+    x is first rounded to int8 blocks of 32 values (kernels.quant.round_activations), for other
+    int8 ones it is used as it is.
 
     Args:
         x: [N, in_features] floats.
@@ -241,7 +242,7 @@ def linear_quantized(
     """
     check_quantized_linear(x, weight, bias)
     bias = None if bias is None else bias.float()
-    values = round_activations(x) if weight.bits == 4 else x.float()
+    values = round_activations(x) if weight.rounds_activations else x.float()
     out = F.linear(values, weight.dequantize(torch.float32), bias)
     return out.to(out_dtype or x.dtype)
 

@@ -81,7 +81,7 @@ def linear_quantized(
     """
     check_quantized_linear(x, weight, bias)
     expect_triton_device("x", x)
-    if weight.bits == 4:  # int8 blocks of x (see kernels.quant), back in x's dtype
+    if weight.rounds_activations:  # int8 blocks of x (see kernels.quant), back in x's dtype
         x = round_activations(x).to(x.dtype)
     num_rows, k = x.shape
     n = weight.out_features

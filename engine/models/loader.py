@@ -16,7 +16,7 @@ from engine.models.gguf import read_gguf_checkpoint
 from engine.models.llama import LlamaForCausalLM
 from engine.models.quantize import apply_quantized, quantize_state
 from engine.models.shard import shard_config, shard_quantized, shard_state
-from kernels.quant import QuantizedWeight, concat_rows
+from kernels.quant import QuantizedWeight, concat_rows, with_int8_activations
 
 _FUSED = {  # our fused parameter -> checkpoint parameters concatenated along dim 0
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -82,13 +82,16 @@ def load_model(
     quantization: str = "none",
     rank: int = 0,
     num_ranks: int = 1,
+    int8_activations: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model that `model` names (a checkpoint folder or a GGUF file) on `device`
     in `dtype`, its linear layers weight-only quantized when `quantization` is "int8" or
     "int4" (from the checkpoint's own weights before they are cast to `dtype`, or GGUF blocks
     already in the format kept as they are). With `num_ranks` > 1 the module holds tensor
     parallel rank `rank`'s share (engine/models/shard.py), and its
-    `config` is that share's; the config returned is the whole model's.
+    `config` is that share's; the config returned is the whole model's. With
+    `int8_activations` its int8 layers multiply x rounded to int8 blocks (kernels.quant's
+    with_int8_activations).
 
     Raises:
         FileNotFoundError: config.json or the weights are missing.
@@ -111,6 +114,8 @@ def load_model(
         state = shard_state(state, config, rank, num_ranks)
         quantized = shard_quantized(quantized, config, rank, num_ranks)
         built_config = shard_config(config, num_ranks)
+    if int8_activations:
+        quantized = {name: with_int8_activations(w) for name, w in quantized.items()}
     # Copied when quantized: a tensor still mapped from the checkpoint file would keep the
     # whole file's pages resident (safetensors maps it), float weights included.
     copy = bool(quantized)

@@ -406,6 +406,7 @@ typedef struct {
     const void *scales, *zeros;  /* int8: float32 scales; int4: float16 scales and zeros */
     const void *bias;
     int64_t group_size, out_features, in_features;
+    int x_int8; /* int8 weights: x rounded to int8 blocks of 32 first, as int4's always is */
 } kvgate_linear_weights;
 
 /* y = x @ w^T + bias for m rows of x (element (i, j) at x[i * row_stride + j * col_stride],

@@ -69,10 +69,12 @@ static void pack_x(const void *x, int x_dtype, int64_t row_stride, int64_t col_s
 
 /* What every kernel below needs besides its weights. */
 struct int4_x;
+struct q8_x;
 
 typedef struct {
     const void *x; /* packed: [m, ld] float32 or bfloat16 */
     const struct int4_x *xq; /* int4 weights: x rounded to int8 blocks (cpu_int4.h) */
+    const struct q8_x *x8;   /* int8 weights with x_int8: the same (cpu_int8_blocks.h) */
     int64_t m, k, ld, n;
     const void *bias;
     int bias_dtype;
@@ -355,6 +357,7 @@ static inline __attribute__((always_inline)) void bf16_block(
 #endif
 
 #include "cpu_int4.h"
+#include "cpu_int8_blocks.h"
 
 typedef kvgate_linear_weights weights;
 
@@ -444,7 +447,9 @@ static void store_row_vector(const float *src, int64_t n, void *dst, int dtype) 
 /* One (R, M) instance of the kernel of `wt`'s kind, with R and M constants. */
 #define KVGATE_BLOCK(R, M)                                                                  \
     do {                                                                                    \
-        if (wt->kind == KVGATE_W_INT8)                                                      \
+        if (wt->kind == KVGATE_W_INT8 && wt->x_int8)                                        \
+            q8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);                \
+        else if (wt->kind == KVGATE_W_INT8)                                                 \
             int8_block(io, wt->q, wt->scales, wt->group_size, row0, R, i0, M);              \
         else if (wt->kind == KVGATE_W_INT4)                                                 \
             INT4_BLOCK(R, M);                                                               \
@@ -520,12 +525,13 @@ int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_str
      * 15 elements past the group's end: in the last row, past the packed rows, into X_TAIL zeros
      * (the weights there are masked to zero, but 0 * NaN from stray memory is NaN). */
     const size_t elem = to_bf16 ? 2 : 4, bytes = (size_t)(m * ld) * elem;
-    const size_t int4_bytes = INT4_X_BYTES(wt->kind, m, k);
+    const size_t int4_bytes = INT4_X_BYTES(wt->kind, m, k) + Q8_X_BYTES(wt, m, k);
     char *packed = malloc(bytes + X_TAIL * elem + int4_bytes);
     if (packed == NULL) return 1;
     memset(packed + bytes, 0, X_TAIL * elem + int4_bytes);
     pack_x(x, x_dtype, row_stride, col_stride, m, k, ld, to_bf16, packed);
-    linear_io io = {packed, NULL, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
+    linear_io io = {packed, NULL, NULL, m, k, ld, n, wt->bias, x_dtype, out, out_dtype};
+    const int rounds_x = wt->kind == KVGATE_W_INT4 || (wt->kind == KVGATE_W_INT8 && wt->x_int8);
 #ifdef KVGATE_INT4_INTEGER
     int4_x xq;
     if (wt->kind == KVGATE_W_INT4) {
@@ -533,8 +539,13 @@ int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_str
         quantize_x((const float *)packed, m, k, ld, &xq);
         io.xq = &xq;
     }
+    q8_x x8;
+    if (rounds_x && wt->kind == KVGATE_W_INT8) {
+        x8 = q8_quantize_x((const float *)packed, m, k, ld, packed + bytes + X_TAIL * elem);
+        io.x8 = &x8;
+    }
 #else
-    if (wt->kind == KVGATE_W_INT4) round_x_blocks((float *)packed, m, k, ld);
+    if (rounds_x) round_x_blocks((float *)packed, m, k, ld);
 #endif
     const int64_t blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
     int failed = 0;
@@ -547,7 +558,7 @@ int kvgate_linear(const weights *wt, const void *x, int x_dtype, int64_t row_str
             if (w_row == NULL) continue;
             const int64_t row0 = b * ROW_BLOCK;
             const int R = n - row0 < ROW_BLOCK ? (int)(n - row0) : ROW_BLOCK;
-            if (R == ROW_BLOCK)
+            if (R == ROW_BLOCK && !reads_rows_in_turn(wt, m))
                 run_rows(&io, wt, row0, ROW_BLOCK, w_row);
             else
                 for (int r = 0; r < R; ++r) run_rows(&io, wt, row0 + r, 1, w_row);
@@ -605,11 +616,16 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
                                     int num_threads) {
     if (wt->kind != KVGATE_W_INT8 && wt->kind != KVGATE_W_INT4) return 2;
     const int64_t k = wt->in_features, n = wt->out_features;
-    if (wt->kind == KVGATE_W_INT4) {
+    if (wt->kind == KVGATE_W_INT4 || wt->x_int8) {
         float *rounded = malloc(sizeof(float) * (size_t)(k * m));
         if (rounded == NULL) return 1;
         round_x_columns(x, k, m, rounded);
-        const int failed = kvgate_linear_columns_chunks(wt, rounded, m, out, num_threads);
+        /* int8: the weight-only paths below over the rounded x */
+        const kvgate_linear_weights weight_only = {wt->kind, wt->q, wt->scales, wt->zeros,
+                                                   wt->bias, wt->group_size, n, k, 0};
+        const int failed = wt->kind == KVGATE_W_INT4
+            ? kvgate_linear_columns_chunks(wt, rounded, m, out, num_threads)
+            : kvgate_linear_columns_quantized(&weight_only, rounded, m, out, num_threads);
         free(rounded);
         return failed;
     }
@@ -638,6 +654,17 @@ int kvgate_linear_columns_quantized(const weights *wt, const float *x, int64_t m
         free(rows);
     }
     return failed;
+}
+
+/* Whether the small-batch int8 kernel of weights with x_int8 sums its blocks in integer
+ * multiply-adds (cpu_int8_blocks.h: every level but the portable one; the kernel tests check
+ * it). */
+int kvgate_int8_integer_built(void) {
+#ifdef KVGATE_INT8_INTEGER
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Whether the small-batch int4 kernel sums its blocks in integer multiply-adds (cpu_int4.h:

@@ -34,6 +34,7 @@ def isa_level(request, monkeypatch) -> str:
     vector_kernels = {
         "attention register tiles": lib.kvgate_attention_tiles_built(),
         "int4 integer multiply-adds": lib.kvgate_int4_integer_built(),
+        "int8 x int8-block integer multiply-adds": lib.kvgate_int8_integer_built(),
         "column-major RMSNorm in vectors": lib.kvgate_rms_norm_vector_built(),
     }
     for name, present in vector_kernels.items():

@@ -1,10 +1,11 @@
 """Weight-only quantization: the int8 and int4 formats, GGUF blocks read into them, and the
 quantized (and bfloat16) linear kernels of the CPU and of Triton against the reference.
 
-The reference multiplies the dequantized weight in float32 (int4: by the activations rounded
-to int8 blocks of 32, quant.round_activations). The C small-batch kernels do the same sums in
-another order: within 1e-5 relative to the largest output for float32, and equal to the
-reference's rounding (one bfloat16 step) for bfloat16. Larger batches multiply weights
+The reference multiplies the dequantized weight in float32 (int4, and int8 with
+int8_activations: by the activations rounded to int8 blocks of 32, quant.round_activations;
+the C small-batch kernels sum those blocks in integer multiply-adds). The C small-batch kernels
+do the same sums in another order: within 1e-5 relative to the largest output for float32, and
+equal to the reference's rounding (one bfloat16 step) for bfloat16. Larger batches multiply weights
 dequantized to the activation dtype: for bfloat16 the weights are rounded too (a few steps),
 except on CPUs without AMX, where bfloat16 x is widened to float32 and takes the float32 paths.
 """
@@ -51,6 +52,20 @@ def test_a_weight_of_the_wrong_shape_or_dtype_is_refused_naming_the_field():
         quant.QuantizedWeight(4, packed, torch.ones(4, 4).half(), torch.ones(4, 4).half(), 16)
     with pytest.raises(ValueError, match=r"zeros must be torch.float16 \(4, 2\), got None"):
         quant.QuantizedWeight(4, packed, torch.ones(4, 2).half(), None, 32)
+    with pytest.raises(ValueError, match="int8_activations needs int8 weights in groups of a "
+                                         "multiple of 32"):  # fmt: skip
+        quant.QuantizedWeight(8, torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 2), None,
+                              24, int8_activations=True)  # fmt: skip
+
+
+def test_only_int8_weights_in_whole_blocks_take_int8_activations():
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(8, 96, generator=gen)
+    assert quant.with_int8_activations(quant.quantize_int8(dense)).int8_activations
+    assert quant.with_int8_activations(quant.quantize_int8(dense, 32)).rounds_activations
+    kept = [quant.quantize_int8(dense, 24), quant.quantize_int4(dense, 32)]
+    assert all(quant.with_int8_activations(w) is w for w in kept), "returned as they are"
+    assert not kept[0].rounds_activations and kept[1].rounds_activations
 
 
 def gguf_blocks(kind: str, rows: int, blocks: int, seed: int) -> tuple[bytes, torch.Tensor]:
@@ -104,7 +119,7 @@ def test_rows_move_and_stack_with_their_scales():
 
 def make_weights(out_features: int, in_features: int, seed: int, odd_int8_groups: bool = False):
     """The formats of one seeded weight; odd_int8_groups adds int8 groups of 24 (which a 16-wide
-    vector does not fit evenly)."""
+    vector does not fit evenly); "-a8": int8 against x rounded to int8 blocks."""
     gen = torch.Generator().manual_seed(seed)
     dense = torch.randn(out_features, in_features, generator=gen)
     odd_groups = odd_int8_groups and in_features % 24 == 0
@@ -116,6 +131,9 @@ def make_weights(out_features: int, in_features: int, seed: int, odd_int8_groups
         "int4-g96": quant.quantize_int4(dense, 96) if in_features % 96 == 0 else None,
         "int4-row": quant.quantize_int4(dense, in_features) if in_features % 32 == 0 else None,
     }
+    for name in ("int8", "int8-g32"):
+        if kinds[name] is not None and kinds[name].group_size % 32 == 0:
+            kinds[f"{name}-a8"] = quant.with_int8_activations(kinds[name])
     return gen, {name: w for name, w in kinds.items() if w is not None}
 
 
@@ -172,19 +190,32 @@ def test_activations_round_to_int8_blocks_of_32_by_their_largest_value():
         quant.quantize_activations(torch.zeros(2, 48))
 
 
+IDENTITIES = {  # weights that return the activations they multiply
+    "int4": lambda: quant.int4_weight(torch.eye(256, dtype=torch.uint8), torch.ones(256, 8),
+                                      torch.zeros(256, 8), 32),
+    "int8-a8": lambda: quant.with_int8_activations(
+        quant.int8_weight(torch.eye(256, dtype=torch.int8), torch.ones(256))
+    ),
+    "int8-g64-a8": lambda: quant.with_int8_activations(
+        quant.int8_weight(torch.eye(256, dtype=torch.int8), torch.ones(256, 4), 64)
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
+@pytest.mark.parametrize("weight_format", list(IDENTITIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4, 7, 9, 64, 65])
-def test_int4_layers_round_activations_exactly_as_the_reference(rows, dtype):
-    """An identity int4 weight (scale 1, zero 0) returns the activations it multiplied: the C
-    kernels' int8 blocks (small batches; 9-64 float32 rows, and bfloat16 ones widened to
+def test_layers_round_activations_exactly_as_the_reference(rows, dtype, weight_format):
+    """An identity int4 weight (scale 1, zero 0), or int8 one (scale 1) with int8_activations,
+    returns the activations it multiplied: the C kernels' int8 blocks (small batches: their
+    exact integer sums times x's block scale; 9-64 float32 rows, and bfloat16 ones widened to
     float32 on a CPU without AMX, rounded beside the outer-product kernel) and the dequantized
     matmul's (65 rows) are the reference's to the bit."""
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 256, generator=gen) * torch.rand(rows, 1, generator=gen) * 8).to(dtype)
     x[0, 96:128] = 0.0
-    identity = quant.int4_weight(torch.eye(256, dtype=torch.uint8), torch.ones(256, 8),
-                                 torch.zeros(256, 8), 32)  # fmt: skip
+    identity = IDENTITIES[weight_format]()
     out = cpu_linear.linear_quantized(x, identity, None, torch.float32)
     expected = quant.round_activations(x)
     if rows > cpu_linear.SMALL_BATCH_ROWS and cpu_linear._tiles_built():
@@ -194,14 +225,20 @@ def test_int4_layers_round_activations_exactly_as_the_reference(rows, dtype):
 
 
 @pytest.mark.usefixtures("isa_level")  # once per ISA level this CPU runs
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [4, 9, 20, 64, 65])
-def test_int4_layers_give_nan_rows_where_the_activations_hold_a_nan(rows):
+def test_layers_rounding_activations_give_nan_rows_where_they_hold_a_nan(rows, bits):
     """A NaN in a row of x makes every output of that row NaN, as in the reference (the NaN's
     block gets a NaN scale), and leaves the other rows finite: the small-batch kernel, 9-64
     rows (x rounded 16 rows at a time, NaNs in the first and last lanes of a vector) and more
-    (torch)."""
+    (torch); int4, and int8 with int8_activations."""
     gen = torch.Generator().manual_seed(rows)
-    weight = quant.quantize_int4(torch.randn(40, 256, generator=gen), 32)
+    dense = torch.randn(40, 256, generator=gen)
+    weight = (
+        quant.quantize_int4(dense, 32)
+        if bits == 4
+        else quant.with_int8_activations(quant.quantize_int8(dense))
+    )
     x = torch.randn(rows, 256, generator=gen)
     nan_rows = sorted({0, rows - 1})
     x[0, 3] = float("nan")
@@ -266,7 +303,7 @@ def test_quantized_linear_of_9_to_64_rows_runs_the_outer_product_kernel(rows, ro
     bias = torch.randn(100, generator=gen)
     if routing == "no-amx":
         monkeypatch.setattr(cpu_linear, "_tiles_built", lambda: False)
-    tiles = int(cpu_linear._tiles_built())
+    tiles = sum(cpu_linear._takes_tiles(w) for w in weights.values())
     calls = counting_library(monkeypatch, "kvgate_linear_columns_quantized", "kvgate_linear_tiles")
     for name, weight in weights.items():
         out = cpu_linear.linear_quantized(x, weight, bias)

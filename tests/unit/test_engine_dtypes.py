@@ -3,7 +3,7 @@
 Greedy tokens of these cannot equal float32's everywhere (their numbers differ); their quality
 is the teacher-forced top-1 agreement with float32 along float32's greedy continuation
 (bench/quality.py), computed here on 16 story prompts x 128 tokens and held to >= 95% for
-bfloat16 and int8.
+bfloat16, int8, and int8 with its activations rounded to int8 blocks (--int8-activations).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ MIN_TOP1_AGREEMENT = 0.95
 @pytest.fixture(scope="module")
 def quality() -> dict:
     prompts = tokenized_prompts(str(STORIES_260K), "story", 16)
-    return measure_quality(str(STORIES_260K), prompts, 128, ("bfloat16", "int8"))["variants"]
+    variants = ("bfloat16", "int8", "int8-a8")
+    return measure_quality(str(STORIES_260K), prompts, 128, variants)["variants"]
 
 
-@pytest.mark.parametrize("variant", ["bfloat16", "int8"])
+@pytest.mark.parametrize("variant", ["bfloat16", "int8", "int8-a8"])
 def test_teacher_forced_top1_agreement_with_float32_is_at_least_95_percent(quality, variant):
     measured = quality[variant]
     assert measured["top1_agreement"] >= MIN_TOP1_AGREEMENT, (
@@ -59,6 +60,18 @@ def test_quantized_model_keeps_its_linear_layers_quantized_and_shares_the_tied_t
     assert len(tokens) == 16 and all(0 <= t < 512 for t in tokens)
 
 
+def test_int8_activations_reach_every_int8_layer_in_whole_blocks():
+    config = EngineConfig(model=str(STORIES_260K), quantization="int8", int8_activations=True,
+                          kv_cache_gib=0.05)  # fmt: skip
+    engine = Engine(config)
+    model = engine.runner.model
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.quantized.int8_activations  # input width 64
+    assert model.lm_head.quantized.int8_activations
+    assert not layer.mlp.down_proj.quantized.int8_activations  # 172: no whole blocks of 32
+    assert len(run_to_completion_of(engine, [1, 403, 407, 261, 378])) == 16
+
+
 def test_bfloat16_engine_keeps_a_bfloat16_cache_and_decodes():
     engine = Engine(EngineConfig(model=str(STORIES_260K), dtype="bfloat16", kv_cache_gib=0.05))
     assert engine.runner.kernels.name == "cpu"
@@ -82,6 +95,8 @@ def test_config_names_a_bad_quantization_or_a_cpu_float16():
         EngineConfig(model=str(STORIES_260K), quantization="fp8")
     with pytest.raises(ValueError, match="dtype must be float32 or bfloat16 on the CPU"):
         EngineConfig(model=str(STORIES_260K), dtype="float16")
+    with pytest.raises(ValueError, match="int8_activations must be only with quantization int8"):
+        EngineConfig(model=str(STORIES_260K), int8_activations=True)
 
 
 def run_to_completion_of(engine: Engine, prompt: list[int]) -> list[int]:
@@ -92,10 +107,11 @@ def run_to_completion_of(engine: Engine, prompt: list[int]) -> list[int]:
 
 def test_executor_flags_reach_the_engine_and_bad_ones_name_the_flag(monkeypatch):
     model = ["--model", str(STORIES_260K)]
-    config = ExecutorConfig.from_args([*model, "--dtype", "bfloat16", "--quantization",
-                                              "int8", "--enforce-eager"])  # fmt: skip
+    flags = ["--dtype", "bfloat16", "--quantization", "int8", "--enforce-eager"]
+    config = ExecutorConfig.from_args([*model, *flags, "--int8-activations"])
     engine = config.engine
     assert (engine.dtype, engine.quantization, engine.enforce_eager) == ("bfloat16", "int8", True)
+    assert engine.int8_activations and not ExecutorConfig.from_args(model).engine.int8_activations
     monkeypatch.setenv("KVGATE_QUANTIZATION", "int4")
     assert ExecutorConfig.from_args(model).engine.quantization == "int4"
     with pytest.raises(ValueError, match="--quantization must be one of none, int8, int4"):
