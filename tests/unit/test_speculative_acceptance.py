@@ -1,0 +1,133 @@
+"""Speculative decoding's acceptance checks beyond tests/unit/test_speculative.py: unseeded
+sampled output has the distribution of a run without proposals (a chi-square test), greedy
+output is unchanged on a random Llama of realistic shape and on SmolLM2 quantized, and a
+thousand mixed requests give back every block."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+from transformers import AutoTokenizer
+
+from bench.decoding import PROMPTS
+from common.model_text import ModelText
+from common.sampling_params import SamplingParams
+from deploy.models import default_gguf_path
+from engine.config import SpeculativeConfig
+from engine.engine import Engine
+from tests.helpers import STORIES_260K, greedy, make_engine, one_torch_thread, save_random_llama
+
+# Every request proposes whatever the batch: the rule is tested in test_speculative.py.
+EVERY_REQUEST = SpeculativeConfig(min_acceptance_rate=0.0, disable_by_batch_size=1 << 20)
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+    "One day, Lily saw a big red ball. "
+)
+# The story three times and the start of a fourth: proposals copy it, mostly accepted.
+RETOLD = STORY * 3 + "Once upon a time, there was a little"
+REPEATING = "The dog ran and ran and ran and ran and ran and"
+# A chi-square p-value below this says the two samples come from different distributions.
+SIGNIFICANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(STORIES_260K)
+
+
+def drain(engine: Engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+# ---- the distribution of sampled output -----------------------------------------------------
+
+
+def sampled_positions(prompt: list[int], params: SamplingParams, spec, torch_seed: int, n: int):
+    """Each request's generated tokens (`n` unseeded requests; the global generator seeded
+    with `torch_seed`), and the engine."""
+    torch.manual_seed(torch_seed)
+    engine = make_engine(speculative_config=spec, max_num_seqs=256, kv_cache_gib=0.05)
+    for i in range(n):
+        engine.add_request(f"s{i}", prompt, params)
+    return list(drain(engine).values()), engine
+
+
+def chi_square_p(first: list[int], second: list[int]) -> float:
+    """The p-value of a chi-square test that two samples of tokens share a distribution;
+    tokens seen fewer than 10 times in both together count as one category."""
+    counts = [Counter(first), Counter(second)]
+    total = counts[0] + counts[1]
+    common = sorted(t for t, c in total.items() if c >= 10)
+    table = [[c[t] for t in common] + [sum(c.values()) - sum(c[t] for t in common)] for c in counts]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    return chi2_contingency(table).pvalue
+
+
+def test_sampled_distribution_with_proposals_is_the_targets(tokenizer):
+    """1200 unseeded continuations at temperature 1 with and without proposals (different
+    global seeds): each position proposals cover has the same token distribution; a run at
+    temperature 0.7 does not, which shows the test can tell."""
+    prompt, n = tokenizer(RETOLD).input_ids, 1200
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    plain, _ = sampled_positions(prompt, params, None, torch_seed=1, n=n)
+    spec, engine = sampled_positions(prompt, params, EVERY_REQUEST, torch_seed=2, n=n)
+    stats = engine.stats()
+    assert stats.num_spec_drafts >= n // 4, stats
+    assert stats.num_spec_accepted_tokens >= n // 4, stats
+    assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens, stats
+    for position in range(1, 4):  # the first token comes from the prompt's step, unproposed
+        p = chi_square_p([t[position] for t in plain], [t[position] for t in spec])
+        assert p > SIGNIFICANCE, f"position {position}: p = {p:.2e}"
+    cooler = SamplingParams(max_tokens=4, temperature=0.7, ignore_eos=True)
+    cool, _ = sampled_positions(prompt, cooler, None, torch_seed=3, n=n)
+    p = chi_square_p([t[1] for t in plain], [t[1] for t in cool])
+    assert p < SIGNIFICANCE, f"temperature 1 vs 0.7 told apart only with p = {p:.2e}"
+
+
+# ---- greedy identity on other models ---------------------------------------------------------
+
+
+def greedy_twice(model: str, prompt: list[int], max_tokens: int, **engine_fields):
+    """Greedy tokens without and with proposals, and the speculative engine's stats."""
+    results = []
+    for spec in (None, EVERY_REQUEST):
+        engine = make_engine(model, speculative_config=spec, **engine_fields)
+        engine.add_request("r", prompt, greedy(max_tokens))
+        results.append(drain(engine)["r"])
+    return results, engine.stats()
+
+
+def test_random_llama_greedy_identical_and_accepted(tmp_path):
+    """A seeded random Llama of realistic shape (64-wide heads, grouped queries, untied head)
+    on a prompt that repeats a phrase: the proposals copy it."""
+    save_random_llama(tmp_path, vocab_size=2048, hidden_size=256, intermediate_size=688,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+    prompt = [11, 402, 93, 7, 1500, 64] * 8
+    (plain, spec), stats = greedy_twice(str(tmp_path), prompt, 48, block_size=4)
+    assert spec == plain
+    assert stats.num_spec_accepted_tokens > 0, stats
+    assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens, stats  # rejections too
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_smollm2_quantized_greedy_identical_and_accepted(quantization):
+    """SmolLM2 quoting its prompt, weights quantized by the engine (the GGUF as loaded is
+    test_speculative.py's test_smollm2_quoting_greedy_identical_and_accepted)."""
+    path = default_gguf_path()
+    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
+    prompt = ModelText(str(path)).encode(PROMPTS["quote"])
+    with one_torch_thread():
+        (plain, spec), stats = greedy_twice(
+            path, prompt, 24, kv_cache_gib=0.05, quantization=quantization
+        )
+    assert spec == plain
+    assert stats.num_spec_accepted_tokens >= 12, stats  # the model copies its prompt
