@@ -6,6 +6,7 @@ thousand mixed requests give back every block."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -131,3 +132,71 @@ def test_smollm2_quantized_greedy_identical_and_accepted(quantization):
         )
     assert spec == plain
     assert stats.num_spec_accepted_tokens >= 12, stats  # the model copies its prompt
+
+
+# ---- a thousand requests give every block back ----------------------------------------------
+
+
+def mixed_requests(tokenizer, n: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """`n` short requests: greedy, seeded and unseeded sampling, and greedy ones with stop
+    ids the story's proposals carry (a proposal ends before its stop; the target stops)."""
+    prompts = [tokenizer(t).input_ids for t in (RETOLD, REPEATING, STORY * 2, "Lily and Ben")]
+    stops = [tokenizer(w).input_ids[-1] for w in (" ball", " Lily", " play")]
+    requests = []
+    for i in range(n):
+        max_tokens = 6 + i % 11
+        params = [
+            greedy(max_tokens),
+            SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i),
+            SamplingParams(max_tokens=max_tokens, temperature=1.0),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stops),
+        ][i % 4]
+        requests.append((f"m{i}", prompts[i % len(prompts)], params))
+    return requests
+
+
+def run_aborting(engine: Engine, requests, aborted: set[str]):
+    """Each request's tokens and finish reasons (one a step); the `aborted` ones are aborted
+    after their first output."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    got: dict[str, tuple[list[int], list]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, reasons = got.setdefault(out.request_id, ([], []))
+            tokens += out.new_token_ids
+            reasons.append(out.finish_reason)
+            if out.request_id in aborted and out.finish_reason is None:
+                engine.abort(out.request_id)
+    return got
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_thousand_mixed_requests_free_every_block(tokenizer, method):
+    """1000 requests, every tenth aborted mid-way: the target's cache (and the draft's) ends
+    with every block free; the requests that ran to the end match a run without proposals."""
+    spec = EVERY_REQUEST
+    if method == "draft_model":
+        spec = replace(EVERY_REQUEST, method=method, model=str(STORIES_260K))
+    requests = mixed_requests(tokenizer, 1000)
+    aborted = {request_id for request_id, _, _ in requests[::10]}
+    fields = {"max_num_seqs": 128, "kv_cache_gib": 0.05}
+    plain = run_aborting(make_engine(**fields), requests, aborted)
+    engine = make_engine(speculative_config=spec, **fields)
+    got = run_aborting(engine, requests, aborted)
+    stats = engine.stats()
+    assert stats.num_spec_accepted_tokens > 0, stats
+    assert stats.num_free_blocks + stats.num_session_blocks == stats.num_total_blocks, stats
+    assert stats.num_running == stats.num_waiting == 0
+    if method == "draft_model":
+        engine.step()  # a step with nothing running forgets the finished requests' shadows
+        draft_cache = engine.proposer.kv_cache
+        assert draft_cache.num_free_blocks == draft_cache.num_blocks
+    reasons = Counter(got[request_id][1][-1] for request_id, _, _ in requests)
+    assert reasons["stop"] > 0 and reasons["length"] > 0, reasons
+    assert reasons[None] > len(aborted) // 2, reasons  # aborted before they ended
+    for request_id, _, params in requests:
+        if request_id in aborted or params.seed is None and params.temperature > 0:
+            continue
+        (tokens, reasons), (want, want_reasons) = got[request_id], plain[request_id]
+        assert (tokens, reasons[-1]) == (want, want_reasons[-1]), request_id
