@@ -193,6 +193,11 @@ METRICS = {
     "kvgate_executor_spec_acceptance_ratio": MetricSpec(
         "gauge", "accepted over proposed tokens since the executor started", ("method",)
     ),
+    "kvgate_executor_spec_mean_accepted_length": MetricSpec(
+        "gauge",
+        "tokens a verifying step gave a request on average (accepted ones and the target's own)",
+        ("method",),
+    ),
     "kvgate_executor_kernels": MetricSpec(
         "gauge",
         "1, labelled with the kernel backend (triton, cpu, reference) and the ISA level the CPU "

@@ -78,6 +78,14 @@ class EngineStats:
     num_spec_accepted_tokens: int  # proposed tokens the target agreed with
     num_spec_bonus_tokens: int  # the target's token after a fully accepted proposal
 
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying step gives a request on average: its accepted proposed tokens
+        and the target's own one (vLLM's mean acceptance length); 0 before the first draft."""
+        if not self.num_spec_drafts:
+            return 0.0
+        return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts
+
 
 class Engine:
     """Continuous batching over a paged KV cache, driven by `step()`; see the module docstring."""

@@ -62,13 +62,18 @@ class EngineStatsCollector(Collector):
             if stats.spec_method:
                 counter.add_metric([stats.spec_method], value, created=self._created_unix_s)
             yield counter
-        name = "kvgate_executor_spec_acceptance_ratio"
-        ratio = GaugeMetricFamily(name, METRICS[name].documentation, labels=["method"])
-        if stats.spec_method:
-            proposed = stats.num_spec_proposed_tokens
-            accepted = stats.num_spec_accepted_tokens
-            ratio.add_metric([stats.spec_method], accepted / proposed if proposed else 0.0)
-        yield ratio
+        proposed = stats.num_spec_proposed_tokens
+        gauges = {
+            "kvgate_executor_spec_acceptance_ratio": (
+                stats.num_spec_accepted_tokens / proposed if proposed else 0.0
+            ),
+            "kvgate_executor_spec_mean_accepted_length": stats.spec_mean_accepted_length,
+        }
+        for name, value in gauges.items():
+            gauge = GaugeMetricFamily(name, METRICS[name].documentation, labels=["method"])
+            if stats.spec_method:
+                gauge.add_metric([stats.spec_method], value)
+            yield gauge
 
     def describe(self) -> Iterator[Metric]:
         """The families `collect` yields, so the registry knows their names."""

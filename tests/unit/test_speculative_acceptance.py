@@ -19,6 +19,7 @@ from common.sampling_params import SamplingParams
 from deploy.models import default_gguf_path
 from engine.config import SpeculativeConfig
 from engine.engine import Engine
+from executor.metrics import ExecutorMetrics
 from tests.helpers import STORIES_260K, greedy, make_engine, one_torch_thread, save_random_llama
 
 # Every request proposes whatever the batch: the rule is tested in test_speculative.py.
@@ -200,3 +201,22 @@ def test_thousand_mixed_requests_free_every_block(tokenizer, method):
             continue
         (tokens, reasons), (want, want_reasons) = got[request_id], plain[request_id]
         assert (tokens, reasons[-1]) == (want, want_reasons[-1]), request_id
+
+
+# ---- the mean accepted length ---------------------------------------------------------------
+
+
+def test_mean_accepted_length_stat_and_metric(tokenizer):
+    engine = make_engine(speculative_config=EVERY_REQUEST)
+    assert engine.stats().spec_mean_accepted_length == 0.0  # no draft yet
+    engine.add_request("r", tokenizer(RETOLD).input_ids, greedy(40))
+    drain(engine)
+    stats = engine.stats()
+    length = 1 + stats.num_spec_accepted_tokens / stats.num_spec_drafts
+    assert stats.spec_mean_accepted_length == pytest.approx(length)
+    assert length > 2, stats  # the retold story is copied several tokens a step
+    metrics = ExecutorMetrics()
+    metrics.record_stats(stats)
+    sample = metrics.registry.get_sample_value
+    labels = {"method": "ngram"}
+    assert sample("kvgate_executor_spec_mean_accepted_length", labels) == pytest.approx(length)
