@@ -358,7 +358,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=env_str("KVGATE_SPECULATIVE_CONFIG", ""),
         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT_PATH, '
-        '"num_speculative_tokens": 4} (docs/speculative-decoding.md); empty: off',
+        '"num_speculative_tokens": 4} (docs/speculative.md); empty: off',
     )
     add(
         "--tensor-parallel-size",

@@ -1,6 +1,6 @@
 """`kvgate bench engine spec` end to end on stories260K: the JSON it writes holds both peers'
 rates, the same tokens from both and the acceptance of the proposals (the speed itself is
-docs/speculative-decoding.md's, never a test's)."""
+docs/speculative.md's, never a test's)."""
 
 from __future__ import annotations
 
