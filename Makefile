@@ -63,7 +63,7 @@ proto: $(BIN)/.installed
 # Two workers (tests/conftest.py): the tests that start servers one after another on one,
 # the in-process tests on the other; docs/testing.md.
 test: setup proto
-	$(PYTHON) -m pytest -q -ra --durations=30 -n 2 --dist loadgroup tests
+	$(PYTHON) -m pytest -q -ra --durations=30 -n 2 tests
 
 test-kernels: setup
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -ra tests/kernels

@@ -5,11 +5,11 @@ own library functions (tl.sum, tl.max, ...) are defined when triton is first imp
 importing transformers' Llama model already does. So TRITON_INTERPRET is set here, before pytest
 imports any test module; bench/gpu_check.sh sets TRITON_INTERPRET=0 to run tests/gpu on a GPU.
 
-`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): the tests that start
-servers or listen on ports (SERVER_TESTS) run one after another on one worker, in one group,
-while the other worker takes the in-process tests a module at a time; each worker gives torch
-one thread, so two workers use the two cores without their matmul threads waiting on each
-other.
+`make test` runs two pytest-xdist workers (`-n 2`, scheduled by `pytest_xdist_make_scheduler`
+below): the tests that start servers or listen on ports (SERVER_TESTS) run one after another
+on one worker, in order, while the other worker takes the in-process tests a module at a
+time; each worker gives torch one thread, so two workers use the two cores without their
+matmul threads waiting on each other.
 """
 
 import os
@@ -35,13 +35,24 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The server tests in one group; every other module a group of its own, so that its
-    module fixtures (an engine, a model) are built on one worker only."""
-    for item in items:
-        path = item.path
-        if any(path == p or p in path.parents for p in SERVER_TESTS):
-            group = "servers"
-        else:
-            group = str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
+def test_group(path: Path) -> str:
+    """The unit of work a worker takes whole, its tests in order: every server test together,
+    else the test's module (its module fixtures, an engine or a model, built on one worker;
+    its later tests may build on what earlier ones did to its stack)."""
+    if any(path == p or p in path.parents for p in SERVER_TESTS):
+        return "servers"
+    return str(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's loadscope with test_group as the scope. (Its `loadgroup` with xdist_group
+    marks does not group under pytest 9: it renames `item._nodeid`, which pytest 9 no longer
+    reads, so each test was its own unit and a module's tests ran on both workers.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByTestGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(config.rootpath / nodeid.split("::", 1)[0])
+
+    return ByTestGroup(config, log)
