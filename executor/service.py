@@ -67,6 +67,7 @@ class Tracked:
     group_id: str = ""
     index: int = 0
     run: int = 0  # the number of the admission it runs in (RequestTokens.run)
+    num_resumed: int = 0  # output tokens it was admitted with (QueuedRequest.resume_token_ids)
 
 
 def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
@@ -246,17 +247,23 @@ class ExecutorService:
         )
 
     def _runs_already(self, queued: internal_pb2.QueuedRequest) -> bool:
-        """Whether it runs the request, or a choice of it, already. A choice queued again
-        alone (with the tokens its client has) replaces that choice of a group run here
-        that started over (the scheduler queues a lost executor's group again from the
-        start): that run's output would be refused by the gateway."""
+        """Whether it runs the request, or a choice of it, already. The gateway's copy of a
+        request or choice queued again alone (with the tokens its client has) replaces a run
+        here that started over from fewer (the scheduler queues a lost executor's requests
+        and groups again as they were queued): the gateway refuses that run's output, and
+        dropping its own copy as a second assignment would leave the client waiting."""
         if queued.request_id in self._open_choices:
             return True
         ids = choice_ids(queued.request_id, queued.params)
         tracked = self._tracked.get(queued.request_id)
-        if tracked is not None and tracked.group_id and len(ids) == 1:
-            self._abort(tracked.reply_to, [queued.request_id])
-            return False
+        if tracked is not None and len(ids) == 1:
+            resumes_further = (
+                queued.attempt >= tracked.attempt
+                and len(queued.resume_token_ids) > tracked.num_resumed
+            )
+            if tracked.group_id or resumes_further:
+                self._abort(tracked.reply_to, [queued.request_id])
+                return False
         return any(request_id in self._tracked for request_id in ids)
 
     def _track(self, queued: internal_pb2.QueuedRequest, entry_id: str) -> None:
@@ -275,6 +282,7 @@ class ExecutorService:
                 queued.request_id if len(ids) > 1 else "",
                 index if len(ids) > 1 else queued.choice_index,
                 run,
+                len(queued.resume_token_ids),
             )
             self._tracked[request_id] = tracked
             self._entry(request_id, tracked).accepted = True

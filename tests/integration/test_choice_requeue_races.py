@@ -1,4 +1,4 @@
-"""A choice queued again alone meets its group's restart on one executor: a real executor
+"""A choice (or a request) queued again alone meets its restart on one executor: a real executor
 process, a real redis-server, and the gateway's real TokenSink servicer and token router on a
 real gRPC server, with the scheduler's part (the executor's inbox) played by the test.
 
@@ -13,6 +13,8 @@ choice run alone has started, as a busy gateway or network may delay them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import subprocess
 import sys
 import threading
@@ -26,6 +28,7 @@ from grpc import aio
 
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from deploy.stack import free_port
+from engine.faults import FAULTS_ENV
 from gateway.token_sink import RequestEvent, TokenRouter, TokenSinkServicer, TokenUpdate
 from protos.kvgate.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
 from tests.helpers import REPO, STORIES_260K, WAIT_S, wait_for
@@ -125,16 +128,23 @@ def gateway_side() -> Iterator[GatewaySide]:
     side.stop()
 
 
-@pytest.fixture
-def executor_process(redis_url: str, redis_client: redis.Redis, tmp_path: Path):
+@contextlib.contextmanager
+def running_executor(
+    redis_url: str, redis_client: redis.Redis, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
     argv = [
         sys.executable, "-m", "executor", "--model", str(STORIES_260K), "--redis-url", redis_url,
         "--executor-id", EXECUTOR, "--num-gpu-blocks", "64", "--metrics-port", "-1",
         "--health-port", "-1",
     ]  # fmt: skip
-    log_path = tmp_path / "executor.log"
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
     try:
         wait_for(
             lambda: redis_client.get(KEYS.executor_status(EXECUTOR)) or process.poll() is not None,
@@ -142,10 +152,28 @@ def executor_process(redis_url: str, redis_client: redis.Redis, tmp_path: Path):
             timeout_s=120.0,
         )
         assert process.poll() is None, log_path.read_text()
-        yield log_path
+        yield process
     finally:
         process.terminate()
         process.wait(30)
+
+
+@pytest.fixture
+def executor_process(redis_url: str, redis_client: redis.Redis, tmp_path: Path):
+    log_path = tmp_path / "executor.log"
+    with running_executor(redis_url, redis_client, log_path):
+        yield log_path
+
+
+@pytest.fixture
+def slow_file(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> Iterator[Path]:
+    """A running executor whose forward passes take 0.2 s each while the returned file
+    exists (engine/faults.py's slow_while_file)."""
+    slow = tmp_path / "slow"
+    slow.touch()
+    env = {FAULTS_ENV: f"slow_while_file={slow}:0.2"}
+    with running_executor(redis_url, redis_client, tmp_path / "executor.log", env):
+        yield slow
 
 
 def assign(client: redis.Redis, queued: internal_pb2.QueuedRequest) -> None:
@@ -156,9 +184,11 @@ def assign(client: redis.Redis, queued: internal_pb2.QueuedRequest) -> None:
     client.xadd(KEYS.executor_inbox(EXECUTOR), {PAYLOAD_FIELD: message.SerializeToString()})
 
 
-def queued(request_id: str, reply_to: str, n: int, **fields) -> internal_pb2.QueuedRequest:
+def queued(
+    request_id: str, reply_to: str, n: int, max_tokens: int = MAX_TOKENS, **fields
+) -> internal_pb2.QueuedRequest:
     params = inference_pb2.SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, ignore_eos=True, n=n
+        max_tokens=max_tokens, temperature=0.0, top_p=1.0, ignore_eos=True, n=n
     )
     return internal_pb2.QueuedRequest(
         request_id=request_id,
@@ -200,3 +230,37 @@ def test_a_late_abort_of_the_refused_group_restart_spares_the_choice_run_alone(
     assert len(tokens) == MAX_TOKENS - len(CLIENT_TOKENS), tokens
     (last,) = [u for u in gateway_side.updates("g#1") if u.finished]
     assert last.finish_reason is not None and not last.error_message, last
+
+
+def test_the_gateways_resuming_copy_replaces_a_restart_from_the_start(
+    gateway_side: GatewaySide, slow_file: Path, redis_client: redis.Redis
+):
+    """A request of one sequence (its id the tracked one's, "r#0"): the scheduler's copy from
+    the lost executor's inbox starts over on this executor, the gateway refuses its output
+    (the abort held back), and the gateway's own copy with the client's tokens arrives while
+    that run still runs: it runs (it was dropped as a second assignment, and the abort then
+    left the client waiting)."""
+    gateway_side.track_after_a_lost_executor("r", [len(CLIENT_TOKENS)])
+    restart = queued("r#0", gateway_side.address, n=1, attempt=1, max_tokens=40)
+    assign(redis_client, restart)
+    wait_for(
+        lambda: [a for a in gateway_side.held_aborts() if "r#0" in a.request_ids],
+        "the gateway to refuse the run that starts over (its client is past it)",
+    )
+    resuming = queued(
+        "r#0", gateway_side.address, n=1, attempt=1, max_tokens=40,
+        resume_token_ids=CLIENT_TOKENS,
+    )  # fmt: skip
+    assign(redis_client, resuming)
+    wait_for(
+        lambda: any(u.accepted and u.offset == 3 for u in gateway_side.updates("r#0")),
+        "the resuming copy to run beside the restart it replaces",
+    )
+    slow_file.unlink()
+    gateway_side.release()  # the abort of the restart reaches the executor now
+    wait_for(
+        lambda: any(u.finished for u in gateway_side.updates("r#0")),
+        "the resuming run to finish (a late abort of the restart stopped it?)",
+    )
+    tokens = [t for u in gateway_side.updates("r#0") if u.offset >= 3 for t in u.token_ids]
+    assert len(tokens) == 40 - len(CLIENT_TOKENS), tokens
