@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests start processes (Popen: fork, then exec) while gRPC channels of the same process
+# may be busy; gRPC's fork handlers then wait forever inside fork() (seen: a stack's executor
+# restarted right after a streaming call). A child that execs at once needs none of them.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 TESTS = Path(__file__).resolve().parent
 # Run one at a time, on one worker: real servers, free ports, Redis, process trees.
