@@ -112,6 +112,18 @@ class GatewaySide:
     def held_aborts(self) -> list[internal_pb2.Abort]:
         return [r.abort for r in self.sink.held if r.HasField("abort")]
 
+    def wait_refused(self, request_id: str, what: str) -> list[internal_pb2.Abort]:
+        """The held aborts naming `request_id`, once there is one."""
+        return wait_for(
+            lambda: [a for a in self.held_aborts() if request_id in a.request_ids], what
+        )
+
+    def wait_started_at(self, request_id: str, offset: int, what: str) -> None:
+        """Until a run of `request_id` is accepted starting at `offset`."""
+        wait_for(
+            lambda: any(u.accepted and u.offset == offset for u in self.updates(request_id)), what
+        )
+
     def release(self) -> None:
         self.loop.call_soon_threadsafe(self.sink.released.set)
 
@@ -206,9 +218,8 @@ def test_a_late_abort_of_the_refused_group_restart_spares_the_choice_run_alone(
 ):
     gateway_side.track_after_a_lost_executor("g", [0, len(CLIENT_TOKENS)])
     assign(redis_client, queued("g", gateway_side.address, n=2, attempt=1))
-    refused = wait_for(
-        lambda: [a for a in gateway_side.held_aborts() if "g#1" in a.request_ids],
-        "the gateway to refuse the restarted group's choice 1 (its client is past it)",
+    refused = gateway_side.wait_refused(
+        "g#1", "the gateway to refuse the restarted group's choice 1 (its client is past it)"
     )
     assert list(refused[0].attempts) == [1], refused
     alone = queued(
@@ -216,10 +227,7 @@ def test_a_late_abort_of_the_refused_group_restart_spares_the_choice_run_alone(
         resume_token_ids=CLIENT_TOKENS,
     )  # fmt: skip
     assign(redis_client, alone)
-    wait_for(
-        lambda: any(u.accepted and u.offset == 3 for u in gateway_side.updates("g#1")),
-        "choice 1 run alone to start where its client is",
-    )
+    gateway_side.wait_started_at("g#1", 3, "choice 1 run alone to start where its client is")
     gateway_side.release()  # the abort of the group's choice 1 reaches the executor now
 
     def finished() -> bool:
@@ -243,18 +251,16 @@ def test_the_gateways_resuming_copy_replaces_a_restart_from_the_start(
     gateway_side.track_after_a_lost_executor("r", [len(CLIENT_TOKENS)])
     restart = queued("r#0", gateway_side.address, n=1, attempt=1, max_tokens=40)
     assign(redis_client, restart)
-    wait_for(
-        lambda: [a for a in gateway_side.held_aborts() if "r#0" in a.request_ids],
-        "the gateway to refuse the run that starts over (its client is past it)",
+    gateway_side.wait_refused(
+        "r#0", "the gateway to refuse the run that starts over (its client is past it)"
     )
     resuming = queued(
         "r#0", gateway_side.address, n=1, attempt=1, max_tokens=40,
         resume_token_ids=CLIENT_TOKENS,
     )  # fmt: skip
     assign(redis_client, resuming)
-    wait_for(
-        lambda: any(u.accepted and u.offset == 3 for u in gateway_side.updates("r#0")),
-        "the resuming copy to run beside the restart it replaces",
+    gateway_side.wait_started_at(
+        "r#0", 3, "the resuming copy to run beside the restart it replaces"
     )
     slow_file.unlink()
     gateway_side.release()  # the abort of the restart reaches the executor now
