@@ -204,6 +204,23 @@ METRICS = {
         "kernels were built for (avx512, avx2, scalar; none for the other backends)",
         ("backend", "cpu_isa"),
     ),
+    "kvgate_executor_kv_moved_blocks": MetricSpec(
+        "counter",
+        "KV blocks moved between executors (direction: out on the sender, in on the receiver)",
+        ("direction",),
+    ),
+    "kvgate_executor_kv_moved_bytes": MetricSpec(
+        "counter", "bytes of KV blocks moved between executors", ("direction",)
+    ),
+    "kvgate_executor_kv_transfer_seconds": MetricSpec(
+        "latency", "time of one sequence's KV transfer to a peer, from dial to acknowledgement"
+    ),
+    "kvgate_executor_kv_moves": MetricSpec(
+        "counter",
+        "sequences a drain handed on (kind: session or request; result: moved with their KV, "
+        "or fallback: left to be recomputed)",
+        ("kind", "result"),
+    ),
     "kvgate_executor_step_seconds": MetricSpec(
         "latency", "time of one engine step (schedule, forward, sample, update)"
     ),

@@ -472,6 +472,54 @@ class KVCacheManager:
             raise RuntimeError(f"no room for {req.request_id}'s blocks after making room")
         return True
 
+    # ---- KV that moves between engines (engine/kv_move.py) ------------------------------
+
+    def retain(self, block_ids: list[int]) -> None:
+        """Hold a reference to each block (a move reads them after their owner let go)."""
+        for block_id in block_ids:
+            self._incref(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop references `retain` or `take_blocks` gave."""
+        for block_id in reversed(block_ids):
+            self._decref(block_id)
+
+    def take_blocks(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` blocks for KV coming from a peer (evicting idle sessions if that
+        makes room), one reference each; None (and no change) when there is no room."""
+        if not self._make_room(num_blocks):
+            return None
+        return [self._pop_free_block() for _ in range(num_blocks)]
+
+    def adopt(
+        self,
+        block_ids: list[int],
+        token_ids: list[int],
+        cache_salt: str | None,
+        session_id: str | None,
+    ) -> None:
+        """Take in blocks `take_blocks` gave, now holding the K/V of `token_ids`: their full
+        blocks are published in the prefix cache, and with `session_id` they become that
+        session's pins (replacing a session of the key held here), else they are freed,
+        findable by their hashes until reused."""
+        bs = self.block_size
+        if self.enable_prefix_caching:
+            parent = None
+            for i in range(len(token_ids) // bs):
+                tokens = token_ids[i * bs : (i + 1) * bs]
+                parent = next_block_hash(parent, tokens, cache_salt or "")
+                block = self.blocks[block_ids[i]]
+                if block.block_hash is None and parent not in self._hash_to_block:
+                    block.block_hash = parent
+                    block.token_ids = tuple(tokens)
+                    self._hash_to_block[parent] = block.block_id
+        if session_id is None:
+            self.release(block_ids)
+            return
+        self._release((cache_salt, session_id))
+        session = Session(session_id, cache_salt, list(token_ids), list(block_ids), self._clock())
+        self.sessions[session.key] = session
+
     def cached_block_hashes(self, limit: int) -> list[int]:
         """Hashes of the most recently published blocks still in the prefix cache, newest first."""
         newest = reversed(self._hash_to_block)

@@ -137,6 +137,13 @@ class HostKVPool:
     def has_copies_in_flight(self) -> bool:
         return bool(self._in_flight)
 
+    def wait_all(self) -> None:
+        """Wait (on the host) until every copy in flight is done: the host blocks are then
+        what the block manager believes (reading them, to move an offloaded session)."""
+        for event, _ in self._in_flight:
+            event.synchronize()
+        self._in_flight = []
+
     def wait_for(self, device_blocks: set[int]) -> None:
         """Make the compute stream wait for the copies in flight that touch `device_blocks`
         (the blocks of the step about to run); other copies keep overlapping with it."""

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 
+import grpc
 import torch
 
 from common.health import start_health
@@ -14,13 +15,15 @@ from common.keys import RedisKeys
 from common.logs import add_log_context
 from common.redis_conn import connect_sync
 from common.startup import start_process, stop_on_signals
-from common.tls import TLSFileError
+from common.tls import TLSFileError, read_secret
 from engine.engine import Engine
 from engine.faults import install_faults
 from engine.ranks import RankStartError
 from executor.config import ExecutorConfig
+from executor.drain import DrainMoves
 from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
+from executor.kv_transfer import KvReceiver, KvSender, KvTransferConfig, start_kv_server
 from executor.metrics import ExecutorMetrics
 from executor.service import ExecutorService
 
@@ -78,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     kernels = engine.runner.kernels
     metrics.record_kernels(kernels.name, kernels.cpu_isa)
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
+    try:
+        kv_server = _start_kv_transfer(config, engine, client, metrics, service)
+    except (OSError, TLSFileError) as error:
+        print(f"executor: {error}", file=sys.stderr)
+        health.stop()
+        return 2
     health.remove_check("model")
     health.add_check("draining", service.draining_check)
     health.add_check("step_loop", service.step_loop_check)
@@ -85,9 +94,47 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service.run()
     finally:
+        if kv_server is not None:
+            kv_server.stop(grace=1.0)
         health.stop()
         engine.close()
     return 0
+
+
+def _start_kv_transfer(config, engine, client, metrics, service) -> grpc.Server | None:
+    """Serve KvTransfer and move KV to peers on a drain (none with --kv-transfer-port -1).
+
+    Raises:
+        OSError: the port cannot be bound. TLSFileError: a file cannot be read.
+    """
+    if config.kv_transfer_port == -1:
+        return None
+    secret = (
+        read_secret("--sink-secret-file", config.sink_secret_file)
+        if config.sink_secret_file
+        else None
+    )
+    transfer = KvTransferConfig(
+        host=config.kv_transfer_host,
+        port=config.kv_transfer_port,
+        advertise_host=config.kv_transfer_advertise_host,
+        tls_cert=config.kv_tls_cert,
+        tls_key=config.kv_tls_key,
+        tls_ca=config.kv_tls_ca,
+        tls_server_name=config.kv_tls_server_name,
+        client_cert=config.sink_tls_cert,
+        client_key=config.sink_tls_key,
+        secret=secret,
+        timeout_s=config.kv_transfer_timeout_s,
+    )
+    receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret)
+    server, address = start_kv_server(transfer, receiver)
+    sender = KvSender(engine, transfer, metrics, config.executor_id)
+    keys = RedisKeys(config.redis_prefix)
+    service.attach_moves(
+        DrainMoves(engine, client, keys, config.executor_id, sender, metrics), address
+    )
+    return server
 
 
 def _exit_ranks_lost(reason: str) -> None:

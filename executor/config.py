@@ -47,6 +47,16 @@ class ExecutorConfig:
     sink_tls_key: str = ""
     sink_tls_server_name: str = ""  # the name the gateways' certificate holds; empty: the host
     sink_secret_file: str = ""  # the shared secret sent first on each TokenSink stream
+    # KvTransfer (executor/kv_transfer.py): a drain moves KV to peers; port -1: no service,
+    # and a drain then finishes its streams here
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0  # 0: a free port
+    kv_transfer_advertise_host: str = ""  # the host peers dial; empty: --kv-transfer-host
+    kv_transfer_timeout_s: float = 10.0  # one sequence's transfer, before it is recomputed
+    kv_tls_cert: str = ""  # the service's certificate (peers verify it with their --kv-tls-ca)
+    kv_tls_key: str = ""
+    kv_tls_ca: str = ""  # verifies peers (their service and, mutual TLS, client certificates)
+    kv_tls_server_name: str = ""  # the name in peers' certificates; empty: the host dialled
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
@@ -63,6 +73,7 @@ class ExecutorConfig:
             raise ValueError("--sink-tls-cert and --sink-tls-key must be given together")
         if (self.sink_tls_cert or self.sink_tls_server_name) and not self.sink_tls_ca:
             raise ValueError("--sink-tls-cert and --sink-tls-server-name need --sink-tls-ca")
+        check_kv_transfer_fields(self)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> ExecutorConfig:
@@ -111,7 +122,73 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_flags(parser, "KVGATE_EXECUTOR_METRICS_PORT")
     add_health_flags(parser, default_port=0)
     add_sink_flags(parser)
+    add_kv_transfer_flags(parser)
     return parser
+
+
+def check_kv_transfer_fields(config: ExecutorConfig) -> None:
+    """Raise a ValueError naming the --kv-* flag with a bad value."""
+    if config.kv_transfer_port != -1:
+        check_range("--kv-transfer-port", config.kv_transfer_port, min_value=0, max_value=65535)
+    check_range("--kv-transfer-timeout-s", config.kv_transfer_timeout_s, min_value=0.1)
+    if bool(config.kv_tls_cert) != bool(config.kv_tls_key):
+        raise ValueError("--kv-tls-cert and --kv-tls-key must be given together")
+    if config.kv_tls_ca and not (config.kv_tls_cert and config.sink_tls_cert):
+        raise ValueError(
+            "--kv-tls-ca (mutual TLS between executors) needs --kv-tls-cert and --kv-tls-key "
+            "(the service's certificate) and --sink-tls-cert (the client certificate it dials "
+            "peers with)"
+        )
+    if (
+        config.kv_transfer_host in ("0.0.0.0", "::", "[::]")
+        and not config.kv_transfer_advertise_host
+    ):
+        raise ValueError(
+            f"--kv-transfer-host {config.kv_transfer_host} listens on every address: give "
+            "--kv-transfer-advertise-host, the address peers dial (the pod IP)"
+        )
+    if config.kv_tls_cert and not config.kv_tls_ca:
+        raise ValueError("--kv-tls-cert needs --kv-tls-ca (peers must present a certificate)")
+
+
+def add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of the KvTransfer service (docs/operations.md, "Drains")."""
+    add = parser.add_argument
+    add(
+        "--kv-transfer-host",
+        default=env_str("KVGATE_KV_TRANSFER_HOST", "127.0.0.1"),
+        help="where the KvTransfer service listens (peers push KV to it when they drain)",
+    )
+    add(
+        "--kv-transfer-port",
+        type=int,
+        default=env_int("KVGATE_KV_TRANSFER_PORT", 0),
+        help="its port (0: a free one; -1: no service, and a drain finishes its streams here)",
+    )
+    add(
+        "--kv-transfer-advertise-host",
+        default=env_str("KVGATE_KV_TRANSFER_ADVERTISE_HOST", ""),
+        help="the host peers dial (default: --kv-transfer-host); the pod IP in Kubernetes",
+    )
+    add(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=env_float("KVGATE_KV_TRANSFER_TIMEOUT_S", 10.0),
+        help="one sequence's transfer; past it the sequence is recomputed instead",
+    )
+    add("--kv-tls-cert", default=env_str("KVGATE_KV_TLS_CERT", ""), help="the service's cert")
+    add("--kv-tls-key", default=env_str("KVGATE_KV_TLS_KEY", ""))
+    add(
+        "--kv-tls-ca",
+        default=env_str("KVGATE_KV_TLS_CA", ""),
+        help="mutual TLS between executors: verifies peers' certificates (with --sink-tls-cert "
+        "as this executor's client certificate)",
+    )
+    add(
+        "--kv-tls-server-name",
+        default=env_str("KVGATE_KV_TLS_SERVER_NAME", ""),
+        help="the name in peers' --kv-tls-cert (default: the host dialled)",
+    )
 
 
 def add_sink_flags(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ from common.sampling_pb import queued_sampling_params
 from engine.engine import Engine, RequestOutput
 from engine.sampler import TokenLogprobs
 from executor.config import ExecutorConfig
+from executor.drain import DrainMoves
 from executor.gateway_link import (
     GatewayAbort,
     GatewayEvent,
@@ -38,8 +39,10 @@ from executor.gateway_link import (
     SinkCredentials,
 )
 from executor.heartbeat import Heartbeat, StatusBoard
+from executor.kv_transfer import EngineGate
 from executor.metrics import ExecutorMetrics
 from executor.streams import InboxEntry, InboxReader
+from kernels.kv_format import format_name
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,9 @@ class ExecutorService:
         self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
         self._drain_requested = threading.Event()
         self._taking_work = True
+        self._gate = EngineGate()
+        self.kv_transfer_address = ""  # set once the KvTransfer service listens
+        self._moves: DrainMoves | None = None
         self._next_status_s = 0.0
 
     def drain(self) -> None:
@@ -126,8 +132,11 @@ class ExecutorService:
         return None
 
     def run(self) -> None:
-        """Serves until drained: the step loop on the calling thread."""
-        self._post_status()
+        """Serves until drained: the step loop on the calling thread. It holds the engine
+        gate's lock whenever it touches the engine (KV taken from peers comes in between)."""
+        gate = self._gate
+        with gate.lock:
+            self._post_status()
         self._heartbeat.start()
         self._inbox.start()
         log.info(
@@ -138,18 +147,24 @@ class ExecutorService:
         )
         while self._taking_work or self._engine.has_unfinished() or not self._events.empty():
             self._board.progress()
-            self._stop_taking_work_if_draining()
-            self._handle_events()
+            with gate.lock:
+                self._stop_taking_work_if_draining()
+                self._handle_events()
             if self._taking_work and not self._engine.has_unfinished():
                 self._flush()  # answers due already (a request refused) do not wait for it
                 self._inbox.read_while_idle(IDLE_WAIT_MS)
-                self._handle_events()
+                with gate.lock:
+                    self._handle_events()
             if self._flush():  # "accepted" entries go out before the step: queue_ms ends here
                 time.sleep(0)  # and before a step that might never end (see _step)
-            if self._engine.has_unfinished():
+            gate.busy = self._engine.has_unfinished()
+            if gate.busy:
                 self._inbox.read_on_thread()
-                self._step()
-            self._refresh_status()
+                with gate.lock:
+                    self._step()
+            with gate.lock:
+                gate.run_pending()  # KV coming in from peers, within a budget per step
+                self._refresh_status()
         self._shut_down()
 
     def _step(self) -> None:
@@ -171,9 +186,61 @@ class ExecutorService:
             self._post_status()
             self._heartbeat.try_beat()
             self._inbox.hand_back_assignments()
+            self._move_out()
+
+    def _move_out(self) -> None:
+        """The rest of a drain, when peers take KV (executor/drain.py): each running request
+        goes on at the peer that took its KV (its gateway queues it again, pointed there),
+        then each idle session moves."""
+        moves = self._moves
+        if moves is None or not moves.find_peers():
+            return
+        targets: dict[str, str] = {}  # by the engine's id of the sequence's request
+        for moved, target in moves.move_requests():
+            request_id = moved.request_id
+            if request_id not in self._tracked:  # a choice of a request of several
+                request_id = choice_request_id(request_id, moved.index)
+            targets[moved.request_id] = target
+            self._hand_on(request_id, target)
+            self._flush()
+        for request_id, tracked in list(self._tracked.items()):  # choices not forked yet
+            self._hand_on(request_id, targets.get(tracked.group_id, ""))
+        self._flush()
+        moves.move_sessions()
+
+    def _hand_on(self, request_id: str, target: str) -> None:
+        """Tell the request's gateway that it goes on elsewhere (on `target`, which holds
+        its KV, when set), and forget it here."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        entry = self._entry(request_id, tracked)
+        entry.moved = True
+        entry.moved_to = target
+        self._done(tracked)
+        log.info(
+            "draining: request handed on to %s after %d tokens",
+            target or "any executor (recomputed)",
+            tracked.offset,
+            extra=request_fields(request_id, tracked.session_id),
+        )
+
+    def attach_moves(self, moves: DrainMoves, receiver_address: str) -> None:
+        """Move KV to peers on a drain, and advertise the KvTransfer service's address."""
+        self._moves = moves
+        self.kv_transfer_address = receiver_address
+
+    @property
+    def gate(self) -> EngineGate:
+        return self._gate
+
+    def taking_work(self) -> bool:
+        return self._taking_work
 
     def _shut_down(self) -> None:
         self._flush()
+        if self._moves is not None:
+            self._moves.close()
         for link in self._links.values():
             link.close()
         self._inbox.stop()
@@ -453,5 +520,7 @@ class ExecutorService:
             num_host_blocks_total=stats.num_host_blocks_total,
             num_host_blocks_used=stats.num_host_blocks_used,
             draining=not self._taking_work,
+            kv_transfer_address=self.kv_transfer_address,
+            kv_cache_dtype=format_name(self._engine.runner.kv_cache_dtype),
         )
         self._board.post(status)

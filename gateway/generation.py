@@ -162,6 +162,8 @@ class Generation:
             sampling = dataclasses.replace(spec.sampling, n=1, best_of=None)
         self.params = sampling_params_to_pb(sampling)  # built once, sent on each attempt
         self.session_executor_id = session_executor_id
+        self.moved_to = ""  # the executor a drain moved its KV to: its next attempt runs there
+        self.num_moves = 0  # attempts handed on by drains (not counted against max_attempts)
         self.tokens: list[int] = []
         self.sent_prompt_logprobs = False
         sampling = spec.sampling
@@ -203,7 +205,7 @@ class Generation:
             reply_to=self.deps.reply_to,
             tenant=self.tenant,
             session_id=self.spec.session_id if in_session else "",
-            session_executor_id=self.session_executor_id if in_session else "",
+            session_executor_id=self.moved_to or (self.session_executor_id if in_session else ""),
             priority=self.spec.priority,
             prompt_token_ids=self.spec.prompt_token_ids,
             resume_token_ids=self.tokens,
@@ -211,7 +213,7 @@ class Generation:
             arrival_unix_ms=self.arrival_unix_ms,
             queue_deadline_unix_ms=deadline_unix_ms,
             attempt=self.attempt,
-            max_attempts=self.deps.max_attempts,
+            max_attempts=self.deps.max_attempts + self.num_moves,
             choice_index=self.index,
         )
 
@@ -368,9 +370,12 @@ class Generation:
 
     async def _requeue(self, lost: ExecutorLost) -> Chunk | None:
         """Runs the request again, from the tokens already streamed, after its executor was
-        lost; the last chunk (FINISH_REASON_ERROR) once it was lost max_attempts times."""
+        lost (the last chunk, FINISH_REASON_ERROR, once it was lost max_attempts times) or
+        handed it on while draining (on the executor that took its KV, when one did)."""
         executor_id = lost.executor_id
         self.attempt = lost.attempt
+        self.num_moves += lost.moved
+        self.moved_to = lost.moved_to
         used_up = attempts_used_up(self.queued_request())
         if used_up is not None:
             log.warning("%s (last %s)", used_up, executor_id, extra=self.log_fields)
@@ -383,13 +388,24 @@ class Generation:
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
         self.session_executor_id = ""
         self.deps.metrics.requeues.labels(self.spec.api).inc()
-        log.warning(
-            "request lost its executor %s after %d tokens; re-queued (attempt %d)",
-            executor_id,
-            len(self.tokens),
-            self.attempt,
-            extra=self.log_fields,
-        )
+        if lost.moved:
+            log.info(
+                "request handed on by draining executor %s after %d tokens; re-queued for %s "
+                "(attempt %d)",
+                executor_id,
+                len(self.tokens),
+                lost.moved_to or "any executor",
+                self.attempt,
+                extra=self.log_fields,
+            )
+        else:
+            log.warning(
+                "request lost its executor %s after %d tokens; re-queued (attempt %d)",
+                executor_id,
+                len(self.tokens),
+                self.attempt,
+                extra=self.log_fields,
+            )
         try:
             await self.deps.queue.requeue(self.queued_request())
         except redis.RedisError as error:  # queued again once Redis answers

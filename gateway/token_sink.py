@@ -44,10 +44,13 @@ class TokenUpdate:
 
 @dataclass(frozen=True, slots=True)
 class ExecutorLost:
-    """The executor running the request went away before finishing it."""
+    """The executor running the request went away before finishing it, or (`moved`) handed
+    it on while draining."""
 
     executor_id: str
     attempt: int  # the attempt to run next: output of earlier ones is refused from now on
+    moved: bool = False  # handed on by a drain: the move does not count as a lost attempt
+    moved_to: str = ""  # the executor that holds its KV now (empty: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,9 +258,13 @@ class TokenRouter:
                 if not entry.finished:
                     unknown.append(entry)
                 continue
-            tracked.owner = None if entry.finished else connection
+            tracked.owner = None if entry.finished or entry.moved else connection
             tracked.attempt = entry.attempt
             tracked.inbox.put_nowait(update_from_pb(connection.executor_id, entry))
+            if entry.moved and not entry.finished:  # a drain handed it on: it runs again
+                tracked.attempt += 1
+                moved = ExecutorLost(connection.executor_id, tracked.attempt, True, entry.moved_to)
+                tracked.inbox.put_nowait(moved)
         if unknown:  # aborted run by run: another run of an id may be there, to be kept
             connection.send_abort(
                 [e.request_id for e in unknown],
