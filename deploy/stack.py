@@ -318,8 +318,13 @@ class Stack:
             wait_until(lambda: self.redis().exists(leader) == 1, 30.0, name, proc)
 
     def start_executor(
-        self, executor_id: str, wait: bool = True, extra_env: dict[str, str] | None = None
+        self,
+        executor_id: str,
+        wait: bool = True,
+        extra_env: dict[str, str] | None = None,
+        extra_flags: list[str] | None = None,
     ) -> None:
+        """Starts an executor with the stack's executor flags, then `extra_flags`."""
         argv = [
             sys.executable,
             "-m",
@@ -333,6 +338,7 @@ class Stack:
             *self._metrics_flags(executor_id),
             *self._health_flags(executor_id),
             *self.config.executor_flags,
+            *(extra_flags or []),
         ]
         self._executor_started_ms[executor_id] = int(time.time() * 1000)
         self.spawn(executor_id, argv, {**self.config.executor_env, **(extra_env or {})})

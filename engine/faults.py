@@ -11,7 +11,11 @@ environment variable (unset in production: nothing is installed).
 - stall_when_file=PATH:SECONDS: while the file PATH exists, the next forward pass sleeps
   SECONDS (a wedged step loop), once per creation of the file (it is deleted then);
 - slow_while_file=PATH:SECONDS: while the file PATH exists, every forward pass sleeps
-  SECONDS first (a slow model: running requests take as long as the test wants).
+  SECONDS first (a slow model: running requests take as long as the test wants);
+- corrupt_kv_chunks=1: a draining executor's KV pushes (executor/kv_transfer.py) flip a byte
+  of each chunk after its CRC-32 is taken (a chunk corrupted on the way);
+- hold_kv_pushes_while_file=PATH: a KV push holds its stream open after its last chunk while
+  the file PATH exists (a transfer in the middle, for as long as the test wants).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class Faults:
     stall_s: float = 0.0
     slow_file: Path | None = None
     slow_s: float = 0.0
+    corrupt_kv_chunks: bool = False
+    hold_kv_file: Path | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
@@ -52,6 +58,10 @@ class Faults:
             name, _, value = part.partition("=")
             if name in ("raise_on_token", "exit_on_token") and value.isdigit():
                 setattr(faults, name, int(value))
+            elif name == "corrupt_kv_chunks" and value in ("0", "1"):
+                faults.corrupt_kv_chunks = value == "1"
+            elif name == "hold_kv_pushes_while_file" and value:
+                faults.hold_kv_file = Path(value)
             elif name in ("stall_when_file", "slow_while_file") and ":" in value:
                 path, _, seconds = value.rpartition(":")
                 kind = name.split("_")[0]
@@ -60,6 +70,19 @@ class Faults:
             else:
                 raise ValueError(f"{FAULTS_ENV}: cannot read {part!r}")
         return faults
+
+    def kv_chunk(self, data: bytes) -> bytes:
+        """A KV push's chunk as it goes out (corrupted after its CRC-32 was taken, with
+        corrupt_kv_chunks)."""
+        if not self.corrupt_kv_chunks or not data:
+            return data
+        log.warning("fault: a KV chunk goes out corrupted")
+        return bytes([data[0] ^ 0xFF]) + data[1:]
+
+    def hold_kv_push(self) -> None:
+        """Hold a KV push open after its last chunk while the hold file exists."""
+        while self.hold_kv_file is not None and self.hold_kv_file.exists():
+            time.sleep(0.01)
 
     def before_forward(self, out: SchedulerOutput) -> None:
         if self.stall_file is not None and self.stall_file.exists():
@@ -76,11 +99,13 @@ class Faults:
             raise InjectedFault(f"fault: a request's prompt holds token {self.raise_on_token}")
 
 
-def install_faults(engine: Engine) -> None:
-    """Wraps the engine's forward pass with the faults KVGATE_FAULTS names, if any."""
+def install_faults(engine: Engine) -> Faults | None:
+    """Wraps the engine's forward pass with the faults KVGATE_FAULTS names, if any.
+
+    Returns: the faults (the KV pushes read theirs there), None when none are set."""
     spec = os.environ.get(FAULTS_ENV, "")
     if not spec:
-        return
+        return None
     faults = Faults.parse(spec)
     execute: Callable = engine.runner.execute
 
@@ -90,3 +115,4 @@ def install_faults(engine: Engine) -> None:
 
     engine.runner.execute = execute_with_faults
     log.warning("%s=%s: faults installed in the forward pass (tests only)", FAULTS_ENV, spec)
+    return faults

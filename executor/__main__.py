@@ -17,7 +17,7 @@ from common.redis_conn import connect_sync
 from common.startup import start_process, stop_on_signals
 from common.tls import TLSFileError, read_secret
 from engine.engine import Engine
-from engine.faults import install_faults
+from engine.faults import Faults, install_faults
 from engine.ranks import RankStartError
 from executor.config import ExecutorConfig
 from executor.drain import DrainMoves
@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if engine.runner.group is not None:
         engine.runner.group.on_failure = _exit_ranks_lost
-    install_faults(engine)
+    faults = install_faults(engine)
     kernels = engine.runner.kernels
     metrics.record_kernels(kernels.name, kernels.cpu_isa)
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
     try:
-        kv_server = _start_kv_transfer(config, engine, client, metrics, service)
+        kv_server = _start_kv_transfer(config, engine, client, metrics, service, faults)
     except (OSError, TLSFileError) as error:
         print(f"executor: {error}", file=sys.stderr)
         health.stop()
@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         service.run()
     finally:
         if kv_server is not None:
-            kv_server.stop(grace=1.0)
+            kv_server.stop(None)
         health.stop()
         engine.close()
     return 0
 
 
-def _start_kv_transfer(config, engine, client, metrics, service) -> grpc.Server | None:
+def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc.Server | None:
     """Serve KvTransfer and move KV to peers on a drain (none with --kv-transfer-port -1).
 
     Raises:
@@ -129,7 +129,7 @@ def _start_kv_transfer(config, engine, client, metrics, service) -> grpc.Server 
     )
     receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret)
     server, address = start_kv_server(transfer, receiver)
-    sender = KvSender(engine, transfer, metrics, config.executor_id)
+    sender = KvSender(engine, transfer, metrics, config.executor_id, faults or Faults())
     keys = RedisKeys(config.redis_prefix)
     service.attach_moves(
         DrainMoves(engine, client, keys, config.executor_id, sender, metrics), address

@@ -41,11 +41,13 @@ from common.tls import (
     secret_matches,
 )
 from engine.engine import Engine
+from engine.faults import Faults
 from engine.kv_move import (
     KVLayout,
     KVRefused,
     MovableKV,
     engine_layout,
+    movable_engine,
     read_moved,
     take_blocks,
     write_taken,
@@ -60,7 +62,7 @@ CHUNK_BYTES = 1 << 20  # a chunk holds as many whole blocks as fit, at least one
 # While requests run, KV coming in is written between steps, up to this many bytes per step
 # (a memory copy of a few ms at most).
 STEP_BUDGET_BYTES = 4 << 20
-MAX_PARALLEL_PUSHES = 8  # sequences a drain pushes at once
+MAX_PARALLEL_PUSHES = 16  # sequences a drain pushes at once
 GIVE_BACK_WAIT_S = 60.0  # the most a failed transfer waits for the step loop to free its blocks
 MAX_REPOINT_TRIES = 16  # check-and-set attempts of a session's affinity update
 
@@ -141,17 +143,19 @@ class Incoming:
     def layout(self) -> KVLayout:
         return header_layout(self.header)
 
-    def write(self, first: int, data: bytes, last: bool) -> None:
-        """Write blocks from `first` (taking every block first); `last`: adopt them."""
-        header = self.header
+    def write(self, first: int, data: bytes) -> None:
+        """Write blocks from `first` (taking every block first)."""
         if not self.block_ids:
-            self.block_ids = take_blocks(self.engine, self.layout, len(header.token_ids))
+            self.block_ids = take_blocks(self.engine, self.layout, len(self.header.token_ids))
         count = len(data) // self.layout.block_bytes
         write_taken(self.engine, self.block_ids[first : first + count], data)
-        if last:
-            session_id, salt = header.session_id or None, header.tenant or None
-            self.engine.kv_cache.adopt(self.block_ids, list(header.token_ids), salt, session_id)
-            self.adopted = True
+
+    def adopt(self) -> None:
+        """Every block is written and the sender ended its stream: take the blocks in."""
+        header = self.header
+        session_id, salt = header.session_id or None, header.tenant or None
+        self.engine.kv_cache.adopt(self.block_ids, list(header.token_ids), salt, session_id)
+        self.adopted = True
 
     def give_back(self) -> None:
         self.engine.kv_cache.release(self.block_ids)
@@ -173,6 +177,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
         self._metrics = metrics
         self._taking_work = taking_work
         self._secret = secret
+        self._layout = engine_layout(engine)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> internal_pb2.KvAck:  # noqa: N802
         self._check_secret(context)
@@ -190,6 +195,10 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
                 f"{expected_blocks} blocks",
             )
         incoming = Incoming(self._engine, header)
+        why = movable_engine(self._engine) or self._layout.difference(incoming.layout)
+        if why is not None:
+            log.warning("KV from %s refused: %s", header.executor_id, why)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         try:
             self._take_chunks(request_iterator, context, incoming)
         except KVRefused as refused:
@@ -220,7 +229,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
 
     def _take_chunks(self, messages, context: grpc.ServicerContext, incoming: Incoming) -> None:
         """Checks each chunk and has the step loop write it (taking the blocks with the
-        first, adopting them with the last)."""
+        first), and adopts the blocks once the sender ended the stream with all of them."""
         layout, num_blocks = incoming.layout, incoming.header.num_blocks
         written = 0
         for message in messages:
@@ -242,8 +251,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
                     f"chunk at block {written}: {len(chunk.data)} bytes are not whole blocks "
                     f"of {layout.block_bytes} within the {num_blocks} announced",
                 )
-            last = written + count == num_blocks
-            work = functools.partial(incoming.write, written, chunk.data, last)
+            work = functools.partial(incoming.write, written, chunk.data)
             self._gate.run(work, len(chunk.data), context.time_remaining())
             written += count
         if written != num_blocks:
@@ -251,6 +259,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
                 grpc.StatusCode.DATA_LOSS,
                 f"the stream ended after {written} of {num_blocks} blocks",
             )
+        self._gate.run(incoming.adopt, 0, context.time_remaining())
 
     def _check_secret(self, context: grpc.ServicerContext) -> None:
         if self._secret is None:
@@ -313,6 +322,7 @@ class KvSender:
     config: KvTransferConfig
     metrics: ExecutorMetrics
     executor_id: str
+    faults: Faults = field(default_factory=Faults)  # none unless a test sets KVGATE_FAULTS
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     def push(self, moved: MovableKV, address: str, tenant: str) -> bool:
@@ -363,8 +373,12 @@ class KvSender:
         yield internal_pb2.KvMessage(header=header)
         for first in range(0, len(moved.block_ids), per_chunk):
             data = read_moved(self.engine, moved, first, per_chunk)
-            chunk = internal_pb2.KvChunk(first_block=first, data=data, crc32=zlib.crc32(data))
+            crc32 = zlib.crc32(data)
+            chunk = internal_pb2.KvChunk(
+                first_block=first, data=self.faults.kv_chunk(data), crc32=crc32
+            )
             yield internal_pb2.KvMessage(chunk=chunk)
+        self.faults.hold_kv_push()
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)

@@ -161,6 +161,13 @@ def assert_alive_and_idle(stack: Stack) -> None:
     )
 
 
+def log_lines(stack: Stack, name: str, *needles: str) -> list[str]:
+    """Lines of process `name`'s log holding every needle (none when it never ran)."""
+    path = stack.config.log_dir / f"{name}.log"
+    text = path.read_text() if path.exists() else ""
+    return [line for line in text.splitlines() if all(n in line for n in needles)]
+
+
 def session_executor(stack: Stack, session_id: str, tenant: str = DEFAULT_TENANT) -> str:
     """Returns: the executor that ran the session's last turn, as the gateway recorded it."""
     raw = stack.redis().get(stack.keys.session(tenant, session_id))

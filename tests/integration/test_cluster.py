@@ -16,7 +16,7 @@ from common.health import LIVENESS_SERVICE
 from common.keys import PAYLOAD_FIELD
 from protos.kvgate.v1 import inference_pb2, internal_pb2
 from tests.helpers import wait_for
-from tests.integration.conftest import generate, session_executor
+from tests.integration.conftest import generate, log_lines, session_executor
 
 DRAIN_TOKENS = 480
 # The drain test slows every step to this while it checks the hand-back, so that executor-1
@@ -37,8 +37,11 @@ def stack(stack_factory, slow_file):
     # These tests are about placement and draining, not Redis outages: a gateway Redis call
     # that takes over the default 0.5 s on a saturated 2-core machine (seen once in a full
     # run, in the drain test's burst) should not fail them.
+    # No KvTransfer: the drain test is of a drain that finishes its streams itself (the one
+    # that moves them to a peer is test_kv_moves.py's).
     stack = stack_factory(
         num_executors=2,
+        executor_flags=["--kv-transfer-port", "-1"],
         gateway_flags=["--redis-timeout-s", "2"],
         executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SLOW_STEP_S}"},
     )
@@ -107,13 +110,6 @@ def test_an_executor_started_mid_test_receives_work(stack):
     wait_until_scheduled(stack, "executor-2")
     used = {session_executor(stack, sid) for sid, _ in burst(stack, 12)}
     assert "executor-2" in used, f"the new executor got no work; requests ran on {used}"
-
-
-def log_lines(stack, name: str, *needles: str) -> list[str]:
-    """Lines of process `name`'s log holding every needle (none when it never ran)."""
-    path = stack.config.log_dir / f"{name}.log"
-    text = path.read_text() if path.exists() else ""
-    return [line for line in text.splitlines() if all(n in line for n in needles)]
 
 
 def inject_assignment(stack, executor_id: str, request_id: str) -> None:
@@ -193,7 +189,7 @@ def test_sigterm_drains_an_executor_without_losing_requests(stack, slow_file):
         c for _, c in results if len(c.token_ids) != DRAIN_TOKENS or c.finish_reason != "length"
     ]
     assert not short, f"{len(short)} of 12 requests did not complete: {short[:1]}"
-    # A drain, not a hard kill: what executor-1 had taken, it finished itself.
+    # A drain, not a hard kill: with no KV transfer, what executor-1 had taken it finished.
     sessions = [sid for sid, _ in results]
     own = [sid for sid in sessions if log_lines(stack, "executor-1", "request admitted", sid)]
     assert own, "executor-1 took none of the burst"

@@ -16,12 +16,18 @@ import pytest
 
 from client.api import Completion, KvgateClient, sampling_params
 from tests.helpers import wait_for
-from tests.integration.conftest import generate, scrape, session_executor
+from tests.integration.conftest import (
+    generate,
+    kv_cache_idle,
+    log_lines,
+    scrape,
+    session_executor,
+)
 
 NUM_STREAMS = 20
 NUM_SESSIONS = 100
-STREAM_TOKENS = 160
-SLOW_STEP_S = 0.02  # while the slow file exists: a stream takes 3.2 s at least
+STREAM_TOKENS = 400
+SLOW_STEP_S = 0.02  # while the slow file exists: a stream takes 8 s at least
 STORY_WORDS = ["cat", "dog", "ball", "tree", "sun", "boat", "bird", "cake", "park", "hat"]
 MOVE_FLAGS = ["--num-gpu-blocks", "2048"]
 
@@ -130,3 +136,109 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
         )  # fmt: skip
         cached = turn.usage.cached_prompt_tokens
         assert cached >= 0.95 * (history - 1), f"session {i}: {cached} of {history} cached"
+
+
+# ---- faults: each ends with the requests completed by recompute, their text unchanged ----
+
+FAULT_STREAMS = 4
+
+
+@pytest.fixture(scope="module")
+def fault_stack(stack_factory, tmp_path_factory):
+    files = tmp_path_factory.mktemp("kv-faults")
+    stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS)
+    stack.files = files
+    stack.undisturbed = None
+    return stack
+
+
+def stop_executors(stack) -> None:
+    for name in [n for n in stack.procs if n.startswith("executor") or "-kv-" in n]:
+        stack.stop(name)
+
+
+def run_with_fault(
+    stack, tag: str, sender_faults: str, during, requeued: tuple[str, ...], receiver_flags=()
+) -> None:
+    """Streams on a sender (with `sender_faults`), a receiver and a spare executor (which
+    takes no KV) join, the sender gets SIGTERM, `during(sender, receiver)` breaks something;
+    the gateway queues each stream again as `requeued` says, every stream ends as an
+    undisturbed run's, and the survivors' KV caches go idle."""
+    stop_executors(stack)
+    slow, hold = stack.files / f"{tag}.slow", stack.files / f"{tag}.hold"
+    faults = f"slow_while_file={slow}:{SLOW_STEP_S},hold_kv_pushes_while_file={hold}"
+    sender, receiver, spare = (f"{tag}-kv-{role}" for role in ("a", "b", "c"))
+    stack.start_executor(sender, extra_env={"KVGATE_FAULTS": f"{faults},{sender_faults}"})
+    slow.touch()
+    streams = [Stream(stack.address, prompt_of(i)) for i in range(FAULT_STREAMS)]
+    wait_for(
+        lambda: all(len(s.completion.token_ids) >= 4 for s in streams),
+        f"every stream to be generating on {sender}",
+        timeout_s=60.0,
+    )
+    stack.start_executor(receiver, wait=False, extra_flags=list(receiver_flags))
+    stack.start_executor(spare, wait=False, extra_flags=["--kv-transfer-port", "-1"])
+    for name in (receiver, spare):
+        stack.wait_executor(name)
+    assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
+    hold.touch()
+    stack.procs[sender].send_signal(signal.SIGTERM)
+    during(stack, sender, receiver)
+    hold.unlink(missing_ok=True)
+    slow.unlink(missing_ok=True)
+    got = [s.result() for s in streams]
+    if stack.undisturbed is None:
+        baseline = [Stream(stack.address, prompt_of(i)) for i in range(FAULT_STREAMS)]
+        stack.undisturbed = [b.result().token_ids for b in baseline]
+    needles = [needle.format(sender=sender) for needle in requeued]
+    requeues = log_lines(stack, "gateway", *needles)
+    assert len(requeues) >= FAULT_STREAMS, f"{len(requeues)} gateway lines with {needles}"
+    for i, completion in enumerate(got):
+        assert completion.finish_reason == "length", f"stream {i}: {completion.finish_reason}"
+        assert completion.token_ids == stack.undisturbed[i], f"stream {i} differs"
+    for name in (receiver, spare):
+        if stack.procs[name].poll() is None:
+            wait_for(lambda n=name: kv_cache_idle(stack, n), f"{name}'s KV cache idle", 30.0)
+
+
+def took_blocks(stack, executor_id: str) -> bool:
+    status = stack.executor_status(executor_id)
+    return status is not None and status.num_free_blocks < status.num_total_blocks
+
+
+def sender_exits(stack, sender: str, receiver: str) -> None:
+    hold = next(stack.files.glob("*.hold"), None)
+    if hold is not None:
+        hold.unlink()
+    assert stack.procs[sender].wait(timeout=60.0) == 0
+
+
+# the gateway's line for a stream handed on with no peer holding its KV
+RECOMPUTED = ("draining executor {sender} after", "re-queued for any executor")
+
+
+def test_a_corrupted_chunk_falls_back_to_recompute(fault_stack):
+    run_with_fault(fault_stack, "corrupt", "corrupt_kv_chunks=1", sender_exits, RECOMPUTED)
+
+
+def test_a_receiver_with_no_free_blocks_falls_back_to_recompute(fault_stack):
+    flags = ["--num-gpu-blocks", "6"]
+    run_with_fault(fault_stack, "full", "", sender_exits, RECOMPUTED, receiver_flags=flags)
+
+
+def test_kill_9_of_the_receiver_mid_transfer_falls_back_to_recompute(fault_stack):
+    def kill_receiver(stack, sender: str, receiver: str) -> None:
+        wait_for(lambda: took_blocks(stack, receiver), f"{receiver} taking blocks", 30.0)
+        stack.procs[receiver].send_signal(signal.SIGKILL)
+        sender_exits(stack, sender, receiver)
+
+    run_with_fault(fault_stack, "killrecv", "", kill_receiver, RECOMPUTED)
+
+
+def test_kill_9_of_the_sender_mid_transfer_falls_back_to_recompute(fault_stack):
+    def kill_sender(stack, sender: str, receiver: str) -> None:
+        wait_for(lambda: took_blocks(stack, receiver), f"{receiver} taking blocks", 30.0)
+        stack.procs[sender].send_signal(signal.SIGKILL)
+        stack.procs[sender].wait(timeout=30.0)
+
+    run_with_fault(fault_stack, "killsend", "", kill_sender, ("lost its executor {sender} after",))
