@@ -266,6 +266,10 @@ class ExecutorService:
             self._gateway_gone(event.address)
         elif event.message.HasField("assignment"):
             self._admit(event.message.assignment.request, event.entry_id)
+        elif event.message.HasField("drain"):
+            log.info("drain asked for by %s", event.message.drain.requested_by or "an operator")
+            self._inbox.handled(event.entry_id)
+            self.drain()
         else:
             release = event.message.release_session
             self._engine.release_session(release.session_id, release.tenant or None)

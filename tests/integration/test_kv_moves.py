@@ -5,8 +5,11 @@ find their history cached there, and executor-0 exits while its streams still ru
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -148,7 +151,8 @@ def fault_stack(stack_factory, tmp_path_factory):
     files = tmp_path_factory.mktemp("kv-faults")
     stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS)
     stack.files = files
-    stack.undisturbed = None
+    baseline = [Stream(stack.address, prompt_of(i)) for i in range(FAULT_STREAMS)]
+    stack.undisturbed = [b.result().token_ids for b in baseline]  # on executor-0, undisturbed
     return stack
 
 
@@ -157,8 +161,28 @@ def stop_executors(stack) -> None:
         stack.stop(name)
 
 
+def sigterm(stack, executor_id: str) -> None:
+    stack.procs[executor_id].send_signal(signal.SIGTERM)
+
+
+def admin_drain(stack, executor_id: str) -> None:
+    """`kvgate admin drain EXECUTOR_ID`, as an operator runs it."""
+    argv = [sys.executable, "-m", "client.cli", "admin", "drain", executor_id]
+    env = {**os.environ, "KVGATE_REDIS_URL": stack.redis_url}
+    env["KVGATE_REDIS_PREFIX"] = stack.config.redis_prefix
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"executor {executor_id}: drain asked for" in done.stdout
+
+
 def run_with_fault(
-    stack, tag: str, sender_faults: str, during, requeued: tuple[str, ...], receiver_flags=()
+    stack,
+    tag: str,
+    sender_faults: str,
+    during,
+    requeued: tuple[str, ...],
+    receiver_flags=(),
+    drain=sigterm,
 ) -> None:
     """Streams on a sender (with `sender_faults`), a receiver and a spare executor (which
     takes no KV) join, the sender gets SIGTERM, `during(sender, receiver)` breaks something;
@@ -182,14 +206,11 @@ def run_with_fault(
         stack.wait_executor(name)
     assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
     hold.touch()
-    stack.procs[sender].send_signal(signal.SIGTERM)
+    drain(stack, sender)
     during(stack, sender, receiver)
     hold.unlink(missing_ok=True)
     slow.unlink(missing_ok=True)
     got = [s.result() for s in streams]
-    if stack.undisturbed is None:
-        baseline = [Stream(stack.address, prompt_of(i)) for i in range(FAULT_STREAMS)]
-        stack.undisturbed = [b.result().token_ids for b in baseline]
     needles = [needle.format(sender=sender) for needle in requeued]
     requeues = log_lines(stack, "gateway", *needles)
     assert len(requeues) >= FAULT_STREAMS, f"{len(requeues)} gateway lines with {needles}"
@@ -223,7 +244,9 @@ def test_a_corrupted_chunk_falls_back_to_recompute(fault_stack):
 
 def test_a_receiver_with_no_free_blocks_falls_back_to_recompute(fault_stack):
     flags = ["--num-gpu-blocks", "6"]
-    run_with_fault(fault_stack, "full", "", sender_exits, RECOMPUTED, receiver_flags=flags)
+    run_with_fault(
+        fault_stack, "full", "", sender_exits, RECOMPUTED, receiver_flags=flags, drain=admin_drain
+    )
 
 
 def test_kill_9_of_the_receiver_mid_transfer_falls_back_to_recompute(fault_stack):
