@@ -265,3 +265,64 @@ def test_kill_9_of_the_sender_mid_transfer_falls_back_to_recompute(fault_stack):
         stack.procs[sender].wait(timeout=30.0)
 
     run_with_fault(fault_stack, "killsend", "", kill_sender, ("lost its executor {sender} after",))
+
+
+# ---- rebalance: idle sessions leave a nearly full cache for a peer with room ----------------
+
+
+def gauge(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} is not exported"
+    return float(match.group(1))
+
+
+def pinned(stack, count: int) -> str | None:
+    """executor-0's metrics once they count `count` pinned sessions."""
+    text = scrape(stack, "executor-0")
+    return text if gauge(text, "kvgate_executor_session_pins") == count else None
+
+
+def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(stack_factory):
+    small = ["--num-gpu-blocks", "64", "--rebalance-sessions"]
+    stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS + small)
+    address = stack.address
+    sessions: list[str] = []
+    first_turns: list[Completion] = []
+    # Sessions until fewer than 10% of executor-0's blocks are free (the watermark), none
+    # evicted: it has no peer yet, so they all stay.
+    while True:
+        sessions.append(f"r-{uuid.uuid4().hex[:10]}")
+        i = len(sessions) - 1
+        first_turns.append(generate(address, prompt_of(i), session_id=sessions[i], max_tokens=12))
+        metrics = wait_for(
+            lambda: pinned(stack, len(sessions)), f"executor-0 to pin {len(sessions)} sessions"
+        )
+        assert counter(metrics, "kvgate_executor_evicted_sessions") == 0
+        if gauge(metrics, "kvgate_executor_kv_usage_ratio") > 0.9:
+            break
+    assert all(session_executor(stack, s) == "executor-0" for s in sessions)
+    stack.start_executor("executor-1", extra_flags=["--num-gpu-blocks", "2048"])
+
+    def moved() -> list[int]:
+        return [i for i, s in enumerate(sessions) if session_executor(stack, s) == "executor-1"]
+
+    wait_for(lambda: bool(moved()), "a session to move to executor-1", timeout_s=30.0)
+    wait_for(
+        lambda: (
+            set(sessions[i] for i in moved())
+            <= set(stack.executor_status("executor-1").session_ids)
+        ),
+        "executor-1 to report the moved sessions",
+    )
+    indices = moved()
+    assert indices == list(range(len(indices))), f"not the least recently used first: {indices}"
+    i = indices[0]
+    history = first_turns[i].usage.prompt_tokens + first_turns[i].usage.completion_tokens
+    turn = generate(
+        address, prompt_of(i) + first_turns[i].text + " The end.", session_id=sessions[i],
+        max_tokens=4,
+    )  # fmt: skip
+    assert turn.usage.cached_prompt_tokens >= 0.95 * (history - 1)
+    assert session_executor(stack, sessions[i]) == "executor-1"
+    assert counter(scrape(stack, "executor-0"), "kvgate_executor_kv_moves", kind="rebalance",
+                   result="moved") == len(indices)  # fmt: skip
