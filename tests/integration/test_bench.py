@@ -232,3 +232,31 @@ def test_secure_hops_times_every_hop_against_plain_and_tls_peers(tmp_path):
     }, hops
     for name, hop in hops.items():
         assert hop["plain_p50_ms"] > 0 and hop["secured_p50_ms"] > 0, (name, hop)
+
+
+def test_scaling_restart_runs_both_sides_through_a_rolling_restart(tmp_path):
+    """A tiny `kvgate bench scaling restart`: both sides ran the restart, every turn of the
+    moving side succeeded, and its drains moved KV to the peer; the command exits 0, or 1
+    only for what the results show (a lost session or a re-prefill share over the bar)."""
+    out = tmp_path / "restart.json"
+    command = [sys.executable, "-m", "bench.cli", "scaling", "restart", "--model", str(MODEL)]
+    command += ["--sessions", "6", "--workers", "2", "--max-tokens", "8", "--warmup-turns", "1"]
+    command += ["--turns-after", "1", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.is_file(), f"no results (exit {done.returncode}):\n{done.stderr}"
+    results = json.loads(out.read_text())
+    if done.returncode != 0:
+        assert done.returncode == 1 and "kvgate bench: " in done.stderr, done.stderr
+        assert "failed turn" not in done.stderr, done.stderr
+    moving, recompute = results["moving"], results["recompute"]
+    assert moving["failed_turns"] == 0, moving["failures"]
+    for side in (moving, recompute):
+        assert side["turns"] >= 6 * 3, side["turns"]  # warm-up, during, after the restart
+        assert [d["executor"] for d in side["drains"]] == ["executor-0", "executor-1"]
+        assert all(d["exit_status"] == 0 and d["drain_s"] > 0 for d in side["drains"])
+        assert side["turns_after_a_move"] == len(side["turns_after_a_move_records"])
+        for key in ("lost_sessions", "reprefill_share_after_move_mean", "restart_s"):
+            assert key in side, key
+    assert sum(d["sessions_moved"] + d["requests_moved"] for d in moving["drains"]) > 0
+    assert all(d["blocks_in_at_peer"] == 0 for d in recompute["drains"])
+    assert recompute["reprefill_share_after_move_mean"] > moving["reprefill_share_after_move_mean"]
