@@ -74,6 +74,8 @@ def test_every_kvgate_service_runs_a_process_that_accepts_its_command() -> None:
             assert config.advertise_host == name, f"{name} must advertise its service name"
         if service["command"][0] == "executor":
             assert config.executor_id == name, f"{name}: executor id {config.executor_id}"
+            assert config.kv_transfer_port > 0, f"{name}: peers need a fixed KvTransfer port"
+            assert config.kv_transfer_advertise_host == name, f"{name}: peers dial its name"
 
 
 def test_gateways_publish_their_grpc_and_http_ports_and_nothing_unlistened() -> None:
