@@ -7,6 +7,7 @@ kvgate admin limits set --tenant acme --requests-per-s 5 --tokens-per-min 20000 
     --max-streams 8 --max-priority 0
 kvgate admin limits show --tenant acme | limits clear --tenant acme
 kvgate admin usage [--tenant acme] [--days 30] [--json]
+kvgate admin drain EXECUTOR_ID [--wait-s 60]  it moves its streams and sessions to peers, exits
 
 An operator's tool: it needs the Redis URL (and its password) that the gateways use, not a
 gateway address. It imports no server code: the records are those of common/tenants.py.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import redis
 
 from common.config import DEFAULT_REDIS_URL, check_redis_url, env_str, redacted_url
-from common.keys import RedisKeys
+from common.keys import PAYLOAD_FIELD, RedisKeys
 from common.tenants import (
     KEY_CREATED_FIELD,
     KEY_TENANT_FIELD,
@@ -37,6 +38,7 @@ from common.tenants import (
     new_api_key,
     utc_day,
 )
+from protos.kvgate.v1 import internal_pb2
 
 Say = Callable[[str], None]
 
@@ -116,7 +118,38 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--tenant", type=_tenant)
     usage.add_argument("--days", type=_days, default=30, help="the last N days, today included")
     usage.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    drain = areas.add_parser("drain", help="drain an executor (as SIGTERM does), by its id")
+    drain.add_argument("executor_id", help="the id its heartbeat carries (--executor-id)")
+    drain.add_argument(
+        "--wait-s", type=float, default=0.0, help="wait this long for it to exit (0: do not)"
+    )
     return parser
+
+
+def drain_executor(
+    client: redis.Redis, keys: RedisKeys, executor_id: str, wait_s: float, say: Say
+) -> bool:
+    """Ask a live executor to drain, through its inbox; with `wait_s`, wait for it to exit.
+
+    Returns: whether it was asked (and, with `wait_s`, has exited)."""
+    if client.get(keys.executor_status(executor_id)) is None:
+        say(f"no live executor {executor_id!r}: its heartbeat is not in redis")
+        return False
+    message = internal_pb2.InboxMessage(
+        drain=internal_pb2.DrainExecutor(requested_by="kvgate admin drain")
+    )
+    client.xadd(keys.executor_inbox(executor_id), {PAYLOAD_FIELD: message.SerializeToString()})
+    say(f"executor {executor_id}: drain asked for (its streams and sessions move to its peers)")
+    if wait_s <= 0:
+        return True
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if client.get(keys.executor_status(executor_id)) is None:
+            say(f"executor {executor_id}: drained and gone")
+            return True
+        time.sleep(0.2)
+    say(f"executor {executor_id}: still draining after {wait_s:g} s")
+    return False
 
 
 def create_key(client: redis.Redis, keys: RedisKeys, tenant: str, say: Say) -> str:
@@ -233,6 +266,8 @@ def run(args: argparse.Namespace, client: redis.Redis, say: Say) -> int:
             set_limits(client, keys, args.tenant, _limit_fields(TenantLimits()), say)
         else:
             say(f"tenant {args.tenant}: {_describe(read_limits(client, keys, args.tenant))}")
+    elif args.area == "drain":
+        return 0 if drain_executor(client, keys, args.executor_id, args.wait_s, say) else 1
     else:
         report = usage_report(client, keys, args.tenant, args.days)
         if args.json:

@@ -25,6 +25,7 @@ from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
 from executor.kv_transfer import KvReceiver, KvSender, KvTransferConfig, start_kv_server
 from executor.metrics import ExecutorMetrics
+from executor.rebalance import SessionRebalancer
 from executor.service import ExecutorService
 
 # Exit status when the tensor-parallel ranks fall out of step (a rank died): as a crash.
@@ -131,9 +132,13 @@ def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc
     server, address = start_kv_server(transfer, receiver)
     sender = KvSender(engine, transfer, metrics, config.executor_id, faults or Faults())
     keys = RedisKeys(config.redis_prefix)
-    service.attach_moves(
-        DrainMoves(engine, client, keys, config.executor_id, sender, metrics), address
-    )
+    moves = DrainMoves(engine, client, keys, config.executor_id, sender, metrics)
+    rebalancer = None
+    if config.rebalance_sessions:
+        rebalancer = SessionRebalancer(
+            engine, client, keys, config.executor_id, sender, metrics, service.post_event
+        )
+    service.attach_moves(moves, address, rebalancer)
     return server
 
 

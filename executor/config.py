@@ -13,6 +13,7 @@ from common.config import (
     add_common_flags,
     check_common_fields,
     check_range,
+    env_bool,
     env_float,
     env_int,
     env_str,
@@ -57,6 +58,7 @@ class ExecutorConfig:
     kv_tls_key: str = ""
     kv_tls_ca: str = ""  # verifies peers (their service and, mutual TLS, client certificates)
     kv_tls_server_name: str = ""  # the name in peers' certificates; empty: the host dialled
+    rebalance_sessions: bool = False  # move idle sessions off a nearly full cache to peers
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
@@ -175,6 +177,13 @@ def add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=env_float("KVGATE_KV_TRANSFER_TIMEOUT_S", 10.0),
         help="one sequence's transfer; past it the sequence is recomputed instead",
+    )
+    add(
+        "--rebalance-sessions",
+        action=argparse.BooleanOptionalAction,
+        default=env_bool("KVGATE_REBALANCE_SESSIONS", False),
+        help="move idle sessions to a peer with room when this cache is nearly full, instead "
+        "of evicting them (executor/rebalance.py)",
     )
     add("--kv-tls-cert", default=env_str("KVGATE_KV_TLS_CERT", ""), help="the service's cert")
     add("--kv-tls-key", default=env_str("KVGATE_KV_TLS_KEY", ""))

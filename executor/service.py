@@ -41,6 +41,7 @@ from executor.gateway_link import (
 from executor.heartbeat import Heartbeat, StatusBoard
 from executor.kv_transfer import EngineGate
 from executor.metrics import ExecutorMetrics
+from executor.rebalance import SessionMoved, SessionRebalancer
 from executor.streams import InboxEntry, InboxReader
 from kernels.kv_format import format_name
 from protos.kvgate.v1 import inference_pb2, internal_pb2
@@ -101,7 +102,9 @@ class ExecutorService:
         self._sink_credentials = sink_credentials or SinkCredentials()
         self._engine = engine
         self._metrics = metrics or ExecutorMetrics()
-        self._events: queue.SimpleQueue[InboxEntry | GatewayEvent] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[InboxEntry | GatewayEvent | SessionMoved] = (
+            queue.SimpleQueue()
+        )
         self._inbox = InboxReader(client, keys, config.executor_id, self._events)
         self._board = StatusBoard()
         self._heartbeat = Heartbeat(client, keys, self._board, config.step_stall_s)
@@ -115,6 +118,7 @@ class ExecutorService:
         self._gate = EngineGate()
         self.kv_transfer_address = ""  # set once the KvTransfer service listens
         self._moves: DrainMoves | None = None
+        self._rebalancer: SessionRebalancer | None = None
         self._next_status_s = 0.0
 
     def drain(self) -> None:
@@ -164,6 +168,8 @@ class ExecutorService:
                     self._step()
             with gate.lock:
                 gate.run_pending()  # KV coming in from peers, within a budget per step
+                if self._rebalancer is not None and self._taking_work:
+                    self._rebalancer.tick()
                 self._refresh_status()
         self._shut_down()
 
@@ -225,10 +231,21 @@ class ExecutorService:
             extra=request_fields(request_id, tracked.session_id),
         )
 
-    def attach_moves(self, moves: DrainMoves, receiver_address: str) -> None:
-        """Move KV to peers on a drain, and advertise the KvTransfer service's address."""
+    def attach_moves(
+        self,
+        moves: DrainMoves,
+        receiver_address: str,
+        rebalancer: SessionRebalancer | None = None,
+    ) -> None:
+        """Move KV to peers on a drain (and, with a rebalancer, idle sessions off a nearly
+        full cache), and advertise the KvTransfer service's address."""
         self._moves = moves
+        self._rebalancer = rebalancer
         self.kv_transfer_address = receiver_address
+
+    def post_event(self, event: SessionMoved) -> None:
+        """Queue an event for the step loop (from another thread)."""
+        self._events.put(event)
 
     @property
     def gate(self) -> EngineGate:
@@ -259,13 +276,19 @@ class ExecutorService:
                 return
             self._handle(event)
 
-    def _handle(self, event: InboxEntry | GatewayEvent) -> None:
-        if isinstance(event, GatewayAbort):
+    def _handle(self, event: InboxEntry | GatewayEvent | SessionMoved) -> None:
+        if isinstance(event, SessionMoved):
+            self._rebalancer.finish(event)
+        elif isinstance(event, GatewayAbort):
             self._abort(event.address, event.request_ids, event.attempts, event.runs)
         elif isinstance(event, GatewayGone):
             self._gateway_gone(event.address)
         elif event.message.HasField("assignment"):
             self._admit(event.message.assignment.request, event.entry_id)
+        elif event.message.HasField("drain"):
+            log.info("drain asked for by %s", event.message.drain.requested_by or "an operator")
+            self._inbox.handled(event.entry_id)
+            self.drain()
         else:
             release = event.message.release_session
             self._engine.release_session(release.session_id, release.tenant or None)

@@ -5,8 +5,11 @@ find their history cached there, and executor-0 exits while its streams still ru
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -148,7 +151,8 @@ def fault_stack(stack_factory, tmp_path_factory):
     files = tmp_path_factory.mktemp("kv-faults")
     stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS)
     stack.files = files
-    stack.undisturbed = None
+    baseline = [Stream(stack.address, prompt_of(i)) for i in range(FAULT_STREAMS)]
+    stack.undisturbed = [b.result().token_ids for b in baseline]  # on executor-0, undisturbed
     return stack
 
 
@@ -157,8 +161,28 @@ def stop_executors(stack) -> None:
         stack.stop(name)
 
 
+def sigterm(stack, executor_id: str) -> None:
+    stack.procs[executor_id].send_signal(signal.SIGTERM)
+
+
+def admin_drain(stack, executor_id: str) -> None:
+    """`kvgate admin drain EXECUTOR_ID`, as an operator runs it."""
+    argv = [sys.executable, "-m", "client.cli", "admin", "drain", executor_id]
+    env = {**os.environ, "KVGATE_REDIS_URL": stack.redis_url}
+    env["KVGATE_REDIS_PREFIX"] = stack.config.redis_prefix
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"executor {executor_id}: drain asked for" in done.stdout
+
+
 def run_with_fault(
-    stack, tag: str, sender_faults: str, during, requeued: tuple[str, ...], receiver_flags=()
+    stack,
+    tag: str,
+    sender_faults: str,
+    during,
+    requeued: tuple[str, ...],
+    receiver_flags=(),
+    drain=sigterm,
 ) -> None:
     """Streams on a sender (with `sender_faults`), a receiver and a spare executor (which
     takes no KV) join, the sender gets SIGTERM, `during(sender, receiver)` breaks something;
@@ -182,14 +206,11 @@ def run_with_fault(
         stack.wait_executor(name)
     assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
     hold.touch()
-    stack.procs[sender].send_signal(signal.SIGTERM)
+    drain(stack, sender)
     during(stack, sender, receiver)
     hold.unlink(missing_ok=True)
     slow.unlink(missing_ok=True)
     got = [s.result() for s in streams]
-    if stack.undisturbed is None:
-        baseline = [Stream(stack.address, prompt_of(i)) for i in range(FAULT_STREAMS)]
-        stack.undisturbed = [b.result().token_ids for b in baseline]
     needles = [needle.format(sender=sender) for needle in requeued]
     requeues = log_lines(stack, "gateway", *needles)
     assert len(requeues) >= FAULT_STREAMS, f"{len(requeues)} gateway lines with {needles}"
@@ -223,7 +244,9 @@ def test_a_corrupted_chunk_falls_back_to_recompute(fault_stack):
 
 def test_a_receiver_with_no_free_blocks_falls_back_to_recompute(fault_stack):
     flags = ["--num-gpu-blocks", "6"]
-    run_with_fault(fault_stack, "full", "", sender_exits, RECOMPUTED, receiver_flags=flags)
+    run_with_fault(
+        fault_stack, "full", "", sender_exits, RECOMPUTED, receiver_flags=flags, drain=admin_drain
+    )
 
 
 def test_kill_9_of_the_receiver_mid_transfer_falls_back_to_recompute(fault_stack):
@@ -242,3 +265,64 @@ def test_kill_9_of_the_sender_mid_transfer_falls_back_to_recompute(fault_stack):
         stack.procs[sender].wait(timeout=30.0)
 
     run_with_fault(fault_stack, "killsend", "", kill_sender, ("lost its executor {sender} after",))
+
+
+# ---- rebalance: idle sessions leave a nearly full cache for a peer with room ----------------
+
+
+def gauge(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} is not exported"
+    return float(match.group(1))
+
+
+def pinned(stack, count: int) -> str | None:
+    """executor-0's metrics once they count `count` pinned sessions."""
+    text = scrape(stack, "executor-0")
+    return text if gauge(text, "kvgate_executor_session_pins") == count else None
+
+
+def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(stack_factory):
+    small = ["--num-gpu-blocks", "64", "--rebalance-sessions"]
+    stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS + small)
+    address = stack.address
+    sessions: list[str] = []
+    first_turns: list[Completion] = []
+    # Sessions until fewer than 10% of executor-0's blocks are free (the watermark), none
+    # evicted: it has no peer yet, so they all stay.
+    while True:
+        sessions.append(f"r-{uuid.uuid4().hex[:10]}")
+        i = len(sessions) - 1
+        first_turns.append(generate(address, prompt_of(i), session_id=sessions[i], max_tokens=12))
+        metrics = wait_for(
+            lambda: pinned(stack, len(sessions)), f"executor-0 to pin {len(sessions)} sessions"
+        )
+        assert counter(metrics, "kvgate_executor_evicted_sessions") == 0
+        if gauge(metrics, "kvgate_executor_kv_usage_ratio") > 0.9:
+            break
+    assert all(session_executor(stack, s) == "executor-0" for s in sessions)
+    stack.start_executor("executor-1", extra_flags=["--num-gpu-blocks", "2048"])
+
+    def moved() -> list[int]:
+        return [i for i, s in enumerate(sessions) if session_executor(stack, s) == "executor-1"]
+
+    wait_for(lambda: bool(moved()), "a session to move to executor-1", timeout_s=30.0)
+    wait_for(
+        lambda: (
+            set(sessions[i] for i in moved())
+            <= set(stack.executor_status("executor-1").session_ids)
+        ),
+        "executor-1 to report the moved sessions",
+    )
+    indices = moved()
+    assert indices == list(range(len(indices))), f"not the least recently used first: {indices}"
+    i = indices[0]
+    history = first_turns[i].usage.prompt_tokens + first_turns[i].usage.completion_tokens
+    turn = generate(
+        address, prompt_of(i) + first_turns[i].text + " The end.", session_id=sessions[i],
+        max_tokens=4,
+    )  # fmt: skip
+    assert turn.usage.cached_prompt_tokens >= 0.95 * (history - 1)
+    assert session_executor(stack, sessions[i]) == "executor-1"
+    assert counter(scrape(stack, "executor-0"), "kvgate_executor_kv_moves", kind="rebalance",
+                   result="moved") == len(indices)  # fmt: skip
