@@ -15,9 +15,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
 from client.api import Completion, KvgateClient, sampling_params
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 from tests.helpers import wait_for
 from tests.integration.conftest import (
     generate,
@@ -43,18 +45,19 @@ def prompt_of(i: int) -> str:
 class Stream:
     """One greedy stream read on a thread, with what it has received so far."""
 
-    def __init__(self, address: str, prompt: str) -> None:
+    def __init__(self, address: str, prompt: str, session_id: str = "") -> None:
         self.completion = Completion()
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._read, args=(address, prompt), daemon=True)
+        args = (address, prompt, session_id)
+        self._thread = threading.Thread(target=self._read, args=args, daemon=True)
         self._thread.start()
 
-    def _read(self, address: str, prompt: str) -> None:
+    def _read(self, address: str, prompt: str, session_id: str) -> None:
         params = sampling_params(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
         try:
             with KvgateClient(address, timeout_s=120.0, retry=False) as client:
-                for chunk in client.generate_stream(prompt, params):
+                for chunk in client.generate_stream(prompt, params, session_id=session_id):
                     self.completion.add(chunk)
         except BaseException as error:  # noqa: BLE001 (reported by the test)
             self.error = error
@@ -81,7 +84,18 @@ def slow_file(tmp_path: Path) -> Path:
     return tmp_path / "slow"
 
 
-def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file: Path):
+def next_turn(address: str, session_id: str, token_ids: list[int]) -> Completion:
+    """A session's next turn of 4 greedy tokens, its prompt given as token ids."""
+    params = sampling_params(max_tokens=4, temperature=0.0)
+    request = inference_pb2.GenerateRequest(
+        prompt_token_ids=token_ids, params=params, session_id=session_id
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return Completion.of(stub.Generate(request, timeout=60.0))
+
+
+def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file: Path, model_text):
     stack = stack_factory(
         num_executors=1,
         executor_flags=MOVE_FLAGS,
@@ -99,7 +113,9 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
     assert all(session_executor(stack, s) == "executor-0" for s in sessions)
 
     slow_file.touch()
-    streams = [Stream(address, prompt_of(i)) for i in range(NUM_STREAMS)]
+    # The first 4 streams are turns of sessions: their KV lands as the sessions' on executor-1.
+    turns = [f"t-{uuid.uuid4().hex[:10]}" if i < 4 else "" for i in range(NUM_STREAMS)]
+    streams = [Stream(address, prompt_of(i), turns[i]) for i in range(NUM_STREAMS)]
     wait_for(
         lambda: all(len(s.completion.token_ids) >= 4 for s in streams),
         "every stream to be generating on executor-0",
@@ -127,18 +143,22 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
         assert got.finish_reason == "length" and len(got.token_ids) == STREAM_TOKENS
         assert got.token_ids == want.token_ids, f"stream {i} differs from an undisturbed run"
         assert got.text == want.text
-
+        # Resumed from its KV on executor-1, not recomputed: more than its prompt was cached.
+        assert got.usage.cached_prompt_tokens > got.usage.prompt_tokens, f"stream {i}"
+    handed_on = log_lines(stack, "gateway", "draining executor executor-0", "for executor-1")
+    assert len(handed_on) == NUM_STREAMS
+    for i, session_id in enumerate(turns[:4]):  # the next turn, as token ids: no retokenizing
+        assert session_executor(stack, session_id) == "executor-1"
+        history = model_text.encode(prompt_of(i)) + moved[i].token_ids
+        turn = next_turn(address, session_id, history + [13, 450])
+        assert turn.usage.cached_prompt_tokens >= 0.95 * (len(history) - 1), f"turn {i}"
     metrics = scrape(stack, "executor-1")
     assert counter(metrics, "kvgate_executor_kv_moved_blocks", direction="in") > 0
     assert all(session_executor(stack, s) == "executor-1" for s in sessions)
     for i in range(0, NUM_SESSIONS, 10):
-        history = first_turns[i].usage.prompt_tokens + first_turns[i].usage.completion_tokens
-        turn = generate(
-            address, prompt_of(i) + first_turns[i].text + " The end.", session_id=sessions[i],
-            max_tokens=4,
-        )  # fmt: skip
-        cached = turn.usage.cached_prompt_tokens
-        assert cached >= 0.95 * (history - 1), f"session {i}: {cached} of {history} cached"
+        history = model_text.encode(prompt_of(i)) + first_turns[i].token_ids
+        cached = next_turn(address, sessions[i], history + [13, 450]).usage.cached_prompt_tokens
+        assert cached >= 0.95 * (len(history) - 1), f"session {i}: {cached} of {len(history)}"
 
 
 # ---- faults: each ends with the requests completed by recompute, their text unchanged ----
@@ -282,7 +302,9 @@ def pinned(stack, count: int) -> str | None:
     return text if gauge(text, "kvgate_executor_session_pins") == count else None
 
 
-def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(stack_factory):
+def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
+    stack_factory, model_text
+):
     small = ["--num-gpu-blocks", "64", "--rebalance-sessions"]
     stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS + small)
     address = stack.address
@@ -317,12 +339,9 @@ def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
     indices = moved()
     assert indices == list(range(len(indices))), f"not the least recently used first: {indices}"
     i = indices[0]
-    history = first_turns[i].usage.prompt_tokens + first_turns[i].usage.completion_tokens
-    turn = generate(
-        address, prompt_of(i) + first_turns[i].text + " The end.", session_id=sessions[i],
-        max_tokens=4,
-    )  # fmt: skip
-    assert turn.usage.cached_prompt_tokens >= 0.95 * (history - 1)
+    history = model_text.encode(prompt_of(i)) + first_turns[i].token_ids
+    turn = next_turn(address, sessions[i], history + [13, 450])
+    assert turn.usage.cached_prompt_tokens >= 0.95 * (len(history) - 1)
     assert session_executor(stack, sessions[i]) == "executor-1"
     assert counter(scrape(stack, "executor-0"), "kvgate_executor_kv_moves", kind="rebalance",
                    result="moved") == len(indices)  # fmt: skip
