@@ -140,7 +140,7 @@ def engine_layout(engine: Engine) -> KVLayout:
 def movable_engine(engine: Engine) -> str | None:
     """Why `engine`'s KV cannot move (or be taken in), or None when it can."""
     if engine.config.tensor_parallel_size > 1:
-        return "tensor parallel engines hold each block across ranks: their KV is recomputed"
+        return "a tensor-parallel engine holds each block across its ranks"
     return None
 
 

@@ -69,7 +69,7 @@ class DrainMoves:
         finish here, as a drain without transfers does)."""
         why = movable_engine(self._engine)
         if why is not None:
-            log.info("draining: %s; the streams finish here", why)
+            log.info("draining: %s, so nothing moves: the streams finish here", why)
             return False
         layout = engine_layout(self._engine)
         self._peers = read_peers(self._client, self._keys, self._executor_id, layout)
@@ -113,7 +113,9 @@ class DrainMoves:
     def _push(self, moved: MovableKV, peer: ExecutorStatus | None, kind: str) -> str:
         """Returns: the peer that took the sequence's KV, or "" (it is recomputed)."""
         name = moved.session_id if kind == "session" else moved.request_id
-        if peer is None and moved.block_ids:
+        if not moved.block_ids:
+            return ""  # nothing computed yet: nothing to move, nothing lost
+        if peer is None:
             log.warning(
                 "draining: no peer has room for %d blocks of %s %s: it is recomputed",
                 len(moved.block_ids),
