@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from client.api import Completion, KvgateClient, sampling_params
+from common.model_text import ModelText
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 from tests.helpers import wait_for
 from tests.integration.conftest import (
@@ -45,16 +46,18 @@ def prompt_of(i: int) -> str:
 class Stream:
     """One greedy stream read on a thread, with what it has received so far."""
 
-    def __init__(self, address: str, prompt: str, session_id: str = "") -> None:
+    def __init__(
+        self, address: str, prompt: str, session_id: str = "", max_tokens: int = STREAM_TOKENS
+    ) -> None:
         self.completion = Completion()
         self.done = threading.Event()
         self.error: BaseException | None = None
-        args = (address, prompt, session_id)
+        args = (address, prompt, session_id, max_tokens)
         self._thread = threading.Thread(target=self._read, args=args, daemon=True)
         self._thread.start()
 
-    def _read(self, address: str, prompt: str, session_id: str) -> None:
-        params = sampling_params(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
+    def _read(self, address: str, prompt: str, session_id: str, max_tokens: int) -> None:
+        params = sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         try:
             with KvgateClient(address, timeout_s=120.0, retry=False) as client:
                 for chunk in client.generate_stream(prompt, params, session_id=session_id):
@@ -345,3 +348,54 @@ def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
     assert session_executor(stack, sessions[i]) == "executor-1"
     assert counter(scrape(stack, "executor-0"), "kvgate_executor_kv_moves", kind="rebalance",
                    result="moved") == len(indices)  # fmt: skip
+
+
+# ---- the default chat model ---------------------------------------------------------------
+
+SMOLLM2_STREAMS = 4
+SMOLLM2_SESSIONS = 8
+SMOLLM2_FACTS = ["the sea", "a forest", "the moon", "a city", "rain", "bread", "music", "snow"]
+
+
+def smollm2_prompt(i: int) -> str:
+    return f"Write a long story about {SMOLLM2_FACTS[i % len(SMOLLM2_FACTS)]}."
+
+
+def test_smollm2_a_drain_moves_its_streams_and_sessions(stack_factory, gguf, tmp_path):
+    slow = tmp_path / "slow"
+    stack = stack_factory(
+        num_executors=1,
+        model=gguf,
+        executor_flags=["--torch-threads", "1"],
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow}:0.05"},
+    )
+    address = stack.address
+    sessions = [f"m-{uuid.uuid4().hex[:10]}" for _ in range(SMOLLM2_SESSIONS)]
+    first_turns = [
+        generate(address, smollm2_prompt(i), session_id=sessions[i], max_tokens=8)
+        for i in range(SMOLLM2_SESSIONS)
+    ]
+    slow.touch()
+    streams = [Stream(address, smollm2_prompt(i), "", 96) for i in range(SMOLLM2_STREAMS)]
+    wait_for(
+        lambda: all(len(s.completion.token_ids) >= 2 for s in streams),
+        "every stream to be generating on executor-0",
+        timeout_s=120.0,
+    )
+    stack.start_executor("executor-1")
+    stack.procs["executor-0"].send_signal(signal.SIGTERM)
+    assert stack.procs["executor-0"].wait(timeout=120.0) == 0
+    still_running = sum(not s.done.is_set() for s in streams)
+    slow.unlink()
+    assert still_running == SMOLLM2_STREAMS, "a stream ended on executor-0: it waited for it"
+    moved = [s.result() for s in streams]
+    undisturbed = [Stream(address, smollm2_prompt(i), "", 96) for i in range(SMOLLM2_STREAMS)]
+    for i, (got, want) in enumerate(zip(moved, [u.result() for u in undisturbed], strict=True)):
+        assert got.token_ids == want.token_ids, f"stream {i} differs from an undisturbed run"
+        assert got.usage.cached_prompt_tokens > got.usage.prompt_tokens, f"stream {i} recomputed"
+    text = ModelText(gguf)
+    for i, session_id in enumerate(sessions):
+        assert session_executor(stack, session_id) == "executor-1"
+        history = text.encode(smollm2_prompt(i)) + first_turns[i].token_ids
+        cached = next_turn(address, session_id, history + [30]).usage.cached_prompt_tokens
+        assert cached >= 0.95 * (len(history) - 1), f"session {i}: {cached} of {len(history)}"
