@@ -204,3 +204,20 @@ def test_mutual_tls_takes_a_peer_with_a_client_certificate_only(sender, tmp_path
         assert [s.session_id for s in idle_sessions(secure.engine)] == ["chat"]
     finally:
         secure.server.stop(None)
+
+
+def test_a_push_the_step_loop_never_gets_to_times_out_and_takes_nothing(sender):
+    """A busy receiver whose step loop never runs the queued writes (a wedged loop): the push
+    ends DEADLINE_EXCEEDED at the sender's timeout and the queued work never runs."""
+    engine = make_engine()
+    gate = EngineGate()
+    gate.busy = True  # writes wait for run_pending, which nothing calls
+    receiver = KvReceiver(engine, gate, ExecutorMetrics(), lambda: True, SECRET)
+    server, address = start_kv_server(KvTransferConfig(port=0, secret=SECRET), receiver)
+    try:
+        assert not push(sender, address, timeout_s=1.0)
+        gate.run_pending()  # the loop comes back: the cancelled work must not run now
+        kv = engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks and not kv.sessions
+    finally:
+        server.stop(None)
