@@ -135,7 +135,8 @@ def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc
         secret=secret,
         timeout_s=config.kv_transfer_timeout_s,
     )
-    receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret)
+    names = frozenset(n.strip() for n in config.kv_tls_allowed_names.split(",") if n.strip())
+    receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret, names)
     server, address = start_kv_server(transfer, receiver)
     sender = KvSender(engine, transfer, metrics, config.executor_id, faults or Faults())
     keys = RedisKeys(config.redis_prefix)

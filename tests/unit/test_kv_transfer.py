@@ -50,9 +50,13 @@ def sender() -> Engine:
 class Receiver:
     """A receiving engine behind a KvTransfer server on a free port."""
 
-    def __init__(self, engine: Engine, config: KvTransferConfig, taking_work=lambda: True):
+    def __init__(
+        self, engine: Engine, config: KvTransferConfig, taking_work=lambda: True, names=()
+    ):
         self.engine = engine
-        receiver = KvReceiver(engine, EngineGate(), ExecutorMetrics(), taking_work, config.secret)
+        receiver = KvReceiver(
+            engine, EngineGate(), ExecutorMetrics(), taking_work, config.secret, frozenset(names)
+        )
         self.server, self.address = start_kv_server(config, receiver)
 
     def idle(self) -> bool:
@@ -221,3 +225,20 @@ def test_a_push_the_step_loop_never_gets_to_times_out_and_takes_nothing(sender):
         assert kv.num_free_blocks == kv.num_blocks and not kv.sessions
     finally:
         server.stop(None)
+
+
+def test_allowed_names_refuse_a_peer_certificate_that_names_none(sender, tmp_path: Path):
+    ca = CertificateAuthority(tmp_path)
+    service = ca.server("kv")
+    config = KvTransferConfig(port=0, tls_cert=service.cert, tls_key=service.key, tls_ca=ca.ca)
+    secure = Receiver(make_engine(), config, names=["executor-a", "executor-b"])
+    try:
+        tls = {"tls_ca": ca.ca, "tls_server_name": "localhost", "secret": None}
+        stranger = ca.client("kvgate-gateway")
+        assert not push(sender, secure.address, client_cert=stranger.cert,
+                        client_key=stranger.key, **tls)  # fmt: skip
+        assert secure.idle()
+        peer = ca.client("executor-b")
+        assert push(sender, secure.address, client_cert=peer.cert, client_key=peer.key, **tls)
+    finally:
+        secure.server.stop(None)
