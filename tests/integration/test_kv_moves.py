@@ -34,6 +34,8 @@ NUM_STREAMS = 20
 NUM_SESSIONS = 100
 STREAM_TOKENS = 400
 SLOW_STEP_S = 0.02  # while the slow file exists: a stream takes 8 s at least
+SENDER_STEP_S = 0.05  # the drain test's executor-0: a stream takes 20 s at least
+HELD_STEP_S = 0.5  # its executor-1 until executor-0 has exited
 STORY_WORDS = ["cat", "dog", "ball", "tree", "sun", "boat", "bird", "cake", "park", "hat"]
 MOVE_FLAGS = ["--num-gpu-blocks", "2048"]
 
@@ -102,7 +104,7 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
     stack = stack_factory(
         num_executors=1,
         executor_flags=MOVE_FLAGS,
-        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SLOW_STEP_S}"},
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SENDER_STEP_S}"},
     )
     address = stack.address
     sessions = [f"s-{uuid.uuid4().hex[:10]}" for _ in range(NUM_SESSIONS)]
@@ -124,7 +126,11 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
         "every stream to be generating on executor-0",
         timeout_s=60.0,
     )
-    stack.start_executor("executor-1")
+    # executor-1 crawls until executor-0 has exited: what it got cannot end before that.
+    held = slow_file.with_suffix(".held")
+    held.touch()
+    faults = {"KVGATE_FAULTS": f"slow_while_file={held}:{HELD_STEP_S}"}
+    stack.start_executor("executor-1", extra_env=faults)
     wait_for(
         lambda: (
             (status := stack.executor_status("executor-1")) is not None
@@ -132,10 +138,12 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
         ),
         "executor-1 to advertise its KvTransfer address",
     )
+    assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
     stack.procs["executor-0"].send_signal(signal.SIGTERM)
     status = stack.procs["executor-0"].wait(timeout=60.0)
     still_running = sum(not s.done.is_set() for s in streams)
     slow_file.unlink()
+    held.unlink()
     assert status == 0, f"executor-0 exited with {status}"
     # It did not wait for its streams: they were still running when it exited.
     assert still_running == NUM_STREAMS, f"{NUM_STREAMS - still_running} ended on executor-0"
