@@ -91,6 +91,12 @@ METRICS = {
     "kvgate_gateway_output_tokens": MetricSpec(
         "counter", "tokens streamed to clients, by api", ("api",)
     ),
+    "kvgate_gateway_drain_hand_ons": MetricSpec(
+        "counter",
+        "requests a draining executor handed on mid-stream, queued again by this gateway (kv: "
+        "moved, their KV went to a peer first; recomputed, it did not)",
+        ("kv",),
+    ),
     "kvgate_gateway_requeues": MetricSpec(
         "counter", "requests re-queued because their executor went away, by api", ("api",)
     ),
@@ -217,8 +223,9 @@ METRICS = {
     ),
     "kvgate_executor_kv_moves": MetricSpec(
         "counter",
-        "sequences a drain handed on (kind: session or request; result: moved with their KV, "
-        "or fallback: left to be recomputed)",
+        "sequences with KV to move that a drain or a rebalance handed on (kind: request, "
+        "session or rebalance; result: moved with their KV, or fallback: left to be "
+        "recomputed)",
         ("kind", "result"),
     ),
     "kvgate_executor_step_seconds": MetricSpec(

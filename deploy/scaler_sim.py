@@ -36,7 +36,7 @@ class Sample:
     queue: float  # its waiting part: the scheduler's queue and the executors' waiting requests
     desired: int  # what the autoscaler asks for
     replicas: int  # executors serving (started, not draining)
-    draining: int  # executors finishing their requests before they exit
+    draining: int  # executors moving their requests and sessions out before they exit
 
 
 @dataclass(slots=True)

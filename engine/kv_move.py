@@ -94,7 +94,11 @@ def read_blocks(caches: LayerCaches, block_ids: list[int]) -> bytes:
         for tensor in (key, value):
             parts.append(_as_bytes(tensor).index_select(0, index))
     stacked = torch.stack(parts, dim=1)  # [blocks, layers * 2, block bytes]
-    return stacked.cpu().numpy().tobytes()
+    if stacked.is_cuda:  # through a pinned host buffer: one DMA copy, then the bytes
+        host = torch.empty(stacked.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(stacked)
+        stacked = host
+    return stacked.numpy().tobytes()
 
 
 def write_blocks(caches: LayerCaches, block_ids: list[int], data: bytes) -> None:
@@ -113,7 +117,8 @@ def write_blocks(caches: LayerCaches, block_ids: list[int], data: bytes) -> None
         return
     device = caches[0][0].device
     rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(block_ids), num_parts, -1)
-    rows = rows.to(device)
+    if device.type == "cuda":  # through a pinned host buffer, copied before the writes
+        rows = rows.pin_memory().to(device, non_blocking=True)
     index = torch.tensor(block_ids, dtype=torch.long, device=device)
     part = 0
     for key, value in caches:
@@ -140,7 +145,7 @@ def engine_layout(engine: Engine) -> KVLayout:
 def movable_engine(engine: Engine) -> str | None:
     """Why `engine`'s KV cannot move (or be taken in), or None when it can."""
     if engine.config.tensor_parallel_size > 1:
-        return "tensor parallel engines hold each block across ranks: their KV is recomputed"
+        return "a tensor-parallel engine holds each block across its ranks"
     return None
 
 

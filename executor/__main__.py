@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
@@ -18,6 +19,7 @@ from common.startup import start_process, stop_on_signals
 from common.tls import TLSFileError, read_secret
 from engine.engine import Engine
 from engine.faults import Faults, install_faults
+from engine.kv_move import movable_engine
 from engine.ranks import RankStartError
 from executor.config import ExecutorConfig
 from executor.drain import DrainMoves
@@ -28,6 +30,7 @@ from executor.metrics import ExecutorMetrics
 from executor.rebalance import SessionRebalancer
 from executor.service import ExecutorService
 
+log = logging.getLogger(__name__)
 # Exit status when the tensor-parallel ranks fall out of step (a rank died): as a crash.
 RANKS_LOST_STATUS = 70
 # Longest time a thread holding the GIL keeps it while another thread asks for it, in seconds.
@@ -110,6 +113,10 @@ def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc
     """
     if config.kv_transfer_port == -1:
         return None
+    why = movable_engine(engine)
+    if why is not None:  # peers must not pick it, and a drain here finishes its streams
+        log.info("no KvTransfer service: %s", why)
+        return None
     secret = (
         read_secret("--sink-secret-file", config.sink_secret_file)
         if config.sink_secret_file
@@ -128,7 +135,8 @@ def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc
         secret=secret,
         timeout_s=config.kv_transfer_timeout_s,
     )
-    receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret)
+    names = frozenset(n.strip() for n in config.kv_tls_allowed_names.split(",") if n.strip())
+    receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret, names)
     server, address = start_kv_server(transfer, receiver)
     sender = KvSender(engine, transfer, metrics, config.executor_id, faults or Faults())
     keys = RedisKeys(config.redis_prefix)

@@ -58,6 +58,7 @@ class ExecutorConfig:
     kv_tls_key: str = ""
     kv_tls_ca: str = ""  # verifies peers (their service and, mutual TLS, client certificates)
     kv_tls_server_name: str = ""  # the name in peers' certificates; empty: the host dialled
+    kv_tls_allowed_names: str = ""  # comma-separated: a peer's client certificate names one
     rebalance_sessions: bool = False  # move idle sessions off a nearly full cache to peers
 
     def __post_init__(self) -> None:
@@ -149,6 +150,8 @@ def check_kv_transfer_fields(config: ExecutorConfig) -> None:
             f"--kv-transfer-host {config.kv_transfer_host} listens on every address: give "
             "--kv-transfer-advertise-host, the address peers dial (the pod IP)"
         )
+    if config.kv_tls_allowed_names and not config.kv_tls_ca:
+        raise ValueError("--kv-tls-allowed-names needs --kv-tls-ca (mutual TLS)")
     if config.kv_tls_cert and not config.kv_tls_ca:
         raise ValueError("--kv-tls-cert needs --kv-tls-ca (peers must present a certificate)")
 
@@ -192,6 +195,12 @@ def add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
         default=env_str("KVGATE_KV_TLS_CA", ""),
         help="mutual TLS between executors: verifies peers' certificates (with --sink-tls-cert "
         "as this executor's client certificate)",
+    )
+    add(
+        "--kv-tls-allowed-names",
+        default=env_str("KVGATE_KV_TLS_ALLOWED_NAMES", ""),
+        help="comma-separated: a peer pushing KV must present a client certificate naming one "
+        "(its CN or a SAN; default: any certificate of --kv-tls-ca)",
     )
     add(
         "--kv-tls-server-name",

@@ -16,8 +16,8 @@ left after what this drain already sent it (fewest requests between equals).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import redis
 
@@ -42,6 +42,7 @@ from executor.metrics import ExecutorMetrics
 from protos.kvgate.v1.internal_pb2 import ExecutorStatus
 
 log = logging.getLogger(__name__)
+PROGRESS_S = 0.5  # how often a drain waiting on its pushes tells the heartbeat it is alive
 
 
 class DrainMoves:
@@ -63,13 +64,14 @@ class DrainMoves:
         self._sender = sender
         self._metrics = metrics
         self._peers = Peers([])
+        self.progress: Callable[[], None] = lambda: None  # the step loop's progress mark
 
     def find_peers(self) -> bool:
         """Read the peers. Returns: whether any can take KV (else nothing moves: the streams
         finish here, as a drain without transfers does)."""
         why = movable_engine(self._engine)
         if why is not None:
-            log.info("draining: %s; the streams finish here", why)
+            log.info("draining: %s, so nothing moves: the streams finish here", why)
             return False
         layout = engine_layout(self._engine)
         self._peers = read_peers(self._client, self._keys, self._executor_id, layout)
@@ -107,13 +109,19 @@ class DrainMoves:
                 if peer is not None:
                     self._peers.sent(peer.executor_id, len(moved.block_ids))
                 pushes[pool.submit(self._push, moved, peer, kind)] = moved
-            for push in as_completed(pushes):
-                yield pushes[push], push.result()
+            pending = set(pushes)
+            while pending:
+                done, pending = wait(pending, PROGRESS_S, FIRST_COMPLETED)
+                self.progress()  # the step loop is moving KV, not stuck: its heartbeat stays
+                for push in done:
+                    yield pushes[push], push.result()
 
     def _push(self, moved: MovableKV, peer: ExecutorStatus | None, kind: str) -> str:
         """Returns: the peer that took the sequence's KV, or "" (it is recomputed)."""
         name = moved.session_id if kind == "session" else moved.request_id
-        if peer is None and moved.block_ids:
+        if not moved.block_ids:
+            return ""  # nothing computed yet: nothing to move, nothing lost
+        if peer is None:
             log.warning(
                 "draining: no peer has room for %d blocks of %s %s: it is recomputed",
                 len(moved.block_ids),

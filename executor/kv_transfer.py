@@ -171,8 +171,10 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
         metrics: ExecutorMetrics,
         taking_work: Callable[[], bool],
         secret: str | None = None,
+        allowed_names: frozenset[str] = frozenset(),
     ) -> None:
         self._engine = engine
+        self._allowed_names = allowed_names
         self._gate = gate
         self._metrics = metrics
         self._taking_work = taking_work
@@ -181,6 +183,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> internal_pb2.KvAck:  # noqa: N802
         self._check_secret(context)
+        self._check_peer_name(context)
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Push starts with a KvHeader")
@@ -260,6 +263,19 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
                 f"the stream ended after {written} of {num_blocks} blocks",
             )
         self._gate.run(incoming.adopt, 0, context.time_remaining())
+
+    def _check_peer_name(self, context: grpc.ServicerContext) -> None:
+        """With allowed names (mutual TLS), refuse a peer whose certificate names none."""
+        if not self._allowed_names:
+            return
+        auth = context.auth_context()
+        names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
+        if not self._allowed_names.intersection(name.decode() for name in names):
+            log.warning("KV transfer refused %s: its certificate names no executor", context.peer())
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the peer certificate names none of --kv-tls-allowed-names",
+            )
 
     def _check_secret(self, context: grpc.ServicerContext) -> None:
         if self._secret is None:

@@ -97,6 +97,14 @@ class ExecutorMetrics(ProcessMetrics):
         self._engine = EngineStatsCollector()
         super().__init__("kvgate_executor_", collected={f.name for f in self._engine.describe()})
         self.registry.register(self._engine)
+        # Every series of the KV moves from the start: a drain's last increments come just
+        # before the process exits, and a rate() needs the series' zero before them.
+        for kind in ("request", "session", "rebalance"):
+            for result in ("moved", "fallback"):
+                self.kv_moves.labels(kind, result)
+        for direction in ("in", "out"):
+            self.kv_moved_blocks.labels(direction)
+            self.kv_moved_bytes.labels(direction)
 
     def record_kernels(self, backend: str, cpu_isa: str | None) -> None:
         """The engine runs the `backend` kernels, the CPU ones built for `cpu_isa`."""

@@ -240,6 +240,7 @@ class ExecutorService:
         """Move KV to peers on a drain (and, with a rebalancer, idle sessions off a nearly
         full cache), and advertise the KvTransfer service's address."""
         self._moves = moves
+        moves.progress = self._board.progress  # a drain's moves keep its heartbeat
         self._rebalancer = rebalancer
         self.kv_transfer_address = receiver_address
 

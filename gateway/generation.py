@@ -389,6 +389,8 @@ class Generation:
         self.session_executor_id = ""
         self.deps.metrics.requeues.labels(self.spec.api).inc()
         if lost.moved:
+            kv = "moved" if lost.moved_to else "recomputed"
+            self.deps.metrics.drain_hand_ons.labels(kv).inc()
             log.info(
                 "request handed on by draining executor %s after %d tokens; re-queued for %s "
                 "(attempt %d)",

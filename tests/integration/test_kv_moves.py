@@ -15,9 +15,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
 from client.api import Completion, KvgateClient, sampling_params
+from common.model_text import ModelText
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 from tests.helpers import wait_for
 from tests.integration.conftest import (
     generate,
@@ -31,6 +34,8 @@ NUM_STREAMS = 20
 NUM_SESSIONS = 100
 STREAM_TOKENS = 400
 SLOW_STEP_S = 0.02  # while the slow file exists: a stream takes 8 s at least
+SENDER_STEP_S = 0.05  # the drain test's executor-0: a stream takes 20 s at least
+HELD_STEP_S = 0.5  # its executor-1 until executor-0 has exited
 STORY_WORDS = ["cat", "dog", "ball", "tree", "sun", "boat", "bird", "cake", "park", "hat"]
 MOVE_FLAGS = ["--num-gpu-blocks", "2048"]
 
@@ -43,18 +48,21 @@ def prompt_of(i: int) -> str:
 class Stream:
     """One greedy stream read on a thread, with what it has received so far."""
 
-    def __init__(self, address: str, prompt: str) -> None:
+    def __init__(
+        self, address: str, prompt: str, session_id: str = "", max_tokens: int = STREAM_TOKENS
+    ) -> None:
         self.completion = Completion()
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._read, args=(address, prompt), daemon=True)
+        args = (address, prompt, session_id, max_tokens)
+        self._thread = threading.Thread(target=self._read, args=args, daemon=True)
         self._thread.start()
 
-    def _read(self, address: str, prompt: str) -> None:
-        params = sampling_params(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
+    def _read(self, address: str, prompt: str, session_id: str, max_tokens: int) -> None:
+        params = sampling_params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         try:
             with KvgateClient(address, timeout_s=120.0, retry=False) as client:
-                for chunk in client.generate_stream(prompt, params):
+                for chunk in client.generate_stream(prompt, params, session_id=session_id):
                     self.completion.add(chunk)
         except BaseException as error:  # noqa: BLE001 (reported by the test)
             self.error = error
@@ -81,11 +89,22 @@ def slow_file(tmp_path: Path) -> Path:
     return tmp_path / "slow"
 
 
-def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file: Path):
+def next_turn(address: str, session_id: str, token_ids: list[int]) -> Completion:
+    """A session's next turn of 4 greedy tokens, its prompt given as token ids."""
+    params = sampling_params(max_tokens=4, temperature=0.0)
+    request = inference_pb2.GenerateRequest(
+        prompt_token_ids=token_ids, params=params, session_id=session_id
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return Completion.of(stub.Generate(request, timeout=60.0))
+
+
+def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file: Path, model_text):
     stack = stack_factory(
         num_executors=1,
         executor_flags=MOVE_FLAGS,
-        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SLOW_STEP_S}"},
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SENDER_STEP_S}"},
     )
     address = stack.address
     sessions = [f"s-{uuid.uuid4().hex[:10]}" for _ in range(NUM_SESSIONS)]
@@ -99,13 +118,19 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
     assert all(session_executor(stack, s) == "executor-0" for s in sessions)
 
     slow_file.touch()
-    streams = [Stream(address, prompt_of(i)) for i in range(NUM_STREAMS)]
+    # The first 4 streams are turns of sessions: their KV lands as the sessions' on executor-1.
+    turns = [f"t-{uuid.uuid4().hex[:10]}" if i < 4 else "" for i in range(NUM_STREAMS)]
+    streams = [Stream(address, prompt_of(i), turns[i]) for i in range(NUM_STREAMS)]
     wait_for(
         lambda: all(len(s.completion.token_ids) >= 4 for s in streams),
         "every stream to be generating on executor-0",
         timeout_s=60.0,
     )
-    stack.start_executor("executor-1")
+    # executor-1 crawls until executor-0 has exited: what it got cannot end before that.
+    held = slow_file.with_suffix(".held")
+    held.touch()
+    faults = {"KVGATE_FAULTS": f"slow_while_file={held}:{HELD_STEP_S}"}
+    stack.start_executor("executor-1", extra_env=faults)
     wait_for(
         lambda: (
             (status := stack.executor_status("executor-1")) is not None
@@ -113,10 +138,12 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
         ),
         "executor-1 to advertise its KvTransfer address",
     )
+    assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
     stack.procs["executor-0"].send_signal(signal.SIGTERM)
     status = stack.procs["executor-0"].wait(timeout=60.0)
     still_running = sum(not s.done.is_set() for s in streams)
     slow_file.unlink()
+    held.unlink()
     assert status == 0, f"executor-0 exited with {status}"
     # It did not wait for its streams: they were still running when it exited.
     assert still_running == NUM_STREAMS, f"{NUM_STREAMS - still_running} ended on executor-0"
@@ -127,18 +154,22 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
         assert got.finish_reason == "length" and len(got.token_ids) == STREAM_TOKENS
         assert got.token_ids == want.token_ids, f"stream {i} differs from an undisturbed run"
         assert got.text == want.text
-
+        # Resumed from its KV on executor-1, not recomputed: more than its prompt was cached.
+        assert got.usage.cached_prompt_tokens > got.usage.prompt_tokens, f"stream {i}"
+    handed_on = log_lines(stack, "gateway", "draining executor executor-0", "for executor-1")
+    assert len(handed_on) == NUM_STREAMS
+    for i, session_id in enumerate(turns[:4]):  # the next turn, as token ids: no retokenizing
+        assert session_executor(stack, session_id) == "executor-1"
+        history = model_text.encode(prompt_of(i)) + moved[i].token_ids
+        turn = next_turn(address, session_id, history + [13, 450])
+        assert turn.usage.cached_prompt_tokens >= 0.95 * (len(history) - 1), f"turn {i}"
     metrics = scrape(stack, "executor-1")
     assert counter(metrics, "kvgate_executor_kv_moved_blocks", direction="in") > 0
     assert all(session_executor(stack, s) == "executor-1" for s in sessions)
     for i in range(0, NUM_SESSIONS, 10):
-        history = first_turns[i].usage.prompt_tokens + first_turns[i].usage.completion_tokens
-        turn = generate(
-            address, prompt_of(i) + first_turns[i].text + " The end.", session_id=sessions[i],
-            max_tokens=4,
-        )  # fmt: skip
-        cached = turn.usage.cached_prompt_tokens
-        assert cached >= 0.95 * (history - 1), f"session {i}: {cached} of {history} cached"
+        history = model_text.encode(prompt_of(i)) + first_turns[i].token_ids
+        cached = next_turn(address, sessions[i], history + [13, 450]).usage.cached_prompt_tokens
+        assert cached >= 0.95 * (len(history) - 1), f"session {i}: {cached} of {len(history)}"
 
 
 # ---- faults: each ends with the requests completed by recompute, their text unchanged ----
@@ -282,7 +313,9 @@ def pinned(stack, count: int) -> str | None:
     return text if gauge(text, "kvgate_executor_session_pins") == count else None
 
 
-def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(stack_factory):
+def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
+    stack_factory, model_text
+):
     small = ["--num-gpu-blocks", "64", "--rebalance-sessions"]
     stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS + small)
     address = stack.address
@@ -317,12 +350,60 @@ def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
     indices = moved()
     assert indices == list(range(len(indices))), f"not the least recently used first: {indices}"
     i = indices[0]
-    history = first_turns[i].usage.prompt_tokens + first_turns[i].usage.completion_tokens
-    turn = generate(
-        address, prompt_of(i) + first_turns[i].text + " The end.", session_id=sessions[i],
-        max_tokens=4,
-    )  # fmt: skip
-    assert turn.usage.cached_prompt_tokens >= 0.95 * (history - 1)
+    history = model_text.encode(prompt_of(i)) + first_turns[i].token_ids
+    turn = next_turn(address, sessions[i], history + [13, 450])
+    assert turn.usage.cached_prompt_tokens >= 0.95 * (len(history) - 1)
     assert session_executor(stack, sessions[i]) == "executor-1"
     assert counter(scrape(stack, "executor-0"), "kvgate_executor_kv_moves", kind="rebalance",
                    result="moved") == len(indices)  # fmt: skip
+
+
+# ---- the default chat model ---------------------------------------------------------------
+
+SMOLLM2_STREAMS = 4
+SMOLLM2_SESSIONS = 8
+SMOLLM2_FACTS = ["the sea", "a forest", "the moon", "a city", "rain", "bread", "music", "snow"]
+
+
+def smollm2_prompt(i: int) -> str:
+    return f"Write a long story about {SMOLLM2_FACTS[i % len(SMOLLM2_FACTS)]}."
+
+
+def test_smollm2_a_drain_moves_its_streams_and_sessions(stack_factory, gguf, tmp_path):
+    slow = tmp_path / "slow"
+    stack = stack_factory(
+        num_executors=1,
+        model=gguf,
+        executor_flags=["--torch-threads", "1"],
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow}:0.05"},
+    )
+    address = stack.address
+    sessions = [f"m-{uuid.uuid4().hex[:10]}" for _ in range(SMOLLM2_SESSIONS)]
+    first_turns = [
+        generate(address, smollm2_prompt(i), session_id=sessions[i], max_tokens=8)
+        for i in range(SMOLLM2_SESSIONS)
+    ]
+    slow.touch()
+    streams = [Stream(address, smollm2_prompt(i), "", 96) for i in range(SMOLLM2_STREAMS)]
+    wait_for(
+        lambda: all(len(s.completion.token_ids) >= 2 for s in streams),
+        "every stream to be generating on executor-0",
+        timeout_s=120.0,
+    )
+    stack.start_executor("executor-1")
+    stack.procs["executor-0"].send_signal(signal.SIGTERM)
+    assert stack.procs["executor-0"].wait(timeout=120.0) == 0
+    still_running = sum(not s.done.is_set() for s in streams)
+    slow.unlink()
+    assert still_running == SMOLLM2_STREAMS, "a stream ended on executor-0: it waited for it"
+    moved = [s.result() for s in streams]
+    undisturbed = [Stream(address, smollm2_prompt(i), "", 96) for i in range(SMOLLM2_STREAMS)]
+    for i, (got, want) in enumerate(zip(moved, [u.result() for u in undisturbed], strict=True)):
+        assert got.token_ids == want.token_ids, f"stream {i} differs from an undisturbed run"
+        assert got.usage.cached_prompt_tokens > got.usage.prompt_tokens, f"stream {i} recomputed"
+    text = ModelText(gguf)
+    for i, session_id in enumerate(sessions):
+        assert session_executor(stack, session_id) == "executor-1"
+        history = text.encode(smollm2_prompt(i)) + first_turns[i].token_ids
+        cached = next_turn(address, session_id, history + [30]).usage.cached_prompt_tokens
+        assert cached >= 0.95 * (len(history) - 1), f"session {i}: {cached} of {len(history)}"

@@ -122,8 +122,11 @@ def check_container(command: list[str], env: dict[str, str], where: str) -> obje
 
 def listened_ports(config: object) -> set[int]:
     """The fixed ports a process with `config` listens on (a gateway: gRPC, HTTP, TokenSink;
-    every process: metrics and health); 0 (a free port) and -1 (none) are left out."""
-    names = ("port", "http_port", "internal_port", "metrics_port", "health_port")
+    an executor: KvTransfer; every process: metrics and health); 0 (a free port) and -1
+    (none) are left out."""
+    names = (
+        "port", "http_port", "internal_port", "kv_transfer_port", "metrics_port", "health_port"
+    )  # fmt: skip
     ports = (getattr(config, name, 0) for name in names)
     return {port for port in ports if port > 0}
 

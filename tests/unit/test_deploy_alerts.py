@@ -25,6 +25,7 @@ EXPECTED_ALERTS = {
     "KvgateNoExecutorAlive",
     "KvgateKvCacheFull",
     "KvgateRedisUnreachable",
+    "KvgateKvMovesFallingBack",
 }
 pytestmark = pytest.mark.skipif(shutil.which("promtool") is None, reason="make promtool")
 

@@ -4,11 +4,13 @@ and every kvgate container's command accepted by that process's own parser."""
 from __future__ import annotations
 
 import json
+import re
 from urllib.parse import urlparse
 
 import jsonschema
 import yaml
 
+from executor.kv_transfer import MAX_PARALLEL_PUSHES
 from tests.helpers import REPO
 from tests.unit.deploy_args import check_container, image_env, listened_ports
 
@@ -28,6 +30,13 @@ def kvgate_services() -> dict[str, dict]:
         for name, service in compose()["services"].items()
         if service.get("build", {}).get("dockerfile") == "deploy/docker/Dockerfile"
     }
+
+
+def duration_s(text: str) -> float:
+    """A compose duration such as `2m` or `90s`, in seconds."""
+    match = re.fullmatch(r"(\d+)([hms])", text)
+    assert match, f"{text!r}: expected a number and h, m or s"
+    return int(match.group(1)) * {"h": 3600, "m": 60, "s": 1}[match.group(2)]
 
 
 def bind_mounts(service: dict) -> dict[str, str]:
@@ -74,6 +83,13 @@ def test_every_kvgate_service_runs_a_process_that_accepts_its_command() -> None:
             assert config.advertise_host == name, f"{name} must advertise its service name"
         if service["command"][0] == "executor":
             assert config.executor_id == name, f"{name}: executor id {config.executor_id}"
+            assert config.kv_transfer_port > 0, f"{name}: peers need a fixed KvTransfer port"
+            assert config.kv_transfer_advertise_host == name, f"{name}: peers dial its name"
+            # The running requests' KV moves in rounds of MAX_PARALLEL_PUSHES, each at most
+            # one --kv-transfer-timeout-s: all of them are handed on before the stop's kill.
+            rounds = -(-config.engine.max_num_seqs // MAX_PARALLEL_PUSHES)
+            grace_s = duration_s(service["stop_grace_period"])
+            assert grace_s >= rounds * config.kv_transfer_timeout_s, f"{name}: {grace_s} s"
 
 
 def test_gateways_publish_their_grpc_and_http_ports_and_nothing_unlistened() -> None:

@@ -20,6 +20,8 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from common.health import build_parser as health_parser
+from executor.config import ExecutorConfig
+from executor.kv_transfer import MAX_PARALLEL_PUSHES
 from tests.unit.deploy_args import (
     DOCKERFILE,
     check_container,
@@ -179,6 +181,9 @@ def test_every_container_runs_a_process_that_accepts_its_args(overlay: str) -> N
                 assert grpc.get("service", "") in ("", "liveness"), f"{where} {probe}: {grpc}"
         if args[0] == "gateway":
             assert config.advertise_host == POD_IP, f"{where}: executors must dial the pod IP"
+        if args[0] == "executor":
+            assert config.kv_transfer_port > 0, f"{where}: peers need a fixed KvTransfer port"
+            assert config.kv_transfer_advertise_host == POD_IP, f"{where}: peers dial the pod IP"
     assert roles == {"gateway", "scheduler", "executor"}, roles
 
 
@@ -226,14 +231,28 @@ def test_every_gateway_and_executor_has_a_model(overlay: str) -> None:
 
 def test_executors_drain_before_they_stop() -> None:
     executor = find("cpu", "Deployment", "kvgate-executor")["spec"]["template"]["spec"]
-    assert executor["terminationGracePeriodSeconds"] >= 300
     command = executor["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert command[:2] == ["sh", "-c"], command
     words = shlex.split(command[2])
     assert words[:3] == ["kill", "-TERM", "1"], "the drain starts with SIGTERM to the executor"
     python = words[words.index("python") :]
     assert python[1] == "-m" and module_exists(python[2]), python
-    health_parser().parse_args(python[3:])  # exits the test on a flag it does not take
+    health = health_parser().parse_args(python[3:])  # exits the test on a flag it does not take
+    # The running requests' KV moves in rounds of MAX_PARALLEL_PUSHES, each at most one
+    # --kv-transfer-timeout-s: all of them must be handed on within the grace period.
+    config = executor_config("cpu")
+    rounds = -(-config.engine.max_num_seqs // MAX_PARALLEL_PUSHES)
+    moving_s = rounds * config.kv_transfer_timeout_s
+    grace_s = executor["terminationGracePeriodSeconds"]
+    assert grace_s >= health.timeout_s + moving_s, (grace_s, health.timeout_s, moving_s)
+
+
+def executor_config(overlay: str) -> ExecutorConfig:
+    (container,) = find(overlay, "Deployment", "kvgate-executor")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = container_env(overlay, container)
+    return check_container([expand(a, env) for a in container["args"]], env, "executor")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -276,3 +295,16 @@ def test_only_kvgate_pods_reach_redis_and_the_token_sink(overlay: str) -> None:
     assert all(p["port"] != sink_port for r in open_ports for p in r["ports"]), open_ports
     assert guarded == [{"from": [{"podSelector": {"matchLabels": kvgate}}],
                         "ports": [{"port": sink_port}]}]  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_executors_reach_the_executors_kv_transfer_port(overlay: str) -> None:
+    executors = {"app.kubernetes.io/name": "kvgate-executor"}
+    policy = find(overlay, "NetworkPolicy", "kvgate-executor")["spec"]
+    assert policy["podSelector"]["matchLabels"] == executors
+    config = executor_config(overlay)
+    open_ports = {p["port"] for r in policy["ingress"] if "from" not in r for p in r["ports"]}
+    assert open_ports == {config.metrics_port, config.health_port}, open_ports
+    guarded = [r for r in policy["ingress"] if "from" in r]
+    assert guarded == [{"from": [{"podSelector": {"matchLabels": executors}}],
+                        "ports": [{"port": config.kv_transfer_port}]}]  # fmt: skip

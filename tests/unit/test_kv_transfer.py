@@ -50,9 +50,13 @@ def sender() -> Engine:
 class Receiver:
     """A receiving engine behind a KvTransfer server on a free port."""
 
-    def __init__(self, engine: Engine, config: KvTransferConfig, taking_work=lambda: True):
+    def __init__(
+        self, engine: Engine, config: KvTransferConfig, taking_work=lambda: True, names=()
+    ):
         self.engine = engine
-        receiver = KvReceiver(engine, EngineGate(), ExecutorMetrics(), taking_work, config.secret)
+        receiver = KvReceiver(
+            engine, EngineGate(), ExecutorMetrics(), taking_work, config.secret, frozenset(names)
+        )
         self.server, self.address = start_kv_server(config, receiver)
 
     def idle(self) -> bool:
@@ -202,5 +206,39 @@ def test_mutual_tls_takes_a_peer_with_a_client_certificate_only(sender, tmp_path
         assert secure.idle()
         assert push(sender, secure.address, client_cert=client.cert, client_key=client.key, **tls)
         assert [s.session_id for s in idle_sessions(secure.engine)] == ["chat"]
+    finally:
+        secure.server.stop(None)
+
+
+def test_a_push_the_step_loop_never_gets_to_times_out_and_takes_nothing(sender):
+    """A busy receiver whose step loop never runs the queued writes (a wedged loop): the push
+    ends DEADLINE_EXCEEDED at the sender's timeout and the queued work never runs."""
+    engine = make_engine()
+    gate = EngineGate()
+    gate.busy = True  # writes wait for run_pending, which nothing calls
+    receiver = KvReceiver(engine, gate, ExecutorMetrics(), lambda: True, SECRET)
+    server, address = start_kv_server(KvTransferConfig(port=0, secret=SECRET), receiver)
+    try:
+        assert not push(sender, address, timeout_s=1.0)
+        gate.run_pending()  # the loop comes back: the cancelled work must not run now
+        kv = engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks and not kv.sessions
+    finally:
+        server.stop(None)
+
+
+def test_allowed_names_refuse_a_peer_certificate_that_names_none(sender, tmp_path: Path):
+    ca = CertificateAuthority(tmp_path)
+    service = ca.server("kv")
+    config = KvTransferConfig(port=0, tls_cert=service.cert, tls_key=service.key, tls_ca=ca.ca)
+    secure = Receiver(make_engine(), config, names=["executor-a", "executor-b"])
+    try:
+        tls = {"tls_ca": ca.ca, "tls_server_name": "localhost", "secret": None}
+        stranger = ca.client("kvgate-gateway")
+        assert not push(sender, secure.address, client_cert=stranger.cert,
+                        client_key=stranger.key, **tls)  # fmt: skip
+        assert secure.idle()
+        peer = ca.client("executor-b")
+        assert push(sender, secure.address, client_cert=peer.cert, client_key=peer.key, **tls)
     finally:
         secure.server.stop(None)
