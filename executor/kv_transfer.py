@@ -6,7 +6,7 @@ session or request, the token ids the blocks hold), then KvChunk messages of who
 a CRC-32 each. The receiver takes blocks for all of it first (or refuses: another layout,
 named, or no room), writes each chunk as it arrives, and once every block is there publishes
 the full blocks in its prefix cache, pins them to the session when there is one, and answers
-with a KvAck. A stream that breaks, stalls past its deadline or carries a chunk that fails its
+with a PushResponse. A stream that breaks, stalls past its deadline or carries a chunk that fails its
 checksum gives its blocks back on the receiver; the sender's copy stays authoritative and the
 sequence is recomputed wherever it runs next.
 
@@ -181,7 +181,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
         self._secret = secret
         self._layout = engine_layout(engine)
 
-    def Push(self, request_iterator, context: grpc.ServicerContext) -> internal_pb2.KvAck:  # noqa: N802
+    def Push(self, request_iterator, context: grpc.ServicerContext) -> internal_pb2.PushResponse:  # noqa: N802
         self._check_secret(context)
         self._check_peer_name(context)
         first = next(request_iterator, None)
@@ -228,7 +228,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
             "session" if header.session_id else "request",
             header.session_id or header.request_id,
         )
-        return internal_pb2.KvAck(num_tokens=len(header.token_ids))
+        return internal_pb2.PushResponse(num_tokens=len(header.token_ids))
 
     def _take_chunks(self, messages, context: grpc.ServicerContext, incoming: Incoming) -> None:
         """Checks each chunk and has the step loop write it (taking the blocks with the
@@ -385,15 +385,15 @@ class KvSender:
 
     def _messages(
         self, header: internal_pb2.KvHeader, moved: MovableKV, per_chunk: int
-    ) -> Iterator[internal_pb2.KvMessage]:
-        yield internal_pb2.KvMessage(header=header)
+    ) -> Iterator[internal_pb2.PushRequest]:
+        yield internal_pb2.PushRequest(header=header)
         for first in range(0, len(moved.block_ids), per_chunk):
             data = read_moved(self.engine, moved, first, per_chunk)
             crc32 = zlib.crc32(data)
             chunk = internal_pb2.KvChunk(
                 first_block=first, data=self.faults.kv_chunk(data), crc32=crc32
             )
-            yield internal_pb2.KvMessage(chunk=chunk)
+            yield internal_pb2.PushRequest(chunk=chunk)
         self.faults.hold_kv_push()
 
     def _channel(self, address: str) -> grpc.Channel:

@@ -19,6 +19,7 @@ class ExecutorReport:
     num_running: int
     num_waiting: int
     draining: bool  # finishing its work, takes no more
+    moves_kv: bool = False  # serves KvTransfer: a drain moves its sessions to peers
     session_ids: frozenset[str] = frozenset()  # sessions whose KV it holds
     cached_block_hashes: tuple[int, ...] = ()  # prefix blocks it holds, most recent first
 
@@ -42,11 +43,17 @@ class ExecutorRegistry:
         return sorted(self._reports)
 
     def session_holder(self, session_id: str) -> str | None:
-        """Returns: a live executor reporting that it holds the session, if any."""
-        for report in self._reports.values():
-            if session_id in report.session_ids:
-                return report.executor_id
-        return None
+        """Returns: a live executor reporting that it holds the session, if any (one that
+        takes work first: a draining executor reports its sessions until it exits)."""
+        holders = [r for r in self._reports.values() if session_id in r.session_ids]
+        holders.sort(key=lambda r: r.draining)
+        return holders[0].executor_id if holders else None
+
+    def moving_kv_from(self, executor_id: str) -> bool:
+        """Whether `executor_id` is alive and draining with KvTransfer: its sessions are on
+        their way to peers, which report them once they hold them."""
+        report = self._reports.get(executor_id)
+        return report is not None and report.draining and report.moves_kv
 
     def refresh(self, reports: list[ExecutorReport]) -> RegistryChange:
         """Args: the heartbeats currently alive. Returns: which executors joined and left."""

@@ -22,6 +22,9 @@ from scheduler.registry import ExecutorRegistry
 from scheduler.streams import DEFAULT_BLOCK_SIZE, ExecutorDirectory, NotLeader, RequestStream
 
 log = logging.getLogger(__name__)
+# The longest a session's turn waits for a draining executor to move the session's KV to a
+# peer (docs/operations.md, "Drains"); past it the turn is placed as any and prefills again.
+SESSION_MOVE_WAIT_S = 5.0
 
 
 class Scheduler:
@@ -214,14 +217,26 @@ class Scheduler:
             self._batcher.add(request)
         self._stalled = len(unplaced) == len(batch) and bool(unplaced)
 
+    def _waits_for_session_move(self, request: PendingRequest, owner: str | None) -> bool:
+        """Whether a session's turn waits: the executor holding its KV drains and is moving
+        the session to a peer (placed now, the turn would prefill its history again). It
+        waits until a peer reports the session, the drain ends, or SESSION_MOVE_WAIT_S."""
+        if owner is None or not self._registry.moving_kv_from(owner):
+            return False
+        return request.waited_ms(time.monotonic()) < SESSION_MOVE_WAIT_S * 1000.0
+
     def _place(self, request: PendingRequest) -> bool:
         """Assigns the request, or drops it if it was cancelled (the assignment checks).
 
         Returns: False when no executor can take it now.
         """
         owner = request.session_executor_id
-        if owner is None and request.session_id is not None:
-            owner = self._registry.session_holder(request.session_id)
+        if request.session_id is not None:
+            holder = self._registry.session_holder(request.session_id)
+            if owner is None or (self._registry.moving_kv_from(owner) and holder != owner):
+                owner = holder  # a drain moved the session's KV to a peer, which reports it
+            if self._waits_for_session_move(request, owner):
+                return False
         placement = self._placer.choose(request.num_prompt_tokens, request.block_hashes, owner)
         if placement is None:
             return False

@@ -299,6 +299,7 @@ def _report(raw: bytes) -> ExecutorReport:
         num_running=status.num_running,
         num_waiting=status.num_waiting,
         draining=status.draining,
+        moves_kv=bool(status.kv_transfer_address),
         session_ids=frozenset(status.session_ids),
         cached_block_hashes=tuple(status.cached_block_hashes),
     )

@@ -33,7 +33,9 @@ from tests.integration.conftest import (
 NUM_STREAMS = 20
 NUM_SESSIONS = 100
 STREAM_TOKENS = 400
-SLOW_STEP_S = 0.02  # while the slow file exists: a stream takes 8 s at least
+# While its slow file exists, a sender's step takes this long at least (a stream of 400 tokens
+# then outlasts the start of the executors that join before the drain, on a loaded machine).
+FAULT_SENDER_STEP_S = 0.1
 SENDER_STEP_S = 0.05  # the drain test's executor-0: a stream takes 20 s at least
 HELD_STEP_S = 0.5  # its executor-1 until executor-0 has exited
 STORY_WORDS = ["cat", "dog", "ball", "tree", "sun", "boat", "bird", "cake", "park", "hat"]
@@ -221,7 +223,7 @@ def run_with_fault(
     undisturbed run's, and the survivors' KV caches go idle."""
     stop_executors(stack)
     slow, hold = stack.files / f"{tag}.slow", stack.files / f"{tag}.hold"
-    faults = f"slow_while_file={slow}:{SLOW_STEP_S},hold_kv_pushes_while_file={hold}"
+    faults = f"slow_while_file={slow}:{FAULT_SENDER_STEP_S},hold_kv_pushes_while_file={hold}"
     sender, receiver, spare = (f"{tag}-kv-{role}" for role in ("a", "b", "c"))
     stack.start_executor(sender, extra_env={"KVGATE_FAULTS": f"{faults},{sender_faults}"})
     slow.touch()
@@ -274,7 +276,7 @@ def test_a_corrupted_chunk_falls_back_to_recompute(fault_stack):
 
 
 def test_a_receiver_with_no_free_blocks_falls_back_to_recompute(fault_stack):
-    flags = ["--num-gpu-blocks", "6"]
+    flags = ["--num-gpu-blocks", "1"]  # less than any stream holds: no peer has room
     run_with_fault(
         fault_stack, "full", "", sender_exits, RECOMPUTED, receiver_flags=flags, drain=admin_drain
     )
@@ -360,8 +362,9 @@ def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
 
 # ---- the default chat model ---------------------------------------------------------------
 
-SMOLLM2_STREAMS = 4
-SMOLLM2_SESSIONS = 8
+SMOLLM2_STREAMS = 3
+SMOLLM2_SESSIONS = 6
+SMOLLM2_TOKENS = 160  # at executor-0's 0.2 s a step, 32 s: longer than executor-1 takes to start
 SMOLLM2_FACTS = ["the sea", "a forest", "the moon", "a city", "rain", "bread", "music", "snow"]
 
 
@@ -370,12 +373,12 @@ def smollm2_prompt(i: int) -> str:
 
 
 def test_smollm2_a_drain_moves_its_streams_and_sessions(stack_factory, gguf, tmp_path):
-    slow = tmp_path / "slow"
+    slow, held = tmp_path / "slow", tmp_path / "held"
     stack = stack_factory(
         num_executors=1,
         model=gguf,
         executor_flags=["--torch-threads", "1"],
-        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow}:0.05"},
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow}:0.2"},
     )
     address = stack.address
     sessions = [f"m-{uuid.uuid4().hex[:10]}" for _ in range(SMOLLM2_SESSIONS)]
@@ -384,20 +387,28 @@ def test_smollm2_a_drain_moves_its_streams_and_sessions(stack_factory, gguf, tmp
         for i in range(SMOLLM2_SESSIONS)
     ]
     slow.touch()
-    streams = [Stream(address, smollm2_prompt(i), "", 96) for i in range(SMOLLM2_STREAMS)]
+    held.touch()
+    streams = [
+        Stream(address, smollm2_prompt(i), "", SMOLLM2_TOKENS) for i in range(SMOLLM2_STREAMS)
+    ]
     wait_for(
         lambda: all(len(s.completion.token_ids) >= 2 for s in streams),
         "every stream to be generating on executor-0",
         timeout_s=120.0,
     )
-    stack.start_executor("executor-1")
+    # executor-1 crawls until executor-0 has exited: what it got cannot end before that.
+    stack.start_executor("executor-1", extra_env={"KVGATE_FAULTS": f"slow_while_file={held}:0.5"})
+    assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
     stack.procs["executor-0"].send_signal(signal.SIGTERM)
     assert stack.procs["executor-0"].wait(timeout=120.0) == 0
     still_running = sum(not s.done.is_set() for s in streams)
     slow.unlink()
+    held.unlink()
     assert still_running == SMOLLM2_STREAMS, "a stream ended on executor-0: it waited for it"
     moved = [s.result() for s in streams]
-    undisturbed = [Stream(address, smollm2_prompt(i), "", 96) for i in range(SMOLLM2_STREAMS)]
+    undisturbed = [
+        Stream(address, smollm2_prompt(i), "", SMOLLM2_TOKENS) for i in range(SMOLLM2_STREAMS)
+    ]
     for i, (got, want) in enumerate(zip(moved, [u.result() for u in undisturbed], strict=True)):
         assert got.token_ids == want.token_ids, f"stream {i} differs from an undisturbed run"
         assert got.usage.cached_prompt_tokens > got.usage.prompt_tokens, f"stream {i} recomputed"
@@ -407,3 +418,36 @@ def test_smollm2_a_drain_moves_its_streams_and_sessions(stack_factory, gguf, tmp
         history = text.encode(smollm2_prompt(i)) + first_turns[i].token_ids
         cached = next_turn(address, session_id, history + [30]).usage.cached_prompt_tokens
         assert cached >= 0.95 * (len(history) - 1), f"session {i}: {cached} of {len(history)}"
+
+
+def test_a_sessions_turn_during_the_drain_waits_for_its_kv_to_land(
+    stack_factory, tmp_path, model_text
+):
+    """A turn of a session whose executor is draining arrives while the session's KV is still
+    on its way (held in mid-push): the scheduler holds the turn until the peer reports the
+    session, and the turn finds its history cached there."""
+    hold = tmp_path / "hold"
+    stack = stack_factory(
+        num_executors=1,
+        executor_flags=MOVE_FLAGS,
+        executor_env={"KVGATE_FAULTS": f"hold_kv_pushes_while_file={hold}"},
+    )
+    address = stack.address
+    session_id = f"w-{uuid.uuid4().hex[:10]}"
+    first = generate(address, prompt_of(3), session_id=session_id, max_tokens=12)
+    stack.start_executor("executor-1", extra_env={"KVGATE_FAULTS": ""})
+    hold.touch()
+    stack.procs["executor-0"].send_signal(signal.SIGTERM)
+    wait_for(lambda: took_blocks(stack, "executor-1"), "executor-1 taking the session's blocks")
+    history = model_text.encode(prompt_of(3)) + first.token_ids
+    with ThreadPoolExecutor(1) as pool:
+        turn = pool.submit(next_turn, address, session_id, history + [13, 450])
+        wait_for(
+            lambda: gauge(scrape(stack, "scheduler"), "kvgate_scheduler_queue_length") == 1,
+            "the scheduler holding the turn while the session's KV is in flight",
+        )
+        hold.unlink()
+        cached = turn.result(timeout=60.0).usage.cached_prompt_tokens
+    assert cached >= 0.95 * (len(history) - 1), f"{cached} of {len(history)} cached"
+    assert session_executor(stack, session_id) == "executor-1"
+    assert stack.procs["executor-0"].wait(timeout=30.0) == 0

@@ -102,7 +102,7 @@ def _request(tokens: list[int], salt: str):
     return Request("probe", tokens, SamplingParams(max_tokens=1), 0, cache_salt=salt)
 
 
-def raw_push(address: str, messages: list[internal_pb2.KvMessage], secret: str | None = SECRET):
+def raw_push(address: str, messages: list[internal_pb2.PushRequest], secret: str | None = SECRET):
     stub = internal_pb2_grpc.KvTransferStub(grpc.insecure_channel(address))
     metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
     with pytest.raises(grpc.RpcError) as raised:
@@ -122,20 +122,20 @@ def header_of(engine: Engine, **changes) -> internal_pb2.KvHeader:
     return internal_pb2.KvHeader(**(fields | changes))
 
 
-def chunks_of(engine: Engine, per_chunk: int = 1) -> list[internal_pb2.KvMessage]:
+def chunks_of(engine: Engine, per_chunk: int = 1) -> list[internal_pb2.PushRequest]:
     [session] = idle_sessions(engine)
     out = []
     for first in range(0, len(session.block_ids), per_chunk):
         data = read_blocks(engine.runner.kv_caches, session.block_ids[first : first + per_chunk])
         chunk = internal_pb2.KvChunk(first_block=first, data=data, crc32=zlib.crc32(data))
-        out.append(internal_pb2.KvMessage(chunk=chunk))
+        out.append(internal_pb2.PushRequest(chunk=chunk))
     return out
 
 
 def test_a_corrupted_chunk_is_refused_and_the_receiver_keeps_nothing(sender, receiver):
     assert not push(sender, receiver.address, faults=Faults(corrupt_kv_chunks=True))
     assert receiver.idle()
-    header = internal_pb2.KvMessage(header=header_of(sender))
+    header = internal_pb2.PushRequest(header=header_of(sender))
     chunks = chunks_of(sender)
     chunks[2].chunk.data = b"\0" + chunks[2].chunk.data[1:]
     error = raw_push(receiver.address, [header, *chunks])
@@ -145,7 +145,7 @@ def test_a_corrupted_chunk_is_refused_and_the_receiver_keeps_nothing(sender, rec
 
 
 def test_a_stream_that_ends_early_gives_its_blocks_back(sender, receiver):
-    header = internal_pb2.KvMessage(header=header_of(sender))
+    header = internal_pb2.PushRequest(header=header_of(sender))
     error = raw_push(receiver.address, [header, *chunks_of(sender)[:2]])
     assert error.code() == grpc.StatusCode.DATA_LOSS
     assert "ended after 2 of 4 blocks" in error.details()
@@ -162,7 +162,7 @@ def test_a_stream_that_ends_early_gives_its_blocks_back(sender, receiver):
     ],
 )
 def test_another_layout_is_refused_naming_the_difference(sender, receiver, changes, code, named):
-    header = internal_pb2.KvMessage(header=header_of(sender, **changes))
+    header = internal_pb2.PushRequest(header=header_of(sender, **changes))
     error = raw_push(receiver.address, [header, *chunks_of(sender)])
     assert error.code().name == code and named in error.details()
     assert receiver.idle()
@@ -171,7 +171,7 @@ def test_another_layout_is_refused_naming_the_difference(sender, receiver, chang
 def test_a_receiver_with_no_room_refuses(sender):
     full = Receiver(make_engine(num_gpu_blocks=2), KvTransferConfig(port=0, secret=SECRET))
     try:
-        header = internal_pb2.KvMessage(header=header_of(sender))
+        header = internal_pb2.PushRequest(header=header_of(sender))
         error = raw_push(full.address, [header, *chunks_of(sender)])
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "no room for 4 KV blocks" in error.details()
@@ -183,7 +183,7 @@ def test_a_receiver_with_no_room_refuses(sender):
 def test_a_draining_receiver_and_a_caller_without_the_secret_are_refused(sender):
     draining = Receiver(make_engine(), KvTransferConfig(port=0, secret=SECRET), lambda: False)
     try:
-        header = internal_pb2.KvMessage(header=header_of(sender))
+        header = internal_pb2.PushRequest(header=header_of(sender))
         error = raw_push(draining.address, [header, *chunks_of(sender)])
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "draining" in error.details()

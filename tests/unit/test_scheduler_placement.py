@@ -141,3 +141,15 @@ def test_an_executor_that_left_and_came_back_starts_with_an_empty_cache_estimate
 def test_session_holder_comes_from_reports():
     _, registry = cluster(report("a"), report("b", session_ids=frozenset({"s1"})))
     assert registry.session_holder("s1") == "b" and registry.session_holder("s2") is None
+
+
+def test_a_session_held_by_a_draining_executor_and_a_peer_is_the_peers():
+    """A draining executor reports its sessions until it exits; once a peer that takes work
+    reports one too (its KV moved there), that peer holds it."""
+    moving = report("a", draining=True, moves_kv=True, session_ids=frozenset({"s1", "s2"}))
+    _, registry = cluster(moving, report("b", session_ids=frozenset({"s1"})))
+    assert registry.session_holder("s1") == "b"
+    assert registry.session_holder("s2") == "a"  # not moved yet
+    assert registry.moving_kv_from("a") and not registry.moving_kv_from("b")
+    _, registry = cluster(report("a", draining=True, session_ids=frozenset({"s1"})))
+    assert not registry.moving_kv_from("a")  # no KvTransfer: nothing moves, nothing to wait for
