@@ -6,9 +6,9 @@ session or request, the token ids the blocks hold), then KvChunk messages of who
 a CRC-32 each. The receiver takes blocks for all of it first (or refuses: another layout,
 named, or no room), writes each chunk as it arrives, and once every block is there publishes
 the full blocks in its prefix cache, pins them to the session when there is one, and answers
-with a PushResponse. A stream that breaks, stalls past its deadline or carries a chunk that fails its
-checksum gives its blocks back on the receiver; the sender's copy stays authoritative and the
-sequence is recomputed wherever it runs next.
+with a PushResponse. A stream that breaks, stalls past its deadline or carries a chunk that
+fails its checksum gives its blocks back on the receiver; the sender's copy stays
+authoritative and the sequence is recomputed wherever it runs next.
 
 The engine is the step loop's: a transfer touches it under the loop's `EngineGate` lock, one
 chunk (at most CHUNK_BYTES) at a time, and while the engine has requests running it writes at
