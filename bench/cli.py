@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 
 from bench.harness import BenchFailure, add_out, write_results
+
+# Benchmarks start stacks (subprocess.Popen: fork, then exec) from a process whose gRPC threads
+# run; gRPC's fork handlers are then skipped with a warning, or can wait inside fork() forever.
+# A child that execs at once needs none of them.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 @dataclass(frozen=True, slots=True)

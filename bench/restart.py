@@ -70,6 +70,7 @@ class Turn:
     executor_id: str = ""  # the session's executor after the turn ("": gone from Redis)
     history_tokens: int = 0  # the previous turn's prompt plus completion tokens
     after_move: bool = False  # the session's first turn after its executor changed
+    ttft_ms: float = 0.0  # time to first token, as the gateway timed it
 
 
 @dataclass(slots=True)
@@ -125,7 +126,8 @@ def take_turn(stack: Stack, session: Session, max_tokens: int) -> Turn:
     session.prompt += completion.token_ids
     return Turn(index, number, session.session_id, True, "OK", usage.prompt_tokens,
                 usage.cached_prompt_tokens, usage.completion_tokens,
-                session_executor(stack, session.session_id))  # fmt: skip
+                session_executor(stack, session.session_id),
+                ttft_ms=completion.timings.ttft_ms)  # fmt: skip
 
 
 def record(session: Session, turn: Turn) -> None:
@@ -288,6 +290,10 @@ def reprefill_share(turns: list[Turn]) -> float | None:
     return statistics.fmean(shares) if shares else None
 
 
+def median_ttft(turns: list[Turn]) -> float | None:
+    return statistics.median(t.ttft_ms for t in turns) if turns else None
+
+
 def side_figures(
     sessions: list[Session], drains: list[dict], restart_s: float, gone: list[str]
 ) -> dict:
@@ -308,6 +314,9 @@ def side_figures(
         # the same over later turns of a chat that stayed on its executor: what a turn costs
         # with no move (the last reply token's KV is never computed)
         "reprefill_share_stayed_mean": reprefill_share(stayed),
+        # TTFT of the turns after a move against the later turns that stayed, same run
+        "ttft_ms_after_move_median": median_ttft(moved),
+        "ttft_ms_stayed_median": median_ttft(stayed),
         "history_tokens_after_move_mean": (
             statistics.fmean(t.history_tokens for t in moved) if moved else None
         ),
@@ -354,7 +363,9 @@ def run(args: argparse.Namespace) -> dict:
 ROWS = [("failed turns", "failed_turns"), ("lost sessions", "lost_sessions"),
         ("turns after a move", "turns_after_a_move"),
         ("re-prefilled share", "reprefill_share_after_move_mean"),
-        ("(turns that stayed)", "reprefill_share_stayed_mean"), ("turns", "turns")]  # fmt: skip
+        ("(turns that stayed)", "reprefill_share_stayed_mean"),
+        ("TTFT ms after a move", "ttft_ms_after_move_median"),
+        ("(turns that stayed)", "ttft_ms_stayed_median"), ("turns", "turns")]  # fmt: skip
 
 
 def summarize(result: dict) -> None:
