@@ -152,12 +152,16 @@ def movable_engine(engine: Engine) -> str | None:
 def take_sequences(engine: Engine) -> list[MovableKV]:
     """Stop every unfinished request and hand over the KV its sequences computed: the engine
     forgets them (no further output) but their blocks stay held until `release_moved`. A
-    sequence with no computed block (waiting, swapped out, not forked yet) comes with none."""
+    sequence with no computed block (waiting, swapped out, not forked yet), or one that still
+    owes its prompt's logprobs, comes with none."""
     kv, bs = engine.kv_cache, engine.kv_cache.block_size
     _run_queued_copies(engine)
     taken: list[MovableKV] = []
     for req in list(engine.requests):
-        num_kv = req.num_computed_tokens if req.block_table else 0
+        # a request still owing its prompt's logprobs recomputes its prompt wherever it runs
+        # (no cached KV stands in for them): its KV would move for nothing
+        wanted = req.block_table and not req.wants_prompt_logprobs
+        num_kv = req.num_computed_tokens if wanted else 0
         blocks = req.block_table[: -(-num_kv // bs)]
         kv.retain(blocks)
         taken.append(

@@ -63,7 +63,9 @@ CHUNK_BYTES = 1 << 20  # a chunk holds as many whole blocks as fit, at least one
 # (a memory copy of a few ms at most).
 STEP_BUDGET_BYTES = 4 << 20
 MAX_PARALLEL_PUSHES = 16  # sequences a drain pushes at once
-GIVE_BACK_WAIT_S = 60.0  # the most a failed transfer waits for the step loop to free its blocks
+# A chunk holds at least one block: gRPC's default 4 MiB message limit would refuse every
+# chunk of a model whose block is larger (an 8B model's float32 block is 4 MiB).
+MAX_MESSAGE_BYTES = 1 << 30
 MAX_REPOINT_TRIES = 16  # check-and-set attempts of a session's affinity update
 
 
@@ -136,6 +138,7 @@ class Incoming:
 
     engine: Engine
     header: internal_pb2.KvHeader
+    taking_work: Callable[[], bool]
     block_ids: list[int] = field(default_factory=list)
     adopted: bool = False
 
@@ -144,14 +147,20 @@ class Incoming:
         return header_layout(self.header)
 
     def write(self, first: int, data: bytes) -> None:
-        """Write blocks from `first` (taking every block first)."""
+        """Write blocks from `first` (taking every block first).
+
+        Raises: KVRefused once this executor drains (it would exit holding them)."""
+        self._check_taking_work()
         if not self.block_ids:
             self.block_ids = take_blocks(self.engine, self.layout, len(self.header.token_ids))
         count = len(data) // self.layout.block_bytes
         write_taken(self.engine, self.block_ids[first : first + count], data)
 
     def adopt(self) -> None:
-        """Every block is written and the sender ended its stream: take the blocks in."""
+        """Every block is written and the sender ended its stream: take the blocks in.
+
+        Raises: KVRefused once this executor drains."""
+        self._check_taking_work()
         header = self.header
         session_id, salt = header.session_id or None, header.tenant or None
         self.engine.kv_cache.adopt(self.block_ids, list(header.token_ids), salt, session_id)
@@ -159,6 +168,10 @@ class Incoming:
 
     def give_back(self) -> None:
         self.engine.kv_cache.release(self.block_ids)
+
+    def _check_taking_work(self) -> None:
+        if not self.taking_work():
+            raise KVRefused("this executor is draining")
 
 
 class KvReceiver(internal_pb2_grpc.KvTransferServicer):
@@ -197,7 +210,7 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
                 f"num_blocks {header.num_blocks}: {len(header.token_ids)} token ids take "
                 f"{expected_blocks} blocks",
             )
-        incoming = Incoming(self._engine, header)
+        incoming = Incoming(self._engine, header, self._taking_work)
         why = movable_engine(self._engine) or self._layout.difference(incoming.layout)
         if why is not None:
             log.warning("KV from %s refused: %s", header.executor_id, why)
@@ -216,7 +229,9 @@ class KvReceiver(internal_pb2_grpc.KvTransferServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the step loop did not take it")
         finally:
             if not incoming.adopted and incoming.block_ids:
-                self._gate.run(incoming.give_back, 0, GIVE_BACK_WAIT_S)
+                # no deadline: given up, the blocks would stay taken for good (a step loop
+                # that never comes back has lost its executor anyway)
+                self._gate.run(incoming.give_back, 0, None)
         layout = incoming.layout
         self._metrics.kv_moved_blocks.labels("in").inc(len(incoming.block_ids))
         self._metrics.kv_moved_bytes.labels("in").inc(len(incoming.block_ids) * layout.block_bytes)
@@ -310,7 +325,10 @@ def start_kv_server(config: KvTransferConfig, receiver: KvReceiver) -> tuple[grp
         OSError: the port cannot be bound.
         common.tls.TLSFileError: a certificate file cannot be read (naming its flag).
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-in"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-in"),
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+    )
     internal_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
     bind = f"{config.host}:{config.port}"
     if config.tls_cert:

@@ -3,8 +3,10 @@
 It reads assignments from its Redis inbox (executor/streams.py: on a reader thread while the
 engine has work, on the step loop while it is idle), runs the engine's step loop on the main
 thread, sends one TokenBatch per step to each gateway on a TokenSink stream, and publishes a
-heartbeat every 0.5 s (executor/heartbeat.py). SIGTERM drains: running work finishes, no
-more is taken, and assignments still unread in the inbox go back to the request stream.
+heartbeat every 0.5 s (executor/heartbeat.py). SIGTERM (or `kvgate admin drain`) drains: no
+more work is taken, assignments not started go back to the request stream, and running
+requests and idle sessions move to peers with their KV (executor/drain.py); without a peer
+that takes KV, running work finishes here.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ class ExecutorService:
     def draining_check(self) -> str | None:
         """The health condition of a drain: None until one was asked for."""
         if self._drain_requested.is_set():
-            return "draining: finishing running requests, taking no more"
+            return "draining: taking no more work, moving or finishing what it holds"
         return None
 
     def run(self) -> None:
@@ -187,7 +189,7 @@ class ExecutorService:
 
     def _stop_taking_work_if_draining(self) -> None:
         if self._taking_work and self._drain_requested.is_set():
-            log.info("draining: finishing %d requests, taking no more", len(self._tracked))
+            log.info("draining: %d requests running, taking no more", len(self._tracked))
             self._taking_work = False
             self._post_status()
             self._heartbeat.try_beat()
@@ -284,6 +286,8 @@ class ExecutorService:
             self._abort(event.address, event.request_ids, event.attempts, event.runs)
         elif isinstance(event, GatewayGone):
             self._gateway_gone(event.address)
+        elif event.message.HasField("assignment") and not self._taking_work:
+            self._inbox.hand_back(event.entry_id, event.message.assignment.request)
         elif event.message.HasField("assignment"):
             self._admit(event.message.assignment.request, event.entry_id)
         elif event.message.HasField("drain"):

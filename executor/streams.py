@@ -210,6 +210,16 @@ class InboxReader:
             self._to_hand_back.append((entry_id, request))
         self._hand_back_pending()
 
+    def hand_back(self, entry_id: str, request: internal_pb2.QueuedRequest) -> None:
+        """Hand back an assignment read before the drain and not run (it was waiting on the
+        event queue), at once; if Redis does not answer, the reader's next round retries."""
+        with self._lock:
+            self._to_hand_back.append((entry_id, request))
+            try:
+                self._hand_back_locked()
+            except redis.RedisError as error:
+                log.warning("draining: hand-back deferred (%s)", error)
+
     def _hand_back_pending(self) -> bool:
         """Moves the assignments a draining executor will not run back to the request stream.
 

@@ -144,3 +144,16 @@ def test_a_receiver_with_no_room_refuses_and_keeps_what_it_holds() -> None:
 
 def _fields(layout: KVLayout) -> dict:
     return {name: getattr(layout, name) for name in KVLayout.__slots__}
+
+
+def test_a_request_owing_its_prompt_logprobs_moves_no_kv() -> None:
+    """Its next run recomputes the prompt for the logprobs anyway (no cached KV stands in)."""
+    wants = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    for params, moves_kv in ((wants, False), (GREEDY, True)):
+        sender = make_engine(max_num_batched_tokens=16)  # the prompt takes three steps
+        sender.add_request("r", PROMPT, params)
+        sender.step()
+        [moved] = take_sequences(sender)
+        assert bool(moved.block_ids) == moves_kv
+        release_moved(sender, moved)
+        assert sender.kv_cache.num_free_blocks == sender.kv_cache.num_blocks
