@@ -14,7 +14,9 @@ would be a second quantization the sequence never had).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import weakref
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -48,6 +50,9 @@ class KVLayout:
     kv_cache_dtype: str  # kernels.kv_format.KV_CACHE_DTYPES name
     num_layers: int
     token_bytes: int  # one token's K (or V) in one layer, its scale included
+    # two checkpoints under one name (a folder updated in place during a rolling upgrade)
+    # write different KV for the same tokens
+    weights_fingerprint: str = ""
 
     @property
     def block_bytes(self) -> int:
@@ -77,11 +82,32 @@ class MovableKV:
     on_host: bool = False  # the blocks are host-tier blocks (an offloaded session)
 
 
-def layout_of(model_id: str, block_size: int, kv_cache_dtype: str, caches: LayerCaches) -> KVLayout:
+def layout_of(
+    model_id: str,
+    block_size: int,
+    kv_cache_dtype: str,
+    caches: LayerCaches,
+    weights_fingerprint: str = "",
+) -> KVLayout:
     """The layout of an engine's device caches."""
     key = caches[0][0]
     token_bytes = math.prod(key.shape[2:]) * key.element_size()
-    return KVLayout(model_id, block_size, kv_cache_dtype, len(caches), token_bytes)
+    return KVLayout(
+        model_id, block_size, kv_cache_dtype, len(caches), token_bytes, weights_fingerprint
+    )
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of a model's weights: every tensor's name, dtype and shape, and the first
+    and last 64 bytes of its data (cheap at any size, and unlike for two checkpoints)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name, tensor in model.state_dict().items():
+        raw = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else tensor
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        if tensor.numel():
+            ends = torch.cat([raw[:64], raw[-64:]]).cpu().numpy().tobytes()
+            digest.update(ends)
+    return digest.hexdigest()
 
 
 def read_blocks(caches: LayerCaches, block_ids: list[int]) -> bytes:
@@ -136,10 +162,19 @@ def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 
 def engine_layout(engine: Engine) -> KVLayout:
-    """The layout of `engine`'s KV cache."""
-    runner = engine.runner
-    dtype = format_name(runner.kv_cache_dtype)
-    return layout_of(model_id(engine.config.model), runner.block_size, dtype, runner.kv_caches)
+    """The layout of `engine`'s KV cache (computed once per engine)."""
+    layout = _LAYOUTS.get(engine)
+    if layout is None:
+        runner = engine.runner
+        dtype = format_name(runner.kv_cache_dtype)
+        weights = weights_fingerprint(runner.model)
+        model = model_id(engine.config.model)
+        layout = layout_of(model, runner.block_size, dtype, runner.kv_caches, weights)
+        _LAYOUTS[engine] = layout
+    return layout
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[Engine, KVLayout] = weakref.WeakKeyDictionary()
 
 
 def movable_engine(engine: Engine) -> str | None:

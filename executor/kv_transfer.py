@@ -103,6 +103,11 @@ class EngineGate:
                 raise
             return done.result()  # running already: its outcome stands
 
+    def waiting(self) -> int:
+        """Pieces of work queued and still wanted (a transfer that gave up cancelled its)."""
+        with self._pending_lock:
+            return sum(not done.cancelled() for _, _, done in self._pending)
+
     def run_pending(self, budget_bytes: int = STEP_BUDGET_BYTES) -> None:
         """Do queued work (the step loop, holding `lock`, after a step) until `budget_bytes`
         are spent; at least one piece when any waits."""
@@ -128,6 +133,7 @@ def header_layout(header: internal_pb2.KvHeader) -> KVLayout:
         header.kv_cache_dtype,
         header.num_layers,
         header.token_bytes,
+        header.weights_fingerprint,
     )
 
 
@@ -374,6 +380,7 @@ class KvSender:
             request_id=moved.request_id,
             token_ids=moved.token_ids,
             num_blocks=len(moved.block_ids),
+            weights_fingerprint=layout.weights_fingerprint,
         )
         per_chunk = max(1, CHUNK_BYTES // layout.block_bytes)
         stub = internal_pb2_grpc.KvTransferStub(self._channel(address))

@@ -124,7 +124,13 @@ def test_a_receiver_refuses_another_layout_naming_the_difference() -> None:
     receiver = make_engine(kv_cache_dtype="int8")
     with pytest.raises(KVRefused, match="kv_cache_dtype differs: the sender has 'float32'"):
         take_blocks(receiver, sender, 40)
-    for field, value in (("block_size", 32), ("model_id", "another-model"), ("num_layers", 3)):
+    changes = (
+        ("block_size", 32),
+        ("model_id", "another-model"),
+        ("num_layers", 3),
+        ("weights_fingerprint", "0123456789abcdef"),  # the same name, other weights
+    )
+    for field, value in changes:
         changed = KVLayout(**{**_fields(engine_layout(receiver)), field: value})
         with pytest.raises(KVRefused, match=f"{field} differs"):
             take_blocks(receiver, changed, 40)
@@ -157,3 +163,19 @@ def test_a_request_owing_its_prompt_logprobs_moves_no_kv() -> None:
         assert bool(moved.block_ids) == moves_kv
         release_moved(sender, moved)
         assert sender.kv_cache.num_free_blocks == sender.kv_cache.num_blocks
+
+
+def test_the_weights_fingerprint_tells_two_checkpoints_of_one_name_apart(tmp_path) -> None:
+    import shutil
+
+    copy = tmp_path / "stories260K"
+    shutil.copytree(STORIES_260K, copy)
+    same = engine_layout(make_engine(model=str(copy)))
+    assert same == engine_layout(make_engine())  # the same weights elsewhere: one layout
+    weights = next(copy.glob("*.safetensors"), None) or next(copy.glob("*.bin"))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0x01  # the last byte of the last tensor
+    weights.write_bytes(bytes(raw))
+    changed = engine_layout(make_engine(model=str(copy)))
+    assert changed.model_id == same.model_id
+    assert "weights_fingerprint differs" in changed.difference(same)

@@ -26,7 +26,7 @@ from executor.kv_transfer import (
 )
 from executor.metrics import ExecutorMetrics
 from protos.kvgate.v1 import internal_pb2, internal_pb2_grpc
-from tests.helpers import STORIES_260K, run_to_completion
+from tests.helpers import STORIES_260K, run_to_completion, wait_for
 
 PROMPT = [1, 403, 178, 261, 144, 230, 160, 297, 261, 125, 29, 450, 178, 471] * 4
 SECRET = "kv-secret"
@@ -118,6 +118,7 @@ def header_of(engine: Engine, **changes) -> internal_pb2.KvHeader:
         kv_cache_dtype=layout.kv_cache_dtype, num_layers=layout.num_layers,
         token_bytes=layout.token_bytes, tenant="acme", session_id="chat",
         token_ids=session.token_ids, num_blocks=len(session.block_ids),
+        weights_fingerprint=layout.weights_fingerprint,
     )  # fmt: skip
     return internal_pb2.KvHeader(**(fields | changes))
 
@@ -220,7 +221,10 @@ def test_a_push_the_step_loop_never_gets_to_times_out_and_takes_nothing(sender):
     server, address = start_kv_server(KvTransferConfig(port=0, secret=SECRET), receiver)
     try:
         assert not push(sender, address, timeout_s=1.0)
-        gate.run_pending()  # the loop comes back: the cancelled work must not run now
+        # the receiver gives up its queued write at its own deadline (the client's may pass
+        # first), then the loop comes back: the cancelled work must not run now
+        wait_for(lambda: gate.waiting() == 0, "the receiver giving up its queued write")
+        gate.run_pending()
         kv = engine.kv_cache
         assert kv.num_free_blocks == kv.num_blocks and not kv.sessions
     finally:
