@@ -39,7 +39,7 @@ from executor.kv_transfer import (
     repoint_session,
 )
 from executor.metrics import ExecutorMetrics
-from protos.kvgate.v1.internal_pb2 import ExecutorStatus
+from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
 PROGRESS_S = 0.5  # how often a drain waiting on its pushes tells the heartbeat it is alive
@@ -116,7 +116,7 @@ class DrainMoves:
                 for push in done:
                     yield pushes[push], push.result()
 
-    def _push(self, moved: MovableKV, peer: ExecutorStatus | None, kind: str) -> str:
+    def _push(self, moved: MovableKV, peer: internal_pb2.ExecutorStatus | None, kind: str) -> str:
         """Returns: the peer that took the sequence's KV, or "" (it is recomputed)."""
         name = moved.session_id if kind == "session" else moved.request_id
         if not moved.block_ids:
