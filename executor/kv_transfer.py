@@ -11,9 +11,11 @@ fails its checksum gives its blocks back on the receiver; the sender's copy stay
 authoritative and the sequence is recomputed wherever it runs next.
 
 The engine is the step loop's: a transfer touches it under the loop's `EngineGate` lock, one
-chunk (at most CHUNK_BYTES) at a time, and while the engine has requests running it writes at
-most one chunk per step, so a transfer never holds the step loop for more than a chunk's copy
-and never starves decoding.
+chunk (at most CHUNK_BYTES) at a time. While the engine has requests running, the chunks of
+every transfer wait for the step loop, which writes them between two steps up to
+STEP_BUDGET_BYTES in all (a copy of a few ms), so transfers never starve decoding; an idle
+engine takes each chunk as it arrives. The receiver takes its blocks with its first chunk and
+adopts them once the sender has ended the stream.
 """
 
 from __future__ import annotations
