@@ -366,6 +366,7 @@ class KvSender:
     executor_id: str
     faults: Faults = field(default_factory=Faults)  # none unless a test sets KVGATE_FAULTS
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
+    _channels_lock: threading.Lock = field(default_factory=threading.Lock)  # pushes run at once
 
     def push(self, moved: MovableKV, address: str, tenant: str) -> bool:
         """Send `moved`'s KV to the peer at `address`. Returns: whether the peer holds it."""
@@ -424,22 +425,22 @@ class KvSender:
         self.faults.hold_kv_push()
 
     def _channel(self, address: str) -> grpc.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            config = self.config
-            if config.tls_ca:
-                credentials = channel_credentials(
-                    config.tls_ca, config.client_cert, config.client_key, "--kv-tls"
-                )
-                options = (
-                    [("grpc.ssl_target_name_override", config.tls_server_name)]
-                    if config.tls_server_name
-                    else []
-                )
-                channel = grpc.secure_channel(address, credentials, options)
-            else:
-                channel = grpc.insecure_channel(address)
-            self._channels[address] = channel
+        with self._channels_lock:
+            return self._channels.get(address) or self._dial(address)
+
+    def _dial(self, address: str) -> grpc.Channel:
+        """A channel to the peer at `address`, kept for this sender's later pushes."""
+        config = self.config
+        if config.tls_ca:
+            credentials = channel_credentials(
+                config.tls_ca, config.client_cert, config.client_key, "--kv-tls"
+            )
+            name = config.tls_server_name
+            options = [("grpc.ssl_target_name_override", name)] if name else []
+            channel = grpc.secure_channel(address, credentials, options)
+        else:
+            channel = grpc.insecure_channel(address)
+        self._channels[address] = channel
         return channel
 
     def close(self) -> None:
