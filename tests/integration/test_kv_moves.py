@@ -37,7 +37,7 @@ STREAM_TOKENS = 400
 # then outlasts the start of the executors that join before the drain, on a loaded machine).
 FAULT_SENDER_STEP_S = 0.1
 SENDER_STEP_S = 0.05  # the drain test's executor-0: a stream takes 20 s at least
-HELD_STEP_S = 0.5  # its executor-1 until executor-0 has exited
+HELD_STEP_S = 0.1  # its executor-1 until executor-0 has exited: 200 tokens take 20 s
 STORY_WORDS = ["cat", "dog", "ball", "tree", "sun", "boat", "bird", "cake", "park", "hat"]
 MOVE_FLAGS = ["--num-gpu-blocks", "2048"]
 
@@ -377,9 +377,9 @@ def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
 
 # ---- the default chat model ---------------------------------------------------------------
 
-SMOLLM2_STREAMS = 3
-SMOLLM2_SESSIONS = 6
-SMOLLM2_TOKENS = 160  # at executor-0's 0.2 s a step, 32 s: longer than executor-1 takes to start
+SMOLLM2_STREAMS = 2
+SMOLLM2_SESSIONS = 4
+SMOLLM2_TOKENS = 96  # at executor-0's 0.3 s a step, 29 s: longer than executor-1 takes to start
 SMOLLM2_FACTS = ["the sea", "a forest", "the moon", "a city", "rain", "bread", "music", "snow"]
 
 
@@ -393,7 +393,7 @@ def test_smollm2_a_drain_moves_its_streams_and_sessions(stack_factory, gguf, tmp
         num_executors=1,
         model=gguf,
         executor_flags=["--torch-threads", "1"],
-        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow}:0.2"},
+        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow}:0.3"},
     )
     address = stack.address
     # The undisturbed run first, on executor-0 alone: executor-1 will hold only moved KV.
