@@ -122,19 +122,7 @@ def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc
         if config.sink_secret_file
         else None
     )
-    transfer = KvTransferConfig(
-        host=config.kv_transfer_host,
-        port=config.kv_transfer_port,
-        advertise_host=config.kv_transfer_advertise_host,
-        tls_cert=config.kv_tls_cert,
-        tls_key=config.kv_tls_key,
-        tls_ca=config.kv_tls_ca,
-        tls_server_name=config.kv_tls_server_name,
-        client_cert=config.sink_tls_cert,
-        client_key=config.sink_tls_key,
-        secret=secret,
-        timeout_s=config.kv_transfer_timeout_s,
-    )
+    transfer = KvTransferConfig.of(config, secret)
     names = frozenset(n.strip() for n in config.kv_tls_allowed_names.split(",") if n.strip())
     receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret, names)
     server, address = start_kv_server(transfer, receiver)

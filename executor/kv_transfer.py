@@ -41,6 +41,7 @@ from common.tls import (
     check_key_pair,
     read_file,
     secret_matches,
+    sink_metadata,
 )
 from engine.engine import Engine
 from engine.faults import Faults
@@ -54,6 +55,7 @@ from engine.kv_move import (
     take_blocks,
     write_taken,
 )
+from executor.config import ExecutorConfig
 from executor.metrics import ExecutorMetrics
 from protos.kvgate.v1 import internal_pb2, internal_pb2_grpc
 
@@ -325,6 +327,24 @@ class KvTransferConfig:
     secret: str | None = None  # the TokenSink's shared secret
     timeout_s: float = 10.0  # one sequence's whole transfer
 
+    @classmethod
+    def of(cls, config: ExecutorConfig, secret: str | None) -> KvTransferConfig:
+        """The executor's --kv-* flags, with its --sink-tls-cert as the client certificate
+        and the TokenSink's `secret`."""
+        return cls(
+            host=config.kv_transfer_host,
+            port=config.kv_transfer_port,
+            advertise_host=config.kv_transfer_advertise_host,
+            tls_cert=config.kv_tls_cert,
+            tls_key=config.kv_tls_key,
+            tls_ca=config.kv_tls_ca,
+            tls_server_name=config.kv_tls_server_name,
+            client_cert=config.sink_tls_cert,
+            client_key=config.sink_tls_key,
+            secret=secret,
+            timeout_s=config.kv_transfer_timeout_s,
+        )
+
 
 def start_kv_server(config: KvTransferConfig, receiver: KvReceiver) -> tuple[grpc.Server, str]:
     """Serve KvTransfer. Returns: the server and the address peers dial.
@@ -387,9 +407,7 @@ class KvSender:
         )
         per_chunk = max(1, CHUNK_BYTES // layout.block_bytes)
         stub = internal_pb2_grpc.KvTransferStub(self._channel(address))
-        metadata = (
-            ((SINK_SECRET_KEY, f"Bearer {self.config.secret}"),) if self.config.secret else ()
-        )
+        metadata = sink_metadata(self.config.secret)  # the TokenSink's secret, sent alike
         started = time.perf_counter()
         try:
             stub.Push(
