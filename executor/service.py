@@ -29,7 +29,8 @@ from common.logs import request_fields
 from common.model_files import model_id
 from common.requeue import attempts_used_up
 from common.sampling_pb import queued_sampling_params
-from engine.engine import Engine, RequestOutput
+from engine.engine import Engine
+from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs
 from executor.config import ExecutorConfig
 from executor.drain import DrainMoves
