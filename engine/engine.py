@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
 from engine.prompt_logprobs import record_prompt_logprobs, take_prompt_logprobs
 from engine.request import Request
-from engine.request_checks import check_prompt, check_request
+from engine.request_checks import RequestChecks
 from engine.sampler import Sampler, SamplingBatch
 from engine.speculative import Accepted, NgramProposer, Verifier
 from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
@@ -67,6 +67,7 @@ class Engine:
         self.verifier = Verifier(self.kv_cache, self.sampler, self.model_config.vocab_size)
         self.proposer = self._proposer(config)
         self.requests = Sequences()
+        self.checks = RequestChecks(self.max_model_len, self.model_config.vocab_size, self.requests)
         self._arrivals = itertools.count()
 
     def _proposer(self, config: EngineConfig) -> NgramProposer | DraftProposer | None:
@@ -115,16 +116,12 @@ class Engine:
         Raises:
             ValueError: a field is invalid (the message names it), or the id is in use.
         """
-        vocab_size = self.model_config.vocab_size
-        check_request(
-            request_id, prompt_token_ids, params, priority, session_id, cache_salt,
-            requests=self.requests, max_model_len=self.max_model_len, vocab_size=vocab_size,
-        )  # fmt: skip
+        self.checks.request(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
         check_group(params, resume_token_ids, choice_index, self.config.max_num_seqs)
         resumed = list(resume_token_ids or [])
         tokens = list(prompt_token_ids) + resumed
         if resumed:
-            check_prompt(tokens, self.max_model_len, vocab_size)
+            self.checks.prompt(tokens)
         req = Request(
             request_id=request_id,  # a group's first sequence: choice 0's id once it forks
             prompt_token_ids=list(prompt_token_ids),
@@ -198,7 +195,7 @@ class Engine:
         """
         if self.requests:
             raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
-        check_prompt(token_ids, self.max_model_len, self.model_config.vocab_size)
+        self.checks.prompt(token_ids)
         req = Request("prompt-logits", list(token_ids), SamplingParams(max_tokens=1), -1)
         if not self.kv_cache.allocate_slots(req, len(token_ids)):
             raise RuntimeError(f"the KV cache cannot hold {len(token_ids)} tokens at once")
