@@ -26,7 +26,8 @@ from executor.config import ExecutorConfig
 from executor.drain import DrainMoves
 from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
-from executor.kv_transfer import KvReceiver, KvSender, KvTransferConfig, start_kv_server
+from executor.kv_sender import KvSender
+from executor.kv_transfer import KvReceiver, KvTransferConfig, start_kv_server
 from executor.metrics import ExecutorMetrics
 from executor.rebalance import SessionRebalancer
 from executor.service import ExecutorService

@@ -34,6 +34,7 @@ from engine.outputs import RequestOutput
 from engine.sampler import TokenLogprobs
 from executor.config import ExecutorConfig
 from executor.drain import DrainMoves
+from executor.engine_gate import EngineGate
 from executor.gateway_link import (
     GatewayAbort,
     GatewayEvent,
@@ -42,7 +43,6 @@ from executor.gateway_link import (
     SinkCredentials,
 )
 from executor.heartbeat import Heartbeat, StatusBoard
-from executor.kv_transfer import EngineGate
 from executor.metrics import ExecutorMetrics
 from executor.rebalance import SessionMoved, SessionRebalancer
 from executor.streams import InboxEntry, InboxReader
