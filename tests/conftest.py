@@ -39,6 +39,37 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (fetched into the model cache by `make setup`)."""
+    from common.model_files import default_gguf_path
+
+    path = default_gguf_path()
+    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(gguf: Path):
+    """transformers' tokenizer of the GGUF file: the class AutoTokenizer picks for it, without
+    its slow config read."""
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_model(gguf: Path):
+    """transformers' float32 model loaded from the same GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 def test_group(path: Path) -> str:
     """The unit of work a worker takes whole, its tests in order: every server test together,
     else the test's module (its module fixtures, an engine or a model, built on one worker;
