@@ -31,9 +31,10 @@ from bench.engine import BENCH_SHAPE, Workload, benchmark_model, best_rates
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
 from deploy.models import default_gguf_path
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.host_memory import retain_freed_memory
+from engine.speculative_config import SpeculativeConfig
 
 # ---- n choices against n requests ------------------------------------------------------
 

@@ -16,11 +16,12 @@ import torch
 
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, common_prefix_len
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.speculative import cut_at_stop, proposal_room, proposes
+from engine.speculative_config import SpeculativeConfig
 from engine.step_scheduler import ScheduledRequest, SchedulerOutput
 
 

@@ -10,7 +10,6 @@ while engine.has_unfinished():
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
@@ -22,8 +21,11 @@ from engine.draft import DraftProposer
 from engine.groups import Sequences, check_group
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.outputs import EngineStats, RequestOutput
+from engine.prompt_logprobs import record_prompt_logprobs, take_prompt_logprobs
 from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch, TokenLogprobs, token_logprobs
+from engine.request_checks import RequestChecks
+from engine.sampler import Sampler, SamplingBatch
 from engine.speculative import Accepted, NgramProposer, Verifier
 from engine.step_scheduler import ScheduledRequest, SchedulerOutput, StepScheduler
 from engine.structured import StructuredOutput, advance
@@ -36,55 +38,6 @@ NO_ALLOWED_TOKEN = (
     "no token is allowed next: the constraint, allowed_token_ids, logit_bias and min_tokens "
     "together leave none"
 )
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]  # tokens produced this step
-    logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
-    finished: bool
-    # STOP, LENGTH, or ERROR (its model step failed) once finished; aborts produce no output
-    finish_reason: FinishReason | None
-    num_cached_tokens: int  # prompt tokens served from the prefix or session cache
-    error_message: str = ""  # what failed, with FinishReason.ERROR
-    index: int = 0  # the choice (SamplingParams.n, best_of) these tokens belong to
-    # SamplingParams.prompt_logprobs, with the first output: entry p is prompt token p + 1's
-    prompt_logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int  # waiting for blocks or a batch slot, or for their grammar to compile
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_hit_tokens: int  # cumulative prompt tokens served from the cache
-    num_session_pins: int  # sessions holding blocks now
-    num_session_blocks: int  # blocks those sessions hold
-    num_preemptions: int  # cumulative
-    num_evicted_blocks: int  # cumulative cached blocks reused for new data
-    num_evicted_sessions: int  # cumulative sessions dropped under memory pressure
-    num_batched_tokens: int  # cumulative tokens run through the model (prompt chunks and decodes)
-    num_host_blocks_total: int  # blocks of the host tier (0: none)
-    num_host_blocks_used: int  # held by swapped-out requests and offloaded sessions
-    num_swapped_out_blocks: int  # cumulative blocks copied from the device to the host tier
-    num_swapped_in_blocks: int  # cumulative blocks copied back to the device
-    num_offloaded_sessions: int  # cumulative sessions moved to the host tier under pressure
-    # speculative decoding (engine/speculative.py), cumulative
-    spec_method: str  # the proposer's method; empty: no speculation
-    num_spec_drafts: int  # steps in which a request verified proposed tokens
-    num_spec_proposed_tokens: int
-    num_spec_accepted_tokens: int  # proposed tokens the target agreed with
-    num_spec_bonus_tokens: int  # the target's token after a fully accepted proposal
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens a verifying step gives a request on average: its accepted proposed tokens
-        and the target's own one (vLLM's mean acceptance length); 0 before the first draft."""
-        if not self.num_spec_drafts:
-            return 0.0
-        return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts
 
 
 class Engine:
@@ -114,6 +67,7 @@ class Engine:
         self.verifier = Verifier(self.kv_cache, self.sampler, self.model_config.vocab_size)
         self.proposer = self._proposer(config)
         self.requests = Sequences()
+        self.checks = RequestChecks(self.max_model_len, self.model_config.vocab_size, self.requests)
         self._arrivals = itertools.count()
 
     def _proposer(self, config: EngineConfig) -> NgramProposer | DraftProposer | None:
@@ -162,12 +116,12 @@ class Engine:
         Raises:
             ValueError: a field is invalid (the message names it), or the id is in use.
         """
-        self._validate(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
+        self.checks.request(request_id, prompt_token_ids, params, priority, session_id, cache_salt)
         check_group(params, resume_token_ids, choice_index, self.config.max_num_seqs)
         resumed = list(resume_token_ids or [])
         tokens = list(prompt_token_ids) + resumed
         if resumed:
-            self._validate_prompt(tokens)
+            self.checks.prompt(tokens)
         req = Request(
             request_id=request_id,  # a group's first sequence: choice 0's id once it forks
             prompt_token_ids=list(prompt_token_ids),
@@ -241,7 +195,7 @@ class Engine:
         """
         if self.requests:
             raise RuntimeError("prompt_logits needs an idle engine (requests are in flight)")
-        self._validate_prompt(token_ids)
+        self.checks.prompt(token_ids)
         req = Request("prompt-logits", list(token_ids), SamplingParams(max_tokens=1), -1)
         if not self.kv_cache.allocate_slots(req, len(token_ids)):
             raise RuntimeError(f"the KV cache cannot hold {len(token_ids)} tokens at once")
@@ -321,7 +275,7 @@ class Engine:
         for s in out.scheduled:
             end += s.logit_rows
             if s.request.wants_prompt_logprobs:
-                self._add_prompt_logprobs(s, logits[end - s.logit_rows : end])
+                record_prompt_logprobs(s, logits[end - s.logit_rows : end])
             if s.samples:  # its last row, and one before it per proposed token
                 sample_rows.extend(range(end - 1 - len(s.spec_token_ids), end))
             s.request.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
@@ -380,29 +334,8 @@ class Engine:
             finish_reason=reason,
             num_cached_tokens=req.num_cached_tokens or 0,
             index=req.index,
-            prompt_logprobs=self._take_prompt_logprobs(req),
+            prompt_logprobs=take_prompt_logprobs(req),
         )
-
-    def _add_prompt_logprobs(self, scheduled: ScheduledRequest, logits: torch.Tensor) -> None:
-        """Record the logprobs of the prompt tokens that this step's rows of `scheduled`
-        predict (row i is position start + i, predicting the token after it)."""
-        req = scheduled.request
-        start = req.num_computed_tokens
-        num_rows = min(scheduled.num_new_tokens, req.num_prompt_tokens - 1 - start)
-        del req.prompt_logprobs[start:]  # recomputed after a preemption
-        if num_rows > 0:
-            targets = req.prompt_token_ids[start + 1 : start + 1 + num_rows]
-            req.prompt_logprobs += token_logprobs(
-                logits[:num_rows], targets, req.params.prompt_logprobs
-            )
-
-    @staticmethod
-    def _take_prompt_logprobs(req: Request) -> list[TokenLogprobs] | None:
-        """The prompt's logprobs, once, with a sequence's first output."""
-        if not req.wants_prompt_logprobs:
-            return None
-        req.prompt_logprobs_sent = True
-        return req.prompt_logprobs
 
     # ---- sequence groups ----------------------------------------------------------------
 
@@ -516,7 +449,7 @@ class Engine:
         self.requests.remove(req)
         self.scheduler.finish(req, FinishReason.STOP)
         cached = req.num_cached_tokens or 0
-        prompt_logprobs = self._take_prompt_logprobs(req)  # a constraint complete at once
+        prompt_logprobs = take_prompt_logprobs(req)  # a constraint complete at once
         return [
             RequestOutput(req.group_id, [], None, True, FinishReason.STOP, cached,
                           index=req.index, prompt_logprobs=prompt_logprobs)
@@ -554,48 +487,3 @@ class Engine:
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _validate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-        session_id: str | None,
-        cache_salt: str | None,
-    ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if self.requests.in_use(request_id, params.num_sequences):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
-        self._validate_prompt(prompt_token_ids)
-        if params.max_token_id() >= self.model_config.vocab_size:
-            raise ValueError(
-                f"params name token id {params.max_token_id()} (stop_token_ids, logit_bias or "
-                f"allowed_token_ids); the vocabulary has {self.model_config.vocab_size}"
-            )
-
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not isinstance(prompt_token_ids, (list, tuple)):
-            kind = type(prompt_token_ids).__name__
-            raise ValueError(f"prompt_token_ids must be a list of token ids, got {kind}")
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt_token_ids must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids has {len(prompt_token_ids)} tokens; it must be shorter than "
-                f"max_model_len ({self.max_model_len}) to leave room for output"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < vocab]  # fmt: skip
-        if bad:
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")

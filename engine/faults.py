@@ -12,7 +12,7 @@ environment variable (unset in production: nothing is installed).
   SECONDS (a wedged step loop), once per creation of the file (it is deleted then);
 - slow_while_file=PATH:SECONDS: while the file PATH exists, every forward pass sleeps
   SECONDS first (a slow model: running requests take as long as the test wants);
-- corrupt_kv_chunks=1: a draining executor's KV pushes (executor/kv_transfer.py) flip a byte
+- corrupt_kv_chunks=1: a draining executor's KV pushes (executor/kv_sender.py) flip a byte
   of each chunk after its CRC-32 is taken (a chunk corrupted on the way);
 - hold_kv_pushes_while_file=PATH: a KV push holds its stream open after its last chunk while
   the file PATH exists (a transfer in the middle, for as long as the test wants).

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.config import SpeculativeConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs
+from engine.speculative_config import SpeculativeConfig
 
 # The weight of the newest step in a request's acceptance rate (an exponential moving average).
 ACCEPTANCE_SMOOTHING = 0.5

@@ -9,6 +9,7 @@ import sys
 import threading
 
 import grpc
+import redis
 import torch
 
 from common.health import start_health
@@ -25,7 +26,8 @@ from executor.config import ExecutorConfig
 from executor.drain import DrainMoves
 from executor.gateway_link import SinkCredentials
 from executor.heartbeat import another_executor_has_the_id
-from executor.kv_transfer import KvReceiver, KvSender, KvTransferConfig, start_kv_server
+from executor.kv_sender import KvSender
+from executor.kv_transfer import KvReceiver, KvTransferConfig, start_kv_server
 from executor.metrics import ExecutorMetrics
 from executor.rebalance import SessionRebalancer
 from executor.service import ExecutorService
@@ -45,45 +47,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config, metrics = started
     add_log_context(executor_id=config.executor_id)
-    try:
-        sink_credentials = SinkCredentials.from_files(
-            config.sink_tls_ca,
-            config.sink_tls_cert,
-            config.sink_tls_key,
-            config.sink_tls_server_name,
-            config.sink_secret_file,
-        )
-    except TLSFileError as error:
-        print(f"executor: {error}", file=sys.stderr)
+    sink_credentials = _sink_credentials(config)
+    if sink_credentials is None:
         return 2
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    # The step loop holds the GIL between torch ops; the threads that send tokens to gateways
-    # and read the inbox would otherwise wait up to the default 5 ms for it after each step.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    _set_threads(config)
     client = connect_sync(config.redis_url, timeout_s=2.0)
-    if another_executor_has_the_id(client, RedisKeys(config.redis_prefix), config.executor_id):
-        print(
-            f"executor: --executor-id {config.executor_id}: another live executor has this id "
-            "(its heartbeat is being refreshed); give each executor its own id",
-            file=sys.stderr,
-        )
+    if _id_taken(config, client):
         return 2
     # NOT_SERVING while the model loads (a liveness probe answers meanwhile).
     health = start_health("executor", config, metrics.registry, {"model": "loading the model"})
     if health is None:
         return 2
-    try:
-        engine = Engine(config.engine)
-    except (ValueError, FileNotFoundError, RankStartError) as error:  # named for the user
-        print(f"executor: {error}", file=sys.stderr)
+    loaded = _load_engine(config, metrics)
+    if loaded is None:
         health.stop()
         return 2
-    if engine.runner.group is not None:
-        engine.runner.group.on_failure = _exit_ranks_lost
-    faults = install_faults(engine)
-    kernels = engine.runner.kernels
-    metrics.record_kernels(kernels.name, kernels.cpu_isa)
+    engine, faults = loaded
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
     try:
         kv_server = _start_kv_transfer(config, engine, client, metrics, service, faults)
@@ -103,6 +82,59 @@ def main(argv: list[str] | None = None) -> int:
         health.stop()
         engine.close()
     return 0
+
+
+def _sink_credentials(config: ExecutorConfig) -> SinkCredentials | None:
+    """How to reach gateways' TokenSinks (None: a file cannot be read; printed)."""
+    try:
+        return SinkCredentials.from_files(
+            config.sink_tls_ca,
+            config.sink_tls_cert,
+            config.sink_tls_key,
+            config.sink_tls_server_name,
+            config.sink_secret_file,
+        )
+    except TLSFileError as error:
+        print(f"executor: {error}", file=sys.stderr)
+        return None
+
+
+def _set_threads(config: ExecutorConfig) -> None:
+    """torch's thread count (--torch-threads) and how soon a thread gets the GIL."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    # The step loop holds the GIL between torch ops; the threads that send tokens to gateways
+    # and read the inbox would otherwise wait up to the default 5 ms for it after each step.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+
+def _id_taken(config: ExecutorConfig, client: redis.Redis) -> bool:
+    """Whether a live executor already has --executor-id (printed when it has)."""
+    if not another_executor_has_the_id(client, RedisKeys(config.redis_prefix), config.executor_id):
+        return False
+    print(
+        f"executor: --executor-id {config.executor_id}: another live executor has this id "
+        "(its heartbeat is being refreshed); give each executor its own id",
+        file=sys.stderr,
+    )
+    return True
+
+
+def _load_engine(
+    config: ExecutorConfig, metrics: ExecutorMetrics
+) -> tuple[Engine, Faults | None] | None:
+    """The engine with its fault hooks (None: it cannot load; the reason is printed)."""
+    try:
+        engine = Engine(config.engine)
+    except (ValueError, FileNotFoundError, RankStartError) as error:  # named for the user
+        print(f"executor: {error}", file=sys.stderr)
+        return None
+    if engine.runner.group is not None:
+        engine.runner.group.on_failure = _exit_ranks_lost
+    faults = install_faults(engine)
+    kernels = engine.runner.kernels
+    metrics.record_kernels(kernels.name, kernels.cpu_isa)
+    return engine, faults
 
 
 def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc.Server | None:

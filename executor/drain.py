@@ -31,13 +31,8 @@ from engine.kv_move import (
     release_moved,
     take_sequences,
 )
-from executor.kv_transfer import (
-    MAX_PARALLEL_PUSHES,
-    KvSender,
-    Peers,
-    read_peers,
-    repoint_session,
-)
+from executor.kv_peers import Peers, read_peers, repoint_session
+from executor.kv_sender import MAX_PARALLEL_PUSHES, KvSender
 from executor.metrics import ExecutorMetrics
 from protos.kvgate.v1 import internal_pb2
 

@@ -1,5 +1,6 @@
-"""The executor's heartbeat: its status, published in Redis with a short TTL (it is alive while
-the key exists), and the check that no live executor has its id."""
+"""The executor's heartbeat: its status (what the scheduler places by), published in Redis with
+a short TTL (it is alive while the key exists), and the check that no live executor has its
+id."""
 
 from __future__ import annotations
 
@@ -11,10 +12,48 @@ from dataclasses import dataclass, field
 import redis
 
 from common.keys import EXECUTOR_STATUS_TTL_MS, HEARTBEAT_INTERVAL_S, RedisKeys
+from common.model_files import model_id
 from common.redis_conn import Backoff, OutageLog, describe
+from engine.engine import Engine
+from engine.outputs import EngineStats
+from executor.config import ExecutorConfig
+from kernels.kv_format import format_name
 from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
+# Most prefix-cache block hashes reported in a heartbeat.
+MAX_REPORTED_HASHES = 1024
+
+
+def executor_status(
+    config: ExecutorConfig,
+    engine: Engine,
+    stats: EngineStats,
+    draining: bool,
+    kv_transfer_address: str,
+) -> internal_pb2.ExecutorStatus:
+    """What the heartbeat says of this executor now: its model, cache and load (`stats`, the
+    engine's of this moment), its sessions and cached prefixes, and whether it drains."""
+    engine_config = config.engine
+    return internal_pb2.ExecutorStatus(
+        executor_id=config.executor_id,
+        model_id=model_id(engine_config.model),
+        block_size=engine_config.block_size,
+        num_free_blocks=engine.num_available_blocks(),
+        num_total_blocks=stats.num_total_blocks,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        max_num_seqs=engine_config.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        session_ids=engine.session_ids(),
+        cached_block_hashes=engine.cached_block_hashes(MAX_REPORTED_HASHES),
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        num_host_blocks_total=stats.num_host_blocks_total,
+        num_host_blocks_used=stats.num_host_blocks_used,
+        draining=draining,
+        kv_transfer_address=kv_transfer_address,
+        kv_cache_dtype=format_name(engine.runner.kv_cache_dtype),
+    )
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
-"""KV transfer between executors: the KvTransfer service that takes a peer's blocks, and the
-client a draining executor pushes its sequences' blocks with (docs/operations.md, "Drains").
+"""KV transfer between executors: the KvTransfer service that takes a peer's blocks
+(docs/operations.md, "Drains"). The client a draining executor pushes its sequences' blocks
+with is executor/kv_sender.py; the peers it chooses from, executor/kv_peers.py.
 
 One Push stream moves one sequence: a KvHeader (the sender's cache layout, the tenant, the
 session or request, the token ids the blocks hold), then KvChunk messages of whole blocks with
@@ -10,124 +11,44 @@ with a PushResponse. A stream that breaks, stalls past its deadline or carries a
 fails its checksum gives its blocks back on the receiver; the sender's copy stays
 authoritative and the sequence is recomputed wherever it runs next.
 
-The engine is the step loop's: a transfer touches it under the loop's `EngineGate` lock, one
-chunk (at most CHUNK_BYTES) at a time. While the engine has requests running, the chunks of
-every transfer wait for the step loop, which writes them between two steps up to
-STEP_BUDGET_BYTES in all (a copy of a few ms), so transfers never starve decoding; an idle
-engine takes each chunk as it arrives. The receiver takes its blocks with its first chunk and
-adopts them once the sender has ended the stream.
+The engine is the step loop's: a transfer touches it through the loop's `EngineGate`
+(executor/engine_gate.py), one chunk (at most CHUNK_BYTES) at a time, written between two
+steps while requests run. The receiver takes its blocks with its first chunk and adopts them
+once the sender has ended the stream.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
-import threading
-import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import grpc
-import redis
 
-from common.keys import RedisKeys
-from common.tls import (
-    SINK_SECRET_KEY,
-    channel_credentials,
-    check_key_pair,
-    read_file,
-    secret_matches,
-    sink_metadata,
-)
+from common.tls import SINK_SECRET_KEY, check_key_pair, read_file, secret_matches
 from engine.engine import Engine
-from engine.faults import Faults
 from engine.kv_move import (
     KVLayout,
     KVRefused,
-    MovableKV,
     engine_layout,
     movable_engine,
-    read_moved,
     take_blocks,
     write_taken,
 )
 from executor.config import ExecutorConfig
+from executor.engine_gate import EngineGate
 from executor.metrics import ExecutorMetrics
 from protos.kvgate.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 CHUNK_BYTES = 1 << 20  # a chunk holds as many whole blocks as fit, at least one
-# While requests run, KV coming in is written between steps, up to this many bytes per step
-# (a memory copy of a few ms at most).
-STEP_BUDGET_BYTES = 4 << 20
-MAX_PARALLEL_PUSHES = 16  # sequences a drain pushes at once
 # A chunk holds at least one block: gRPC's default 4 MiB message limit would refuse every
 # chunk of a model whose block is larger (an 8B model's float32 block is 4 MiB).
 MAX_MESSAGE_BYTES = 1 << 30
-MAX_REPOINT_TRIES = 16  # check-and-set attempts of a session's affinity update
-
-
-class EngineGate:
-    """The step loop's hold on the engine: `lock` around everything that touches it, and the
-    work transfers queue for it while requests run (`run`), done between steps within a
-    budget of bytes (`run_pending`), so that KV coming in never starves decoding and never
-    holds the step loop for more than a few ms per step."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.busy = False  # the engine has requests (set by the step loop)
-        self._pending: collections.deque[tuple[int, Callable[[], object], futures.Future]] = (
-            collections.deque()
-        )
-        self._pending_lock = threading.Lock()
-
-    def run(self, work: Callable[[], T], num_bytes: int, timeout_s: float | None) -> T:
-        """`work()` with the engine to itself: at once while the engine is idle, else
-        between two steps.
-
-        Raises:
-            TimeoutError: the step loop did not get to it within `timeout_s`.
-        """
-        if not self.busy:
-            with self.lock:
-                return work()
-        done: futures.Future = futures.Future()
-        with self._pending_lock:
-            self._pending.append((num_bytes, work, done))
-        try:
-            return done.result(timeout=timeout_s)
-        except TimeoutError:
-            if done.cancel():  # never runs now
-                raise
-            return done.result()  # running already: its outcome stands
-
-    def waiting(self) -> int:
-        """Pieces of work queued and still wanted (a transfer that gave up cancelled its)."""
-        with self._pending_lock:
-            return sum(not done.cancelled() for _, _, done in self._pending)
-
-    def run_pending(self, budget_bytes: int = STEP_BUDGET_BYTES) -> None:
-        """Do queued work (the step loop, holding `lock`, after a step) until `budget_bytes`
-        are spent; at least one piece when any waits."""
-        spent = 0
-        while spent < budget_bytes:
-            with self._pending_lock:
-                if not self._pending:
-                    return
-                num_bytes, work, done = self._pending.popleft()
-            spent += max(1, num_bytes)
-            if not done.set_running_or_notify_cancel():
-                continue
-            try:
-                done.set_result(work())
-            except BaseException as error:  # noqa: BLE001 (the transfer's thread raises it)
-                done.set_exception(error)
 
 
 def header_layout(header: internal_pb2.KvHeader) -> KVLayout:
@@ -374,171 +295,3 @@ def start_kv_server(config: KvTransferConfig, receiver: KvReceiver) -> tuple[grp
         raise OSError(f"--kv-transfer-port: cannot listen on {bind}")
     server.start()
     return server, f"{config.advertise_host or config.host}:{port}"
-
-
-@dataclass(slots=True)
-class KvSender:
-    """Pushes a draining executor's sequences to its peers."""
-
-    engine: Engine
-    config: KvTransferConfig
-    metrics: ExecutorMetrics
-    executor_id: str
-    faults: Faults = field(default_factory=Faults)  # none unless a test sets KVGATE_FAULTS
-    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
-    _channels_lock: threading.Lock = field(default_factory=threading.Lock)  # pushes run at once
-
-    def push(self, moved: MovableKV, address: str, tenant: str) -> bool:
-        """Send `moved`'s KV to the peer at `address`. Returns: whether the peer holds it."""
-        layout = engine_layout(self.engine)
-        header = internal_pb2.KvHeader(
-            executor_id=self.executor_id,
-            model_id=layout.model_id,
-            block_size=layout.block_size,
-            kv_cache_dtype=layout.kv_cache_dtype,
-            num_layers=layout.num_layers,
-            token_bytes=layout.token_bytes,
-            tenant=tenant,
-            session_id=moved.session_id or "",
-            request_id=moved.request_id,
-            token_ids=moved.token_ids,
-            num_blocks=len(moved.block_ids),
-            weights_fingerprint=layout.weights_fingerprint,
-        )
-        per_chunk = max(1, CHUNK_BYTES // layout.block_bytes)
-        stub = internal_pb2_grpc.KvTransferStub(self._channel(address))
-        metadata = sink_metadata(self.config.secret)  # the TokenSink's secret, sent alike
-        started = time.perf_counter()
-        try:
-            stub.Push(
-                self._messages(header, moved, per_chunk),
-                timeout=self.config.timeout_s,
-                metadata=metadata,
-            )
-        except grpc.RpcError as error:
-            log.warning(
-                "KV of %s not moved to %s (%s: %s): it is recomputed instead",
-                moved.session_id or moved.request_id,
-                address,
-                error.code().name,
-                error.details(),
-            )
-            return False
-        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
-        self.metrics.kv_moved_blocks.labels("out").inc(len(moved.block_ids))
-        self.metrics.kv_moved_bytes.labels("out").inc(len(moved.block_ids) * layout.block_bytes)
-        return True
-
-    def _messages(
-        self, header: internal_pb2.KvHeader, moved: MovableKV, per_chunk: int
-    ) -> Iterator[internal_pb2.PushRequest]:
-        yield internal_pb2.PushRequest(header=header)
-        for first in range(0, len(moved.block_ids), per_chunk):
-            data = read_moved(self.engine, moved, first, per_chunk)
-            crc32 = zlib.crc32(data)
-            chunk = internal_pb2.KvChunk(
-                first_block=first, data=self.faults.kv_chunk(data), crc32=crc32
-            )
-            yield internal_pb2.PushRequest(chunk=chunk)
-        self.faults.hold_kv_push()
-
-    def _channel(self, address: str) -> grpc.Channel:
-        with self._channels_lock:
-            return self._channels.get(address) or self._dial(address)
-
-    def _dial(self, address: str) -> grpc.Channel:
-        """A channel to the peer at `address`, kept for this sender's later pushes."""
-        config = self.config
-        if config.tls_ca:
-            credentials = channel_credentials(
-                config.tls_ca, config.client_cert, config.client_key, "--kv-tls"
-            )
-            name = config.tls_server_name
-            options = [("grpc.ssl_target_name_override", name)] if name else []
-            channel = grpc.secure_channel(address, credentials, options)
-        else:
-            channel = grpc.insecure_channel(address)
-        self._channels[address] = channel
-        return channel
-
-    def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-
-
-@dataclass(slots=True)
-class Peers:
-    """The executors a drain can move KV to, and the blocks it has sent each so far."""
-
-    statuses: list[internal_pb2.ExecutorStatus]
-    sent_blocks: dict[str, int] = field(default_factory=dict)
-
-    def choose(self, num_blocks: int) -> internal_pb2.ExecutorStatus | None:
-        """The peer with the most blocks left after what this drain sent it, if one has
-        room for `num_blocks` (fewest running and waiting requests between equals)."""
-
-        def room(status: internal_pb2.ExecutorStatus) -> int:
-            return status.num_free_blocks - self.sent_blocks.get(status.executor_id, 0)
-
-        fitting = [s for s in self.statuses if room(s) >= num_blocks]
-        if not fitting:
-            return None
-        chosen = max(fitting, key=lambda s: (room(s), -(s.num_running + s.num_waiting)))
-        return chosen
-
-    def sent(self, executor_id: str, num_blocks: int) -> None:
-        self.sent_blocks[executor_id] = self.sent_blocks.get(executor_id, 0) + num_blocks
-
-
-def read_peers(client: redis.Redis, keys: RedisKeys, executor_id: str, layout: KVLayout) -> Peers:
-    """The live executors other than this one that take KV of this layout and are not
-    draining, as their heartbeats say (none when Redis does not answer)."""
-    try:
-        members = sorted(m.decode() for m in client.smembers(keys.executors))
-        raw = client.mget([keys.executor_status(m) for m in members]) if members else []
-    except redis.RedisError as error:
-        log.warning("draining: cannot read the peers from redis (%s): nothing moves", error)
-        return Peers([])
-    statuses = [internal_pb2.ExecutorStatus.FromString(r) for r in raw if r is not None]
-    return Peers(
-        [
-            s
-            for s in statuses
-            if s.executor_id != executor_id
-            and s.kv_transfer_address
-            and not s.draining
-            and s.model_id == layout.model_id
-            and s.block_size == layout.block_size
-            and s.kv_cache_dtype == layout.kv_cache_dtype
-        ]
-    )
-
-
-def repoint_session(
-    client: redis.Redis, keys: RedisKeys, tenant: str, session_id: str, old: str, new: str
-) -> bool:
-    """Make `new` the executor of a session whose affinity is `old`, atomically (a turn that
-    ran elsewhere meanwhile keeps its own). Returns: whether the session now names `new`."""
-    key = keys.session(tenant, session_id)
-    try:
-        with client.pipeline() as pipe:
-            for _ in range(MAX_REPOINT_TRIES):
-                try:
-                    pipe.watch(key)
-                    raw = pipe.get(key)
-                    if raw is None:
-                        return False
-                    state = internal_pb2.SessionState.FromString(raw)
-                    if state.executor_id != old:
-                        return False
-                    state.executor_id = new
-                    pipe.multi()
-                    pipe.set(key, state.SerializeToString(), keepttl=True)
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
-    except redis.RedisError as error:
-        log.warning("session %s: affinity not moved to %s (%s)", session_id, new, error)
-    return False

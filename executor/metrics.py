@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from common.metrics import METRICS, ProcessMetrics
-from engine.engine import EngineStats
+from engine.outputs import EngineStats
 
 # What a scrape shows before the first snapshot: an empty engine.
 IDLE_STATS = EngineStats(

@@ -29,7 +29,8 @@ import redis
 from common.keys import RedisKeys
 from engine.engine import Engine
 from engine.kv_move import MovableKV, engine_layout
-from executor.kv_transfer import KvSender, read_peers, repoint_session
+from executor.kv_peers import read_peers, repoint_session
+from executor.kv_sender import KvSender
 from executor.metrics import ExecutorMetrics
 
 log = logging.getLogger(__name__)

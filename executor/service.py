@@ -2,11 +2,11 @@
 
 It reads assignments from its Redis inbox (executor/streams.py: on a reader thread while the
 engine has work, on the step loop while it is idle), runs the engine's step loop on the main
-thread, sends one TokenBatch per step to each gateway on a TokenSink stream, and publishes a
-heartbeat every 0.5 s (executor/heartbeat.py). SIGTERM (or `kvgate admin drain`) drains: no
-more work is taken, assignments not started go back to the request stream, and running
-requests and idle sessions move to peers with their KV (executor/drain.py); without a peer
-that takes KV, running work finishes here.
+thread, sends one TokenBatch per step to each gateway on a TokenSink stream
+(executor/outbox.py), and publishes a heartbeat every 0.5 s (executor/heartbeat.py). SIGTERM
+(or `kvgate admin drain`) drains: no more work is taken, assignments not started go back to
+the request stream, and running requests and idle sessions move to peers with their KV
+(executor/drain.py); without a peer that takes KV, running work finishes here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import redis
 
@@ -26,27 +25,25 @@ from common.finish_reason import FinishReason
 from common.finish_reason_pb import finish_reason_to_pb
 from common.keys import RedisKeys
 from common.logs import request_fields
-from common.model_files import model_id
 from common.requeue import attempts_used_up
 from common.sampling_pb import queued_sampling_params
-from engine.engine import Engine, RequestOutput
-from engine.sampler import TokenLogprobs
+from engine.engine import Engine
+from engine.outputs import RequestOutput
 from executor.config import ExecutorConfig
 from executor.drain import DrainMoves
+from executor.engine_gate import EngineGate
 from executor.gateway_link import (
     GatewayAbort,
     GatewayEvent,
     GatewayGone,
-    GatewayLink,
     SinkCredentials,
 )
-from executor.heartbeat import Heartbeat, StatusBoard
-from executor.kv_transfer import EngineGate
+from executor.heartbeat import Heartbeat, StatusBoard, executor_status
 from executor.metrics import ExecutorMetrics
+from executor.outbox import Outbox, Tracked, to_logprobs_pb
 from executor.rebalance import SessionMoved, SessionRebalancer
 from executor.streams import InboxEntry, InboxReader
-from kernels.kv_format import format_name
-from protos.kvgate.v1 import inference_pb2, internal_pb2
+from protos.kvgate.v1 import internal_pb2
 
 log = logging.getLogger(__name__)
 # How often the step loop refreshes the status the heartbeat publishes, in seconds.
@@ -54,38 +51,6 @@ STATUS_INTERVAL_S = 0.1
 # How long an idle step loop waits on its inbox before checking for a drain and for gateway
 # events, in ms; Redis rounds it up to its 100 ms timer (default hz 10).
 IDLE_WAIT_MS = 50
-# Most prefix-cache block hashes reported in a heartbeat.
-MAX_REPORTED_HASHES = 1024
-
-
-@dataclass(slots=True)
-class Tracked:
-    """A request this executor runs, and where its tokens go."""
-
-    reply_to: str  # TokenSink address of its gateway
-    offset: int  # index in the completion of its next token
-    tenant: str
-    prompt_token_ids: list[int]
-    session_id: str = ""  # empty: no session
-    attempt: int = 0  # QueuedRequest.attempt, echoed in its output
-    entry_id: str = ""  # its assignment's inbox entry, deleted once the request is done here
-    # a choice of a request of several sequences: that request's id and the choice's index
-    group_id: str = ""
-    index: int = 0
-    run: int = 0  # the number of the admission it runs in (RequestTokens.run)
-    num_resumed: int = 0  # output tokens it was admitted with (QueuedRequest.resume_token_ids)
-
-
-def to_logprobs_pb(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
-    """Returns: the engine's logprobs as protobuf messages."""
-    return [
-        inference_pb2.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-        )
-        for lp in logprobs
-    ]
 
 
 class ExecutorService:
@@ -101,7 +66,6 @@ class ExecutorService:
     ) -> None:
         keys = RedisKeys(config.redis_prefix)
         self._config = config
-        self._sink_credentials = sink_credentials or SinkCredentials()
         self._engine = engine
         self._metrics = metrics or ExecutorMetrics()
         self._events: queue.SimpleQueue[InboxEntry | GatewayEvent | SessionMoved] = (
@@ -110,11 +74,11 @@ class ExecutorService:
         self._inbox = InboxReader(client, keys, config.executor_id, self._events)
         self._board = StatusBoard()
         self._heartbeat = Heartbeat(client, keys, self._board, config.step_stall_s)
-        self._links: dict[str, GatewayLink] = {}
         self._tracked: dict[str, Tracked] = {}  # by request id, or a choice's own id
         self._open_choices: Counter[str] = Counter()  # tracked choices per request of several
         self._runs = itertools.count(1)  # numbers of the admissions (RequestTokens.run)
-        self._outbox: dict[str, dict[str, internal_pb2.RequestTokens]] = {}
+        credentials = sink_credentials or SinkCredentials()
+        self._outbox = Outbox(config.executor_id, self._events.put, credentials)
         self._drain_requested = threading.Event()
         self._taking_work = True
         self._gate = EngineGate()
@@ -157,12 +121,14 @@ class ExecutorService:
                 self._stop_taking_work_if_draining()
                 self._handle_events()
             if self._taking_work and not self._engine.has_unfinished():
-                self._flush()  # answers due already (a request refused) do not wait for it
+                self._outbox.flush()  # answers due already (a request refused) do not wait for it
                 self._inbox.read_while_idle(IDLE_WAIT_MS)
                 with gate.lock:
                     self._handle_events()
-            if self._flush():  # "accepted" entries go out before the step: queue_ms ends here
-                time.sleep(0)  # and before a step that might never end (see _step)
+            # "accepted" entries go out before the step (queue_ms ends here), and before a
+            # step that might never end (see _step)
+            if self._outbox.flush():
+                time.sleep(0)
             gate.busy = self._engine.has_unfinished()
             if gate.busy:
                 self._inbox.read_on_thread()
@@ -181,7 +147,7 @@ class ExecutorService:
         outputs = self._engine.step()
         step_s = time.perf_counter() - started
         self._publish(outputs)
-        if self._flush():
+        if self._outbox.flush():
             # Hand the GIL and the core to the sending threads now: on a busy machine they
             # otherwise wait behind the next step, for milliseconds at times.
             time.sleep(0)
@@ -210,10 +176,10 @@ class ExecutorService:
                 request_id = choice_request_id(request_id, moved.index)
             targets[moved.request_id] = target
             self._hand_on(request_id, target)
-            self._flush()
+            self._outbox.flush()
         for request_id, tracked in list(self._tracked.items()):  # choices not forked yet
             self._hand_on(request_id, targets.get(tracked.group_id, ""))
-        self._flush()
+        self._outbox.flush()
         moves.move_sessions()
 
     def _hand_on(self, request_id: str, target: str) -> None:
@@ -222,7 +188,7 @@ class ExecutorService:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return
-        entry = self._entry(request_id, tracked)
+        entry = self._outbox.entry(request_id, tracked)
         entry.moved = True
         entry.moved_to = target
         self._done(tracked)
@@ -258,11 +224,10 @@ class ExecutorService:
         return self._taking_work
 
     def _shut_down(self) -> None:
-        self._flush()
+        self._outbox.flush()
         if self._moves is not None:
             self._moves.close()
-        for link in self._links.values():
-            link.close()
+        self._outbox.close()
         self._inbox.stop()
         self._heartbeat.stop()
         log.info("executor %s stopped", self._config.executor_id)
@@ -380,7 +345,7 @@ class ExecutorService:
                 len(queued.resume_token_ids),
             )
             self._tracked[request_id] = tracked
-            self._entry(request_id, tracked).accepted = True
+            self._outbox.entry(request_id, tracked).accepted = True
         if len(ids) > 1:
             self._open_choices[queued.request_id] = len(ids)
 
@@ -399,7 +364,7 @@ class ExecutorService:
         offset = len(queued.resume_token_ids)
         tracked = Tracked(queued.reply_to, offset, queued.tenant, [], attempt=queued.attempt)
         for index, request_id in enumerate(choice_ids(queued.request_id, queued.params)):
-            entry = self._entry(request_id, tracked)
+            entry = self._outbox.entry(request_id, tracked)
             entry.index = index or queued.choice_index
             entry.finished = True
             entry.finish_reason = finish_reason_to_pb(finish_reason)
@@ -432,7 +397,7 @@ class ExecutorService:
                 "request aborted by its gateway",
                 extra=request_fields(request_id, tracked.session_id),
             )
-            self._outbox.get(address, {}).pop(request_id, None)
+            self._outbox.drop(address, request_id)
 
     def _done(self, tracked: Tracked) -> bool:
         """Counts a tracked request or choice as done here; True when nothing of its request
@@ -446,29 +411,13 @@ class ExecutorService:
         return True
 
     def _gateway_gone(self, address: str) -> None:
-        link = self._links.pop(address, None)
-        if link is not None:
-            link.close()
+        self._outbox.forget_gateway(address)
         orphans = [rid for rid, t in self._tracked.items() if t.reply_to == address]
         if orphans:
             log.warning("gateway %s is gone: aborting its %d requests", address, len(orphans))
         self._abort(address, orphans)
-        self._outbox.pop(address, None)
 
     # ---- output: one TokenBatch per gateway per step ------------------------------------
-
-    def _entry(self, request_id: str, tracked: Tracked) -> internal_pb2.RequestTokens:
-        entries = self._outbox.setdefault(tracked.reply_to, {})
-        entry = entries.get(request_id)
-        if entry is None:
-            entry = internal_pb2.RequestTokens(
-                request_id=request_id,
-                offset=tracked.offset,
-                attempt=tracked.attempt,
-                run=tracked.run,
-            )
-            entries[request_id] = entry
-        return entry
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -478,7 +427,7 @@ class ExecutorService:
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
-            entry = self._entry(request_id, tracked)
+            entry = self._outbox.entry(request_id, tracked)
             entry.index = output.index
             entry.token_ids.extend(output.new_token_ids)
             entry.logprobs.extend(to_logprobs_pb(output.logprobs or []))
@@ -501,26 +450,6 @@ class ExecutorService:
                     extra=request_fields(request_id, tracked.session_id),
                 )
 
-    def _flush(self) -> bool:
-        """Sends one TokenBatch per gateway with pending entries. Returns: whether any went."""
-        sent = False
-        for address, entries in self._outbox.items():
-            if entries:
-                batch = internal_pb2.TokenBatch(requests=list(entries.values()))
-                self._link(address).send(batch)
-                sent = True
-        self._outbox.clear()
-        return sent
-
-    def _link(self, address: str) -> GatewayLink:
-        link = self._links.get(address)
-        if link is None:
-            link = GatewayLink(
-                address, self._config.executor_id, self._events.put, self._sink_credentials
-            )
-            self._links[address] = link
-        return link
-
     # ---- status -------------------------------------------------------------------------
 
     def _refresh_status(self) -> None:
@@ -531,24 +460,5 @@ class ExecutorService:
         self._next_status_s = time.monotonic() + STATUS_INTERVAL_S
         stats = self._engine.stats()
         self._metrics.record_stats(stats)
-        engine_config = self._config.engine
-        status = internal_pb2.ExecutorStatus(
-            executor_id=self._config.executor_id,
-            model_id=model_id(engine_config.model),
-            block_size=engine_config.block_size,
-            num_free_blocks=self._engine.num_available_blocks(),
-            num_total_blocks=stats.num_total_blocks,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            max_num_seqs=engine_config.max_num_seqs,
-            max_model_len=self._engine.max_model_len,
-            session_ids=self._engine.session_ids(),
-            cached_block_hashes=self._engine.cached_block_hashes(MAX_REPORTED_HASHES),
-            prefix_hit_tokens=stats.prefix_hit_tokens,
-            num_host_blocks_total=stats.num_host_blocks_total,
-            num_host_blocks_used=stats.num_host_blocks_used,
-            draining=not self._taking_work,
-            kv_transfer_address=self.kv_transfer_address,
-            kv_cache_dtype=format_name(self._engine.runner.kv_cache_dtype),
-        )
-        self._board.post(status)
+        draining, address = not self._taking_work, self.kv_transfer_address
+        self._board.post(executor_status(self._config, self._engine, stats, draining, address))

@@ -178,6 +178,18 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 def build_parser() -> argparse.ArgumentParser:
     """Flags of `python -m gateway`, with KVGATE_* environment variables as defaults."""
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    add_address_flags(parser)
+    add_capacity_flags(parser)
+    add_request_flags(parser)
+    add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")
+    add_health_flags(parser, default_port=HEALTH_DISABLED)
+    add_common_flags(parser)
+    add_security_flags(parser)
+    return parser
+
+
+def add_address_flags(parser: argparse.ArgumentParser) -> None:
+    """The model and the addresses: public gRPC, the HTTP front, the TokenSink."""
     add = parser.add_argument
     add("--model", default=env_str("KVGATE_MODEL", DEFAULT_MODEL), help=MODEL_HELP)
     add("--host", default=env_str("KVGATE_HOST", "127.0.0.1"), help="public host")
@@ -197,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--internal-host", default=env_str("KVGATE_INTERNAL_HOST", "127.0.0.1"))
     add("--internal-port", type=int, default=env_int("KVGATE_INTERNAL_PORT", 0))
     add("--advertise-host", default=env_str("KVGATE_ADVERTISE_HOST", ""))
+
+
+def add_capacity_flags(parser: argparse.ArgumentParser) -> None:
+    """What this gateway holds at once: Redis connections, queued requests, open calls."""
+    add = parser.add_argument
     add("--redis-timeout-s", type=float, default=env_float("KVGATE_REDIS_TIMEOUT_S", 1.5))
     add(
         "--redis-max-connections",
@@ -219,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
         "character of its budget, plus token ids and stop strings)",
     )
     add("--tokenizer-threads", type=int, default=env_int("KVGATE_TOKENIZER_THREADS", 2))
+
+
+def add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """What one request may ask for and how long it may wait, and the SIGTERM grace."""
+    add = parser.add_argument
     add("--max-stop-token-ids", type=int, default=64)
     add("--max-queued-turns", type=int, default=4, help="Chat turns waiting behind a running one")
     add(
@@ -245,11 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a constraint that takes longer to compile, or to get a compile thread, is refused",
     )
     add("--grace-s", type=float, default=env_float("KVGATE_GRACE_S", 5.0))
-    add_metrics_flags(parser, "KVGATE_GATEWAY_METRICS_PORT")
-    add_health_flags(parser, default_port=HEALTH_DISABLED)
-    add_common_flags(parser)
-    add_security_flags(parser)
-    return parser
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:

@@ -4,9 +4,9 @@ It serves GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /
 GET /ready, and sends every generation down the gRPC front's own path
 (InferenceServicer.generate): the same keys, tenants, quotas, accounting, sessions and
 validation. Errors have OpenAI's shape, {"error": {message, type, param, code}}, with the HTTP
-status the OpenAI SDKs map to their exceptions (HTTP_STATUS). A streamed answer starts once
-its first chunk is there, so that a refusal before it is still an HTTP status; a client that
-goes away, before or during its answer, cancels its requests as a gRPC cancel does.
+status the OpenAI SDKs map to their exceptions (gateway/openai_errors.py). A streamed answer
+starts once its first chunk is there, so that a refusal before it is still an HTTP status; a
+client that goes away, before or during its answer, cancels its requests as a gRPC cancel does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc
 import redis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,9 +34,7 @@ from gateway.choices import interleaved
 from gateway.errors import (
     InvalidArgument,
     NotFound,
-    QuotaExceeded,
     Refused,
-    ResourceExhausted,
     ServiceError,
     refused_limit,
     shown,
@@ -47,6 +44,7 @@ from gateway.generation import Chunk
 from gateway.health import GatewayHealth
 from gateway.metrics import GatewayMetrics
 from gateway.openai_echo import PromptEcho
+from gateway.openai_errors import BodyTooLarge, error_json, error_response, internal_error_response
 from gateway.openai_responses import DONE_EVENT, Choice, ResponseShape, TokenText, sse_event
 from gateway.openai_schema import OpenAIRequest, chat_request, completion_request
 from gateway.openai_tools import check_tool_choice, prompt_messages
@@ -57,30 +55,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 API = "openai"  # the `api` label of this front's requests
-# HTTP status and OpenAI error type of each status code the request path raises.
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ABORTED: (409, "conflict_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.INTERNAL: (500, "internal_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-# A refusal at a gateway limit (not a tenant's quota, which says when) may be retried after
-# this long; so may a 503 (no executor, Redis down).
-OVERLOAD_RETRY_AFTER_MS = 1000
 # A JSON body is bigger than the gRPC message of the same request: text escaped as \uXXXX
 # pairs takes up to 3 times its UTF-8 bytes.
 JSON_BYTES_FACTOR = 3
 MAX_PROMPTS = 64  # prompts of one /v1/completions request (a choice each)
-
-
-class BodyTooLarge(ResourceExhausted):
-    """The request body is over the limit: 413."""
 
 
 class ClientGone(Exception):
@@ -93,44 +71,6 @@ class OpenAIFrontConfig:
 
     max_body_bytes: int  # a bigger body: 413
     max_concurrent_streams: int  # requests answered at once; one more: 429
-
-
-def error_json(message: str, kind: str, param: str | None, code: str | None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(error: Exception, openai: OpenAIRequest | None = None) -> JSONResponse:
-    """OpenAI's error object and HTTP status for an error of the request path.
-
-    Raises:
-        error itself, when it is none the request path maps (a bug: uvicorn logs it, 500).
-    """
-    status = status_of(error)
-    if status is None:
-        raise error
-    code, message = status
-    http_status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
-    param = None
-    if isinstance(error, InvalidArgument):
-        param = openai.error_param(error) if openai is not None else error.field
-        if openai is not None and param != error.field:
-            message = f"{param}: {str(error).partition(': ')[2]}"
-    headers = {}
-    if isinstance(error, BodyTooLarge):
-        http_status = 413
-    elif http_status in (429, 503):
-        retry_ms = error.retry_after_ms if isinstance(error, QuotaExceeded) else None
-        retry_ms = retry_ms if retry_ms is not None else OVERLOAD_RETRY_AFTER_MS
-        headers = {"retry-after-ms": str(retry_ms), "retry-after": str(-(-retry_ms // 1000))}
-    reason = getattr(error, "limit", None) or (code.name.lower() if param is None else None)
-    body = error_json(message, kind, param, reason)
-    return JSONResponse(body, status_code=http_status, headers=headers)
-
-
-def internal_error_response(request_id: str) -> JSONResponse:
-    """A 500 for an error the request path does not expect; its trace is in the log."""
-    message = f"internal error in the gateway; its log has request {request_id}'s trace"
-    return JSONResponse(error_json(message, "internal_error", None, "internal"), status_code=500)
 
 
 class SSEResponse(StreamingResponse):

@@ -256,12 +256,7 @@ async def start_gateway(
     """
     model_text = ModelText(config.model)
     security = PortSecurity.from_config(config)
-    client = connect(
-        config.redis_url,
-        timeout_s=config.redis_timeout_s,
-        max_connections=config.redis_max_connections,
-        pool_wait_s=REDIS_POOL_WAIT_S,
-    )
+    client = _redis_client(config)
     keys = RedisKeys(config.redis_prefix)
     router = TokenRouter()
     internal, reply_to = _internal_server(config, router, security)
@@ -287,14 +282,8 @@ async def start_gateway(
             await server.stop(None)  # frees its port (bound, not started)
         await client.aclose()
         raise
-    for server in (internal, public, health_server):
-        if server is not None:
-            await server.start()
-    services = ("", *PUBLIC_SERVICES)
-    health_watch = GatewayHealth(
-        health_servicer, queue, services, metrics.registry, router.observe_heartbeats
-    )
-    await health_watch.start()
+    servers = (internal, public, health_server)
+    health_watch = await _start_serving(servers, health_servicer, queue, metrics, router)
     quotas.start()
     _log_security(config, address, reply_to, model_text.model_id)
     gateway = RunningGateway(
@@ -308,6 +297,35 @@ async def start_gateway(
         await gateway.stop()
         raise
     return gateway
+
+
+def _redis_client(config: GatewayConfig) -> aioredis.Redis:
+    """The gateway's Redis client, within its --redis-max-connections budget."""
+    return connect(
+        config.redis_url,
+        timeout_s=config.redis_timeout_s,
+        max_connections=config.redis_max_connections,
+        pool_wait_s=REDIS_POOL_WAIT_S,
+    )
+
+
+async def _start_serving(
+    servers: tuple[aio.Server | None, ...],
+    health_servicer: health.aio.HealthServicer,
+    queue: RequestQueue,
+    metrics: GatewayMetrics,
+    router: TokenRouter,
+) -> GatewayHealth:
+    """Start the bound servers (None: not asked for), then the watch that sets their health."""
+    for server in servers:
+        if server is not None:
+            await server.start()
+    services = ("", *PUBLIC_SERVICES)
+    health_watch = GatewayHealth(
+        health_servicer, queue, services, metrics.registry, router.observe_heartbeats
+    )
+    await health_watch.start()
+    return health_watch
 
 
 async def _start_http(

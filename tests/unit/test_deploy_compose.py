@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 import jsonschema
 import yaml
 
-from executor.kv_transfer import MAX_PARALLEL_PUSHES
+from executor.kv_sender import MAX_PARALLEL_PUSHES
 from tests.helpers import REPO
 from tests.unit.deploy_args import check_container, image_env, listened_ports
 

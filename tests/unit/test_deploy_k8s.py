@@ -21,7 +21,7 @@ from dockerfile_parse import DockerfileParser
 
 from common.health import build_parser as health_parser
 from executor.config import ExecutorConfig
-from executor.kv_transfer import MAX_PARALLEL_PUSHES
+from executor.kv_sender import MAX_PARALLEL_PUSHES
 from tests.unit.deploy_args import (
     DOCKERFILE,
     check_container,

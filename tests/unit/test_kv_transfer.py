@@ -17,13 +17,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.faults import Faults
 from engine.kv_move import engine_layout, idle_sessions, read_blocks
-from executor.kv_transfer import (
-    EngineGate,
-    KvReceiver,
-    KvSender,
-    KvTransferConfig,
-    start_kv_server,
-)
+from executor.engine_gate import EngineGate
+from executor.kv_sender import KvSender
+from executor.kv_transfer import KvReceiver, KvTransferConfig, start_kv_server
 from executor.metrics import ExecutorMetrics
 from protos.kvgate.v1 import internal_pb2, internal_pb2_grpc
 from tests.helpers import STORIES_260K, run_to_completion, wait_for

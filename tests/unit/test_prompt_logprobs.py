@@ -9,7 +9,8 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from common.sampling_params import SamplingParams
-from engine.engine import Engine, RequestOutput
+from engine.engine import Engine
+from engine.outputs import RequestOutput
 from tests.helpers import STORIES_260K, greedy, make_engine
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside."

@@ -16,11 +16,12 @@ from common.constraints import Constraint, ConstraintKind
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
 from deploy.models import default_gguf_path
-from engine.config import EngineConfig, SpeculativeConfig, pop_engine_config
+from engine.config import EngineConfig, pop_engine_config
 from engine.engine import Engine
 from engine.generate import main as generate_main
 from engine.request import Request
 from engine.speculative import NgramProposer, propose_ngram
+from engine.speculative_config import SpeculativeConfig
 from executor.config import ExecutorConfig
 from executor.metrics import ExecutorMetrics
 from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine, one_torch_thread

@@ -17,8 +17,8 @@ from bench.decoding import PROMPTS
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
 from deploy.models import default_gguf_path
-from engine.config import SpeculativeConfig
 from engine.engine import Engine
+from engine.speculative_config import SpeculativeConfig
 from executor.metrics import ExecutorMetrics
 from tests.helpers import STORIES_260K, greedy, make_engine, one_torch_thread, save_random_llama
 
