@@ -71,9 +71,9 @@ from bench.harness import (
     add_threads,
     add_workload,
     load_average,
+    matmul_flops_per_s,
     scratch_folder,
 )
-from bench.machine import matmul_flops_per_s
 from common.model_files import default_gguf_path, gguf_file
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
@@ -335,7 +335,7 @@ def resident_under_workload(model: str, args: argparse.Namespace) -> dict[str, i
         "engine = Engine(_engine_config(sys.argv[1], args))\n"
         "kvgate_tokens_per_s(engine, workload.prompts(engine.model_config.vocab_size),\n"
         "                    workload.output_len)\n"
-        "from bench.machine import rss\n"
+        "from bench.harness import rss\n"
         "print(json.dumps(rss(('VmRSS', 'VmHWM', 'RssAnon', 'RssFile'))))\n"
     )
     fields = ("num_requests", "prompt_len", "output_len", "max_num_batched_tokens", "kv_cache_gib",

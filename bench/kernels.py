@@ -51,10 +51,10 @@ from bench.harness import (
     Benchmark,
     add_repeats,
     add_threads,
+    cpu_features,
     load_average,
     scratch_folder,
 )
-from bench.machine import cpu_features
 from engine.config import EngineConfig
 from engine.engine import Engine
 from kernels import KernelBackend, cpu_linear, get_kernels, quant

@@ -31,10 +31,10 @@ from bench.harness import (
     Benchmark,
     add_model,
     add_threads,
+    cpu_features,
     load_average,
     scratch_folder,
 )
-from bench.machine import cpu_features
 
 
 def cpu_seconds(step) -> float:

@@ -40,10 +40,10 @@ from bench.harness import (
     add_model,
     add_stream_rounds,
     add_ttft_turns,
+    cpu_features,
     load_average,
     scratch_folder,
 )
-from bench.machine import cpu_features
 from bench.stats import paired_median_ms
 from common.constraints import Constraint, ConstraintKind
 from common.model_files import default_gguf_path
