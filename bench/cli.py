@@ -51,7 +51,7 @@ COMMANDS = (
     Command("engine", "cpu", "bench.cpu", "decode latency, number formats and their targets"),
     Command("engine", "decode", "bench.cpu", "decode latency against the bandwidth limit"),
     Command("engine", "dtypes", "bench.cpu", "64 streams per number format"),
-    Command("engine", "steps", "bench.steps", "formats' step CPU time, stepped in turn"),
+    Command("engine", "steps", "bench.kernels", "formats' step CPU time, stepped in turn"),
     Command("engine", "choices", "bench.decoding", "n choices of one request vs n requests"),
     Command("engine", "spec", "bench.decoding", "one stream with n-gram speculation vs without"),
     Command("engine", "gpu", "bench.kernels", "the Engine on one CUDA GPU"),
