@@ -46,7 +46,7 @@ COMMANDS = (
     Command("serve", "fronts", "bench.serve", "kvgate.v1, vLLM's gRPC API and OpenAI HTTP"),
     Command("serve", "hops", "bench.security", "what each defence adds to one hop"),
     Command("serve", "tenants", "bench.security", "a quiet tenant's TTFT beside a noisy one"),
-    Command("serve", "structured", "bench.structured", "JSON schema streams and TTFT vs none"),
+    Command("serve", "structured", "bench.decoding", "JSON schema streams and TTFT vs none"),
     Command("engine", "throughput", "bench.engine", "the Engine against transformers"),
     Command("engine", "cpu", "bench.cpu", "decode latency, number formats and their targets"),
     Command("engine", "decode", "bench.cpu", "decode latency against the bandwidth limit"),

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.model_files import default_gguf_path
+
 if TYPE_CHECKING:
     import torch
 
@@ -111,6 +113,23 @@ def add_device(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Raises BenchFailure naming the first flag of `names` (argparse dests) that is under 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise BenchFailure(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def model_path(name: str) -> str:
+    """What --model names: smollm2 is the cached SmolLM2 GGUF file, anything else a path.
+    Raises BenchFailure naming --model when it is not there."""
+    path = default_gguf_path() if name == "smollm2" else Path(name)
+    if not path.exists():
+        raise BenchFailure(f"--model {name}: {path} does not exist")
+    return str(path)
+
+
 def write_results(result: dict, out: Path) -> None:
     """Writes `result` as JSON to `out` (its folder made)."""
     if out.is_dir():
@@ -177,10 +196,10 @@ def best_seconds(run: Callable[[], object], repeats: int, device: str = "cpu") -
     run()
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         run()
-        _sync(device)
+        sync_device(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -213,7 +232,8 @@ def int8_matmul_ops_per_s(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 / best_seconds(lambda: torch._int_mm(a, b), repeats)
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
+    """Waits for the work queued on `device` when it is a CUDA device (a timer's other side)."""
     if device.startswith("cuda"):
         import torch
 

@@ -74,6 +74,7 @@ from bench.harness import (
     best_seconds,
     cpu_features,
     load_average,
+    require_positive,
     scratch_folder,
 )
 from engine.config import EngineConfig
@@ -212,10 +213,7 @@ def measure_steps(model: str, args: argparse.Namespace) -> dict:
 
 def run_steps(args: argparse.Namespace) -> dict:
     """`kvgate bench engine steps`."""
-    for flag, value in (("--streams", args.streams), ("--steps", args.steps),
-                        ("--prompt-len", args.prompt_len)):  # fmt: skip
-        if value < 1:
-            raise BenchFailure(f"{flag} must be at least 1, got {value}")
+    require_positive(args, "streams", "steps", "prompt_len")
     with scratch_folder() as folder:
         model, label = speed_model(args.model, folder)
         result = measure_steps(model, args)
