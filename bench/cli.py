@@ -62,7 +62,7 @@ COMMANDS = (
     Command("scaling", "swap", "bench.scaling", "the KV host tier on overflowing chat sessions"),
     Command("scaling", "tp", "bench.scaling", "two tensor-parallel ranks against one"),
     Command("scaling", "executors", "bench.scaling", "the autoscaler on a local stack"),
-    Command("scaling", "restart", "bench.restart", "chat sessions through a rolling restart"),
+    Command("scaling", "restart", "bench.scaling", "chat sessions through a rolling restart"),
 )
 
 
