@@ -49,17 +49,33 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def free_port_range() -> tuple[int, int]:
+    """Returns: the ports free_port picks from, [low, high): KVGATE_FREE_PORTS=LOW-HIGH
+    (inclusive) when set, so that launchers sharing a machine can each have their own; else
+    20000 up to the kernel's ephemeral range."""
+    spec = os.environ.get("KVGATE_FREE_PORTS", "")
+    if not spec:
+        low, high = 20000, _ephemeral_low()
+        return (1024, high) if high - low < 1000 else (low, high)
+    try:
+        low, high = (int(part) for part in spec.split("-"))
+    except ValueError:
+        raise ValueError(f"KVGATE_FREE_PORTS must be LOW-HIGH, got {spec!r}") from None
+    if not 1024 <= low < high <= 65535:
+        raise ValueError(f"KVGATE_FREE_PORTS must lie in 1024-65535 with LOW < HIGH: {spec!r}")
+    return low, high + 1
+
+
 def free_port() -> int:
-    """Returns: a TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range.
+    """Returns: a TCP port free on 127.0.0.1 right now, from free_port_range (by default
+    below the kernel's ephemeral range).
 
     A port from bind(("127.0.0.1", 0)) lies in the range the kernel also gives every
     outgoing connection as its source port, so between this call and the child's bind
     another process's connection may take it (the child then exits: "could not
     listen"). Ports below that range are only ever taken by a listener on purpose.
     """
-    low, high = 20000, _ephemeral_low()
-    if high - low < 1000:
-        low, high = 1024, high
+    low, high = free_port_range()
     for _ in range(1000):
         port = random.randrange(low, high)
         if port in _HANDED_OUT:

@@ -211,3 +211,7 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)

@@ -12,7 +12,6 @@ import pytest
 import redis
 
 from client.api import Completion, KvgateClient, sampling_params
-from common.model_files import default_gguf_path
 from common.model_text import ModelText
 from common.tenants import DEFAULT_TENANT
 from deploy.certs import Pem
@@ -109,14 +108,6 @@ def stack_factory(tmp_path_factory) -> Iterator[Callable[..., Stack]]:
     yield make
     for stack in stacks:
         stack.stop_all()
-
-
-@pytest.fixture(scope="module")
-def gguf() -> Path:
-    """SmolLM2-135M-Instruct's GGUF file (fetched into the model cache by `make setup`)."""
-    path = default_gguf_path()
-    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
-    return path
 
 
 def generate(
