@@ -46,12 +46,12 @@ COMMANDS = (
     Command("serve", "fronts", "bench.serve", "kvgate.v1, vLLM's gRPC API and OpenAI HTTP"),
     Command("serve", "hops", "bench.security", "what each defence adds to one hop"),
     Command("serve", "tenants", "bench.security", "a quiet tenant's TTFT beside a noisy one"),
-    Command("serve", "structured", "bench.structured", "JSON schema streams and TTFT vs none"),
+    Command("serve", "structured", "bench.decoding", "JSON schema streams and TTFT vs none"),
     Command("engine", "throughput", "bench.engine", "the Engine against transformers"),
     Command("engine", "cpu", "bench.cpu", "decode latency, number formats and their targets"),
     Command("engine", "decode", "bench.cpu", "decode latency against the bandwidth limit"),
     Command("engine", "dtypes", "bench.cpu", "64 streams per number format"),
-    Command("engine", "steps", "bench.steps", "formats' step CPU time, stepped in turn"),
+    Command("engine", "steps", "bench.kernels", "formats' step CPU time, stepped in turn"),
     Command("engine", "choices", "bench.decoding", "n choices of one request vs n requests"),
     Command("engine", "spec", "bench.decoding", "one stream with n-gram speculation vs without"),
     Command("engine", "gpu", "bench.kernels", "the Engine on one CUDA GPU"),
@@ -62,7 +62,7 @@ COMMANDS = (
     Command("scaling", "swap", "bench.scaling", "the KV host tier on overflowing chat sessions"),
     Command("scaling", "tp", "bench.scaling", "two tensor-parallel ranks against one"),
     Command("scaling", "executors", "bench.scaling", "the autoscaler on a local stack"),
-    Command("scaling", "restart", "bench.restart", "chat sessions through a rolling restart"),
+    Command("scaling", "restart", "bench.scaling", "chat sessions through a rolling restart"),
 )
 
 

@@ -57,14 +57,12 @@ from bench.harness import (
     add_repeats,
     add_threads,
     add_workload,
-    load_average,
-    scratch_folder,
-)
-from bench.machine import (
     cpu_features,
+    load_average,
     machine_limits,
     matmul_flops_per_s,
     read_bandwidth_bytes_per_s,
+    scratch_folder,
 )
 from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParams
@@ -208,7 +206,7 @@ def resident_bytes(model: str, variant: str) -> dict:
     code = (
         "import json, sys\n"
         "from bench.cpu import engine_for, kv_resident, start_decoding\n"
-        "from bench.machine import rss\n"
+        "from bench.harness import rss\n"
         "before = rss()\n"
         "engine = engine_for(sys.argv[1], sys.argv[2])\n"
         "start_decoding(engine, 1, 16, 8)\n"

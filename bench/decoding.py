@@ -1,4 +1,4 @@
-"""Engine benchmarks of decoding features, each in one run on one Engine configuration.
+"""Benchmarks of decoding features, each against the same work without it, in one run.
 
 `kvgate bench engine choices`: one request of n choices against n separate requests of the
 same prompt. The n choices of one request prefill the prompt once and share its KV blocks
@@ -16,25 +16,56 @@ public domain) and on one it answers with new text. Two engines of one configura
 the tokens after the first one (the prompt's step is not decoding) over the time they took.
 Both must produce the same tokens (else the command fails); the speculating engine's proposed
 and accepted counts give the acceptance.
+
+`kvgate bench serve structured`: what a JSON schema costs, on one stack and one Engine.
+
+    kvgate bench serve structured --model smollm2 --output-len 16 --repeats 1
+
+Two figures, each against unconstrained requests measured beside it:
+- **tokens/s**: `--streams` streams with a JSON schema against as many unconstrained ones
+  (EOS ignored), in interleaved rounds, through the stack's kvgate.v1 API (what a client gets)
+  and on an in-process Engine of the same model (the executor's own step, where the mask is
+  computed, without the stack's share of the CPU), each per second of wall time and per CPU
+  second (which other work on a shared machine inflates less). The schema (rows_schema) asks
+  for at least `--output-len` objects, so no stream can end before `--output-len` tokens:
+  both sides produce the same tokens, and the figure is schema / unconstrained (target
+  >= 0.85).
+- **TTFT** as a kvgate.v1 client sees it, the three kinds of request taking turns: no
+  constraint, a schema the gateway and executor have compiled before (cached), and a schema
+  new to both each time (first use: one compile in the gateway before queueing, one in the
+  executor). Target: cached p50 at most unconstrained p50 + 5 ms; first use is reported
+  beside it. The engine's figure would leave out the gateway's compile and cache lookup, so
+  TTFT is taken through the stack only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from statistics import median
 
+import grpc
 import torch
 
 from bench import harness
 from bench.engine import BENCH_SHAPE, Workload, benchmark_model, best_rates
+from bench.stats import generate_ttft_ms, paired_median_ms
+from common.constraints import Constraint, ConstraintKind
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
-from deploy.models import default_gguf_path
+from deploy.models import SHARED_MODEL
+from deploy.stack import Stack, StackConfig, co_located_torch_threads, free_port
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.host_memory import retain_freed_memory
 from engine.speculative_config import SpeculativeConfig
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 # ---- n choices against n requests ------------------------------------------------------
 
@@ -45,23 +76,34 @@ def _choices_params(args: argparse.Namespace, n: int) -> SamplingParams:
 
 def run_requests(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict:
     """Add the requests at once and step until all finish: tokens per second of wall time and
-    per second of this process's CPU time (which other work on a shared machine does not
-    inflate), and the peak blocks held."""
+    per second of this process's CPU time (which other work on a shared machine inflates
+    less; grammar threads included), the peak blocks held, and each sequence's (tokens,
+    finish reason)."""
     start, start_cpu = time.perf_counter(), time.process_time()
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"bench-{i}", prompt, params)
-    produced, peak_blocks = 0, 0
+    tokens: Counter[tuple[str, int]] = Counter()
+    reasons: dict[tuple[str, int], str] = {}
+    peak_blocks = 0
     while engine.has_unfinished():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
+        for output in engine.step():
+            sequence = (output.request_id, output.index)
+            tokens[sequence] += len(output.new_token_ids)
+            if output.finish_reason is not None:
+                reasons[sequence] = f"FINISH_REASON_{output.finish_reason.name}"
         stats = engine.stats()
         peak_blocks = max(peak_blocks, stats.num_total_blocks - stats.num_free_blocks)
-    if engine.config.device == "cuda":
-        torch.cuda.synchronize()
-    return {
-        "tokens_per_s": produced / (time.perf_counter() - start),
-        "tokens_per_cpu_s": produced / (time.process_time() - start_cpu),
+    harness.sync_device(engine.config.device)
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    produced = sum(tokens.values())
+    return rates(produced, wall_s, cpu_s) | {
         "peak_blocks": peak_blocks,
+        "ends": [(count, reasons.get(key, "")) for key, count in tokens.items()],
     }
+
+
+def rates(tokens: int, wall_s: float, cpu_s: float) -> dict:
+    return {"tokens_per_s": tokens / wall_s, "tokens_per_cpu_s": tokens / cpu_s}
 
 
 def choices_run(args: argparse.Namespace) -> dict:
@@ -194,15 +236,14 @@ def decode_tokens(engine: Engine, prompt: list[int], params: SamplingParams) -> 
             if not tokens:
                 start = time.perf_counter()
             tokens += out.new_token_ids
-    if engine.config.device.startswith("cuda"):
-        torch.cuda.synchronize()
+    harness.sync_device(engine.config.device)
     return tokens, (len(tokens) - 1) / (time.perf_counter() - start)
 
 
 def spec_run(args: argparse.Namespace) -> dict:
     if args.device == "cpu":
         retain_freed_memory()  # as every CPU Engine sets it: both peers measure alike
-    path = str(default_gguf_path()) if args.model == "smollm2" else args.model
+    path = harness.model_path(args.model)
     spec = SpeculativeConfig.from_json(args.speculative_config)
     engines = {
         name: Engine(EngineConfig(model=path, device=args.device, speculative_config=config))
@@ -285,6 +326,260 @@ def spec_add_arguments(parser: argparse.ArgumentParser) -> None:
     harness.add_threads(parser)
 
 
+# ---- JSON schemas against unconstrained requests --------------------------------------
+
+PROMPT = "Once upon a time"
+TTFT_MAX_TOKENS = 4
+TTFT_SIDES = ("unconstrained", "cached_schema", "first_use_schema")
+
+
+def row_schema(tag: str | None = None) -> dict:
+    """An object with a bounded string, an integer and an enum; `tag` adds a constant field,
+    which makes a schema no cache has seen."""
+    properties: dict = {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+    }
+    if tag is not None:
+        properties["tag"] = {"const": tag}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def rows_schema(min_items: int) -> dict:
+    """A list of at least `min_items` rows: every row takes more than one token, so no
+    output ends before `min_items` tokens."""
+    return {"type": "array", "items": row_schema(), "minItems": min_items}
+
+
+def kvgate_params(max_tokens: int, seed: int, schema: dict | None) -> inference_pb2.SamplingParams:
+    """Sampled at temperature 1.0; unconstrained requests ignore EOS."""
+    params = inference_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=schema is None
+    )
+    if schema is not None:
+        params.json_schema = json.dumps(schema)
+    return params
+
+
+def engine_params(max_tokens: int, seed: int, schema: dict | None) -> SamplingParams:
+    """kvgate_params' twin for the in-process Engine."""
+    if schema is None:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, constraint=constraint)
+
+
+def stream(stub: inference_pb2_grpc.InferenceStub, params: inference_pb2.SamplingParams) -> tuple:
+    """(output tokens, finish reason, text) of one Generate read to its end."""
+    request = inference_pb2.GenerateRequest(prompt=PROMPT, params=params)
+    tokens, reason, text = 0, 0, ""
+    for chunk in stub.Generate(request, timeout=3600):
+        tokens += len(chunk.token_ids)
+        reason = chunk.finish_reason or reason
+        text += chunk.text
+    return tokens, inference_pb2.FinishReason.Name(reason), text
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds the processes have used (/proc/PID/stat)."""
+    total_ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total_ticks += int(fields[11]) + int(fields[12])  # utime and stime
+    return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stack_round(stack: Stack, streams: int, output_len: int, schema: dict | None) -> dict:
+    """All streams at once through kvgate.v1: tokens per second of wall time and per CPU
+    second of the stack's processes, how the streams ended, and the first stream's text."""
+    pids = [process.pid for process in stack.procs.values()]
+    with ThreadPoolExecutor(streams) as pool, grpc.insecure_channel(stack.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        start, start_cpu = time.perf_counter(), cpu_seconds(pids)
+        done = list(pool.map(lambda s: stream(stub, kvgate_params(output_len, s, schema)),
+                             range(streams)))  # fmt: skip
+        wall_s, cpu_s = time.perf_counter() - start, cpu_seconds(pids) - start_cpu
+    ends = [(tokens, reason) for tokens, reason, _ in done]
+    return rates(sum(t for t, _ in ends), wall_s, cpu_s) | {"ends": ends, "text": done[0][2]}
+
+
+def engine_round(engine: Engine, prompt: list[int], streams: int, output_len: int, schema) -> dict:
+    """All streams added at once to the Engine, stepped until done (run_requests)."""
+    return run_requests(engine, [(prompt, engine_params(output_len, seed, schema))
+                                 for seed in range(streams)])  # fmt: skip
+
+
+def interleaved_rounds(measure: Callable[[dict | None], dict], schema: dict, repeats: int):
+    """`repeats` rounds of each side in turn, after one untimed round of each (compiles,
+    first allocations): per side each round's tokens per wall and per CPU second, the ends that
+    were not the full run (each stream must end with FINISH_REASON_LENGTH), and a text of the
+    last round."""
+    sides = {"unconstrained": None, "schema": schema}
+    for side in sides.values():
+        measure(side)
+    rounds: dict[str, dict[str, list[float]]] = {
+        rate: {name: [] for name in sides} for rate in ("tokens_per_s", "tokens_per_cpu_s")
+    }
+    short: dict[str, list] = {name: [] for name in sides}
+    texts: dict[str, str] = {}
+    for _ in range(repeats):
+        for name, side in sides.items():
+            result = measure(side)
+            for rate, samples in rounds.items():
+                samples[name].append(result[rate])
+            short[name] += [end for end in result["ends"] if end[1] != "FINISH_REASON_LENGTH"]
+            texts[name] = result.get("text", "")
+    return {"rounds": rounds, "short_ends": short, "texts": texts}
+
+
+def ttft_turns(address: str, requests: int, interval_s: float, first_tag: str) -> dict:
+    """Each kind of request once per turn, `interval_s` apart; first-use schemas are tagged
+    `first_tag` and the turn's index, new to every cache."""
+    samples: dict[str, list[float]] = {side: [] for side in TTFT_SIDES}
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for turn in range(requests):
+            schemas = {"unconstrained": None, "cached_schema": row_schema(),
+                       "first_use_schema": row_schema(f"{first_tag}{turn}")}  # fmt: skip
+            for side, schema in schemas.items():
+                time.sleep(interval_s)
+                params = kvgate_params(TTFT_MAX_TOKENS, turn, schema)
+                request = inference_pb2.GenerateRequest(prompt=PROMPT, params=params)
+                samples[side].append(generate_ttft_ms(stub, request))
+    return samples
+
+
+def stack_config(model: str, folder: Path, streams: int) -> StackConfig:
+    config = StackConfig(model=model, port=free_port(), log_dir=folder / "logs")
+    config.executor_flags = ["--max-num-seqs", str(max(64, streams))]
+    config.gateway_flags = ["--max-queue-len", str(4 * streams)]
+    return config
+
+
+def measure_stack(model: str, folder: Path, args: argparse.Namespace, schema: dict) -> dict:
+    stack = Stack(stack_config(model, folder, args.streams))
+    try:
+        stack.start_all()
+        ttft_turns(stack.address, 2, 0.0, "warm-up")  # untimed: compiles the cached schema
+        ttft = ttft_turns(stack.address, args.ttft_requests, args.ttft_interval_s, "first-use")
+        rounds = interleaved_rounds(
+            lambda side: stack_round(stack, args.streams, args.output_len, side),
+            schema,
+            args.repeats,
+        )
+    finally:
+        stack.stop_all()
+    return {"ttft_samples_ms": ttft, "stack": rounds}
+
+
+def measure_engine(model: str, args: argparse.Namespace, schema: dict) -> dict:
+    """The Engine gets the model threads the stack's executor gets."""
+    torch.set_num_threads(co_located_torch_threads())
+    config = EngineConfig(model=model, max_num_seqs=args.streams, kv_cache_gib=args.kv_cache_gib)
+    engine = Engine(config)
+    prompt = ModelText(model).encode(PROMPT)
+    rounds = interleaved_rounds(
+        lambda side: engine_round(engine, prompt, args.streams, args.output_len, side),
+        schema,
+        args.repeats,
+    )
+    del rounds["texts"]  # token ids only
+    return rounds
+
+
+def ratios(rounds: dict[str, list[float]]) -> dict:
+    """schema / unconstrained by the median rounds, by the best rounds and round by round."""
+    schema, free = rounds["schema"], rounds["unconstrained"]
+    return {
+        "median": median(schema) / median(free),
+        "best": max(schema) / max(free),
+        "by_round": [s / f for s, f in zip(schema, free, strict=True)],
+    }
+
+
+def ttft_report(samples: dict[str, list[float]]) -> dict:
+    p50 = {side: median(values) for side, values in samples.items()}
+    return {
+        "ttft_ms_p50": p50,
+        "ttft_p50_ms_cached_minus_unconstrained": p50["cached_schema"] - p50["unconstrained"],
+        "ttft_paired_ms_cached_minus_unconstrained": paired_median_ms(
+            samples["cached_schema"], samples["unconstrained"]
+        ),
+        "ttft_p50_ms_first_use_minus_unconstrained": (
+            p50["first_use_schema"] - p50["unconstrained"]
+        ),
+    }
+
+
+def structured_run(args: argparse.Namespace) -> dict:
+    harness.require_positive(args, "streams", "output_len", "repeats", "ttft_requests")
+    model = harness.model_path(args.model)
+    schema = rows_schema(args.output_len)
+    load_at_start = harness.load_average()
+    with harness.scratch_folder() as folder:
+        samples = measure_stack(model, folder, args, schema)
+    samples["engine"] = measure_engine(model, args, schema)
+    return {
+        "model": Path(model).name,
+        "streams": args.streams,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "schema": schema,
+        "cpu": harness.cpu_features(),
+        "load_average_at_start": load_at_start,  # 1, 5 and 15 minutes: other work running
+        "load_average_at_end": harness.load_average(),
+        "schema_over_unconstrained": {
+            where: {rate: ratios(rounds) for rate, rounds in samples[where]["rounds"].items()}
+            for where in ("stack", "engine")
+        },
+        **ttft_report(samples["ttft_samples_ms"]),
+        **samples,
+    }
+
+
+def rate_line(what: str, rounds: dict[str, list[float]], ratio: dict) -> str:
+    schema, free = (median(rounds[side]) for side in ("schema", "unconstrained"))
+    return (f"  {what:<23} schema {schema:9.1f}, unconstrained {free:9.1f}: "
+            f"{ratio['median']:.2f}x median, {ratio['best']:.2f}x best (>= 0.85)")  # fmt: skip
+
+
+def structured_summarize(result: dict) -> None:
+    print(f"{result['model']}: {result['streams']} streams x {result['output_len']} tokens, "
+          f"{result['repeats']} rounds; load {result['load_average_at_end']}")  # fmt: skip
+    for where, by_rate in result["schema_over_unconstrained"].items():
+        for rate, ratio in by_rate.items():
+            print(rate_line(f"{where} {rate}", result[where]["rounds"][rate], ratio))
+    p50, paired = result["ttft_ms_p50"], result["ttft_paired_ms_cached_minus_unconstrained"]
+    print(f"  TTFT p50 ms: unconstrained {p50['unconstrained']:.2f}, cached schema "
+          f"{p50['cached_schema']:.2f} (paired {paired['median']:+.2f}, 95% "
+          f"{paired['ci95_low']:+.2f} to {paired['ci95_high']:+.2f}; target <= +5), "
+          f"first use {p50['first_use_schema']:.2f}")  # fmt: skip
+
+
+def structured_failure(result: dict) -> str | None:
+    """Streams that ended before --output-len tokens leave the two sides' work unequal."""
+    for where in ("stack", "engine"):
+        for side, ends in result[where]["short_ends"].items():
+            if ends:
+                return f"{where} {side}: {len(ends)} streams ended early, e.g. {ends[0]}"
+    return None
+
+
+def structured_add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvgate bench serve structured`."""
+    harness.add_model(parser, str(SHARED_MODEL), "checkpoint folder, GGUF file or smollm2 "
+                      "(default: stories260K)")  # fmt: skip
+    harness.add_stream_rounds(parser, output_len=64, repeats=3)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="the Engine's KV cache")
+    harness.add_ttft_turns(parser, 30, "kind of request")
+
+
 BENCHMARKS = {
     "engine choices": harness.Benchmark(
         choices_add_arguments, choices_run, "choices.json", choices_summarize
@@ -292,4 +587,11 @@ BENCHMARKS = {
     "engine spec": harness.Benchmark(
         spec_add_arguments, spec_run, "spec.json", spec_summarize, spec_failure
     ),
+    "serve structured": harness.Benchmark(
+        structured_add_arguments,
+        structured_run,
+        "structured.json",
+        structured_summarize,
+        structured_failure,
+    ),  # fmt: skip
 }

@@ -71,10 +71,12 @@ from bench.harness import (
     add_threads,
     add_workload,
     load_average,
+    matmul_flops_per_s,
+    model_path,
     scratch_folder,
+    sync_device,
 )
-from bench.machine import matmul_flops_per_s
-from common.model_files import default_gguf_path, gguf_file
+from common.model_files import gguf_file
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -139,7 +141,7 @@ def benchmark_model(args: argparse.Namespace, dtype: torch.dtype) -> Iterator[tu
     """(what the Engine loads, transformers' model) of --model, or of a seeded random Llama of
     BENCH_SHAPE saved to a scratch folder (removed when the block ends)."""
     if args.model:
-        path = str(default_gguf_path()) if args.model == "smollm2" else args.model
+        path = model_path(args.model)
         yield path, load_hf_model(path).to(dtype)
         return
     model = build_model(BENCH_SHAPE, torch.float32).to(dtype)
@@ -152,11 +154,6 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def hf_generate_tokens_per_s(model, prompts: list[list[int]], output_len: int) -> float:
     """`transformers` generate, one request at a time (a sample of the workload)."""
     config = _greedy_config(output_len)
@@ -165,7 +162,7 @@ def hf_generate_tokens_per_s(model, prompts: list[list[int]], output_len: int) -
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
         model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    _sync(str(device))
+    sync_device(str(device))
     return len(prompts) * output_len / (time.perf_counter() - start)
 
 
@@ -221,7 +218,7 @@ def kvgate_tokens_per_s(engine: Engine, prompts: list[list[int]], output_len: in
     produced = 0
     while engine.has_unfinished():
         produced += sum(len(o.new_token_ids) for o in engine.step())
-    _sync(engine.config.device)
+    sync_device(engine.config.device)
     return produced / (time.perf_counter() - start)
 
 
@@ -234,10 +231,10 @@ def decode_step_ms(
     start_decoding(engine, context_len, batch, steps)
     times = []
     while engine.has_unfinished():
-        _sync(engine.config.device)
+        sync_device(engine.config.device)
         start = clock()
         engine.step()
-        _sync(engine.config.device)
+        sync_device(engine.config.device)
         times.append(clock() - start)
     return 1000 * statistics.median(times[:steps])
 
@@ -335,7 +332,7 @@ def resident_under_workload(model: str, args: argparse.Namespace) -> dict[str, i
         "engine = Engine(_engine_config(sys.argv[1], args))\n"
         "kvgate_tokens_per_s(engine, workload.prompts(engine.model_config.vocab_size),\n"
         "                    workload.output_len)\n"
-        "from bench.machine import rss\n"
+        "from bench.harness import rss\n"
         "print(json.dumps(rss(('VmRSS', 'VmHWM', 'RssAnon', 'RssFile'))))\n"
     )
     fields = ("num_requests", "prompt_len", "output_len", "max_num_batched_tokens", "kv_cache_gib",

@@ -1,5 +1,6 @@
 """What every benchmark shares: its entry in `kvgate bench`, the flags defined once, where its
-results go, and the scratch folder its model is written to.
+results go, the scratch folder its model is written to, and this machine's limits, measured
+(read bandwidth, matmul FLOP/s per dtype, the CPU's number-format extensions, resident memory).
 
 A benchmark module lists its runs in `BENCHMARKS` ("GROUP NAME" -> Benchmark); bench/cli.py
 runs the one asked for, prints its summary and writes its JSON to --out.
@@ -14,12 +15,21 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.model_files import default_gguf_path
+
+if TYPE_CHECKING:
+    import torch
 
 RESULTS = Path("bench/results")
+READ_BYTES = 1 << 30  # larger than any cache of the machines this runs on
+RSS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
 class BenchFailure(Exception):
@@ -103,6 +113,23 @@ def add_device(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Raises BenchFailure naming the first flag of `names` (argparse dests) that is under 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise BenchFailure(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def model_path(name: str) -> str:
+    """What --model names: smollm2 is the cached SmolLM2 GGUF file, anything else a path.
+    Raises BenchFailure naming --model when it is not there."""
+    path = default_gguf_path() if name == "smollm2" else Path(name)
+    if not path.exists():
+        raise BenchFailure(f"--model {name}: {path} does not exist")
+    return str(path)
+
+
 def write_results(result: dict, out: Path) -> None:
     """Writes `result` as JSON to `out` (its folder made)."""
     if out.is_dir():
@@ -148,3 +175,106 @@ def scratch_folder(prefix: str = "kvgate-bench-") -> Iterator[Path]:
             signal.signal(signal.SIGTERM, previous)
         if held:
             sys.exit(128 + signal.SIGTERM)
+
+
+def rss(fields: tuple[str, ...] = RSS_FIELDS) -> dict[str, int]:
+    """This process's resident set size in bytes (VmRSS) and its parts (RssAnon, RssFile,
+    RssShmem), or other fields of /proc/self/status given in kB (VmHWM: the peak)."""
+    sizes = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in fields:
+            sizes[name] = int(value.split()[0]) * 1024
+    if missing := set(fields) - set(sizes):
+        raise RuntimeError(f"no {', '.join(sorted(missing))} in /proc/self/status")
+    return sizes
+
+
+def best_seconds(run: Callable[[], object], repeats: int, device: str = "cpu") -> float:
+    """The fastest of `repeats` timed calls of `run` after one untimed warm-up (the run least
+    disturbed by other work on a shared machine); CUDA work is waited for on both sides."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        sync_device(device)
+        start = time.perf_counter()
+        run()
+        sync_device(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth_bytes_per_s(num_bytes: int = READ_BYTES, repeats: int = 10) -> float:
+    """Best read rate of a large float32 tensor summed by torch (every byte read once)."""
+    import torch  # here, as in every limit below: `kvgate bench load` runs without it
+
+    x = torch.ones(num_bytes // 4)
+    return num_bytes / best_seconds(x.sum, repeats)
+
+
+def matmul_flops_per_s(
+    dtype: torch.dtype, rows: int = 2048, size: int = 2048, repeats: int = 10, device: str = "cpu"
+) -> float:
+    """Best FLOP/s of a [rows, size] @ [size, size] matmul in `dtype`."""
+    import torch
+
+    a = torch.randn(rows, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2 * rows * size * size / best_seconds(lambda: a @ b, repeats, device)
+
+
+def int8_matmul_ops_per_s(size: int = 2048, repeats: int = 10) -> float:
+    """Best int8 x int8 -> int32 matmul rate (torch._int_mm; AMX-INT8 where oneDNN has it)."""
+    import torch
+
+    a = torch.randint(-100, 100, (size, size), dtype=torch.int8)
+    b = torch.randint(-100, 100, (size, size), dtype=torch.int8)
+    return 2 * size**3 / best_seconds(lambda: torch._int_mm(a, b), repeats)
+
+
+def sync_device(device: str) -> None:
+    """Waits for the work queued on `device` when it is a CUDA device (a timer's other side)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def cpu_features() -> dict:
+    """The CPU's model name and which of the number-format extensions the kernels route by it
+    reports (/proc/cpuinfo): AVX-512 BF16 (vdpbf16ps), AMX tiles for bfloat16 and int8."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.partition(":")[2].strip() for line in info.splitlines()
+                  if line.startswith("model name")), "unknown")  # fmt: skip
+    flags = next((set(line.partition(":")[2].split()) for line in info.splitlines()
+                  if line.startswith("flags")), set())  # fmt: skip
+    wanted = ("avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+    return {"model_name": model, **{name: name in flags for name in wanted}, **isa_levels()}
+
+
+def isa_levels() -> dict:
+    """The ISA level the C CPU kernels run at in this process (`kernels_isa`: $KVGATE_CPU_ISA,
+    else the CPU's) and the highest this CPU runs (`cpu_isa`), as kernels/cpu_build.py reads
+    them; None where the kernels cannot be built here."""
+    from kernels import cpu_build
+
+    try:
+        return {"kernels_isa": cpu_build.isa_level(), "cpu_isa": cpu_build.cpu_isa_level()}
+    except RuntimeError:
+        return {"kernels_isa": None, "cpu_isa": None}
+
+
+def machine_limits() -> dict:
+    """The CPU's features, read bandwidth, float32 / bfloat16 matmul FLOP/s (64 and 2048 rows),
+    int8 matmul op/s. Each is the best of several runs (the least disturbed by other work on a
+    shared machine), at torch's current thread count."""
+    import torch
+
+    limits: dict = {"torch_threads": torch.get_num_threads(), "cpu": cpu_features()}
+    limits["read_bytes_per_s"] = read_bandwidth_bytes_per_s()
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for rows in (64, 2048):
+            limits[f"matmul_{name}_{rows}_rows_flops_per_s"] = matmul_flops_per_s(dtype, rows)
+    limits["matmul_int8_2048_rows_ops_per_s"] = int8_matmul_ops_per_s()
+    return limits

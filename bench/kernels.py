@@ -1,4 +1,5 @@
-"""Kernel timings: CPU linear layers beside torch's (`kvgate bench kernels linear`), and on one
+"""Kernel and step timings: CPU linear layers beside torch's (`kvgate bench kernels linear`),
+each weight format's engine step by thread CPU time (`kvgate bench engine steps`), and on one
 CUDA GPU the paged attention kernels (`kvgate bench kernels gpu`) and the engine (`kvgate bench
 engine gpu`). The kernels' correctness on CUDA is tests/gpu/test_cuda_kernels.py's.
 
@@ -11,6 +12,16 @@ widened slices above, else oneDNN; torch: x @ w^T), int8 (kvgate; torch's _weigh
 and int4 (kvgate; torch's _weight_int4pack_mm_for_cpu, groups of 32), each with bfloat16 and
 float32 activations where torch accepts them. Reports each as ms per model pass and as weight
 GB/s (bytes read / time), best of --repeats.
+
+Engine steps by thread CPU time: on a machine shared with other work, wall-clock step times
+follow the load (a step waits while another process holds the core, and formats measured one
+after another meet different loads). With one torch thread (--threads 1, the default there)
+the C kernels run on the thread that calls `Engine.step()`, whose CPU time (`time.thread_time`)
+leaves the waiting out, and stepping the formats in turn gives each round the same machine
+(sharing the caches and the memory bandwidth still shows). The kernels' ISA level is in the
+results' `cpu` block (`KVGATE_CPU_ISA` picks a lower one).
+
+    KVGATE_CPU_ISA=avx2 kvgate bench engine steps --model smollm2 --streams 1 --steps 24
 
 Paged attention on the GPU: decode at batch 64, context 4096, 32 query / 8 KV heads, head_dim
 128, block_size 16, bfloat16: median time (CUDA events), KV bytes read per second, fraction of
@@ -40,6 +51,14 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.cpu import (
+    MODEL_HELP,
+    VARIANTS,
+    engine_for,
+    speed_model,
+    start_decoding,
+    weight_bytes_per_step,
+)
 from bench.engine import (
     Workload,
     decode_step_ms,
@@ -49,12 +68,15 @@ from bench.engine import (
 from bench.harness import (
     BenchFailure,
     Benchmark,
+    add_model,
     add_repeats,
     add_threads,
+    best_seconds,
+    cpu_features,
     load_average,
+    require_positive,
     scratch_folder,
 )
-from bench.machine import cpu_features
 from engine.config import EngineConfig
 from engine.engine import Engine
 from kernels import KernelBackend, cpu_linear, get_kernels, quant
@@ -62,16 +84,6 @@ from kernels import reference as ref
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer
 NUM_LAYERS = 30
-
-
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def torch_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +179,67 @@ def summarize_linear(result: dict) -> None:
 
 
 H200_BANDWIDTH_GBPS = 4800.0
+
+
+def cpu_seconds(step) -> float:
+    """The calling thread's CPU seconds for step()."""
+    start = time.thread_time()
+    step()
+    return time.thread_time() - start
+
+
+def measure_steps(model: str, args: argparse.Namespace) -> dict:
+    engines = {v: engine_for(model, v, max_num_seqs=args.streams) for v in args.variants}
+    prefill_s = {
+        v: cpu_seconds(lambda e=e: start_decoding(e, args.streams, args.prompt_len, args.steps + 2))
+        for v, e in engines.items()
+    }
+    step_s: dict[str, list[float]] = {v: [] for v in engines}
+    for _ in range(args.steps):
+        for v, engine in engines.items():
+            step_s[v].append(cpu_seconds(engine.step))
+    formats = {}
+    for v, times in step_s.items():
+        median = statistics.median(times)
+        formats[v] = {
+            "prefill_cpu_s": prefill_s[v],
+            "step_cpu_ms_median": 1000 * median,
+            "step_cpu_ms_min": 1000 * min(times),
+            "decode_tokens_per_cpu_s": args.streams / median,
+            "weight_bytes_per_step": weight_bytes_per_step(engines[v]),
+        }
+    return {"formats": formats, "streams": args.streams, "prompt_len": args.prompt_len}
+
+
+def run_steps(args: argparse.Namespace) -> dict:
+    """`kvgate bench engine steps`."""
+    require_positive(args, "streams", "steps", "prompt_len")
+    with scratch_folder() as folder:
+        model, label = speed_model(args.model, folder)
+        result = measure_steps(model, args)
+    return result | {"model": label, "cpu": cpu_features(), "load_average_at_end": load_average()}
+
+
+def summarize_steps(result: dict) -> None:
+    formats = result["formats"]
+    base = formats.get("float32")
+    print(f"{result['streams']} streams, kernels {result['cpu'].get('kernels_isa')}, "
+          f"load {result['load_average_at_end']}; thread CPU time")  # fmt: skip
+    for name, f in formats.items():
+        step = f["step_cpu_ms_median"]
+        ratio = f" ({base['step_cpu_ms_median'] / step:.2f}x float32)" if base else ""
+        prefill = f" ({base['prefill_cpu_s'] / f['prefill_cpu_s']:.2f}x)" if base else ""
+        print(f"{name:<9} decode step {step:.2f} ms{ratio}, min {f['step_cpu_ms_min']:.2f}; "
+              f"prefill {f['prefill_cpu_s']:.2f} s{prefill}")  # fmt: skip
+
+
+def add_steps_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model(parser, None, MODEL_HELP)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--streams", type=int, default=1, help="sequences decoded together")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per format")
+    add_threads(parser, default=1)
 
 
 @dataclass(frozen=True)
@@ -418,6 +491,7 @@ def run_gpu_engine(args: argparse.Namespace) -> dict:
 
 BENCHMARKS = {
     "kernels linear": Benchmark(add_linear_arguments, run_linear, "linear.json", summarize_linear),
+    "engine steps": Benchmark(add_steps_arguments, run_steps, "steps.json", summarize_steps),
     "kernels gpu": Benchmark(
         lambda parser: None, run_gpu_kernels, "gpu_kernels.json", summarize_gpu_kernels
     ),

@@ -53,7 +53,7 @@ from bench.harness import (
     scratch_folder,
 )
 from bench.security import grpc_request, key_metadata, secure_config, tenant_key
-from bench.stats import paired_median_ms, sse_payloads
+from bench.stats import generate_ttft_ms, paired_median_ms, sse_payloads
 from bench.workloads import openai_body
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
@@ -135,13 +135,8 @@ def grpc_ttft_once(
     prompt: list[int],
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> float:
-    """TTFT in ms of one Generate call, as its client sees it (then read to its end)."""
-    start = time.perf_counter()
-    chunks = stub.Generate(grpc_request(prompt, 4), timeout=600, metadata=metadata)
-    next(c for c in chunks if c.token_ids)
-    ttft = 1000 * (time.perf_counter() - start)
-    list(chunks)
-    return ttft
+    """TTFT in ms of one Generate call of `prompt`, as its client sees it."""
+    return generate_ttft_ms(stub, grpc_request(prompt, 4), metadata)
 
 
 def grpc_ttft_ms(address: str, prompts: list[list[int]], interval_s: float) -> list[float]:

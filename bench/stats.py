@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protos.kvgate.v1 import inference_pb2
+from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
 
 # Finish reasons of a request that did not run to max_tokens.
 FAILED = (inference_pb2.FINISH_REASON_ERROR, inference_pb2.FINISH_REASON_ABORT)
@@ -93,6 +93,20 @@ def time_stream(chunks: Iterator[inference_pb2.GenerateResponse], sent_s: float)
     if not finished:
         result.error = "the stream ended without a finish reason"
     return result
+
+
+def generate_ttft_ms(
+    stub: inference_pb2_grpc.InferenceStub,
+    request: inference_pb2.GenerateRequest,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> float:
+    """TTFT in ms of one Generate call, as its client sees it (then read to its end)."""
+    start = time.perf_counter()
+    chunks = stub.Generate(request, timeout=600, metadata=metadata)
+    next(c for c in chunks if c.token_ids)
+    ttft = 1000 * (time.perf_counter() - start)
+    list(chunks)
+    return ttft
 
 
 def time_sse(events: Iterator[dict], sent_s: float) -> RequestResult:
