@@ -79,19 +79,24 @@ bench: setup proto
 	$(BIN)/kvgate bench load --target 127.0.0.1:50051 --num-requests 32 --request-rate 4 \
 		--out bench/results/bench.json
 
+# Runs of one benchmark share its file, each under its own --out-key; the CPU run's key says
+# whether this CPU has AMX (the number formats' kernels route by it).
+CPU_KEY = $(shell grep -qw amx_tile /proc/cpuinfo && echo amx || echo no_amx)
+
 bench-engine: setup
-	$(BIN)/kvgate bench engine throughput --out bench/results/engine.json
-	$(BIN)/kvgate bench engine throughput --model smollm2 --out bench/results/engine_smollm2.json
-	$(BIN)/kvgate bench engine cpu --out bench/results/cpu_speed_smollm2.json
+	$(BIN)/kvgate bench engine throughput --out bench/results/engine.json --out-key llama56m
+	$(BIN)/kvgate bench engine throughput --model smollm2 --out bench/results/engine.json \
+		--out-key smollm2
+	$(BIN)/kvgate bench engine cpu --out bench/results/cpu_speed_smollm2.json --out-key $(CPU_KEY)
 	$(BIN)/kvgate bench quality kv --out bench/results/kv_dtypes.json
 
 # The second run times what security costs on a model whose steps are short and steady
 # (stories260K's are under 1 ms), so that it resolves well under a millisecond; the first
 # model's steps move by several ms from request to request.
 bench-serve: setup proto
-	$(BIN)/kvgate bench serve stack --out bench/results/serve.json
+	$(BIN)/kvgate bench serve stack --out bench/results/serve.json --out-key llama56m
 	$(BIN)/kvgate bench serve stack --model ../shared/models/stories260K --ttft-requests 300 \
-		--ttft-interval-s 0.5 --out bench/results/serve_stories260K.json
+		--ttft-interval-s 0.5 --out bench/results/serve.json --out-key stories260K
 	$(BIN)/kvgate bench serve fronts --out bench/results/fronts_stories260K.json
 
 run: setup proto

@@ -5,8 +5,10 @@
     kvgate bench --help                  (the list of benchmarks)
 
 Each benchmark writes its results as JSON to --out (default: bench/results/NAME.json) and
-prints a summary. Only the chosen benchmark's module is imported, so `kvgate bench load` runs
-without torch. `python -m bench.cli ...` is the same command.
+prints a summary; with --out-key KEY the results go under KEY into the JSON object --out holds
+(made if missing), its other keys kept: runs of one benchmark share one file. Only the chosen
+benchmark's module is imported, so `kvgate bench load` runs without torch. `python -m bench.cli
+...` is the same command.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from bench.harness import BenchFailure, add_out, write_results
+from bench.harness import BenchFailure, add_out, results_beside, write_results
 
 # Benchmarks start stacks (subprocess.Popen: fork, then exec) from a process whose gRPC threads
 # run; gRPC's fork handlers are then skipped with a warning, or can wait inside fork() forever.
@@ -94,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     command, flags = found
     benchmark = importlib.import_module(command.module).BENCHMARKS[command.words]
     parser = argparse.ArgumentParser(prog=f"kvgate bench {command.words}", description=command.help)
-    add_out(parser, benchmark.out)
+    add_out(parser, benchmark.out, benchmark.out_key)
     benchmark.add_arguments(parser)
     args = parser.parse_args(flags)
     try:
+        results_beside(args.out, args.out_key)  # a bad --out fails before the run
         if getattr(args, "threads", 0):
             import torch
 
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         result = benchmark.run(args)
         if benchmark.summarize is not None:
             benchmark.summarize(result)
-        write_results(result, args.out)
+        write_results(result, args.out, args.out_key)
     except BenchFailure as error:
         print(f"kvgate bench: {error}", file=sys.stderr)
         return 2

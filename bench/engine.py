@@ -1,8 +1,8 @@
 """`kvgate bench engine throughput`: kvgate's Engine against transformers on one workload, in
 one process; and the helpers the other engine benchmarks build on.
 
-    kvgate bench engine throughput --out bench/results/engine.json
-    kvgate bench engine throughput --model smollm2 --out bench/results/engine_smollm2.json
+    kvgate bench engine throughput --out bench/results/engine.json --out-key llama56m
+    kvgate bench engine throughput --model smollm2 --out bench/results/engine.json --out-key smollm2
 
 Without --model the model is a seeded random Llama of BENCH_SHAPE; with it, the weights of a
 checkpoint folder or GGUF file (`smollm2`: the SmolLM2-135M-Instruct GGUF of `make setup`),

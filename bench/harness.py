@@ -3,7 +3,8 @@ results go, the scratch folder its model is written to, and this machine's limit
 (read bandwidth, matmul FLOP/s per dtype, the CPU's number-format extensions, resident memory).
 
 A benchmark module lists its runs in `BENCHMARKS` ("GROUP NAME" -> Benchmark); bench/cli.py
-runs the one asked for, prints its summary and writes its JSON to --out.
+runs the one asked for, prints its summary and writes its JSON to --out (with --out-key KEY:
+under KEY in the JSON object --out holds, so runs of one benchmark share one file).
 """
 
 from __future__ import annotations
@@ -51,11 +52,28 @@ class Benchmark:
     summarize: Callable[[dict], None] | None = None
     # What the results show went wrong, if anything: the command then exits with status 1.
     failure: Callable[[dict], str | None] | None = None
+    # The key --out-key defaults to (None: the results are the whole file), for benchmarks
+    # whose default --out they share with another.
+    out_key: str | None = None
 
 
-def add_out(parser: argparse.ArgumentParser, name: str) -> None:
-    """--out: the results JSON (PNG plots, where a benchmark draws them, go next to it)."""
+def add_out(parser: argparse.ArgumentParser, name: str, key: str | None = None) -> None:
+    """--out: the results JSON (PNG plots, where a benchmark draws them, go next to it);
+    --out-key: the key the results go under in --out's JSON object, its other keys kept."""
     parser.add_argument("--out", type=Path, default=RESULTS / name, help="results JSON file")
+    parser.add_argument(
+        "--out-key",
+        default=key,
+        metavar="KEY",
+        help="write the results under KEY into the JSON object in --out (made if missing), "
+        "keeping its other keys",
+    )
+
+
+def plot_path(out: Path, out_key: str | None, kind: str = "") -> Path:
+    """Where a plot of the run goes: OUT[_KEY][_KIND].png next to --out."""
+    stem = "_".join(part for part in (out.stem, out_key, kind) if part)
+    return out.with_name(f"{stem}.png")
 
 
 def add_model(
@@ -130,13 +148,36 @@ def model_path(name: str) -> str:
     return str(path)
 
 
-def write_results(result: dict, out: Path) -> None:
-    """Writes `result` as JSON to `out` (its folder made)."""
+def results_beside(out: Path, out_key: str | None) -> dict:
+    """What a run leaves of --out: nothing, or with --out-key every other key of the JSON
+    object it holds (empty when there is no file yet). Called before the run, so a bad --out
+    costs none. Raises BenchFailure naming --out when it is a folder, or when --out-key is
+    given and the file is not a JSON object."""
     if out.is_dir():
         raise BenchFailure(f"--out must be a JSON file, got the folder {out}")
+    if out_key is None or not out.exists():
+        return {}
+    try:
+        held = json.loads(out.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BenchFailure(
+            f"--out {out} is not JSON ({error}): --out-key writes into an object"
+        ) from None
+    if not isinstance(held, dict):
+        kind = type(held).__name__
+        raise BenchFailure(f"--out {out} holds a JSON {kind}: --out-key writes into an object")
+    return {key: value for key, value in held.items() if key != out_key}
+
+
+def write_results(result: dict, out: Path, out_key: str | None = None) -> None:
+    """Writes `result` as JSON to `out` (its folder made); with `out_key`, under that key in
+    the JSON object `out` holds, its other keys kept (results_beside)."""
+    kept = results_beside(out, out_key)
+    if out_key is not None:
+        result = {**kept, out_key: result}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (f" (key {out_key})" if out_key is not None else ""))
 
 
 def print_json(result: dict) -> None:

@@ -80,6 +80,7 @@ from bench.harness import (
     add_model,
     load_average,
     model_path,
+    plot_path,
     print_json,
     require_positive,
     scratch_folder,
@@ -435,7 +436,7 @@ def run_scaler(args: argparse.Namespace) -> dict:
     result["machine_load_at_start"] = load_before
     result["machine_load_at_end"] = subprocess.run(["uptime"], capture_output=True,
                                                    text=True).stdout.strip()  # fmt: skip
-    result["png"] = str(scaling_timeline(result, args.out.with_suffix(".png")))
+    result["png"] = str(scaling_timeline(result, plot_path(args.out, args.out_key)))
     return result
 
 

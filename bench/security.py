@@ -1,5 +1,6 @@
 """What security costs, hop by hop (`kvgate bench serve hops`), and whether a noisy tenant slows
-a quiet one (`kvgate bench serve tenants`).
+a quiet one (`kvgate bench serve tenants`). Both write into bench/results/security.json by
+default, under the keys "hops" and "tenants" (--out, --out-key).
 
 What each defence of the secured stack adds to one hop, measured hop by hop on loopback.
 
@@ -508,6 +509,10 @@ def add_tenants_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 BENCHMARKS = {
-    "serve hops": Benchmark(add_hops_arguments, run_hops, "secure_hops.json", print_json),
-    "serve tenants": Benchmark(add_tenants_arguments, run, "noisy_tenant.json", print_json),
+    "serve hops": Benchmark(
+        add_hops_arguments, run_hops, "security.json", print_json, out_key="hops"
+    ),
+    "serve tenants": Benchmark(
+        add_tenants_arguments, run, "security.json", print_json, out_key="tenants"
+    ),
 }

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS, add_model
+from bench.harness import RESULTS, add_model, plot_path
 from bench.stats import parse_slos
 from client.api import Credentials, default_target
 from client.cli import add_credential_flags, credentials_from_args
@@ -255,6 +255,7 @@ class BenchConfig:
     max_concurrency: int | None = None  # None: no limit
     slos_ms: dict[str, float] = field(default_factory=dict)
     out: Path = RESULTS / "bench.json"
+    out_key: str | None = None  # the key of --out's JSON object the results go under
     sweep_rates: list[float] = field(default_factory=list)
     sweep_windows_ms: list[float] = field(default_factory=list)
     sweep_policies: list[str] = field(default_factory=list)  # fcfs | lpm, one run each
@@ -307,8 +308,8 @@ class BenchConfig:
             raise ValueError(f"--hf-sample must be >= 1, got {self.hf_sample}")
 
     def plot_path(self, kind: str) -> Path:
-        """Returns: OUT_kind.png next to the results JSON."""
-        return self.out.with_name(f"{self.out.stem}_{kind}.png")
+        """Returns: OUT[_KEY]_kind.png next to the results JSON."""
+        return plot_path(self.out, self.out_key, kind)
 
 
 def served_model(config: BenchConfig) -> str:
@@ -449,6 +450,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_concurrency=args.max_concurrency,
         slos_ms=parse_slos(args.slo),
         out=args.out,
+        out_key=args.out_key,
         sweep_rates=args.sweep_rates,
         sweep_windows_ms=args.sweep_windows_ms,
         sweep_policies=args.sweep_policies,

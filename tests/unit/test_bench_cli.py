@@ -1,5 +1,6 @@
 """`kvgate bench load` on bad input: one line naming the flag, exit status 2, no traceback; the
-list of benchmarks; and the `kvgate` client, which loads the benchmark only for `kvgate bench`."""
+list of benchmarks; --out-key's writes into one results file; and the `kvgate` client, which
+loads the benchmark only for `kvgate bench`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from bench.harness import plot_path, write_results
 from client.cli import main
 from deploy.stack import free_port
 from tests.helpers import REPO, STORIES_260K
@@ -52,6 +54,43 @@ def test_bad_flags_give_one_line_naming_the_flag(capsys, flags, named):
 def test_out_naming_a_folder_is_refused_before_the_run(capsys, tmp_path):
     line = bench_error(capsys, "--target", f"127.0.0.1:{free_port()}", "--out", str(tmp_path))
     assert "--out" in line and "folder" in line, line
+
+
+def test_runs_written_under_two_keys_keep_both_and_the_keys_already_there(tmp_path):
+    out = tmp_path / "engine.json"
+    out.write_text(json.dumps({"older": {"tokens_per_s": 1.0}}))
+    write_results({"tokens_per_s": 2.0}, out, "llama56m")
+    write_results({"tokens_per_s": 3.0}, out, "smollm2")
+    write_results({"tokens_per_s": 4.0}, out, "smollm2")  # a rerun replaces its own key only
+    assert json.loads(out.read_text()) == {
+        "older": {"tokens_per_s": 1.0},
+        "llama56m": {"tokens_per_s": 2.0},
+        "smollm2": {"tokens_per_s": 4.0},
+    }
+    write_results({"tokens_per_s": 5.0}, out)  # without a key the file is the run's alone
+    assert json.loads(out.read_text()) == {"tokens_per_s": 5.0}
+
+
+def test_a_key_into_a_missing_file_makes_it_and_plots_are_named_by_the_key(tmp_path):
+    out = tmp_path / "new" / "load.json"
+    write_results({"ttft_ms": 1.0}, out, "policy")
+    assert json.loads(out.read_text()) == {"policy": {"ttft_ms": 1.0}}
+    assert plot_path(out, "policy", "windows") == tmp_path / "new" / "load_policy_windows.png"
+    assert plot_path(out, None) == tmp_path / "new" / "load.png"
+
+
+@pytest.mark.parametrize(
+    ("held", "said"), [("[1, 2]", "holds a JSON list"), ("not json", "is not JSON")]
+)
+def test_a_key_into_a_file_that_is_not_a_json_object_is_refused_before_the_run(
+    capsys, tmp_path, held, said
+):
+    out = tmp_path / "run.json"
+    out.write_text(held)
+    target = f"127.0.0.1:{free_port()}"  # nothing listens: the run itself would fail otherwise
+    line = bench_error(capsys, "--target", target, "--out", str(out), "--out-key", "rates")
+    assert line.startswith(f"kvgate bench: --out {out} {said}"), line
+    assert out.read_text() == held, "the file is left as it was"
 
 
 def test_an_unreachable_target_is_named_without_a_traceback(capsys, tmp_path):
