@@ -2,7 +2,7 @@
 model: 16 chat prompts through its chat template, float32's greedy continuation of 64 tokens
 each, and the teacher-forced top-1 agreement of each format along it (bench/quality.py),
 computed here and held to >= 95%. (tests/unit/test_engine_dtypes.py holds the same on
-stories260K; docs/cpu-speed.md has the full table with the free-run measures.)
+stories260K; docs/benchmarks.md has the full table with the free-run measures.)
 
 `make setup` puts the GGUF file in the model cache; without it this test fails, not skips."""
 
