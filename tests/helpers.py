@@ -1,5 +1,6 @@
 """Shared test helpers: the stories260K path, waiting for a condition, a private
-redis-server, seeded random checkpoints, an engine and greedy parameters, greedy references."""
+redis-server, seeded random checkpoints, an engine, greedy parameters and runs, greedy
+references."""
 
 from __future__ import annotations
 
@@ -186,6 +187,14 @@ def run_to_completion(engine, max_steps: int = 100_000) -> dict[str, list[int]]:
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     raise AssertionError(f"engine still had unfinished requests after {max_steps} steps")
+
+
+def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation of `max_tokens` tokens, run together on `engine`."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, greedy(max_tokens))
+    tokens = run_to_completion(engine)
+    return [tokens[f"p{i}"] for i in range(len(prompts))]
 
 
 def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -18,6 +18,11 @@ class PagedCase:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
 
+    def to(self, device: torch.device | str) -> "PagedCase":
+        """The same case with every tensor on `device`."""
+        tensors = (self.k_cache, self.v_cache, self.block_tables, self.context_lens)
+        return PagedCase(*(t.to(device) for t in tensors))
+
 
 def make_paged_case(
     gen: torch.Generator,
