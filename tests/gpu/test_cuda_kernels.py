@@ -12,11 +12,11 @@ import os
 import pytest
 import torch
 
-from bench.kernels import Row, Shape, paged_case
 from kernels import KernelBackend, build_cos_sin_cache, get_kernels, triton_fp8
 from kernels import reference as ref
-from kernels.kv_format import fp8_e4m3_bytes, fp8_e4m3_values, to_cache_rows
+from kernels.kv_format import fp8_e4m3_bytes, fp8_e4m3_values
 from kernels.quant import quantize_int4, quantize_int8
+from tests.kernels.paged_cases import PagedCase, cu_seqlens, in_cache_format, make_paged_case
 
 pytestmark = [
     pytest.mark.skipif(
@@ -35,11 +35,13 @@ TOLERANCES = {
     torch.float32: (1e-4, 1e-4),
 }
 
+# (query heads, KV heads, head_dim, block_size, context lengths) of each attention case
 CHECK_SHAPES = (
-    Shape(32, 8, 128, 16, (1, 15, 17, 700, 1500)),
-    Shape(8, 4, 8, 16, (1, 33, 600)),
-    Shape(8, 1, 256, 4, (5, 300)),
+    (32, 8, 128, 16, [1, 15, 17, 700, 1500]),
+    (8, 4, 8, 16, [1, 33, 600]),
+    (8, 1, 256, 4, [5, 300]),
 )
+Shape = tuple[int, int, int, int, list[int]]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,9 @@ def tk(device: torch.device) -> KernelBackend:
     return get_kernels(device, "triton")
 
 
-def assert_ok(rows: list[Row]) -> None:
-    failed = [f"{r.case} ({r.dtype}): {r.metric} {r.value}" for r in rows if r.status != "ok"]
+def assert_ok(failures: list[str | None]) -> None:
+    """`failures` holds one entry a check: None where it passed, else what it measured."""
+    failed = [failure for failure in failures if failure]
     assert not failed, "outside the tolerance of the dtype: " + "; ".join(failed)
 
 
@@ -87,29 +90,40 @@ def test_fp8_cache(dtype: torch.dtype, device, tk) -> None:
     assert_ok(check_fp8_cache(dtype, device, tk))
 
 
-def compare(name: str, dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor) -> Row:
+def compare(
+    name: str, dtype: torch.dtype, actual: torch.Tensor, expected: torch.Tensor
+) -> str | None:
+    """None where `actual` is within the dtype's tolerance of `expected`, else the error."""
     atol, rtol = TOLERANCES[dtype]
     diff = (actual.float() - expected.float()).abs()
     ok = bool((diff <= atol + rtol * expected.float().abs()).all())
-    return Row(
-        "check",
-        name,
-        str(dtype).removeprefix("torch."),
-        "max abs err",
-        f"{diff.max().item():.2e}",
-        "ok" if ok else "FAIL",
-    )
+    return None if ok else f"{name} ({dtype_name(dtype)}): max abs err {diff.max().item():.2e}"
+
+
+def exact(name: str, dtype: str, equal: bool) -> str | None:
+    return None if equal else f"{name} ({dtype}): not exact"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def attention_case(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int) -> PagedCase:
+    _, num_kv_heads, head_dim, block_size, context_lens = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return make_paged_case(gen, context_lens, block_size, num_kv_heads, head_dim, dtype).to(device)
 
 
 def check_attention(
     shape: Shape, dtype: torch.dtype, device: torch.device, tk: KernelBackend
-) -> list[Row]:
-    k_cache, v_cache, block_tables, context_lens = paged_case(shape, dtype, device, seed=0)
+) -> list[str | None]:
+    num_heads, num_kv_heads, head_dim, block_size, lengths = shape
+    case = attention_case(shape, dtype, device, seed=0)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    batch, scale = len(shape.context_lens), shape.head_dim**-0.5
-    q = torch.randn(batch, shape.num_heads, shape.head_dim, generator=gen).to(device, dtype)
-    caches = (k_cache, v_cache, block_tables)
-    label = f"{shape.num_heads}/{shape.num_kv_heads}h d{shape.head_dim} bs{shape.block_size}"
+    batch, scale = len(lengths), head_dim**-0.5
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(device, dtype)
+    caches, context_lens = (case.k_cache, case.v_cache, case.block_tables), case.context_lens
+    label = f"{num_heads}/{num_kv_heads}h d{head_dim} bs{block_size}"
     rows = [
         compare(
             f"decode {label}",
@@ -118,10 +132,9 @@ def check_attention(
             ref.paged_decode_attention(q, *caches, context_lens, scale),
         )
     ]
-    query_lens = [min(n, 1 + n // 3) for n in shape.context_lens]
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    cu = cu.to(device)
-    q_packed = torch.randn(sum(query_lens), shape.num_heads, shape.head_dim, generator=gen)
+    query_lens = [min(n, 1 + n // 3) for n in lengths]
+    cu = cu_seqlens(query_lens).to(device)
+    q_packed = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
     q_packed = q_packed.to(device, dtype)
     rows.append(
         compare(
@@ -134,7 +147,7 @@ def check_attention(
     return rows
 
 
-def check_store(dtype: torch.dtype, device: torch.device, tk: KernelBackend) -> Row:
+def check_store(dtype: torch.dtype, device: torch.device, tk: KernelBackend) -> str | None:
     gen = torch.Generator(device="cpu").manual_seed(2)
     cache_shape = (64, 16, 8, 128)
     k_cache = torch.randn(cache_shape, generator=gen).to(device, dtype)
@@ -147,18 +160,13 @@ def check_store(dtype: torch.dtype, device: torch.device, tk: KernelBackend) -> 
     slot_mapping = slot_mapping.to(device)
     tk.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
     ref.store_kvcache(key, value, expected_k, expected_v, slot_mapping)
-    exact = torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    return Row(
-        "check",
-        "store_kvcache 8h d128",
-        str(dtype).removeprefix("torch."),
-        "exact",
-        str(exact),
-        "ok" if exact else "FAIL",
-    )
+    equal = torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    return exact("store_kvcache 8h d128", dtype_name(dtype), equal)
 
 
-def check_norm_and_rotary(dtype: torch.dtype, device: torch.device, tk: KernelBackend) -> list[Row]:
+def check_norm_and_rotary(
+    dtype: torch.dtype, device: torch.device, tk: KernelBackend
+) -> list[str | None]:
     gen = torch.Generator(device="cpu").manual_seed(3)
     x = torch.randn(300, 4096, generator=gen).to(device, dtype)
     residual = torch.randn(300, 4096, generator=gen).to(device, dtype)
@@ -189,7 +197,7 @@ def check_norm_and_rotary(dtype: torch.dtype, device: torch.device, tk: KernelBa
 
 def check_quantized_linear(
     dtype: torch.dtype, device: torch.device, tk: KernelBackend
-) -> list[Row]:
+) -> list[str | None]:
     """int8 and int4 weight-only matmuls at 1 and 64 rows, errors relative to the largest
     output (16-bit activations multiply weights rounded to their dtype)."""
     gen = torch.Generator(device="cpu").manual_seed(4)
@@ -207,13 +215,9 @@ def check_quantized_linear(
     return rows
 
 
-def exact_row(case: str, dtype: str, exact: bool) -> Row:
-    return Row("check", case, dtype, "exact", str(exact), "ok" if exact else "FAIL")
-
-
 def check_fp8_conversions(
     device: torch.device, chunks: int = 16, chunk_bits: int = 28
-) -> list[Row]:
+) -> list[str | None]:
     """Every e4m3 byte decoded, and the first chunks x 2^chunk_bits float32 bit patterns (all
     2^32 by default) encoded, by the Triton kernels' integer code against torch's conversion."""
     data = torch.arange(256, device=device).to(torch.uint8)
@@ -232,11 +236,12 @@ def check_fp8_conversions(
         encoded &= torch.equal(got[numbers], expected[numbers])
         encoded &= bool(((got[~numbers] & 0x7F) == 0x7F).all())
     encode_case = f"fp8 encode, {chunks} x 2^{chunk_bits} float32"
-    return [exact_row("fp8 decode, 256 bytes", "fp8", decoded),
-            exact_row(encode_case, "fp8", encoded)]  # fmt: skip
+    return [exact("fp8 decode, 256 bytes", "fp8", decoded), exact(encode_case, "fp8", encoded)]
 
 
-def check_fp8_cache(dtype: torch.dtype, device: torch.device, tk: KernelBackend) -> list[Row]:
+def check_fp8_cache(
+    dtype: torch.dtype, device: torch.device, tk: KernelBackend
+) -> list[str | None]:
     """The store into an fp8 cache (exact) and attention reading it (against the reference)."""
     gen = torch.Generator(device="cpu").manual_seed(3)
     caches = [torch.zeros(64, 16, 8 * 128 + 2, dtype=torch.uint8, device=device) for _ in range(4)]
@@ -244,14 +249,15 @@ def check_fp8_cache(dtype: torch.dtype, device: torch.device, tk: KernelBackend)
     slot_mapping = torch.randperm(64 * 16, generator=gen)[:100].to(device)
     tk.store_kvcache(key, value, caches[0], caches[1], slot_mapping)
     ref.store_kvcache(key, value, caches[2], caches[3], slot_mapping)
-    exact = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    rows = [exact_row("store_kvcache fp8 8h d128", str(dtype).removeprefix("torch."), exact)]
+    equal = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    rows = [exact("store_kvcache fp8 8h d128", dtype_name(dtype), equal)]
     for shape in CHECK_SHAPES:
-        k_cache, v_cache, tables, lens = paged_case(shape, torch.float32, device, seed=4)
-        fp8 = (to_cache_rows(k_cache, torch.uint8), to_cache_rows(v_cache, torch.uint8))
-        q = torch.randn(len(lens), shape.num_heads, shape.head_dim, generator=gen)
-        q, scale = q.to(device, dtype), shape.head_dim**-0.5
-        rows.append(compare(f"decode fp8 cache d{shape.head_dim}", dtype,
+        num_heads, _, head_dim, _, _ = shape
+        case = in_cache_format(attention_case(shape, torch.float32, device, seed=4), torch.uint8)
+        fp8, tables, lens = (case.k_cache, case.v_cache), case.block_tables, case.context_lens
+        q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+        q, scale = q.to(device, dtype), head_dim**-0.5
+        rows.append(compare(f"decode fp8 cache d{head_dim}", dtype,
                             tk.paged_decode_attention(q, *fp8, tables, lens, scale),
                             ref.paged_decode_attention(q, *fp8, tables, lens, scale)))  # fmt: skip
     return rows
