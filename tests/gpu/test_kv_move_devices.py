@@ -8,9 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.kv_move import (
     engine_layout,
     read_moved,
@@ -19,7 +16,7 @@ from engine.kv_move import (
     take_sequences,
     write_taken,
 )
-from tests.helpers import STORIES_260K, run_to_completion
+from tests.helpers import greedy, make_engine, run_to_completion
 
 DEVICES = [
     "cpu",
@@ -28,17 +25,13 @@ DEVICES = [
         marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     ),
 ]
-GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+GREEDY = greedy(32)
 PROMPT = [1, 403, 178, 261, 144, 230, 160, 297, 261, 125, 29, 450, 178, 471] * 3
-
-
-def make_engine(device: str) -> Engine:
-    return Engine(EngineConfig(model=str(STORIES_260K), device=device, kv_cache_gib=0.02))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_request_moved_mid_generation_finishes_as_an_undisturbed_run(device: str) -> None:
-    undisturbed, sender, receiver = (make_engine(device) for _ in range(3))
+    undisturbed, sender, receiver = (make_engine(device=device) for _ in range(3))
     undisturbed.add_request("r", PROMPT, GREEDY)
     expected = run_to_completion(undisturbed)["r"]
     sender.add_request("r", PROMPT, GREEDY)

@@ -14,9 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
+from tests.helpers import greedy_tokens, make_engine
 
 DEVICES = [
     "cpu",
@@ -37,16 +35,9 @@ MODES = {
 
 
 def run_mode(model_dir: str, device: str, prompts: list[list[int]], overrides: dict) -> dict:
-    engine = Engine(EngineConfig(model=model_dir, device=device, block_size=4, kv_cache_gib=0.02,
-                                 enable_prefix_caching=False, swap_space_gib=0.01,
-                                 gpu_memory_utilization=0.3, **overrides))  # fmt: skip
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{i}", prompt, params)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    engine = make_engine(model_dir, device=device, block_size=4, enable_prefix_caching=False,
+                         swap_space_gib=0.01, gpu_memory_utilization=0.3, **overrides)  # fmt: skip
+    tokens = greedy_tokens(engine, prompts, 24)
     stats = engine.stats()
     return {
         "tokens": tokens,

@@ -19,9 +19,7 @@ import pytest
 
 from client.api import KvgateClient
 from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from tests.helpers import run_to_completion, save_random_llama, wait_for
+from tests.helpers import make_engine, run_to_completion, save_random_llama, wait_for
 from tests.integration.conftest import MODEL, generate
 
 EXECUTOR = "executor-0"
@@ -31,7 +29,7 @@ MAX_TOKENS = 24
 
 def one_rank_tokens(prompt_ids: list[list[int]], model: Path = MODEL) -> list[list[int]]:
     """Greedy tokens of an in-process one-rank engine, the prompts run concurrently."""
-    engine = Engine(EngineConfig(model=str(model), num_gpu_blocks=512, block_size=16))
+    engine = make_engine(model, num_gpu_blocks=512, block_size=16)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     for i, ids in enumerate(prompt_ids):
         engine.add_request(str(i), ids, params)

@@ -6,9 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from tests.helpers import STORIES_260K, hf_generate, run_to_completion
+from tests.helpers import STORIES_260K, hf_generate, make_engine, run_to_completion
 
 
 def test_stories260k_greedy_with_triton_kernels_matches_transformers():
@@ -17,7 +15,7 @@ def test_stories260k_greedy_with_triton_kernels_matches_transformers():
     prompt = tokenizer("Once upon a time").input_ids
     # 48 tokens: past three KV blocks, and each step runs in the interpreter.
     expected = hf_generate(hf_model, prompt, 48)
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.01, kernels="triton"))
+    engine = make_engine(kv_cache_gib=0.01, kernels="triton")
     assert engine.runner.kernels.name == "triton"
     engine.add_request("story", prompt, SamplingParams(max_tokens=48, temperature=0.0))
     got = run_to_completion(engine)["story"]

@@ -10,24 +10,28 @@ from __future__ import annotations
 
 from transformers import AutoModelForCausalLM
 
-from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.engine import Engine
-from tests.helpers import STORIES_260K, assert_greedy_matches, hf_greedy, run_to_completion
+from tests.helpers import (
+    STORIES_260K,
+    assert_greedy_matches,
+    greedy,
+    hf_greedy,
+    make_engine,
+    run_to_completion,
+)
 
 PROMPTS = [[1, 403, 407, 261, 378], [1, 320, 201, 352], [1, 77], [1, 403, 60, 61, 62, 63, 64]]
 
 
 def test_decode_steps_through_padded_static_buffers_match_transformers():
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05, max_num_seqs=8))
+    engine = make_engine(kv_cache_gib=0.05, max_num_seqs=8)
     graphs = DecodeGraphs(engine.runner.decode_model(), max_batch=8, capture=False)
     assert graphs.sizes == [1, 2, 4, 8] and not graphs.graphs
     used: list[int] = []
     run = graphs.run
     graphs.run = lambda scheduled: used.append(len(scheduled)) or run(scheduled)
     engine.runner.decode_graphs = graphs
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = greedy(24)
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(f"r{i}", prompt, params)
     first = [out for _ in range(3) for out in engine.step()]  # prefill; 2 decodes of 3 (pad 1)
@@ -42,10 +46,10 @@ def test_decode_steps_through_padded_static_buffers_match_transformers():
 
 
 def test_steps_that_do_not_fit_run_eagerly():
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05, max_num_seqs=8))
+    engine = make_engine(kv_cache_gib=0.05, max_num_seqs=8)
     graphs = DecodeGraphs(engine.runner.decode_model(), max_batch=2, capture=False)
     engine.runner.decode_graphs = graphs
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    params = greedy(4)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
     out = engine.scheduler.schedule()

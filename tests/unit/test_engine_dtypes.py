@@ -14,12 +14,12 @@ import torch
 from bench.quality import measure_quality, tokenized_prompts
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.engine import Engine
 from executor.config import ExecutorConfig
 from kernels.quant import QuantizedWeight
-from tests.helpers import STORIES_260K, run_to_completion
+from tests.helpers import STORIES_260K, greedy_tokens, make_engine, run_to_completion
 
 MIN_TOP1_AGREEMENT = 0.95
+PROMPT = [1, 403, 407, 261, 378]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_teacher_forced_top1_agreement_with_float32_is_at_least_95_percent(quali
 
 
 def test_quantized_model_keeps_its_linear_layers_quantized_and_shares_the_tied_table():
-    engine = Engine(EngineConfig(model=str(STORIES_260K), quantization="int4", kv_cache_gib=0.05))
+    engine = make_engine(quantization="int4", kv_cache_gib=0.05)
     model = engine.runner.model
     head = model.lm_head.quantized
     assert isinstance(head, QuantizedWeight) and head.bits == 8, "the output layer is int8"
@@ -51,42 +51,37 @@ def test_quantized_model_keeps_its_linear_layers_quantized_and_shares_the_tied_t
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     quantized = sum(m.quantized.nbytes for m in model.modules() if getattr(m, "quantized", None)
                     is not None and m is not model.embed_tokens)  # fmt: skip
-    float32_bytes = 4 * sum(
-        p.numel() for p in Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05))
-        .runner.model.parameters()
-    )  # fmt: skip
+    float32 = make_engine(kv_cache_gib=0.05).runner.model
+    float32_bytes = 4 * sum(p.numel() for p in float32.parameters())
     assert dense + quantized < 0.35 * float32_bytes, (dense, quantized, float32_bytes)
-    tokens = run_to_completion_of(engine, [1, 403, 407, 261, 378])
+    [tokens] = greedy_tokens(engine, [PROMPT], 16)
     assert len(tokens) == 16 and all(0 <= t < 512 for t in tokens)
 
 
 def test_int8_activations_reach_every_int8_layer_in_whole_blocks():
-    config = EngineConfig(model=str(STORIES_260K), quantization="int8", int8_activations=True,
-                          kv_cache_gib=0.05)  # fmt: skip
-    engine = Engine(config)
+    engine = make_engine(quantization="int8", int8_activations=True, kv_cache_gib=0.05)
     model = engine.runner.model
     layer = model.layers[0]
     assert layer.self_attn.qkv_proj.quantized.int8_activations  # input width 64
     assert model.lm_head.quantized.int8_activations
     assert not layer.mlp.down_proj.quantized.int8_activations  # 172: no whole blocks of 32
-    assert len(run_to_completion_of(engine, [1, 403, 407, 261, 378])) == 16
+    assert len(greedy_tokens(engine, [PROMPT], 16)[0]) == 16
 
 
 def test_bfloat16_engine_keeps_a_bfloat16_cache_and_decodes():
-    engine = Engine(EngineConfig(model=str(STORIES_260K), dtype="bfloat16", kv_cache_gib=0.05))
+    engine = make_engine(dtype="bfloat16", kv_cache_gib=0.05)
     assert engine.runner.kernels.name == "cpu"
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in engine.runner.kv_caches)
-    assert len(run_to_completion_of(engine, [1, 403, 407, 261, 378])) == 16
+    assert len(greedy_tokens(engine, [PROMPT], 16)[0]) == 16
 
 
 def test_prompt_logits_predict_the_first_greedy_token_and_need_an_idle_engine():
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05))
-    prompt = [1, 403, 407, 261, 378]
-    logits = engine.prompt_logits(prompt)
+    engine = make_engine(kv_cache_gib=0.05)
+    logits = engine.prompt_logits(PROMPT)
     assert logits.shape == (5, 512) and logits.dtype == torch.float32
-    engine.add_request("busy", prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request("busy", PROMPT, SamplingParams(max_tokens=1, temperature=0))
     with pytest.raises(RuntimeError, match="needs an idle engine"):
-        engine.prompt_logits(prompt)
+        engine.prompt_logits(PROMPT)
     assert run_to_completion(engine)["busy"] == [int(logits[-1].argmax())]
 
 
@@ -97,12 +92,6 @@ def test_config_names_a_bad_quantization_or_a_cpu_float16():
         EngineConfig(model=str(STORIES_260K), dtype="float16")
     with pytest.raises(ValueError, match="int8_activations must be only with quantization int8"):
         EngineConfig(model=str(STORIES_260K), int8_activations=True)
-
-
-def run_to_completion_of(engine: Engine, prompt: list[int]) -> list[int]:
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    engine.add_request("r", prompt, params)
-    return run_to_completion(engine)["r"]
 
 
 def test_executor_flags_reach_the_engine_and_bad_ones_name_the_flag(monkeypatch):

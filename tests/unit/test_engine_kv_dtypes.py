@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.quality import greedy_continuations, measure_quality, tokenized_prompts
+from bench.quality import measure_quality, tokenized_prompts
 from engine.config import EngineConfig
 from engine.engine import Engine
 from executor.config import ExecutorConfig
 from kernels.kv_format import KV_CACHE_DTYPES
-from tests.helpers import STORIES_260K, make_engine
+from tests.helpers import STORIES_260K, greedy_tokens, make_engine
 
 MIN_TOP1_AGREEMENT = {"kv-float16": 0.95, "kv-bfloat16": 0.95, "kv-int8": 0.95, "kv-fp8": 0.93}
 VARIANTS = ("kv-float16", "kv-bfloat16", "kv-int8", "kv-fp8")
@@ -47,14 +47,14 @@ def test_cache_formats_agree_with_the_float32_cache_as_their_bar_asks(quality, v
 
 
 def _greedy(**config) -> list[list[int]]:
-    return greedy_continuations(make_engine(**config), PROMPTS, 48)
+    return greedy_tokens(make_engine(**config), PROMPTS, 48)
 
 
 def test_auto_is_the_model_dtype_token_for_token():
     assert _greedy(kv_cache_dtype="auto") == _greedy(kv_cache_dtype="float32")
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, dtype="bfloat16"))
+    engine = make_engine(dtype="bfloat16")
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16, "auto: the model's dtype"
-    bf16 = greedy_continuations(engine, PROMPTS, 48)
+    bf16 = greedy_tokens(engine, PROMPTS, 48)
     assert bf16 == _greedy(dtype="bfloat16", kv_cache_dtype="bfloat16")
 
 
@@ -64,11 +64,11 @@ def test_auto_is_the_model_dtype_token_for_token():
     ids=["int8", "float16", "fp8"],
 )
 def test_the_c_kernels_on_a_narrow_cache_decode_as_their_reference_twins(name, token):
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.02, kv_cache_dtype=name))
+    engine = make_engine(kv_cache_dtype=name)
     k_cache = engine.runner.kv_caches[0][0]
     assert engine.runner.kernels.name == "cpu" and k_cache.dtype == KV_CACHE_DTYPES[name]
     assert k_cache.shape[2:] == token, "stories260K's 4 KV heads of 8 (int8, fp8: one scale)"
-    c_tokens = greedy_continuations(engine, PROMPTS, 48)
+    c_tokens = greedy_tokens(engine, PROMPTS, 48)
     assert c_tokens == _greedy(kv_cache_dtype=name, kernels="reference")
 
 
@@ -91,7 +91,7 @@ def _blocks_per_16_mib(model: str, layers: int, kv_heads: int, head_dim: int) ->
     for name, token_bytes in (("float32", 4 * values), ("bfloat16", 2 * values),
                               ("float16", 2 * values), ("int8", values + 2),
                               ("fp8", values + 2)):  # fmt: skip
-        runner = Engine(EngineConfig(model=model, kv_cache_gib=1 / 64, kv_cache_dtype=name)).runner
+        runner = make_engine(model, kv_cache_gib=1 / 64, kv_cache_dtype=name).runner
         block_bytes = 2 * layers * runner.block_size * token_bytes
         assert runner.num_blocks == (1 << 24) // block_bytes, f"{name}: blocks per 16 MiB"
         allocated = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)

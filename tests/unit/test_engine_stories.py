@@ -11,8 +11,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
 from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine, run_to_completion
 
 PROMPTS = [
@@ -107,7 +105,7 @@ def test_every_eos_id_of_generation_config_ends_generation(tokenizer, tmp_path: 
     for eos_ids in ([2, free[step]], [free[step], 2]):
         config["eos_token_id"] = eos_ids
         (model / "generation_config.json").write_text(json.dumps(config))
-        engine = Engine(EngineConfig(model=str(model), kv_cache_gib=0.05))
+        engine = make_engine(model, kv_cache_gib=0.05)
         engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0.0))
         outputs = [out for _ in range(64) if engine.has_unfinished() for out in engine.step()]
         assert [t for o in outputs for t in o.new_token_ids] == free[: step + 1], eos_ids

@@ -25,7 +25,7 @@ from common.sampling_params import SamplingParamError, SamplingParams
 from engine.engine import Engine
 from engine.sampler import apply_logit_masks
 from engine.structured import StructuredOutput
-from tests.helpers import STORIES_260K, make_engine, run_to_completion
+from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion
 
 PERSON = {
     "type": "object",
@@ -352,12 +352,11 @@ def run_to_first_output(engine: Engine):
 
 def test_logit_bias_and_allowed_token_ids(engine, tokenizer):
     prompt = tokenizer("Once upon a time").input_ids
-    greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 6}
     params = {
-        "bias": SamplingParams(logit_bias={77: 100.0}, **greedy),
+        "bias": greedy(6, logit_bias={77: 100.0}),
         "allowed": SamplingParams(allowed_token_ids=[10, 20, 30], temperature=1.0, seed=3,
                                   max_tokens=20, ignore_eos=True),
-        "banned": SamplingParams(logit_bias={t: -100.0 for t in range(100, 512)}, **greedy),
+        "banned": greedy(6, logit_bias={t: -100.0 for t in range(100, 512)}),
     }  # fmt: skip
     results = run(engine, params, prompt)
     assert results["bias"][0] == [77] * 6, results["bias"]
@@ -371,7 +370,7 @@ def test_no_allowed_token_finishes_the_request_alone_with_an_error(engine, token
     yes = llguidance.hf.from_tokenizer(tokenizer, n_vocab=512).tokenize_str("yes")
     params = {
         "blocked": sampled(choice, 0, allowed_token_ids=[t for t in range(3, 512) if t != yes[0]]),
-        "fine": SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        "fine": greedy(5),
     }
     results = run(engine, params, prompt)
     assert results["blocked"][1] == FinishReason.ERROR
@@ -437,7 +436,7 @@ def test_a_compile_that_raises_finishes_that_request_alone(tokenizer):
         engine,
         {
             "constrained": sampled(schema(PERSON), 0),
-            "free": SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            "free": greedy(8),
         },
         prompt,
     )

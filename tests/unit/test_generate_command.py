@@ -7,10 +7,9 @@ import sys
 
 from tokenizers import Tokenizer
 
-from engine.config import EngineConfig, pop_engine_config
-from engine.engine import Engine
+from engine.config import pop_engine_config
 from engine.generate import build_parser, generate, main
-from tests.helpers import REPO, STORIES_260K, greedy
+from tests.helpers import REPO, STORIES_260K, greedy, make_engine
 
 PROMPTS = ["Once upon a time", "The little dog"]
 
@@ -23,7 +22,7 @@ def test_the_command_prints_each_prompts_greedy_completion_in_order():
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     tokenizer = Tokenizer.from_file(str(STORIES_260K / "tokenizer.json"))
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05))
+    engine = make_engine(kv_cache_gib=0.05)
     params = greedy(12)
     expected = generate(engine, [tokenizer.encode(p).ids for p in PROMPTS], params)
     blocks = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]

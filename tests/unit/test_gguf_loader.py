@@ -14,11 +14,16 @@ from transformers import AutoModelForCausalLM
 from common.gguf_metadata import GgufFile
 from common.model_files import gguf_file
 from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.models.gguf import dequantize_tensor
 from engine.models.loader import load_model
-from tests.helpers import assert_greedy_matches, greedy, hf_greedy, run_to_completion
+from tests.helpers import (
+    assert_greedy_matches,
+    greedy_tokens,
+    hf_greedy,
+    make_engine,
+    run_to_completion,
+)
 from tests.tiny_gguf import EOS_ID, EOT_ID, MIXED_TYPES, write_tiny_llama
 
 PROMPTS = [[1, 76, 71, 259, 72, 261, 2], [3, 9, 40, 88, 120, 200, 250, 12, 5]]
@@ -99,13 +104,9 @@ def test_config_comes_from_the_metadata(mixed_gguf: Path):
 
 
 def test_engine_greedy_equals_transformers_on_the_same_gguf(mixed_gguf: Path, hf_model):
-    engine = Engine(EngineConfig(model=str(mixed_gguf), kv_cache_gib=0.02))
-    params = greedy(24)
+    got = greedy_tokens(make_engine(mixed_gguf), PROMPTS, 24)
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"p{i}", prompt, params)
-    got = run_to_completion(engine)
-    for i, prompt in enumerate(PROMPTS):
-        assert_greedy_matches(got[f"p{i}"], hf_greedy(hf_model, prompt, 24), f"prompt {i}")
+        assert_greedy_matches(got[i], hf_greedy(hf_model, prompt, 24), f"prompt {i}")
 
 
 def test_generation_stops_at_the_files_end_of_turn_id(tmp_path: Path):
@@ -124,7 +125,7 @@ def test_generation_stops_at_the_files_end_of_turn_id(tmp_path: Path):
 
 
 def engine_with(path: Path, params: SamplingParams) -> Engine:
-    engine = Engine(EngineConfig(model=str(path), kv_cache_gib=0.02))
+    engine = make_engine(path)
     engine.add_request("r", PROMPTS[1], params)
     return engine
 

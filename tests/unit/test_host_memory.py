@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.host_memory import resident_nbytes
 from engine.model_runner import ModelRunner
 from executor.config import ExecutorConfig
-from tests.helpers import STORIES_260K, greedy, run_to_completion
+from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +98,7 @@ def test_the_model_runner_sets_the_thresholds_only_when_asked(monkeypatch: pytes
 
 
 def test_the_kv_cache_and_its_host_tier_are_resident_only_where_blocks_are_written():
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.05, swap_space_gib=0.05))
+    engine = make_engine(kv_cache_gib=0.05, swap_space_gib=0.05)
     caches = [t for layer in engine.runner.kv_caches for t in layer]
     host = [t for layer in engine.runner.host_pool.host_caches for t in layer]
     assert sum(resident_nbytes(t) for t in caches + host) == 0, "nothing written yet"

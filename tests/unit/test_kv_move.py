@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_move import (
     KVLayout,
@@ -22,15 +21,10 @@ from engine.kv_move import (
     write_blocks,
     write_taken,
 )
-from tests.helpers import STORIES_260K, run_to_completion
+from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+GREEDY = greedy(24)
 PROMPT = [1, 403, 178, 261, 144, 230, 160, 297, 261, 125, 29, 450, 178, 471] * 3
-
-
-def make_engine(**overrides) -> Engine:
-    config = dict(model=str(STORIES_260K), kv_cache_gib=0.02, block_size=16)
-    return Engine(EngineConfig(**(config | overrides)))
 
 
 def move(sender: Engine, receiver: Engine, moved, chunk_blocks: int = 3) -> None:
@@ -154,7 +148,7 @@ def _fields(layout: KVLayout) -> dict:
 
 def test_a_request_owing_its_prompt_logprobs_moves_no_kv() -> None:
     """Its next run recomputes the prompt for the logprobs anyway (no cached KV stands in)."""
-    wants = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    wants = greedy(24, prompt_logprobs=1)
     for params, moves_kv in ((wants, False), (GREEDY, True)):
         sender = make_engine(max_num_batched_tokens=16)  # the prompt takes three steps
         sender.add_request("r", PROMPT, params)
@@ -170,12 +164,12 @@ def test_the_weights_fingerprint_tells_two_checkpoints_of_one_name_apart(tmp_pat
 
     copy = tmp_path / "stories260K"
     shutil.copytree(STORIES_260K, copy)
-    same = engine_layout(make_engine(model=str(copy)))
+    same = engine_layout(make_engine(copy))
     assert same == engine_layout(make_engine())  # the same weights elsewhere: one layout
     weights = next(copy.glob("*.safetensors"), None) or next(copy.glob("*.bin"))
     raw = bytearray(weights.read_bytes())
     raw[-1] ^= 0x01  # the last byte of the last tensor
     weights.write_bytes(bytes(raw))
-    changed = engine_layout(make_engine(model=str(copy)))
+    changed = engine_layout(make_engine(copy))
     assert changed.model_id == same.model_id
     assert "weights_fingerprint differs" in changed.difference(same)

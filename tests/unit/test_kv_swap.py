@@ -15,10 +15,18 @@ from engine.config import EngineConfig, pop_engine_config
 from engine.engine import Engine
 from executor.config import build_parser
 from executor.metrics import ExecutorMetrics
-from tests.helpers import STORIES_260K, greedy, run_to_completion, save_random_llama
+from tests.helpers import (
+    STORIES_260K,
+    greedy,
+    make_engine,
+    run_to_completion,
+    save_random_llama,
+)
 
 # Enough host memory for every block of the tight engines below.
 SWAP_GIB = 0.01
+# Small blocks and no prefix cache: preemption and offload at a few requests.
+SMALL_BLOCKS = {"block_size": 4, "enable_prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +44,21 @@ def random_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-def engine_for(model: str, **overrides) -> Engine:
-    overrides.setdefault("kv_cache_gib", 0.02)
-    return Engine(EngineConfig(model=model, block_size=4, enable_prefix_caching=False, **overrides))
-
-
 def run_three_ways(model: str, prompts: list[list[int]], num_blocks: int, max_tokens: int):
     """The same requests with room for all, and with `num_blocks` blocks preempting by
     recompute and by swap. Returns each engine's tokens and the engines."""
     engines = {
-        "no preemption": engine_for(model),
-        "recompute": engine_for(
-            model, num_gpu_blocks=num_blocks, preemption_mode="recompute", swap_space_gib=SWAP_GIB
-        ),  # fmt: skip
-        "swap": engine_for(model, num_gpu_blocks=num_blocks, swap_space_gib=SWAP_GIB),
+        "no preemption": make_engine(model, **SMALL_BLOCKS),
+        "recompute": make_engine(
+            model,
+            **SMALL_BLOCKS,
+            num_gpu_blocks=num_blocks,
+            preemption_mode="recompute",
+            swap_space_gib=SWAP_GIB,
+        ),
+        "swap": make_engine(
+            model, **SMALL_BLOCKS, num_gpu_blocks=num_blocks, swap_space_gib=SWAP_GIB
+        ),
     }
     tokens = {}
     for name, engine in engines.items():
@@ -112,8 +121,8 @@ def two_sessions_taking_turns(tokenizer, engine: Engine) -> tuple[list[int], int
 
 
 def test_an_evicted_session_goes_to_the_host_tier_and_comes_back(tokenizer):
-    offload = engine_for(str(STORIES_260K), num_gpu_blocks=12, swap_space_gib=SWAP_GIB)
-    drop = engine_for(str(STORIES_260K), num_gpu_blocks=12)
+    offload = make_engine(**SMALL_BLOCKS, num_gpu_blocks=12, swap_space_gib=SWAP_GIB)
+    drop = make_engine(**SMALL_BLOCKS, num_gpu_blocks=12)
     reply, cached = two_sessions_taking_turns(tokenizer, offload)
     reply_dropped, cached_dropped = two_sessions_taking_turns(tokenizer, drop)
     # b's turn moves a out, and a's second turn moves b out
@@ -136,8 +145,8 @@ def test_offloaded_sessions_expire_and_leave_the_host_tier_oldest_first(tokenize
     # a host tier of 11 blocks of stories260K: one offloaded session fits, not two
     block_bytes = 2 * 5 * 4 * 8 * 4 * 4  # k and v, layers, kv heads, head dim, tokens, float32
     swap_gib = 11 * block_bytes / (1 << 30)
-    engine = engine_for(
-        str(STORIES_260K), num_gpu_blocks=12, swap_space_gib=swap_gib, session_ttl_s=3600
+    engine = make_engine(
+        **SMALL_BLOCKS, num_gpu_blocks=12, swap_space_gib=swap_gib, session_ttl_s=3600
     )
     assert engine.stats().num_host_blocks_total == 11
     for name, text in (("a", "Once upon a time"), ("b", "The dog ran"), ("c", "Mom said")):
@@ -153,7 +162,7 @@ def test_offloaded_sessions_expire_and_leave_the_host_tier_oldest_first(tokenize
 
 
 def test_metrics_show_the_host_tier(tokenizer):
-    engine = engine_for(str(STORIES_260K), num_gpu_blocks=12, swap_space_gib=SWAP_GIB)
+    engine = make_engine(**SMALL_BLOCKS, num_gpu_blocks=12, swap_space_gib=SWAP_GIB)
     two_sessions_taking_turns(tokenizer, engine)
     metrics = ExecutorMetrics()
     metrics.record_stats(engine.stats())

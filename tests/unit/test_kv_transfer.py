@@ -13,7 +13,6 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from deploy.certs import CertificateAuthority
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.faults import Faults
 from engine.kv_move import engine_layout, idle_sessions, read_blocks
@@ -22,23 +21,17 @@ from executor.kv_sender import KvSender
 from executor.kv_transfer import KvReceiver, KvTransferConfig, start_kv_server
 from executor.metrics import ExecutorMetrics
 from protos.kvgate.v1 import internal_pb2, internal_pb2_grpc
-from tests.helpers import STORIES_260K, run_to_completion, wait_for
+from tests.helpers import greedy, make_engine, run_to_completion, wait_for
 
 PROMPT = [1, 403, 178, 261, 144, 230, 160, 297, 261, 125, 29, 450, 178, 471] * 4
 SECRET = "kv-secret"
-
-
-def make_engine(**overrides) -> Engine:
-    config = dict(model=str(STORIES_260K), kv_cache_gib=0.02, block_size=16)
-    return Engine(EngineConfig(**(config | overrides)))
 
 
 @pytest.fixture(scope="module")
 def sender() -> Engine:
     """An engine holding one idle session of PROMPT and 7 output tokens."""
     engine = make_engine()
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    engine.add_request("turn", PROMPT, params, session_id="chat", cache_salt="acme")
+    engine.add_request("turn", PROMPT, greedy(8), session_id="chat", cache_salt="acme")
     run_to_completion(engine)
     return engine
 

@@ -12,15 +12,13 @@ import pytest
 
 from common.model_text import ModelText
 from common.templates import Message
-from engine.config import EngineConfig
-from engine.engine import Engine
 from tests.helpers import (
     assert_greedy_matches,
     chat_ids,
-    greedy,
+    greedy_tokens,
     hf_greedy,
+    make_engine,
     one_torch_thread,
-    run_to_completion,
 )
 
 QUESTIONS = [
@@ -62,11 +60,7 @@ def test_engine_greedy_equals_transformers_on_four_chat_prompts(
     gguf: Path, smollm2_tokenizer, smollm2_model
 ):
     prompts = [chat_ids(smollm2_tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    engine = Engine(EngineConfig(model=str(gguf), kv_cache_gib=0.1))
-    params = greedy(NEW_TOKENS)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"q{i}", prompt, params)
-    got = run_to_completion(engine)
+    got = greedy_tokens(make_engine(gguf, kv_cache_gib=0.1), prompts, NEW_TOKENS)
     for i, prompt in enumerate(prompts):
         reference = hf_greedy(smollm2_model, prompt, NEW_TOKENS)
-        assert_greedy_matches(got[f"q{i}"], reference, QUESTIONS[i])
+        assert_greedy_matches(got[i], reference, QUESTIONS[i])

@@ -20,7 +20,15 @@ from deploy.models import default_gguf_path
 from engine.engine import Engine
 from engine.speculative_config import SpeculativeConfig
 from executor.metrics import ExecutorMetrics
-from tests.helpers import STORIES_260K, greedy, make_engine, one_torch_thread, save_random_llama
+from tests.helpers import (
+    STORIES_260K,
+    greedy,
+    greedy_tokens,
+    make_engine,
+    one_torch_thread,
+    run_to_completion,
+    save_random_llama,
+)
 
 # Every request proposes whatever the batch: the rule is tested in test_speculative.py.
 EVERY_REQUEST = SpeculativeConfig(min_acceptance_rate=0.0, disable_by_batch_size=1 << 20)
@@ -40,14 +48,6 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(STORIES_260K)
 
 
-def drain(engine: Engine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
-
-
 # ---- the distribution of sampled output -----------------------------------------------------
 
 
@@ -58,7 +58,7 @@ def sampled_positions(prompt: list[int], params: SamplingParams, spec, torch_see
     engine = make_engine(speculative_config=spec, max_num_seqs=256, kv_cache_gib=0.05)
     for i in range(n):
         engine.add_request(f"s{i}", prompt, params)
-    return list(drain(engine).values()), engine
+    return list(run_to_completion(engine).values()), engine
 
 
 def chi_square_p(first: list[int], second: list[int]) -> float:
@@ -102,8 +102,7 @@ def greedy_twice(model: str, prompt: list[int], max_tokens: int, **engine_fields
     results = []
     for spec in (None, EVERY_REQUEST):
         engine = make_engine(model, speculative_config=spec, **engine_fields)
-        engine.add_request("r", prompt, greedy(max_tokens))
-        results.append(drain(engine)["r"])
+        results.extend(greedy_tokens(engine, [prompt], max_tokens))
     return results, engine.stats()
 
 
@@ -210,7 +209,7 @@ def test_mean_accepted_length_stat_and_metric(tokenizer):
     engine = make_engine(speculative_config=EVERY_REQUEST)
     assert engine.stats().spec_mean_accepted_length == 0.0  # no draft yet
     engine.add_request("r", tokenizer(RETOLD).input_ids, greedy(40))
-    drain(engine)
+    run_to_completion(engine)
     stats = engine.stats()
     length = 1 + stats.num_spec_accepted_tokens / stats.num_spec_drafts
     assert stats.spec_mean_accepted_length == pytest.approx(length)

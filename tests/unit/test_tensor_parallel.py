@@ -20,8 +20,9 @@ from tests.helpers import (
     STORIES_260K,
     assert_greedy_matches,
     greedy,
+    greedy_tokens,
     hf_greedy,
-    run_to_completion,
+    make_engine,
     save_random_llama,
 )
 from tests.tiny_gguf import vocabulary, write_tiny_llama
@@ -50,18 +51,14 @@ def _greedy_tokens(
     tp: int,
     quantization: str = "none",
     max_tokens: int = MAX_TOKENS,
-) -> tuple[dict, list[int]]:
+) -> tuple[list[list[int]], list[int]]:
     """Every prompt's greedy tokens, run concurrently; and the follower ranks' pids."""
-    config = EngineConfig(model=model, kv_cache_gib=0.02, block_size=4, quantization=quantization,
-                          max_num_batched_tokens=16, tensor_parallel_size=tp)  # fmt: skip
-    engine = Engine(config)
+    engine = make_engine(model, block_size=4, quantization=quantization,
+                         max_num_batched_tokens=16, tensor_parallel_size=tp)  # fmt: skip
     group = engine.runner.group
     pids = [] if group is None else [p.pid for p in group.followers]
     try:
-        params = greedy(max_tokens)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"p{i}", prompt, params)
-        return run_to_completion(engine), pids
+        return greedy_tokens(engine, prompts, max_tokens), pids
     finally:
         engine.close()
 
@@ -102,7 +99,7 @@ def test_random_llama_two_ranks_give_the_tokens_of_one_and_of_transformers(rando
     assert two == one, f"tensor-parallel tokens differ:\none rank  {one}\ntwo ranks {two}"
     for i, prompt in enumerate(prompts):
         reference = hf_greedy(hf_model, prompt, MAX_TOKENS)
-        assert_greedy_matches(two[f"p{i}"], reference, f"two ranks, prompt {i}")
+        assert_greedy_matches(two[i], reference, f"two ranks, prompt {i}")
 
 
 def test_a_gguf_files_kept_blocks_split_into_two_ranks_give_the_tokens_of_one(tmp_path):
@@ -171,8 +168,7 @@ def test_generate_command_with_two_ranks_prints_the_text_of_one(capsys):
 
 
 def test_a_dead_follower_fails_the_running_requests_at_once_naming_the_ranks():
-    engine = Engine(EngineConfig(model=str(STORIES_260K), kv_cache_gib=0.01,
-                                 tensor_parallel_size=2))  # fmt: skip
+    engine = make_engine(kv_cache_gib=0.01, tensor_parallel_size=2)
     try:
         params = greedy(MAX_TOKENS)
         for i, prompt in enumerate(_prompts(512, seed=3)[:3]):
