@@ -60,8 +60,8 @@ model: $(BIN)/.installed
 proto: $(BIN)/.installed
 	$(PYTHON) -m common.protogen
 
-# Two workers (tests/conftest.py): the tests that start servers one after another on one,
-# the in-process tests on the other; docs/testing.md.
+# Two workers (tests/conftest.py): each takes a whole test module at a time, its tests in
+# order, so each runs at most one stack at a time; docs/testing.md.
 test: setup proto
 	$(PYTHON) -m pytest -q -ra --durations=30 -n 2 tests
 

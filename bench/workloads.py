@@ -32,7 +32,7 @@ import numpy as np
 from bench.harness import RESULTS, add_model, plot_path
 from bench.stats import parse_slos
 from client.api import Credentials, default_target
-from client.cli import add_credential_flags, credentials_from_args
+from client.flags import add_credential_flags, credentials_from_args
 from common.config import check_host_port
 from common.gguf_metadata import GgufFile
 from common.model_files import check_model_path, gguf_file, model_id

@@ -15,7 +15,7 @@ import re
 from urllib.parse import urlparse
 
 from common.model_files import default_model
-from common.redis_conn import check_url
+from common.redis_url import check_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # --model of gateway and executor: SmolLM2 (GGUF) when `make setup` has cached it, else

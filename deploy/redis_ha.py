@@ -16,7 +16,7 @@ from typing import Protocol
 
 import redis
 
-from common.redis_conn import SENTINEL_SCHEME
+from common.redis_url import SENTINEL_SCHEME
 
 MASTER_NAME = "kvgate"
 # How long a server goes unanswered before a sentinel judges it down. A sentinel counts the

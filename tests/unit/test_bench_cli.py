@@ -1,15 +1,18 @@
 """`kvgate bench load` on bad input: one line naming the flag, exit status 2, no traceback; the
 list of benchmarks; --out-key's writes into one results file; and the `kvgate` client, which
-loads the benchmark only for `kvgate bench`."""
+loads the benchmark only for `kvgate bench`; docs/bench.md names every command, and the docs
+and bench/results/ name each other's files."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from bench.cli import COMMANDS
 from bench.harness import plot_path, write_results
 from client.cli import main
 from deploy.stack import free_port
@@ -147,3 +150,44 @@ def test_engine_steps_times_each_format_by_thread_cpu_time(tmp_path):
         assert 0 < f["step_cpu_ms_min"] <= f["step_cpu_ms_median"], (name, f)
         assert f["prefill_cpu_s"] > 0 and f["weight_bytes_per_step"] > 0, (name, f)
     assert result["cpu"]["kernels_isa"] is not None, "the results name the kernels' ISA level"
+
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def bench_md_commands() -> set[str]:
+    """The commands docs/bench.md's table names: each row's first cell, `GROUP NAME`."""
+    rows = (REPO / "docs" / "bench.md").read_text().splitlines()
+    return {row.split("|")[1].strip().strip("`") for row in rows if row.startswith("| `")}
+
+
+def results_named_in_docs() -> dict[str, list[str]]:
+    """Every `bench/results/...` path the README and docs/*.md name, with the docs naming it."""
+    named: dict[str, list[str]] = {}
+    for doc in DOCS:
+        for path in re.findall(r"bench/results/[\w.-]+", doc.read_text()):
+            named.setdefault(path.rstrip("."), []).append(doc.name)
+    return named
+
+
+def test_docs_bench_md_names_every_kvgate_bench_command():
+    missing = [command.words for command in COMMANDS if command.words not in bench_md_commands()]
+    assert not missing, f"docs/bench.md's table does not name: {missing}"
+
+
+def test_every_results_path_the_docs_name_exists():
+    named = results_named_in_docs()
+    missing = {path: docs for path, docs in named.items() if not (REPO / path).is_file()}
+    assert not missing, f"named in the docs but not in bench/results/: {missing}"
+
+
+def test_every_results_file_git_keeps_is_named_by_a_doc():
+    """Files git keeps: a local `make bench` writes an untracked bench.json beside them."""
+    named = results_named_in_docs()
+    listed = subprocess.run(
+        ["git", "ls-files", "bench/results"], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    files = listed.stdout.split()
+    assert files, "git keeps no file in bench/results/"
+    unnamed = [path for path in files if path not in named]
+    assert not unnamed, f"files in bench/results/ no doc names: {unnamed}"

@@ -1,7 +1,9 @@
 """The layering of the source tree, read with `ast`: the three processes never import each
-other (what two of them use lives in `common/`), the engine runs without Redis or gRPC, the
-client speaks only the public protocol, kernels import nothing of kvgate but themselves,
-nothing outside `tests/` imports `tests`, and no module imports itself through a circle."""
+other (what two of them use lives in `common/`), the engine runs without Redis or gRPC (nor
+does any project module it imports, at any depth), the client speaks only the public
+protocol, kernels import nothing of kvgate but themselves, nothing outside `tests/` imports
+`tests`, bench/ never imports the `kvgate` command that loads it by name, and no module
+imports itself through a circle."""
 
 from __future__ import annotations
 
@@ -31,8 +33,13 @@ ALLOWED = {
     "bench": set(PACKAGES) - {"tests"},
     "tests": set(PACKAGES),
 }
-# package -> third-party modules it must not import
+# package -> third-party modules neither it nor any project module it imports may import
 FORBIDDEN_LIBRARIES = {"engine": {"redis", "grpc"}, "kernels": {"redis", "grpc"}}
+# package -> project modules it must not import: the `kvgate` command loads bench.cli by name,
+# so bench importing the command module back would be a circle at run time
+FORBIDDEN_MODULES = {"bench": {"client.cli"}}
+# top-level folders that hold Python files but are no package of the project
+NOT_PACKAGES = {"build", "shared"}
 
 
 def imported_names(path: Path, root: Path = ROOT) -> set[str]:
@@ -151,43 +158,118 @@ def test_imported_packages_sees_every_import_form(tmp_path):
     assert imported_packages(module, tmp_path) == {"gateway", "executor", "scheduler"}
 
 
+def layer_violations(root: Path, package: str, allowed: set[str]) -> dict[str, list[str]]:
+    """module path -> the kvgate packages it imports outside `allowed` (and its own)."""
+    wrong = {}
+    for path in sources(root, (package,)):
+        extra = imported_packages(path, root) - allowed - {package}
+        if extra:
+            wrong[str(path.relative_to(root))] = sorted(extra)
+    return wrong
+
+
+def reachable(graph: dict[str, set[str]], starts: set[str]) -> set[str]:
+    """The modules `starts` import, at any depth, and themselves."""
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for child in graph.get(todo.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def library_violations(
+    root: Path, packages: tuple[str, ...], package: str, forbidden: set[str]
+) -> dict[str, list[str]]:
+    """module -> the forbidden libraries it imports, for every module of `package` and every
+    project module those import at any depth."""
+    graph = import_graph(root, packages)
+    paths = {module_name(path, root): path for path in sources(root, packages)}
+    starts = {module for module in graph if module.split(".")[0] == package}
+    wrong = {}
+    for module in sorted(reachable(graph, starts)):
+        names = {name.split(".")[0] for name in imported_names(paths[module], root)} & forbidden
+        if names:
+            wrong[module] = sorted(names)
+    return wrong
+
+
+def module_violations(root: Path, package: str, forbidden: set[str]) -> dict[str, list[str]]:
+    """module path -> the forbidden project modules it imports (or names from them)."""
+    wrong = {}
+    for path in sources(root, (package,)):
+        names = {
+            n
+            for n in imported_names(path, root)
+            for f in forbidden
+            if n == f or n.startswith(f + ".")
+        }
+        if names:
+            wrong[str(path.relative_to(root))] = sorted(names)
+    return wrong
+
+
+def top_level_packages(root: Path) -> set[str]:
+    """Every top-level folder holding Python source, with or without an __init__.py."""
+    return {
+        folder.name
+        for folder in root.iterdir()
+        if folder.is_dir() and not folder.name.startswith(".") and next(folder.rglob("*.py"), None)
+    } - NOT_PACKAGES
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_package_imports_only_what_its_layer_allows(package):
-    modules = sources(packages=(package,))
-    assert modules, f"no modules under {package}/"
-    allowed = ALLOWED[package] | {package}
-    wrong = {
-        str(path.relative_to(ROOT)): sorted(imported_packages(path) - allowed)
-        for path in modules
-        if imported_packages(path) - allowed
-    }
-    assert not wrong, f"{package}/ may import only {sorted(allowed)}; found {wrong}"
+    assert sources(packages=(package,)), f"no modules under {package}/"
+    wrong = layer_violations(ROOT, package, ALLOWED[package])
+    assert not wrong, f"{package}/ may import only {sorted(ALLOWED[package])}; found {wrong}"
 
 
 def test_every_top_level_package_has_a_layer():
-    found = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    found = top_level_packages(ROOT)
     assert found <= set(PACKAGES), f"packages without a rule: {sorted(found - set(PACKAGES))}"
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_LIBRARIES))
 def test_library_packages_import_no_network_client(package):
     forbidden = FORBIDDEN_LIBRARIES[package]
-    wrong = {
-        str(path.relative_to(ROOT)): sorted(
-            {name.split(".")[0] for name in imported_names(path)} & forbidden
-        )
-        for path in sources(packages=(package,))
-    }
-    wrong = {path: names for path, names in wrong.items() if names}
+    wrong = library_violations(ROOT, PACKAGES, package, forbidden)
     assert not wrong, f"{package}/ runs without {sorted(forbidden)}; found {wrong}"
 
 
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_MODULES))
+def test_no_package_imports_a_module_forbidden_to_it(package):
+    wrong = module_violations(ROOT, package, FORBIDDEN_MODULES[package])
+    assert not wrong, f"{package}/ must not import {sorted(FORBIDDEN_MODULES[package])}: {wrong}"
+
+
 def test_a_planted_forbidden_import_is_found(tmp_path):
-    (tmp_path / "engine").mkdir()
-    planted = tmp_path / "engine" / "step.py"
-    planted.write_text("def f():\n    import redis\n    from gateway import service\n")
-    assert imported_packages(planted, tmp_path) == {"gateway"}
-    assert "redis" in {name.split(".")[0] for name in imported_names(planted, tmp_path)}
+    """Each check on a planted tree: engine/ importing the gateway, and Redis through a common
+    module it imports; a folder without __init__.py importing tests; bench importing the
+    command."""
+    files = {
+        "engine/step.py": "def f():\n    from gateway import service\nfrom common import urls\n",
+        "common/urls.py": "import redis\n",
+        "gateway/service.py": "",
+        "newpkg/mod.py": "import tests.helpers\n",
+        "bench/load.py": "from client.cli import main\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    packages = ("engine", "common", "gateway", "newpkg", "bench")
+    assert layer_violations(tmp_path, "engine", ALLOWED["engine"]) == {
+        "engine/step.py": ["gateway"]
+    }
+    assert library_violations(tmp_path, packages, "engine", {"redis", "grpc"}) == {
+        "common.urls": ["redis"]
+    }
+    assert "newpkg" in top_level_packages(tmp_path) - set(PACKAGES)
+    assert layer_violations(tmp_path, "newpkg", set()) == {"newpkg/mod.py": ["tests"]}
+    assert module_violations(tmp_path, "bench", {"client.cli"}) == {
+        "bench/load.py": ["client.cli.main"]
+    }
 
 
 def test_no_module_imports_itself_through_a_circle():

@@ -12,6 +12,7 @@ import pytest
 
 from common.protogen import PROTO_ROOT
 from protos.kvgate.v1 import inference_pb2, internal_pb2
+from scheduler.streams import StreamEntry, to_pending
 
 PROTO_FILES = sorted(PROTO_ROOT.rglob("*.proto"))
 FIELD = re.compile(r"^\s*(optional |repeated )?[\w.]+ \w+ = \d+;")
@@ -85,3 +86,23 @@ def test_an_assignment_envelope_reads_as_the_inbox_message_it_stands_for():
     read = internal_pb2.InboxMessage.FromString(envelope.SerializeToString())
     assert read == expected, f"the envelope read as {read}, expected {expected}"
     assert envelope.SerializeToString() == expected.SerializeToString()
+
+
+def test_the_scheduler_passes_a_queued_request_on_as_the_gateways_bytes():
+    """One parse per process: the scheduler reads what it places by, and hands the executor
+    the payload the gateway wrote, byte for byte, even a field it does not know (here 999,
+    as from a newer gateway)."""
+    queued = internal_pb2.QueuedRequest(request_id="t/r1", tenant="t", prompt_token_ids=[1, 2])
+    unknown_field = bytes([0xB8, 0x3E, 0x07])  # field 999, varint 7
+    payload = unknown_field + queued.SerializeToString()  # re-serialized, it would come last
+    entry = StreamEntry(entry_id="1-0", payload=payload, queued_unix_us=0)
+    pending = to_pending(entry, block_size=16, now_s=0.0, queued_s=0.0)
+    assert pending is not None and pending.request_id == "t/r1"
+    assert pending.payload == payload  # not parsed and written again
+    envelope = internal_pb2.AssignmentEnvelope(
+        assignment=internal_pb2.PlacedRequest(request=pending.payload, executor_id="e1")
+    )
+    written = envelope.SerializeToString()
+    assert payload in written, "the inbox entry does not hold the gateway's bytes as written"
+    read = internal_pb2.InboxMessage.FromString(written)
+    assert read.assignment.request.request_id == "t/r1"

@@ -8,14 +8,8 @@ import redis
 from redis._parsers.base import BaseParser
 
 from common.config import check_redis_url
-from common.redis_conn import (
-    ConnectionBudgetExhausted,
-    SentinelUrl,
-    connect_sync,
-    describe,
-    is_outage,
-    parse_sentinel_url,
-)
+from common.redis_conn import ConnectionBudgetExhausted, connect_sync, describe, is_outage
+from common.redis_url import SentinelUrl, parse_sentinel_url
 from deploy.stack import free_port
 
 # Replies Redis sends while it cannot serve, as redis-py's parser turns them into errors.
