@@ -1,7 +1,8 @@
 """The gateway's MetricsInterceptor on a real grpc.aio server and channel: a call the client
 cancels mid-stream is counted CANCELLED, never UNKNOWN; a call whose deadline passed is counted
 DEADLINE_EXCEEDED even when the client's cancellation reaches the server before the server's own
-deadline; a call counted UNKNOWN is logged with its exception."""
+deadline, or when its request stream ends with the deadline and the handler then ends by itself;
+a call counted UNKNOWN is logged with its exception."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ async def idle(request: bytes, context: aio.ServicerContext) -> AsyncIterator[by
     yield b""
 
 
+async def listen(requests: AsyncIterator[bytes], context: aio.ServicerContext) -> bytes:
+    """Reads its request stream to the end, then answers by itself, even when grpc cancels its
+    task: the way a Chat may end when its client's deadline passes (grpc ends the request stream
+    before it cancels the handler, or the handler finishes before the cancellation reaches it)."""
+    with contextlib.suppress(asyncio.CancelledError):
+        async for _ in requests:
+            pass
+    return b"done"
+
+
 async def broken(request: bytes, context: aio.ServicerContext) -> AsyncIterator[bytes]:
     """Fails with an exception no interceptor maps to a status code."""
     yield b"first"
@@ -55,6 +66,7 @@ def served() -> Iterator[tuple[str, GatewayMetrics]]:
             "Stream": grpc.unary_stream_rpc_method_handler(endless),
             "Broken": grpc.unary_stream_rpc_method_handler(broken),
             "Idle": grpc.unary_stream_rpc_method_handler(idle),
+            "Listen": grpc.stream_unary_rpc_method_handler(listen),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -152,6 +164,32 @@ def test_a_call_past_its_deadline_counts_deadline_exceeded_when_its_cancel_arriv
     assert calls(metrics, "DEADLINE_EXCEEDED", "Idle") == 1, {
         code: calls(metrics, code, "Idle") for code in codes
     }
+
+
+def test_a_request_stream_cut_off_by_its_deadline_counts_deadline_exceeded_when_the_handler_ends(
+    served,
+):
+    """The client sends nothing; its deadline passes 0.5 s before the server's (within the 1 s
+    margin of a call given 4 s), and the handler then ends by itself: DEADLINE_EXCEEDED, as the
+    client saw. A stream the client closes early ends OK."""
+    address, metrics = served
+    codes = ("OK", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN")
+    with (
+        SlowStartProxy(address, slow_s=0.5) as proxy,
+        grpc.insecure_channel(proxy.address) as channel,
+    ):
+        listen = channel.stream_unary(f"/{SERVICE}/Listen")
+        with pytest.raises(grpc.RpcError) as raised:
+            listen(iter(threading.Event().wait, True), timeout=4.0)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: sum(calls(metrics, code, "Listen") for code in codes) == 1,
+                 "the call counted")  # fmt: skip
+        assert calls(metrics, "DEADLINE_EXCEEDED", "Listen") == 1, {
+            code: calls(metrics, code, "Listen") for code in codes
+        }
+        assert listen(iter([b"turn"]), timeout=30.0) == b"done"
+        wait_for(lambda: calls(metrics, "OK", "Listen") == 1, "the closed stream counted OK")
+    assert calls(metrics, "DEADLINE_EXCEEDED", "Listen") == 1
 
 
 def test_a_call_cancelled_early_counts_cancelled_though_its_deadline_is_within_the_margin(
