@@ -68,11 +68,16 @@ COMMANDS = (
 )
 
 
-def usage() -> str:
-    """The list of benchmarks."""
-    lines = ["usage: kvgate bench GROUP [NAME] [flags] (--help after one for its flags)", ""]
+def usage(group: str = "") -> str:
+    """The list of benchmarks; of `group`'s only, when it names one."""
+    if group:
+        head = f"usage: kvgate bench {group} NAME [flags] (--help after one for its flags)"
+    else:
+        head = "usage: kvgate bench GROUP [NAME] [flags] (--help after one for its flags)"
+    lines = [head, ""]
     for command in COMMANDS:
-        lines.append(f"  {command.words:<20}{command.help}")
+        if not group or command.group == group:
+            lines.append(f"  {command.words:<20}{command.help}")
     return "\n".join(lines)
 
 
@@ -90,8 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     found = find_command(argv)
     if found is None:
-        asked_for_help = argv[:1] in ([], ["-h"], ["--help"])
-        print(usage(), file=sys.stdout if asked_for_help else sys.stderr)
+        group = argv[0] if argv and argv[0] in {c.group for c in COMMANDS} else ""
+        asked_for_help = argv[1 if group else 0 :][:1] in ([], ["-h"], ["--help"])
+        if group and len(argv) == 1:
+            asked_for_help = False  # a group without a NAME names no benchmark
+            print(f"kvgate bench {group}: name one of its benchmarks", file=sys.stderr)
+        elif argv and not asked_for_help:
+            print(f"kvgate bench: no benchmark {' '.join(argv[: 2 if group else 1])!r}",
+                  file=sys.stderr)  # fmt: skip
+        print(usage(group), file=sys.stdout if asked_for_help else sys.stderr)
         return 0 if asked_for_help and argv else 2
     command, flags = found
     benchmark = importlib.import_module(command.module).BENCHMARKS[command.words]

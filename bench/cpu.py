@@ -54,6 +54,8 @@ from bench.engine import (
 from bench.harness import (
     Benchmark,
     add_model,
+    add_output_len,
+    add_prompt_len,
     add_repeats,
     add_threads,
     add_workload,
@@ -278,8 +280,8 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     add_model(parser, None, MODEL_HELP)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_prompt_len(parser, 128)
+    add_output_len(parser, 64)
     parser.add_argument("--profile-steps", type=int, default=32)
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the resident-memory processes")  # fmt: skip

@@ -315,7 +315,7 @@ def spec_add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvgate bench engine spec`."""
     harness.add_model(parser, "smollm2", "checkpoint folder, GGUF file or smollm2")
     harness.add_device(parser)
-    parser.add_argument("--output-len", type=int, default=64, help="tokens of the stream")
+    harness.add_output_len(parser, 64, "tokens of the stream")
     parser.add_argument(
         "--speculative-config",
         default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '

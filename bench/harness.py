@@ -83,6 +83,20 @@ def add_model(
     parser.add_argument("--model", type=type, default=default, help=help)
 
 
+def add_prompt_len(
+    parser: argparse.ArgumentParser, default: int, help: str = "prompt tokens"
+) -> None:
+    """--prompt-len: the prompt's length in tokens."""
+    parser.add_argument("--prompt-len", type=int, default=default, help=help)
+
+
+def add_output_len(
+    parser: argparse.ArgumentParser, default: int, help: str = "output tokens (EOS ignored)"
+) -> None:
+    """--output-len: the tokens each request or stream generates."""
+    parser.add_argument("--output-len", type=int, default=default, help=help)
+
+
 def add_workload(
     parser: argparse.ArgumentParser,
     num_requests: int = 64,
@@ -91,8 +105,8 @@ def add_workload(
 ) -> None:
     """--num-requests, --prompt-len, --output-len: requests of exact lengths (EOS ignored)."""
     parser.add_argument("--num-requests", type=int, default=num_requests)
-    parser.add_argument("--prompt-len", type=int, default=prompt_len, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=output_len, help="output tokens")
+    add_prompt_len(parser, prompt_len)
+    add_output_len(parser, output_len)
 
 
 def add_stream_rounds(
@@ -100,9 +114,7 @@ def add_stream_rounds(
 ) -> None:
     """--streams, --output-len, --repeats: rounds of streams sent at once, through a stack."""
     parser.add_argument("--streams", type=int, default=streams, help="streams at once per round")
-    parser.add_argument(
-        "--output-len", type=int, default=output_len, help="output tokens per stream"
-    )
+    add_output_len(parser, output_len, "output tokens per stream")
     add_repeats(parser, repeats)
 
 

@@ -69,6 +69,7 @@ from bench.harness import (
     BenchFailure,
     Benchmark,
     add_model,
+    add_prompt_len,
     add_repeats,
     add_threads,
     best_seconds,
@@ -237,7 +238,7 @@ def add_steps_arguments(parser: argparse.ArgumentParser) -> None:
     add_model(parser, None, MODEL_HELP)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--streams", type=int, default=1, help="sequences decoded together")
-    parser.add_argument("--prompt-len", type=int, default=32)
+    add_prompt_len(parser, 32)
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per format")
     add_threads(parser, default=1)
 

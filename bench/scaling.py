@@ -78,6 +78,8 @@ from bench.harness import (
     BenchFailure,
     Benchmark,
     add_model,
+    add_output_len,
+    add_prompt_len,
     load_average,
     model_path,
     plot_path,
@@ -203,7 +205,7 @@ def add_swap_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add_model(parser, "smollm2", "checkpoint folder, GGUF file or smollm2")
     add("--device-sessions", type=int, default=8, help="sessions the device KV cache holds")
-    add("--prompt-len", type=int, default=256, help="turn 1 prompt tokens")
+    add_prompt_len(parser, 256, "turn 1 prompt tokens")
     add("--reply-len", type=int, default=32, help="reply tokens of each turn")
     add("--new-len", type=int, default=32, help="turn 2's new message tokens")
     add("--block-size", type=int, default=16)
@@ -406,7 +408,7 @@ def add_executors_arguments(parser: argparse.ArgumentParser) -> None:
     add_model(parser, "", "model folder (default: make run's)")
     parser.add_argument("--duration-s", type=float, default=180.0, help="of the load ramp")
     parser.add_argument("--peak-rate", type=float, default=12.0, help="requests/s at the top")
-    parser.add_argument("--output-len", type=int, default=192)
+    add_output_len(parser, 192)
     parser.add_argument("--time-scale", type=float, default=0.1)
     parser.add_argument(
         "--max-replicas", type=int, default=ScalingRule.from_manifest().max_replicas

@@ -51,7 +51,14 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-from bench.harness import Benchmark, add_model, load_average, print_json, scratch_folder
+from bench.harness import (
+    Benchmark,
+    add_model,
+    add_prompt_len,
+    load_average,
+    print_json,
+    scratch_folder,
+)
 from bench.stats import paired_median_ms, summarize_ms
 from client.admin import create_key, set_limits
 from common.keys import RedisKeys
@@ -504,7 +511,7 @@ def add_tenants_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noisy-limit", type=float, default=5.0, help="noisy's requests/s")
     parser.add_argument("--block-s", type=float, default=15.0, help="seconds of each block")
     parser.add_argument("--rounds", type=int, default=8, help="times each phase comes round")
-    parser.add_argument("--prompt-len", type=int, default=32)
+    add_prompt_len(parser, 32)
     parser.add_argument("--max-tokens", type=int, default=16)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS, add_model, plot_path
+from bench.harness import RESULTS, add_model, add_output_len, plot_path
 from bench.stats import parse_slos
 from client.api import Credentials, default_target
 from client.flags import add_credential_flags, credentials_from_args
@@ -321,13 +321,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvgate bench load` (--out is the CLI's)."""
     parser.add_argument("--target", default=default_target(), help="gateway HOST:PORT")
     add_credential_flags(parser)
-    _add_load_flags(parser.add_argument)
+    _add_load_flags(parser)
     _add_output_flags(parser.add_argument)
     add_model(parser, "", "served model folder (default: KVGATE_MODEL or make run's)")
 
 
-def _add_load_flags(add: Callable[..., object]) -> None:
+def _add_load_flags(parser: argparse.ArgumentParser) -> None:
     """Arrivals and workload."""
+    add = parser.add_argument
     add("--num-requests", type=int, default=100, help="requests (chat: turns) per run")
     add(
         "--request-rate",
@@ -355,7 +356,7 @@ def _add_load_flags(add: Callable[..., object]) -> None:
         default=128,
         help="prompt tokens (shared-prefix: suffix; chat: turn)",
     )
-    add("--output-len", type=int, default=128, help="output tokens (ignore_eos, exact)")
+    add_output_len(parser, 128)
     add(
         "--range-ratio",
         type=float,

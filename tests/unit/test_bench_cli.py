@@ -129,8 +129,21 @@ def test_kvgate_bench_lists_every_benchmark_and_refuses_an_unknown_one(capsys):
     for words in ("load", "serve stack", "serve fronts", "engine throughput", "kernels linear",
                   "quality kv", "scaling swap"):  # fmt: skip
         assert f"  {words} " in listing, f"{words!r} missing from:\n{listing}"
+    assert main(["bench", "warp"]) == 2
+    error = capsys.readouterr().err
+    assert "no benchmark 'warp'" in error and "usage: kvgate bench GROUP" in error, error
+
+
+def test_a_group_without_a_name_lists_its_own_benchmarks_only(capsys):
+    assert main(["bench", "engine"]) == 2
+    error = capsys.readouterr().err
+    assert "kvgate bench engine: name one of its benchmarks" in error, error
+    assert "  engine spec " in error and "  serve stack " not in error, error
     assert main(["bench", "engine", "warp"]) == 2
-    assert "usage: kvgate bench GROUP" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "no benchmark 'engine warp'" in error and "  kernels " not in error, error
+    assert main(["bench", "engine", "--help"]) == 0
+    assert "  engine throughput " in capsys.readouterr().out
 
 
 def test_engine_steps_refuses_a_count_under_one_naming_the_flag(capsys):

@@ -16,11 +16,10 @@ import llguidance
 import llguidance.hf
 import pytest
 import torch
-from transformers import AutoTokenizer, TokenizersBackend
+from transformers import AutoTokenizer
 
 from common.constraints import Constraint, ConstraintError, ConstraintKind, llguidance_grammar
 from common.finish_reason import FinishReason
-from common.model_files import default_gguf_path
 from common.sampling_params import SamplingParamError, SamplingParams
 from engine.engine import Engine
 from engine.sampler import apply_logit_masks
@@ -167,23 +166,11 @@ def test_allowed_tokens_equal_llguidance_mask_at_every_step(engine, tokenizer, c
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
-    path = default_gguf_path()
-    assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
-    return path
-
-
-@pytest.fixture(scope="module")
-def smollm2_engine(smollm2: Path) -> Iterator[Engine]:
+def smollm2_engine(gguf: Path) -> Iterator[Engine]:
     """One SmolLM2 engine for the module's constraints (each test's requests finish)."""
-    engine = make_engine(smollm2, kv_cache_gib=0.05)
+    engine = make_engine(gguf, kv_cache_gib=0.05)
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(smollm2: Path):
-    return TokenizersBackend.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
 
 
 @pytest.mark.parametrize(
