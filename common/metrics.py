@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Collection
+import threading
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from common.config import check_range, env_int, env_str
 
@@ -248,6 +250,47 @@ class ProcessMetrics:
         for name in METRICS:
             if name.startswith(prefix) and name not in collected:
                 setattr(self, name.removeprefix(prefix), build_metric(self.registry, name))
+        self.scrapes = ScrapeWatch(self.registry)  # what /metrics serves
+
+
+class ScrapeWatch:
+    """A registry as /metrics reads it, counting the scrapes: a process about to exit can wait
+    until a scrape has read its last counts (a drain's are made just before it exits)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._changed = threading.Condition()
+        self._begun = 0
+        self._ended = 0
+
+    def collect(self) -> Iterator[Metric]:
+        with self._changed:
+            self._begun += 1
+        try:
+            yield from self.registry.collect()
+        finally:
+            with self._changed:
+                self._ended += 1
+                self._changed.notify_all()
+
+    def restricted_registry(self, names: Collection[str]) -> object:
+        """/metrics?name[]=...: only those (prometheus_client's handler asks for this)."""
+        return self.registry.restricted_registry(names)
+
+    def next_scrape(self) -> int:
+        """A ticket for the next scrape to begin from now on (for `wait`)."""
+        with self._changed:
+            # Scrapes under way now are among those begun: once one more than that has ended,
+            # at least one of those ended began after this call.
+            return self._begun + 1
+
+    def wait(self, ticket: int, timeout_s: float) -> bool:
+        """Waits until the scrape `ticket` stands for (or a later one) has read every metric.
+
+        Returns: whether one did within `timeout_s`.
+        """
+        with self._changed:
+            return self._changed.wait_for(lambda: self._ended >= ticket, timeout_s)
 
 
 def build_metric(registry: CollectorRegistry, name: str) -> Counter | Gauge | Histogram:
@@ -284,7 +327,9 @@ def check_metrics_port(port: int) -> None:
     check_range("--metrics-port", port, min_value=METRICS_DISABLED, max_value=65535)
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int | None:
+def start_metrics_server(
+    registry: CollectorRegistry | ScrapeWatch, host: str, port: int
+) -> int | None:
     """Serve `registry` as /metrics over HTTP on a daemon thread, and log the address.
 
     Args:

@@ -49,7 +49,7 @@ def start_process(
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     metrics = make_metrics()
     try:
-        start_metrics_server(metrics.registry, config.metrics_host, config.metrics_port)
+        start_metrics_server(metrics.scrapes, config.metrics_host, config.metrics_port)
     except OSError as error:
         print(f"{name}: {error}", file=sys.stderr)
         return None

@@ -15,9 +15,10 @@ import torch
 from common.health import start_health
 from common.keys import RedisKeys
 from common.logs import add_log_context
+from common.metrics import METRICS_DISABLED
 from common.redis_conn import connect_sync
 from common.startup import start_process, stop_on_signals
-from common.tls import TLSFileError, read_secret
+from common.tls import TLSFileError
 from engine.engine import Engine
 from engine.faults import Faults, install_faults
 from engine.kv_move import movable_engine
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     engine, faults = loaded
     service = ExecutorService(config, engine, client, metrics, sink_credentials)
     try:
-        kv_server = _start_kv_transfer(config, engine, client, metrics, service, faults)
+        kv_server = _start_kv_transfer(
+            config, engine, client, metrics, service, faults, sink_credentials.secret
+        )
     except (OSError, TLSFileError) as error:
         print(f"executor: {error}", file=sys.stderr)
         health.stop()
@@ -74,14 +77,33 @@ def main(argv: list[str] | None = None) -> int:
     health.add_check("draining", service.draining_check)
     health.add_check("step_loop", service.step_loop_check)
     _drain_on_signals(service, health)
+    drained = False
     try:
         service.run()
+        drained = True
     finally:
         if kv_server is not None:
             kv_server.stop(None)
+        if drained:
+            _wait_for_a_scrape(config, metrics)
         health.stop()
         engine.close()
     return 0
+
+
+def _wait_for_a_scrape(config: ExecutorConfig, metrics: ExecutorMetrics) -> None:
+    """After a drain: let a scrape read the drain's counts (--drain-scrape-wait-s), which an
+    exit right after them would leave unseen (the moves-falling-back alert would miss it)."""
+    if config.drain_scrape_wait_s <= 0 or config.metrics_port == METRICS_DISABLED:
+        return
+    log.info("drained: waiting up to %g s for a metrics scrape", config.drain_scrape_wait_s)
+    if metrics.scrapes.wait(metrics.scrapes.next_scrape(), config.drain_scrape_wait_s):
+        log.info("a metrics scrape read the drain's counts")
+    else:
+        log.warning(
+            "no metrics scrape within --drain-scrape-wait-s %g s: the drain's last counts "
+            "are not seen", config.drain_scrape_wait_s,
+        )  # fmt: skip
 
 
 def _sink_credentials(config: ExecutorConfig) -> SinkCredentials | None:
@@ -137,8 +159,13 @@ def _load_engine(
     return engine, faults
 
 
-def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc.Server | None:
+def _start_kv_transfer(
+    config, engine, client, metrics, service, faults, secret
+) -> grpc.Server | None:
     """Serve KvTransfer and move KV to peers on a drain (none with --kv-transfer-port -1).
+
+    Args:
+        secret: --sink-secret-file's secret (None: none), as the TokenSink link read it.
 
     Raises:
         OSError: the port cannot be bound. TLSFileError: a file cannot be read.
@@ -149,11 +176,6 @@ def _start_kv_transfer(config, engine, client, metrics, service, faults) -> grpc
     if why is not None:  # peers must not pick it, and a drain here finishes its streams
         log.info("no KvTransfer service: %s", why)
         return None
-    secret = (
-        read_secret("--sink-secret-file", config.sink_secret_file)
-        if config.sink_secret_file
-        else None
-    )
     transfer = KvTransferConfig.of(config, secret)
     names = frozenset(n.strip() for n in config.kv_tls_allowed_names.split(",") if n.strip())
     receiver = KvReceiver(engine, service.gate, metrics, service.taking_work, secret, names)

@@ -60,6 +60,8 @@ class ExecutorConfig:
     kv_tls_server_name: str = ""  # the name in peers' certificates; empty: the host dialled
     kv_tls_allowed_names: str = ""  # comma-separated: a peer's client certificate names one
     rebalance_sessions: bool = False  # move idle sessions off a nearly full cache to peers
+    # After a drain, wait up to this long for a /metrics scrape to read its last counts; 0: none
+    drain_scrape_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_common_fields(self.redis_url, self.log_level, self.log_format)
@@ -134,6 +136,7 @@ def check_kv_transfer_fields(config: ExecutorConfig) -> None:
     if config.kv_transfer_port != -1:
         check_range("--kv-transfer-port", config.kv_transfer_port, min_value=0, max_value=65535)
     check_range("--kv-transfer-timeout-s", config.kv_transfer_timeout_s, min_value=0.1)
+    check_range("--drain-scrape-wait-s", config.drain_scrape_wait_s, min_value=0.0)
     if bool(config.kv_tls_cert) != bool(config.kv_tls_key):
         raise ValueError("--kv-tls-cert and --kv-tls-key must be given together")
     if config.kv_tls_ca and not (config.kv_tls_cert and config.sink_tls_cert):
@@ -180,6 +183,13 @@ def add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=env_float("KVGATE_KV_TRANSFER_TIMEOUT_S", 10.0),
         help="one sequence's transfer; past it the sequence is recomputed instead",
+    )
+    add(
+        "--drain-scrape-wait-s",
+        type=float,
+        default=env_float("KVGATE_DRAIN_SCRAPE_WAIT_S", 0.0),
+        help="after a drain, wait up to this long for a /metrics scrape to read its last "
+        "counts (a Prometheus scrape interval; 0: exit at once)",
     )
     add(
         "--rebalance-sessions",

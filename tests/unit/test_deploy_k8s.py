@@ -239,12 +239,16 @@ def test_executors_drain_before_they_stop() -> None:
     assert python[1] == "-m" and module_exists(python[2]), python
     health = health_parser().parse_args(python[3:])  # exits the test on a flag it does not take
     # The running requests' KV moves in rounds of MAX_PARALLEL_PUSHES, each at most one
-    # --kv-transfer-timeout-s: all of them must be handed on within the grace period.
+    # --kv-transfer-timeout-s: all of them must be handed on within the grace period, and
+    # then a scrape must have its time to read the drain's counts.
     config = executor_config("cpu")
     rounds = -(-config.engine.max_num_seqs // MAX_PARALLEL_PUSHES)
     moving_s = rounds * config.kv_transfer_timeout_s
+    scrape_s = config.drain_scrape_wait_s
+    assert scrape_s > 0, "a drain's last counts would go unseen (the moves alert misses it)"
     grace_s = executor["terminationGracePeriodSeconds"]
-    assert grace_s >= health.timeout_s + moving_s, (grace_s, health.timeout_s, moving_s)
+    assert grace_s >= health.timeout_s + moving_s + scrape_s, (grace_s, health.timeout_s,
+                                                               moving_s, scrape_s)  # fmt: skip
 
 
 def executor_config(overlay: str) -> ExecutorConfig:
