@@ -43,12 +43,13 @@ GatewayEvent = GatewayAbort | GatewayGone
 @dataclass(frozen=True, slots=True)
 class SinkCredentials:
     """How an executor dials the gateways' TokenSink: TLS (None: plaintext), the name the
-    gateways' certificate must carry (empty: the host dialled), and the shared secret's
-    metadata (empty: none)."""
+    gateways' certificate must carry (empty: the host dialled), and the shared secret (None:
+    none; the KvTransfer service checks its peers with it too) with its metadata."""
 
     tls: grpc.ChannelCredentials | None = None
     server_name: str = ""
-    metadata: tuple[tuple[str, str], ...] = ()
+    metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    secret: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_files(
@@ -61,7 +62,7 @@ class SinkCredentials:
         """
         tls = channel_credentials(ca, cert, key, "--sink-tls") if ca else None
         secret = read_secret("--sink-secret-file", secret_file) if secret_file else None
-        return cls(tls, server_name, sink_metadata(secret))
+        return cls(tls, server_name, sink_metadata(secret), secret)
 
     def channel(self, address: str) -> grpc.Channel:
         if self.tls is None:
