@@ -39,8 +39,18 @@ class KvSender:
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
     _channels_lock: threading.Lock = field(default_factory=threading.Lock)  # pushes run at once
 
-    def push(self, moved: MovableKV, address: str, tenant: str) -> bool:
-        """Send `moved`'s KV to the peer at `address`. Returns: whether the peer holds it."""
+    def push(
+        self,
+        moved: MovableKV,
+        address: str,
+        tenant: str,
+        otherwise: str = "it is recomputed instead",
+    ) -> bool:
+        """Send `moved`'s KV to the peer at `address`. Returns: whether the peer holds it.
+
+        Args:
+            otherwise: what becomes of the sequence when the push fails, for the log line.
+        """
         layout = engine_layout(self.engine)
         header = internal_pb2.KvHeader(
             executor_id=self.executor_id,
@@ -68,11 +78,12 @@ class KvSender:
             )
         except grpc.RpcError as error:
             log.warning(
-                "KV of %s not moved to %s (%s: %s): it is recomputed instead",
+                "KV of %s not moved to %s (%s: %s): %s",
                 moved.session_id or moved.request_id,
                 address,
                 error.code().name,
                 error.details(),
+                otherwise,
             )
             return False
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - started)

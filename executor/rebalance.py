@@ -104,7 +104,8 @@ class SessionRebalancer:
         if fitting:
             peer = max(fitting, key=lambda s: s.num_free_blocks)
             tenant = moved.cache_salt or ""
-            if self._sender.push(moved, peer.kv_transfer_address, tenant):
+            stays = "the session stays here with its KV"
+            if self._sender.push(moved, peer.kv_transfer_address, tenant, stays):
                 target = peer.executor_id
                 session_id = moved.session_id or ""
                 old = self._executor_id

@@ -36,6 +36,8 @@ STREAM_TOKENS = 400
 # While its slow file exists, a sender's step takes this long at least (a stream of 400 tokens
 # then outlasts the start of the executors that join before the drain, on a loaded machine).
 FAULT_SENDER_STEP_S = 0.1
+# The drain test's --drain-scrape-wait-s: longer than the test takes to scrape on any machine.
+SCRAPE_WAIT_S = 120.0
 SENDER_STEP_S = 0.05  # the drain test's executor-0: a stream takes 20 s at least
 HELD_STEP_S = 0.1  # its executor-1 until executor-0 has exited: 200 tokens take 20 s
 STORY_WORDS = ["cat", "dog", "ball", "tree", "sun", "boat", "bird", "cake", "park", "hat"]
@@ -116,7 +118,11 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
     stack = stack_factory(
         num_executors=1,
         executor_flags=MOVE_FLAGS,
-        executor_env={"KVGATE_FAULTS": f"slow_while_file={slow_file}:{SENDER_STEP_S}"},
+        executor_env={
+            "KVGATE_FAULTS": f"slow_while_file={slow_file}:{SENDER_STEP_S}",
+            # executor-0 exits only once a scrape has read its drain's counts
+            "KVGATE_DRAIN_SCRAPE_WAIT_S": str(SCRAPE_WAIT_S),
+        },
     )
     address = stack.address
     # The undisturbed run first, on executor-0 alone: executor-1 will hold only moved KV.
@@ -145,7 +151,7 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
     held = slow_file.with_suffix(".held")
     held.touch()
     faults = {"KVGATE_FAULTS": f"slow_while_file={held}:{HELD_STEP_S}"}
-    stack.start_executor("executor-1", extra_env=faults)
+    stack.start_executor("executor-1", extra_env=faults | {"KVGATE_DRAIN_SCRAPE_WAIT_S": "0"})
     wait_for(
         lambda: (
             (status := stack.executor_status("executor-1")) is not None
@@ -155,11 +161,22 @@ def test_a_drain_moves_streams_and_sessions_to_the_peer(stack_factory, slow_file
     )
     assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
     stack.procs["executor-0"].send_signal(signal.SIGTERM)
+    wait_for(
+        lambda: log_lines(stack, "executor-0", "drained: waiting up to", "for a metrics scrape"),
+        "executor-0 to drain and wait for a scrape",
+        timeout_s=60.0,
+    )
+    drained = scrape(stack, "executor-0")  # the drain's last counts, before it exits
     status = stack.procs["executor-0"].wait(timeout=60.0)
     still_running = sum(not s.done.is_set() for s in streams)
     slow_file.unlink()
     held.unlink()
     assert status == 0, f"executor-0 exited with {status}"
+    for kind, count in (("request", NUM_STREAMS), ("session", NUM_SESSIONS)):
+        moves = {r: counter(drained, "kvgate_executor_kv_moves", kind=kind, result=r)
+                 for r in ("moved", "fallback")}  # fmt: skip
+        assert moves == {"moved": count, "fallback": 0}, f"{kind}s: {moves}"
+    assert log_lines(stack, "executor-0", "a metrics scrape read the drain's counts")
     # It did not wait for its streams: they were still running when it exited.
     assert still_running == NUM_STREAMS, f"{NUM_STREAMS - still_running} ended on executor-0"
     moved = [s.result() for s in streams]
@@ -330,20 +347,21 @@ def pinned(stack, count: int) -> str | None:
     return text if gauge(text, "kvgate_executor_session_pins") == count else None
 
 
-def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
-    stack_factory, model_text
-):
-    small = ["--num-gpu-blocks", "64", "--rebalance-sessions"]
-    stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS + small)
-    address = stack.address
+REBALANCE_FLAGS = ["--num-gpu-blocks", "64", "--rebalance-sessions"]
+
+
+def fill_nearly(stack) -> tuple[list[str], list[Completion]]:
+    """Sessions on executor-0 until fewer than 10% of its blocks are free (the rebalancing
+    watermark), none evicted: it has no peer yet, so they all stay. Returns: their ids and
+    first turns."""
     sessions: list[str] = []
     first_turns: list[Completion] = []
-    # Sessions until fewer than 10% of executor-0's blocks are free (the watermark), none
-    # evicted: it has no peer yet, so they all stay.
     while True:
         sessions.append(f"r-{uuid.uuid4().hex[:10]}")
         i = len(sessions) - 1
-        first_turns.append(generate(address, prompt_of(i), session_id=sessions[i], max_tokens=12))
+        first_turns.append(
+            generate(stack.address, prompt_of(i), session_id=sessions[i], max_tokens=12)
+        )
         metrics = wait_for(
             lambda: pinned(stack, len(sessions)), f"executor-0 to pin {len(sessions)} sessions"
         )
@@ -351,6 +369,15 @@ def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
         if gauge(metrics, "kvgate_executor_kv_usage_ratio") > 0.9:
             break
     assert all(session_executor(stack, s) == "executor-0" for s in sessions)
+    return sessions, first_turns
+
+
+def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
+    stack_factory, model_text
+):
+    stack = stack_factory(num_executors=1, executor_flags=MOVE_FLAGS + REBALANCE_FLAGS)
+    address = stack.address
+    sessions, first_turns = fill_nearly(stack)
     stack.start_executor("executor-1", extra_flags=["--num-gpu-blocks", "2048"])
 
     def moved() -> list[int]:
@@ -373,6 +400,37 @@ def test_rebalancing_moves_the_least_recently_used_sessions_to_a_peer_with_room(
     assert session_executor(stack, sessions[i]) == "executor-1"
     assert counter(scrape(stack, "executor-0"), "kvgate_executor_kv_moves", kind="rebalance",
                    result="moved") == len(indices)  # fmt: skip
+
+
+def test_a_failed_rebalance_keeps_the_session_where_it_was(stack_factory, model_text):
+    """executor-0 corrupts every chunk it sends: each push to executor-1 is refused. The
+    session stays on executor-0 with its KV (its next turn finds its history cached there),
+    the fallback is counted, and executor-1 gives back every block it had taken."""
+    stack = stack_factory(
+        num_executors=1,
+        executor_flags=MOVE_FLAGS + REBALANCE_FLAGS,
+        executor_env={"KVGATE_FAULTS": "corrupt_kv_chunks=1"},
+    )
+    sessions, first_turns = fill_nearly(stack)
+    stack.start_executor(
+        "executor-1", extra_flags=["--num-gpu-blocks", "2048"], extra_env={"KVGATE_FAULTS": ""}
+    )
+
+    def fallbacks() -> float:
+        metrics = scrape(stack, "executor-0")
+        return counter(metrics, "kvgate_executor_kv_moves", kind="rebalance", result="fallback")
+
+    wait_for(lambda: fallbacks() >= 2, "two refused rebalancing pushes", timeout_s=60.0)
+    assert counter(scrape(stack, "executor-0"), "kvgate_executor_kv_moves", kind="rebalance",
+                   result="moved") == 0  # fmt: skip
+    assert log_lines(stack, "executor-0", "DATA_LOSS"), "the refusal is not logged"
+    assert all(session_executor(stack, s) == "executor-0" for s in sessions)
+    wait_for(lambda: kv_cache_idle(stack, "executor-1"), "executor-1 to hold no block")
+    # The least recently used session, the one each push tried: still whole on executor-0.
+    history = model_text.encode(prompt_of(0)) + first_turns[0].token_ids
+    turn = next_turn(stack.address, sessions[0], history + [13, 450])
+    assert turn.usage.cached_prompt_tokens >= 0.95 * (len(history) - 1)
+    assert session_executor(stack, sessions[0]) == "executor-0"
 
 
 # ---- the default chat model ---------------------------------------------------------------
