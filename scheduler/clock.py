@@ -35,6 +35,12 @@ class RedisClock:
         self._samples.append((after - before, offset_s))
         self._offset_s = min(self._samples)[1]
 
+    @property
+    def error_s(self) -> float:
+        """At most how far the offset in use is off: half its read's round trip (inf before
+        the first `sync`)."""
+        return min(self._samples)[0] / 2.0 if self._samples else float("inf")
+
     def monotonic(self, unix_us: int, now_s: float) -> float:
         """Args: a Redis server time and the monotonic time now.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -11,7 +10,7 @@ from transformers import AutoTokenizer
 from common.prefix import block_hashes
 from common.sampling_params import SamplingParams
 from engine.engine import Engine
-from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion
+from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +58,12 @@ def test_session_expires_after_ttl(tokenizer):
     engine.add_request("t1", tokenizer("Once upon a time").input_ids, greedy(4), session_id="s")
     run_to_completion(engine)
     assert engine.stats().num_session_pins == 1
-    time.sleep(0.1)
-    engine.step()
-    assert engine.stats().num_session_pins == 0, "session outlived its TTL"
+
+    def expired() -> bool:
+        engine.step()  # a step lets go of the sessions idle past their TTL
+        return engine.stats().num_session_pins == 0
+
+    wait_for(expired, "the session to expire 0.05 s after its turn")
 
 
 def test_tenants_never_share_cached_blocks(tokenizer):

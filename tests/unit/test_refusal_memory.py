@@ -12,14 +12,32 @@ from gateway.quotas import RefusalMemory
 LIMITS = TenantLimits(requests_per_s=2.0)
 
 
-def test_a_remembered_refusal_refuses_with_the_time_left():
+class StillClock:
+    """gateway.quotas' `time`: it moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+
+@pytest.fixture
+def clock(monkeypatch) -> StillClock:
+    clock = StillClock()
+    monkeypatch.setattr("gateway.quotas.time", clock)
+    return clock
+
+
+def test_a_remembered_refusal_refuses_with_the_time_left(clock):
     memory = RefusalMemory(max_s=60.0)
     memory.check("acme", LIMITS)  # nothing remembered
     memory.remember("acme", LIMITS, "requests_per_s", 30_000)
+    clock.now_s += 1.25
     with pytest.raises(QuotaExceeded) as refused:
         memory.check("acme", LIMITS)
     assert refused.value.limit == "requests_per_s", refused.value
-    assert 29_000 < refused.value.retry_after_ms <= 30_000, refused.value.retry_after_ms
+    assert refused.value.retry_after_ms == 28_750, refused.value.retry_after_ms
     assert "2 requests per second" in str(refused.value), refused.value
     memory.check("globex", LIMITS)  # another tenant's is its own
 

@@ -4,8 +4,6 @@ redis-server is in tests/integration/test_scheduler_redis.py."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
 
@@ -14,20 +12,16 @@ from scheduler.intake import RequestIntake
 from scheduler.queue import FcfsPolicy, WindowBatcher, WindowLimits
 from scheduler.streams import StreamEntry
 
-real_sleep = time.sleep
-
 
 class RecordingStream:
     """Stands in for the request stream: records how each read was asked to wait; each read
-    takes `read_s` and returns nothing."""
+    returns nothing."""
 
-    def __init__(self, read_s: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.blocks: list[int | None] = []
-        self.read_s = read_s
 
     def read_new(self, block_ms: int | None, count: int) -> list[StreamEntry]:
         self.blocks.append(block_ms)
-        real_sleep(self.read_s)
         return []
 
     def drop(self, entry_ids: list[str]) -> None:
@@ -40,60 +34,21 @@ def intake_with(stream: RecordingStream, window_ms: float) -> tuple[RequestIntak
     return RequestIntake(stream, clock, batcher), batcher
 
 
-@pytest.fixture
-def sleeps(monkeypatch) -> list[float]:
-    """Every sleep of the intake, in seconds (each still sleeps)."""
-    slept: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        real_sleep(seconds)
-
-    monkeypatch.setattr("scheduler.intake.time.sleep", sleep)
-    return slept
-
-
-def waits_of(sleeps, pending_request, window_ms, poll_in_ms, waiting, stalled=False):
-    """One read of the intake: (the read's block_ms, the seconds slept)."""
-    stream = RecordingStream()
-    intake, batcher = intake_with(stream, window_ms)
-    now = time.monotonic()
-    if waiting:
-        batcher.add(pending_request("r1", arrival_s=now))
-    intake.read(next_poll_s=now + poll_in_ms / 1000.0, stalled=stalled)
-    return stream.blocks[0], sleeps
-
-
-def test_with_nothing_waiting_it_waits_on_the_stream_until_the_poll(sleeps, pending_request):
-    block_ms, slept = waits_of(sleeps, pending_request, 2.0, poll_in_ms=50.0, waiting=False)
-    assert slept == [] and block_ms is not None and 1 <= block_ms <= 50, (block_ms, slept)
-
-
-@pytest.mark.parametrize("poll_in_ms", [60.0, 10.0])
-def test_a_window_closing_within_redis_resolution_is_slept_out_exactly(
-    sleeps, pending_request, poll_in_ms
-):
-    """A BLOCK would end on Redis's 100 ms clock, so a 30 ms window would close up to 100 ms
-    late; the intake sleeps to the close (or to a poll due sooner) instead, then reads
-    without waiting."""
-    block_ms, slept = waits_of(sleeps, pending_request, 30.0, poll_in_ms, waiting=True)
-    assert block_ms is None, f"read with BLOCK {block_ms} while a window closes in 30 ms"
-    expected_s = min(30.0, poll_in_ms) / 1000.0
-    assert slept and 0.0 < slept[0] <= expected_s and sum(slept) <= expected_s, slept
-
-
 class VirtualTime:
     """The intake's `time`: a clock that moves only by its sleeps and the stream's reads (on a
-    busy machine a real read or wake-up can take longer than the lead it is to teach)."""
+    busy machine a real read or wake-up can take longer than the lead it is to teach, or than
+    the margins a test would allow)."""
 
     def __init__(self) -> None:
         self.now_s = 1000.0
         self.wake_targets: list[float] = []
+        self.slept: list[float] = []
 
     def monotonic(self) -> float:
         return self.now_s
 
     def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
         self.wake_targets.append(self.now_s + seconds)
         self.now_s += seconds
 
@@ -110,11 +65,45 @@ class TimedStream(RecordingStream):
         return super().read_new(block_ms, count)
 
 
-def test_the_last_read_before_a_window_closes_starts_early_by_what_reads_take(monkeypatch):
-    """The read before a close starts early by the average of what the reads took, and the
-    batch still leaves no earlier than the close."""
+@pytest.fixture
+def clock(monkeypatch) -> VirtualTime:
+    """The intake's clock, virtual: every wait is exact, however busy the machine."""
     clock = VirtualTime()
     monkeypatch.setattr("scheduler.intake.time", clock)
+    return clock
+
+
+def waits_of(clock, pending_request, window_ms, poll_in_ms, waiting, stalled=False):
+    """One read of the intake: (the read's block_ms, the seconds slept)."""
+    stream = RecordingStream()
+    intake, batcher = intake_with(stream, window_ms)
+    now = clock.monotonic()
+    if waiting:
+        batcher.add(pending_request("r1", arrival_s=now))
+    intake.read(next_poll_s=now + poll_in_ms / 1000.0, stalled=stalled)
+    return stream.blocks[0], clock.slept
+
+
+def test_with_nothing_waiting_it_waits_on_the_stream_until_the_poll(clock, pending_request):
+    block_ms, slept = waits_of(clock, pending_request, 2.0, poll_in_ms=50.0, waiting=False)
+    assert (block_ms, slept) == (50, [])
+
+
+@pytest.mark.parametrize("poll_in_ms", [60.0, 10.0])
+def test_a_window_closing_within_redis_resolution_is_slept_out_exactly(
+    clock, pending_request, poll_in_ms
+):
+    """A BLOCK would end on Redis's 100 ms clock, so a 30 ms window would close up to 100 ms
+    late; the intake sleeps to the close (or to a poll due sooner) instead, then reads
+    without waiting."""
+    block_ms, slept = waits_of(clock, pending_request, 30.0, poll_in_ms, waiting=True)
+    assert block_ms is None, f"read with BLOCK {block_ms} while a window closes in 30 ms"
+    assert slept == [pytest.approx(min(30.0, poll_in_ms) / 1000.0)], slept
+
+
+def test_the_last_read_before_a_window_closes_starts_early_by_what_reads_take(clock):
+    """The read before a close starts early by the average of what the reads took, and the
+    batch still leaves no earlier than the close."""
     intake, _ = intake_with(TimedStream(clock, read_s=0.005), window_ms=2.0)
     for _ in range(10):
         due_s = clock.monotonic() + 0.02
@@ -126,14 +115,14 @@ def test_the_last_read_before_a_window_closes_starts_early_by_what_reads_take(mo
 
 
 def test_a_long_window_waits_on_the_stream_only_until_a_resolution_before_its_close(
-    sleeps, pending_request
+    clock, pending_request
 ):
-    block_ms, slept = waits_of(sleeps, pending_request, 250.0, poll_in_ms=1000.0, waiting=True)
-    assert slept == [] and block_ms is not None and 1 <= block_ms <= 150, (block_ms, slept)
+    block_ms, slept = waits_of(clock, pending_request, 250.0, poll_in_ms=1000.0, waiting=True)
+    assert (block_ms, slept) == (150, []), "BLOCK until Redis's resolution (100 ms) before"
 
 
-def test_a_stalled_batch_waits_for_the_next_poll(sleeps, pending_request):
+def test_a_stalled_batch_waits_for_the_next_poll(clock, pending_request):
     block_ms, slept = waits_of(
-        sleeps, pending_request, 2.0, poll_in_ms=80.0, waiting=True, stalled=True
+        clock, pending_request, 2.0, poll_in_ms=125.0, waiting=True, stalled=True
     )
-    assert slept == [] and block_ms is not None and 1 <= block_ms <= 80, (block_ms, slept)
+    assert (block_ms, slept) == (125, [])  # 0.125 s: exact in binary, as the clock's 1000 s
