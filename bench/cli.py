@@ -19,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from bench.harness import BenchFailure, add_out, results_beside, write_results
+from bench.harness import BenchFailure, add_out, results_beside, run_stamp, write_results
 
 # Benchmarks start stacks (subprocess.Popen: fork, then exec) from a process whose gRPC threads
 # run; gRPC's fork handlers are then skipped with a warning, or can wait inside fork() forever.
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         result = benchmark.run(args)
         if benchmark.summarize is not None:
             benchmark.summarize(result)
-        write_results(result, args.out, args.out_key)
+        write_results(result, args.out, args.out_key, run_stamp(argv))
     except BenchFailure as error:
         print(f"kvgate bench: {error}", file=sys.stderr)
         return 2

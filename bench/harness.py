@@ -10,8 +10,10 @@ under KEY in the JSON object --out holds, so runs of one benchmark share one fil
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -181,9 +183,38 @@ def results_beside(out: Path, out_key: str | None) -> dict:
     return {key: value for key, value in held.items() if key != out_key}
 
 
-def write_results(result: dict, out: Path, out_key: str | None = None) -> None:
+# /proc/cpuinfo flags that make each x86 ISA level the kernels build for (kernels/cpu_build.py)
+ISA_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma", "f16c")}
+
+
+def run_stamp(argv: list[str]) -> dict:
+    """What made a result, stored beside it: the command, when (UTC), and the machine (CPU
+    model, widest ISA level by /proc/cpuinfo, cores, load averages). Reads no torch."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    lines = info.splitlines()
+    model = next((ln.partition(":")[2].strip() for ln in lines if ln.startswith("model name")),
+                 "unknown")  # fmt: skip
+    flags = next((set(ln.partition(":")[2].split()) for ln in lines if ln.startswith("flags")),
+                 set())  # fmt: skip
+    isa = next((level for level, need in ISA_FLAGS.items() if flags.issuperset(need)), "scalar")
+    return {
+        "command": shlex.join(["kvgate", "bench", *argv]),
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cpu_model": model,
+        "cpu_isa": isa,
+        "cpus": os.cpu_count(),
+        "load_average": load_average(),
+    }
+
+
+def write_results(
+    result: dict, out: Path, out_key: str | None = None, stamp: dict | None = None
+) -> None:
     """Writes `result` as JSON to `out` (its folder made); with `out_key`, under that key in
-    the JSON object `out` holds, its other keys kept (results_beside)."""
+    the JSON object `out` holds, its other keys kept (results_beside). `stamp` (run_stamp)
+    goes in as the result's "run"."""
+    if stamp is not None:
+        result = {"run": stamp, **result}
     kept = results_beside(out, out_key)
     if out_key is not None:
         result = {**kept, out_key: result}

@@ -44,13 +44,15 @@ class ChoiceGroup:
             spec = dataclasses.replace(spec, sampling=dataclasses.replace(sampling, logprobs=0))
         self.spec = spec
         self.request_id = internal_request_id(tenant, spec.request_id)
+        self.params = sampling_params_to_pb(spec.sampling)
+        # Each choice samples one sequence; their parameters are built once, for all of them.
+        choice_params = sampling_params_to_pb(dataclasses.replace(spec.sampling, n=1, best_of=None))
         self.choices = [
             # quotas are taken once, as the group is queued (by choice 0)
             Generation(spec, deps, tenant, session_executor_id, admission if i == 0 else None,
-                       (self.request_id, i))
+                       (self.request_id, i), choice_params)
             for i in range(spec.sampling.num_sequences)
         ]  # fmt: skip
-        self.params = sampling_params_to_pb(spec.sampling)
 
     def queued_request(self) -> internal_pb2.QueuedRequest:
         """The one QueuedRequest of all the choices' first attempt."""

@@ -139,6 +139,7 @@ class Generation:
         session_executor_id: str = "",
         admission: Admission | None = None,
         choice: tuple[str, int] | None = None,
+        params: internal_pb2.SamplingParams | None = None,
     ) -> None:
         """
         Args:
@@ -146,6 +147,9 @@ class Generation:
                 is taken in the round trip that queues the request.
             choice: (the request's internal id, the choice's index) of one choice of a
                 request of several sequences (gateway/choices.py); None: a request of one.
+            params: the sampling parameters as sent (a choice's: n 1, no best_of), when the
+                caller built them already (the choices of one request share them; never
+                changed here); None: built from the spec.
         """
         self.spec = spec
         self.admission = admission
@@ -160,7 +164,8 @@ class Generation:
             self.queued_id, self.index = choice
             self.request_id = choice_request_id(*choice)
             sampling = dataclasses.replace(spec.sampling, n=1, best_of=None)
-        self.params = sampling_params_to_pb(sampling)  # built once, sent on each attempt
+        # built once, sent on each attempt
+        self.params = params if params is not None else sampling_params_to_pb(sampling)
         self.session_executor_id = session_executor_id
         self.moved_to = ""  # the executor a drain moved its KV to: its next attempt runs there
         self.num_moves = 0  # attempts handed on by drains (not counted against max_attempts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -163,6 +164,20 @@ def test_engine_steps_times_each_format_by_thread_cpu_time(tmp_path):
         assert 0 < f["step_cpu_ms_min"] <= f["step_cpu_ms_median"], (name, f)
         assert f["prefill_cpu_s"] > 0 and f["weight_bytes_per_step"] > 0, (name, f)
     assert result["cpu"]["kernels_isa"] is not None, "the results name the kernels' ISA level"
+    run = result["run"]  # what made the file: the command, the date and the machine
+    assert run["command"] == shlex.join(["kvgate", "bench", "engine", "steps", *flags]), run
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", run["date_utc"]), run
+    assert run["cpu_isa"] in ("avx512", "avx2", "scalar") and run["cpu_model"], run
+    assert run["cpus"] >= 1 and len(run["load_average"]) == 3, run
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.words)
+def test_every_benchmark_parses_its_flags(command, capsys):
+    """Each command of the list finds its benchmark and builds its parser."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *command.words.split(), "--help"])
+    assert exited.value.code == 0
+    assert f"usage: kvgate bench {command.words}" in capsys.readouterr().out
 
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
