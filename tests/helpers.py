@@ -178,15 +178,22 @@ def greedy(max_tokens: int, **fields):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **fields)
 
 
+def step_outputs(engine, max_steps: int = 100_000) -> list:
+    """Step the engine until every request finished; every step's outputs, in order."""
+    outputs = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return outputs
+        outputs.extend(engine.step())
+    raise AssertionError(f"engine still had unfinished requests after {max_steps} steps")
+
+
 def run_to_completion(engine, max_steps: int = 100_000) -> dict[str, list[int]]:
     """Step the engine until every request finished; tokens per request id."""
     tokens: dict[str, list[int]] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return tokens
-        for output in engine.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-    raise AssertionError(f"engine still had unfinished requests after {max_steps} steps")
+    for output in step_outputs(engine, max_steps):
+        tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
 
 
 def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -145,9 +145,10 @@ def story_ids(model_text: ModelText) -> list[int]:
     return model_text.encode(PROMPT + STORY)[len(prompt) :]
 
 
-def generate(gateway: GatewayThread, **fields) -> grpc.Future:
+def generate(gateway: GatewayThread, metadata=(), **fields) -> grpc.Future:
+    """A Generate call of PROMPT and `fields`, with `metadata` (a tenant's key)."""
     request = pb.GenerateRequest(prompt=PROMPT, **fields)
-    return gateway.stub.Generate(request, timeout=CALL_TIMEOUT_S)
+    return gateway.stub.Generate(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
 
 
 def collect(call) -> tuple[str, list[pb.GenerateResponse]]:

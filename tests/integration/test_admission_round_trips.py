@@ -15,13 +15,12 @@ import redis
 
 from protos.kvgate.v1 import inference_pb2 as pb
 from tests.helpers import wait_for
-from tests.integration.gateway_harness import ExecutorPeer, GatewayThread
+from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, generate
 from tests.integration.test_tenancy import (
     AUTH_ON,
     CALL_TIMEOUT_S,
     KEYS,
     answer,
-    generate,
     make_gateway,
     new_key,
     quota_refusal,

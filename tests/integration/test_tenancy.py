@@ -17,7 +17,12 @@ from common.tenants import OTHER_TENANTS, TenantLimits
 from protos.kvgate.v1 import inference_pb2 as pb
 from protos.kvgate.v1 import internal_pb2
 from tests.helpers import wait_for
-from tests.integration.gateway_harness import ExecutorPeer, GatewayThread, gateway_config
+from tests.integration.gateway_harness import (
+    ExecutorPeer,
+    GatewayThread,
+    gateway_config,
+    generate,
+)
 
 CALL_TIMEOUT_S = 20
 KEYS = RedisKeys()
@@ -43,11 +48,6 @@ def new_key(client: redis.Redis, tenant: str) -> tuple[tuple[str, str]]:
 
 def set_limits(client: redis.Redis, tenant: str, **limits) -> None:
     admin.set_limits(client, KEYS, tenant, limits, lambda _: None)
-
-
-def generate(gateway: GatewayThread, metadata, **fields):
-    request = pb.GenerateRequest(prompt="Once upon a time", **fields)
-    return gateway.stub.Generate(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
 
 
 def answer(executor: ExecutorPeer, token_ids: list[int] = (2,)) -> internal_pb2.QueuedRequest:

@@ -10,19 +10,19 @@ from transformers import AutoTokenizer
 from common.prefix import block_hashes
 from common.sampling_params import SamplingParams
 from engine.engine import Engine
-from tests.helpers import STORIES_260K, greedy, make_engine, run_to_completion, wait_for
+from tests.helpers import (
+    STORIES_260K,
+    greedy,
+    make_engine,
+    run_to_completion,
+    step_outputs,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(STORIES_260K)
-
-
-def drain(engine: Engine) -> list:
-    outputs = []
-    while engine.has_unfinished():
-        outputs.extend(engine.step())
-    return outputs
 
 
 def assert_all_blocks_free(engine: Engine) -> None:
@@ -38,7 +38,7 @@ def test_session_turn_two_reuses_turn_one_and_matches_cold_run(tokenizer):
     assert engine.stats().num_session_pins == 1
     turn2 = turn1 + reply1 + tokenizer("Then the dog", add_special_tokens=False).input_ids
     engine.add_request("t2", turn2, greedy(20), session_id="s")
-    outputs = drain(engine)
+    outputs = step_outputs(engine)
     reply2 = [t for o in outputs for t in o.new_token_ids]
     # every token of turn 1 had its K/V computed except the last reply token, never fed back
     expected_cached = len(turn1) + len(reply1) - 1
@@ -73,7 +73,7 @@ def test_tenants_never_share_cached_blocks(tokenizer):
     run_to_completion(engine)
     engine.add_request("b1", prompt, greedy(4), cache_salt="tenant-b")
     engine.add_request("a2", prompt, greedy(4), cache_salt="tenant-a")
-    cached = {o.request_id: o.num_cached_tokens for o in drain(engine)}
+    cached = {o.request_id: o.num_cached_tokens for o in step_outputs(engine)}
     assert cached["b1"] == 0, f"tenant b read tenant a's blocks: {cached}"
     assert cached["a2"] > 0, f"tenant a did not reuse its own prefix: {cached}"
 
@@ -98,7 +98,7 @@ def test_priority_runs_lower_value_first_fcfs_within(tokenizer):
     prompt = tokenizer("Once upon a time").input_ids
     for request_id, priority in [("late", 2), ("first", 0), ("mid-a", 1), ("mid-b", 1)]:
         engine.add_request(request_id, prompt, greedy(3), priority=priority)
-    finished = [o.request_id for o in drain(engine) if o.finished]
+    finished = [o.request_id for o in step_outputs(engine) if o.finished]
     assert finished == ["first", "mid-a", "mid-b", "late"], f"finish order {finished}"
 
 
@@ -183,7 +183,7 @@ def test_abort_frees_blocks_and_stops_output(tokenizer):
     engine.add_request("b", tokenizer("The dog").input_ids, greedy(5))
     engine.step()
     engine.abort("a")
-    outputs = drain(engine)
+    outputs = step_outputs(engine)
     assert {o.request_id for o in outputs} == {"b"}, "an aborted request kept producing"
     assert_all_blocks_free(engine)
 
@@ -192,7 +192,7 @@ def test_max_model_len_ends_with_length(tokenizer):
     engine = make_engine(max_model_len=16)
     prompt = tokenizer("Once upon a time").input_ids
     engine.add_request("a", prompt, greedy(100))
-    outputs = drain(engine)
+    outputs = step_outputs(engine)
     assert len(prompt) + len(outputs) == 16
     assert outputs[-1].finish_reason == "length"
 
@@ -219,7 +219,7 @@ def test_session_reuses_a_partial_last_block(tokenizer):
     assert kv_tokens % 4, "the test needs turn 1 to end inside a block"
     turn2 = turn1 + reply1 + tokenizer("The end", add_special_tokens=False).input_ids
     engine.add_request("t2", turn2, greedy(12), session_id="s")
-    outputs = drain(engine)
+    outputs = step_outputs(engine)
     assert outputs[0].num_cached_tokens == kv_tokens, (
         f"expected {kv_tokens} cached tokens, got {outputs[0].num_cached_tokens}"
     )
@@ -249,7 +249,7 @@ def test_another_tenants_request_does_not_drop_a_session(tokenizer):
     run_to_completion(engine)
     engine.add_request("b", prompt, greedy(2), session_id="s2", cache_salt="tenant-b")
     engine.add_request("b2", prompt, greedy(2), session_id="s", cache_salt="tenant-b")
-    outputs = {o.request_id: o for o in drain(engine)}
+    outputs = {o.request_id: o for o in step_outputs(engine)}
     assert outputs["b2"].num_cached_tokens == 0, "tenant b read tenant a's session"
     # b's turn pinned a session "s" of its own: a's is still there, and each ends alone
     assert sorted(engine.session_ids()) == ["s", "s", "s2"], engine.session_ids()

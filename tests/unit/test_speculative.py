@@ -24,7 +24,14 @@ from engine.speculative import NgramProposer, propose_ngram
 from engine.speculative_config import SpeculativeConfig
 from executor.config import ExecutorConfig
 from executor.metrics import ExecutorMetrics
-from tests.helpers import STORIES_260K, greedy, hf_generate, make_engine, one_torch_thread
+from tests.helpers import (
+    STORIES_260K,
+    greedy,
+    hf_generate,
+    make_engine,
+    one_torch_thread,
+    step_outputs,
+)
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside. "
@@ -65,14 +72,14 @@ def run(
 
 
 def drain(engine: Engine) -> dict[str, list]:
+    """Every choice's tokens, logprobs and finish reasons, stepped to the end."""
     got: dict[str, list] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            key = f"{out.request_id}/{out.index}"
-            tokens, logprobs, reasons = got.setdefault(key, ([], [], []))
-            tokens += out.new_token_ids
-            logprobs += out.logprobs or []
-            reasons.append(out.finish_reason)
+    for out in step_outputs(engine):
+        key = f"{out.request_id}/{out.index}"
+        tokens, logprobs, reasons = got.setdefault(key, ([], [], []))
+        tokens += out.new_token_ids
+        logprobs += out.logprobs or []
+        reasons.append(out.finish_reason)
     return got
 
 
