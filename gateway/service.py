@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from grpc import aio
@@ -35,6 +36,8 @@ from gateway.validation import (
     resolve_request_id,
 )
 from protos.kvgate.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # GenerateRequest's ways to give the prompt; a request sets exactly one.
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
@@ -467,6 +470,11 @@ class ChatConversation:
                 if request.HasField("turn"):
                     if self._turns.qsize() >= self.max_queued_turns:
                         self.too_many_turns = True  # read no more: the client waits on us
+                        log.info(
+                            "Chat of tenant %s: a turn came while %d waited "
+                            "(--max-queued-turns); the call ends after the running turn",
+                            self.tenant, self.max_queued_turns,
+                        )  # fmt: skip
                         return
                     self._turns.put_nowait(request.turn)
                 elif request.HasField("cancel") and self.running_request_id is not None:

@@ -4,6 +4,7 @@ of the wire driven by the test), and session turns recorded under concurrent wri
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 
 import grpc
@@ -72,14 +73,18 @@ def test_chat_cancel_ends_the_turn_with_abort_and_keeps_the_stream(
 
 
 def test_chat_turns_sent_past_max_queued_turns_are_refused_naming_it(
-    gateway: GatewayThread, executor: ExecutorPeer
+    gateway: GatewayThread, executor: ExecutorPeer, caplog
 ):
     """Six turns sent at once: one runs, at most --max-queued-turns (4) wait behind it, and
-    the call ends RESOURCE_EXHAUSTED naming the flag once the running turn is done."""
+    the call ends RESOURCE_EXHAUSTED naming the flag once the running turn is done. The
+    running turn ends only once the gateway has read the sixth (on a loaded machine it could
+    end first, and the turns behind it would then fit)."""
+    caplog.set_level(logging.INFO, logger="gateway.service")
     turn = pb.ChatTurn(content="hi", params=pb.SamplingParams(max_tokens=8))
     requests = iter([pb.ChatRequest(turn=turn)] * 6)
     responses = gateway.stub.Chat(requests, timeout=CALL_TIMEOUT_S)
     first = executor.take_request()
+    wait_for(lambda: "(--max-queued-turns)" in caplog.text, "the gateway to read the 6th turn")
     executor.send(first.request_id, 0, [2], finished=True, finish_reason=pb.FINISH_REASON_STOP)
     assert read_turn(responses)[-1].turn_index == 0
     code, details = status_of(responses)

