@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -147,9 +146,7 @@ class Generation:
                 is taken in the round trip that queues the request.
             choice: (the request's internal id, the choice's index) of one choice of a
                 request of several sequences (gateway/choices.py); None: a request of one.
-            params: the sampling parameters as sent (a choice's: n 1, no best_of), when the
-                caller built them already (the choices of one request share them; never
-                changed here); None: built from the spec.
+            params: with `choice`, the choices' shared sampling parameters (n 1, no best_of).
         """
         self.spec = spec
         self.admission = admission
@@ -159,13 +156,11 @@ class Generation:
             self.request_id = internal_request_id(tenant, spec.request_id)
             self.index = 0
             self.queued_id = self.request_id  # the id it is queued under now
-            sampling = spec.sampling
+            params = sampling_params_to_pb(spec.sampling)
         else:
             self.queued_id, self.index = choice
             self.request_id = choice_request_id(*choice)
-            sampling = dataclasses.replace(spec.sampling, n=1, best_of=None)
-        # built once, sent on each attempt
-        self.params = params if params is not None else sampling_params_to_pb(sampling)
+        self.params = params  # built once, sent on each attempt
         self.session_executor_id = session_executor_id
         self.moved_to = ""  # the executor a drain moved its KV to: its next attempt runs there
         self.num_moves = 0  # attempts handed on by drains (not counted against max_attempts)
