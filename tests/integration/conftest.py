@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -77,6 +78,39 @@ def start_stack(
         stack.stop_all()
         raise
     return stack
+
+
+# Lines of each process's log a failed test's report ends with (CI keeps only the report).
+FAILURE_LOG_LINES = 25
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that used a stack gets the last lines of each of its processes' logs
+    in its report, so that a failure in CI says what the processes did."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    stacks = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Stack)]
+    for stack in stacks:
+        for path in sorted(stack.config.log_dir.glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-FAILURE_LOG_LINES:]
+            report.sections.append((f"log {path.name}", "\n".join(map(compact, lines))))
+
+
+def compact(line: str) -> str:
+    """A JSON log line as `time level message {fields}`; other lines as they are."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict):
+        return line
+    head = [str(record.pop(k, "")) for k in ("ts", "level", "msg")]
+    record.pop("process", None)
+    record.pop("logger", None)
+    return " ".join(head) + (f" {record}" if record else "")
 
 
 @pytest.fixture(scope="module")
