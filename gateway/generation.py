@@ -163,7 +163,9 @@ class Generation:
         self.params = params  # built once, sent on each attempt
         self.session_executor_id = session_executor_id
         self.moved_to = ""  # the executor a drain moved its KV to: its next attempt runs there
-        self.num_moves = 0  # attempts handed on by drains (not counted against max_attempts)
+        # attempts handed on by drains or replaced on their executor (not counted against
+        # max_attempts)
+        self.num_moves = 0
         self.tokens: list[int] = []
         self.sent_prompt_logprobs = False
         sampling = spec.sampling
@@ -370,11 +372,12 @@ class Generation:
 
     async def _requeue(self, lost: ExecutorLost) -> Chunk | None:
         """Runs the request again, from the tokens already streamed, after its executor was
-        lost (the last chunk, FINISH_REASON_ERROR, once it was lost max_attempts times) or
-        handed it on while draining (on the executor that took its KV, when one did)."""
+        lost (the last chunk, FINISH_REASON_ERROR, once it was lost max_attempts times),
+        handed it on while draining (on the executor that took its KV, when one did), or
+        replaced its run with one that started over."""
         executor_id = lost.executor_id
         self.attempt = lost.attempt
-        self.num_moves += lost.moved
+        self.num_moves += lost.moved or lost.replaced
         self.moved_to = lost.moved_to
         used_up = attempts_used_up(self.queued_request())
         if used_up is not None:
@@ -388,7 +391,16 @@ class Generation:
         self.queue_deadline = time.monotonic() + self.deps.queue_timeout_s
         self.session_executor_id = ""
         self.deps.metrics.requeues.labels(self.spec.api).inc()
-        if lost.moved:
+        if lost.replaced:
+            log.info(
+                "request's run on %s was replaced by one that started over behind its %d "
+                "tokens; re-queued from them (attempt %d)",
+                executor_id,
+                len(self.tokens),
+                self.attempt,
+                extra=self.log_fields,
+            )
+        elif lost.moved:
             kv = "moved" if lost.moved_to else "recomputed"
             self.deps.metrics.drain_hand_ons.labels(kv).inc()
             log.info(

@@ -51,6 +51,9 @@ class ExecutorLost:
     attempt: int  # the attempt to run next: output of earlier ones is refused from now on
     moved: bool = False  # handed on by a drain: the move does not count as a lost attempt
     moved_to: str = ""  # the executor that holds its KV now (empty: none)
+    # The executor replaced the run the client streams from with one that started over
+    # behind the client's tokens (its refused output is aborted): not a lost attempt either.
+    replaced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,26 +88,40 @@ class TrackedRequest:
     client_key: tuple[str, str]  # (tenant, the client's request_id)
     inbox: asyncio.Queue[RequestEvent] = field(default_factory=asyncio.Queue)
     owner: ExecutorConnection | None = None
+    run: int = 0  # the owner's number of the run it takes output of (RequestTokens.run)
+    num_taken: int = 0  # tokens taken so far (the end of the last entry taken)
     attempt: int = 0  # the attempt whose output it takes (or a later one: a hand-back)
     resume_offset: int = 0  # tokens streamed when its executor was lost: a run resumes there
 
     def takes(self, connection: ExecutorConnection, entry: internal_pb2.RequestTokens) -> bool:
         """Whether `entry` from `connection` is this request's output.
 
-        It is when it comes from the executor that runs the request, or, while none does,
-        when it starts a run (its accepted entry) of the current attempt or a later one (an
-        inbox hand-back) from the tokens already streamed, or when it refuses the request.
-        Not taken, and aborted: output of an attempt taken from a lost executor, a run that
-        starts over instead of resuming, and a second run of one attempt (a request queued
-        twice across a failover, or assigned twice by a scheduler that lost its lock).
+        It is when it comes from the run that the request's executor runs (or from a run
+        there that replaced it and starts where the taken tokens end), or, while no executor
+        runs it, when it starts a run (its accepted entry) of the current attempt or a later
+        one (an inbox hand-back) from the tokens already streamed, or when it refuses the
+        request. Not taken, and aborted: output of an attempt taken from a lost executor, a
+        run that starts over instead of resuming, and a second run of one attempt (a request
+        queued twice across a failover, or assigned twice by a scheduler that lost its lock).
         """
         if entry.attempt < self.attempt:
             return False
         if self.owner is not None:
-            return self.owner is connection
+            if self.owner is not connection:
+                return False
+            return entry.run == self.run or (entry.accepted and entry.offset == self.num_taken)
         if entry.accepted:
             return entry.offset >= self.resume_offset
         return entry.finished and not entry.token_ids
+
+    def replaced_by(
+        self, connection: ExecutorConnection, entry: internal_pb2.RequestTokens
+    ) -> bool:
+        """Whether `entry` (not taken) starts a run that replaced the one taken: its executor
+        runs the id only once, so the run taken is over there (a choice queued again alone
+        replaces its group's restart; behind the client's tokens, an unseeded one would not
+        continue them)."""
+        return self.owner is connection and entry.accepted and entry.run != self.run
 
 
 def update_from_pb(executor_id: str, entry: internal_pb2.RequestTokens) -> TokenUpdate:
@@ -213,11 +230,19 @@ class TokenRouter:
         """
         lost = [rid for rid, t in self._requests.items() if t.owner is connection]
         for request_id in lost:
-            tracked = self._requests[request_id]
-            tracked.owner = None
-            tracked.attempt += 1
-            tracked.inbox.put_nowait(ExecutorLost(connection.executor_id, tracked.attempt))
+            self._lose(request_id, connection)
         return lost
+
+    def _lose(
+        self, request_id: str, connection: ExecutorConnection, replaced: bool = False
+    ) -> None:
+        """The request's run on `connection` is over: no more of its output, and the request
+        gets ExecutorLost (it is re-queued from the tokens it has)."""
+        tracked = self._requests[request_id]
+        tracked.owner = None
+        tracked.attempt += 1
+        lost = ExecutorLost(connection.executor_id, tracked.attempt, replaced=replaced)
+        tracked.inbox.put_nowait(lost)
 
     def resume_from(self, request_id: str, offset: int) -> None:
         """The request's next run must resume after `offset` tokens (those streamed)."""
@@ -257,8 +282,12 @@ class TokenRouter:
             if tracked is None or not tracked.takes(connection, entry):
                 if not entry.finished:
                     unknown.append(entry)
+                if tracked is not None and tracked.replaced_by(connection, entry):
+                    self._lose(entry.request_id, connection, replaced=True)
                 continue
             tracked.owner = None if entry.finished or entry.moved else connection
+            tracked.run = entry.run
+            tracked.num_taken = entry.offset + len(entry.token_ids)
             tracked.attempt = entry.attempt
             tracked.inbox.put_nowait(update_from_pb(connection.executor_id, entry))
             if entry.moved and not entry.finished:  # a drain handed it on: it runs again

@@ -29,7 +29,13 @@ from grpc import aio
 from common.keys import PAYLOAD_FIELD, RedisKeys
 from deploy.stack import free_port
 from engine.faults import FAULTS_ENV
-from gateway.token_sink import RequestEvent, TokenRouter, TokenSinkServicer, TokenUpdate
+from gateway.token_sink import (
+    ExecutorLost,
+    RequestEvent,
+    TokenRouter,
+    TokenSinkServicer,
+    TokenUpdate,
+)
 from protos.kvgate.v1 import inference_pb2, internal_pb2, internal_pb2_grpc
 from tests.helpers import REPO, STORIES_260K, WAIT_S, wait_for
 
@@ -97,8 +103,8 @@ class GatewaySide:
 
         self.call(track())
 
-    def updates(self, choice_id: str) -> list[TokenUpdate]:
-        """The token updates the router handed to the choice so far."""
+    def events_of(self, choice_id: str) -> list[RequestEvent]:
+        """The events the router handed to the choice so far."""
 
         async def drain() -> list[RequestEvent]:
             inbox = self.inboxes[choice_id]
@@ -107,7 +113,11 @@ class GatewaySide:
                 got.append(inbox.get_nowait())
             return got
 
-        return [e for e in self.call(drain()) if isinstance(e, TokenUpdate)]
+        return list(self.call(drain()))
+
+    def updates(self, choice_id: str) -> list[TokenUpdate]:
+        """The token updates the router handed to the choice so far."""
+        return [e for e in self.events_of(choice_id) if isinstance(e, TokenUpdate)]
 
     def held_aborts(self) -> list[internal_pb2.Abort]:
         return [r.abort for r in self.sink.held if r.HasField("abort")]
@@ -270,3 +280,42 @@ def test_the_gateways_resuming_copy_replaces_a_restart_from_the_start(
     )
     tokens = [t for u in gateway_side.updates("r#0") if u.offset >= 3 for t in u.token_ids]
     assert len(tokens) == 40 - len(CLIENT_TOKENS), tokens
+
+
+def test_a_choice_run_alone_that_starts_over_behind_its_client_is_not_joined_to_it(
+    gateway_side: GatewaySide, slow_file: Path, redis_client: redis.Redis
+):
+    """Both choices were lost before their clients had a token; the group's restart streams
+    choice 0's first tokens to its client, then the gateway's copy of choice 0 alone (queued
+    with no tokens) replaces that run on the same executor and starts over at token 0. The
+    gateway does not take it (an unseeded choice would then join two runs' tokens): it aborts
+    that run and queues choice 0 again from the tokens its client has, while choice 1 goes on
+    in the group's run."""
+    gateway_side.track_after_a_lost_executor("u", [0, 0])
+    assign(redis_client, queued("u", gateway_side.address, n=2, attempt=1, max_tokens=40))
+    wait_for(
+        lambda: sum(len(u.token_ids) for u in gateway_side.updates("u#0")) >= 2,
+        "the group's restart to stream choice 0's first tokens",
+    )
+    alone = queued("u#0", gateway_side.address, n=1, attempt=1, max_tokens=40, choice_index=0)
+    assign(redis_client, alone)
+    wait_for(
+        lambda: any(
+            isinstance(e, ExecutorLost) and e.replaced for e in gateway_side.events_of("u#0")
+        ),
+        "the gateway to queue choice 0 again from its client's tokens",
+    )
+    lost = [e for e in gateway_side.events_of("u#0") if isinstance(e, ExecutorLost)]
+    assert [(e.replaced, e.attempt) for e in lost] == [(False, 1), (True, 2)], lost
+    refused = gateway_side.wait_refused("u#0", "the gateway to abort the run that started over")
+    assert len(refused[0].runs) == 1, refused
+    starts = [u.offset for u in gateway_side.updates("u#0") if u.accepted]
+    assert starts == [0, 0], f"choice 0 took more than the lost run and one restart: {starts}"
+    slow_file.unlink()
+    gateway_side.release()
+    wait_for(
+        lambda: any(u.finished for u in gateway_side.updates("u#1")),
+        "choice 1 to finish in the group's run",
+    )
+    tokens = [t for u in gateway_side.updates("u#1") for t in u.token_ids]
+    assert len(tokens) == 40, tokens

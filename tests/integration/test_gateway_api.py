@@ -364,6 +364,30 @@ def test_a_broken_executor_stream_requeues_with_the_streamed_tokens(
     assert text == STORY, "the stream must go on without a gap or a repeat"
 
 
+def test_a_run_that_replaced_the_streaming_one_behind_its_tokens_is_not_joined_to_them(
+    gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
+):
+    """The executor streaming a request starts a second run of it over from token 0 (it
+    replaced the first: a choice queued again alone beside its group's restart); the
+    gateway takes none of it, aborts that run, and queues the request again from the tokens
+    its client has, without counting an attempt; the client's text has no seam."""
+    call = generate(gateway, request_id="replaced", params=pb.SamplingParams(temperature=1.0))
+    first = executor.take_request()
+    tokens = story_ids(model_text)
+    executor.send(first.request_id, 0, tokens[:4], run=1)
+    executor.send(first.request_id, 0, tokens[10:16], run=2, accepted=True)
+    second = executor.take_request()
+    assert (second.attempt, list(second.resume_token_ids)) == (1, tokens[:4])
+    assert second.max_attempts == first.max_attempts + 1, "a replaced run counted as lost"
+    assert first.request_id in wait_for(executor.aborted_ids, "the second run aborted")
+    executor.send(
+        second.request_id, 4, tokens[4:], attempt=1, run=3, finished=True,
+        finish_reason=pb.FINISH_REASON_STOP,
+    )  # fmt: skip
+    text, _ = collect(call)
+    assert text == STORY, "the second run's tokens joined the first's"
+
+
 def test_choices_requeued_alone_carry_the_session_on_choice_0_only(
     gateway: GatewayThread, executor: ExecutorPeer, model_text: ModelText
 ):
