@@ -55,6 +55,7 @@ the moving side failed a turn, lost a session or re-prefilled over 5% of history
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -715,6 +716,19 @@ def median_ttft(turns: list[Turn]) -> float | None:
     return statistics.median(t.ttft_ms for t in turns) if turns else None
 
 
+def paired_ttft_ratios(sessions: list[Session]) -> list[float]:
+    """For each turn after a move: its TTFT over the TTFT of the same chat's turn before it,
+    when that one stayed on its executor (history one turn shorter; same run)."""
+    ratios = []
+    for session in sessions:
+        done = [t for t in session.turns if t.ok]
+        for before, after in itertools.pairwise(done):
+            stayed = before.history_tokens and not before.after_move
+            if after.after_move and before.session_id == after.session_id and stayed:
+                ratios.append(after.ttft_ms / before.ttft_ms)
+    return ratios
+
+
 def side_figures(
     sessions: list[Session], drains: list[dict], restart_s: float, gone: list[str]
 ) -> dict:
@@ -738,6 +752,11 @@ def side_figures(
         # TTFT of the turns after a move against the later turns that stayed, same run
         "ttft_ms_after_move_median": median_ttft(moved),
         "ttft_ms_stayed_median": median_ttft(stayed),
+        # and against the same chat's turn before the move, which stayed (per-chat pairs)
+        "ttft_after_move_paired_ratio_median": (
+            statistics.median(ratios) if (ratios := paired_ttft_ratios(sessions)) else None
+        ),
+        "ttft_pairs": len(ratios),
         "history_tokens_after_move_mean": (
             statistics.fmean(t.history_tokens for t in moved) if moved else None
         ),
@@ -785,7 +804,9 @@ ROWS = [("failed turns", "failed_turns"), ("lost sessions", "lost_sessions"),
         ("re-prefilled share", "reprefill_share_after_move_mean"),
         ("(turns that stayed)", "reprefill_share_stayed_mean"),
         ("TTFT ms after a move", "ttft_ms_after_move_median"),
-        ("(turns that stayed)", "ttft_ms_stayed_median"), ("turns", "turns")]  # fmt: skip
+        ("(turns that stayed)", "ttft_ms_stayed_median"),
+        ("TTFT ratio, chat pairs", "ttft_after_move_paired_ratio_median"),
+        ("turns", "turns")]  # fmt: skip
 
 
 def summarize_restart(result: dict) -> None:

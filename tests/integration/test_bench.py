@@ -257,6 +257,9 @@ def test_scaling_restart_runs_both_sides_through_a_rolling_restart(tmp_path):
         assert side["turns_after_a_move"] == len(side["turns_after_a_move_records"])
         for key in ("lost_sessions", "reprefill_share_after_move_mean", "restart_s"):
             assert key in side, key
+        assert 0 <= side["ttft_pairs"] <= side["turns_after_a_move"], side["ttft_pairs"]
+        if side["ttft_pairs"]:
+            assert side["ttft_after_move_paired_ratio_median"] > 0
     assert sum(d["sessions_moved"] + d["requests_moved"] for d in moving["drains"]) > 0
     assert all(d["blocks_in_at_peer"] == 0 for d in recompute["drains"])
     assert recompute["reprefill_share_after_move_mean"] > moving["reprefill_share_after_move_mean"]
