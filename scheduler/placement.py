@@ -4,7 +4,9 @@ cost = prompt blocks still to prefill after the executor's cache hit
        + load_cost_blocks * (running + waiting + assigned since its last report)
 
 among executors whose free blocks (reported, less what was assigned since)
-can take the request; between equal costs, the executor assigned to least recently.
+can take the request and that run as many sequences at once as it has (n or best_of: a
+request's sequences run in one batch); between equal costs, the executor assigned to least
+recently.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class ExecutorView:
     num_running: int
     num_waiting: int
     prefix_index: PrefixIndex
+    max_num_seqs: int = 0  # most sequences it runs at once (0: not reported)
     assigned_blocks: int = 0  # blocks of requests assigned since its last report
     assigned_requests: int = 0  # requests assigned since its last report
     last_placement: int = 0  # Placer.placements when it last got a request (0: never)
@@ -93,14 +96,21 @@ class Placer:
     placements: int = 0  # requests placed so far
 
     def choose(
-        self, num_prompt_tokens: int, block_hashes: list[int], session_owner: str | None
+        self,
+        num_prompt_tokens: int,
+        block_hashes: list[int],
+        session_owner: str | None,
+        num_sequences: int = 1,
     ) -> Placement | None:
-        """Args: the prompt's length and block hashes, and the executor holding its session.
+        """Args: the prompt's length and block hashes, the executor holding its session, and
+        how many sequences the request runs at once.
 
         Returns: the best placement (not booked yet), None when no executor can take it.
         """
         candidates = [
-            self._price(view, num_prompt_tokens, block_hashes) for view in self.executors.values()
+            self._price(view, num_prompt_tokens, block_hashes)
+            for view in self.executors.values()
+            if not view.max_num_seqs or num_sequences <= view.max_num_seqs
         ]
         fitting = [p for p in candidates if p is not None]
         if not fitting:

@@ -24,6 +24,7 @@ class PendingRequest:
     arrival_s: float
     deadline_s: float | None  # monotonic time after which it may no longer wait
     payload: bytes = field(repr=False)  # the serialized QueuedRequest, forwarded as is
+    num_sequences: int = 1  # run in one batch: n, or best_of when larger (its choices)
 
     def waited_ms(self, now_s: float) -> float:
         return (now_s - self.arrival_s) * 1000.0

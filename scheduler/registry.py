@@ -22,6 +22,7 @@ class ExecutorReport:
     moves_kv: bool = False  # serves KvTransfer: a drain moves its sessions to peers
     session_ids: frozenset[str] = frozenset()  # sessions whose KV it holds
     cached_block_hashes: tuple[int, ...] = ()  # prefix blocks it holds, most recent first
+    max_num_seqs: int = 0  # most sequences it runs at once (0: not reported)
 
 
 @dataclass(slots=True)
@@ -93,6 +94,7 @@ class ExecutorRegistry:
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             prefix_index=PrefixIndex(report.num_total_blocks),
+            max_num_seqs=report.max_num_seqs,
         )
 
     @staticmethod
@@ -101,6 +103,7 @@ class ExecutorRegistry:
         view.num_total_blocks = report.num_total_blocks
         view.num_running = report.num_running
         view.num_waiting = report.num_waiting
+        view.max_num_seqs = report.max_num_seqs
         view.assigned_blocks = 0
         view.assigned_requests = 0
         view.prefix_index.resize(report.num_total_blocks)

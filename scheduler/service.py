@@ -237,7 +237,9 @@ class Scheduler:
                 owner = holder  # a drain moved the session's KV to a peer, which reports it
             if self._waits_for_session_move(request, owner):
                 return False
-        placement = self._placer.choose(request.num_prompt_tokens, request.block_hashes, owner)
+        placement = self._placer.choose(
+            request.num_prompt_tokens, request.block_hashes, owner, request.num_sequences
+        )
         if placement is None:
             return False
         if not self._stream.assign(request, placement.executor_id, self._config.scheduler_id):

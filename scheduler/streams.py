@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis
 from google.protobuf.message import DecodeError
 
+from common.choices import num_sequences
 from common.keys import PAYLOAD_FIELD, QUEUED_AT_FIELD, SCHEDULER_GROUP, RedisKeys, stream_id
 from common.prefix import block_hashes
 from common.requeue import next_attempt
@@ -278,6 +279,7 @@ def to_pending(
         arrival_s=queued_s,
         deadline_s=_monotonic_deadline(queued.queue_deadline_unix_ms, now_s),
         payload=entry.payload,
+        num_sequences=num_sequences(queued.params),
     )
 
 
@@ -302,6 +304,7 @@ def _report(raw: bytes) -> ExecutorReport:
         moves_kv=bool(status.kv_transfer_address),
         session_ids=frozenset(status.session_ids),
         cached_block_hashes=tuple(status.cached_block_hashes),
+        max_num_seqs=status.max_num_seqs,
     )
 
 

@@ -6,6 +6,7 @@ engine's side: block sharing, copy on write, preemption)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
@@ -15,6 +16,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from client.api import KvgateClient, choice_texts, sampling_params
 from deploy.stack import Stack, free_port
 from protos.kvgate.v1 import inference_pb2 as pb
+from tests.helpers import wait_for
+from tests.integration.conftest import log_lines
 
 MODEL_ID = "stories260K"
 PROMPT = "Once upon a time"
@@ -199,3 +202,29 @@ def test_a_list_of_prompts_numbers_choices_prompt_by_prompt(client: openai.OpenA
     singles = [_completion(client, prompt=p, temperature=0).choices[0].text for p in prompts]
     by_index = {c.index: c.text for c in answer.choices}
     assert by_index == {0: singles[0], 1: singles[0], 2: singles[1], 3: singles[1]}, by_index
+
+
+def test_choices_go_to_an_executor_that_runs_them_all_at_once(stack: Stack):
+    """A second executor runs 2 sequences at once: requests of 4 choices are placed on the
+    one that runs 8 (it is busier, so by load alone some would go to the small one, which
+    would refuse them), while requests of one sequence still go to both."""
+    stack.start_executor("executor-1", extra_flags=["--max-num-seqs", "2"])
+    try:
+        with KvgateClient(stack.address, timeout_s=60.0, retry=False) as kvgate:
+
+            def one_sequence_ran_on_executor_1() -> list[str]:
+                kvgate.generate(PROMPT, max_tokens=2, temperature=0.0)
+                return log_lines(stack, "executor-1", "request admitted")
+
+            wait_for(one_sequence_ran_on_executor_1, "executor-1 to take a one-sequence request")
+            params = sampling_params(max_tokens=24, temperature=0.0, ignore_eos=True, n=4)
+            with ThreadPoolExecutor(6) as pool:
+                streams = [kvgate.generate_stream(PROMPT, params) for _ in range(6)]
+                results = [c.result(timeout=60.0) for c in [pool.submit(list, s) for s in streams]]
+        for chunks in results:
+            last = [c for c in chunks if c.finish_reason]
+            assert sorted(c.index for c in last) == [0, 1, 2, 3], chunks[-1]
+            assert all(c.finish_reason == pb.FINISH_REASON_LENGTH for c in last), last
+        assert not log_lines(stack, "executor-1", "must be <= max_num_seqs")
+    finally:
+        stack.stop("executor-1")

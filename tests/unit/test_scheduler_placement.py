@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from common.prefix import block_hashes as prompt_block_hashes
+from protos.kvgate.v1 import inference_pb2, internal_pb2
 from scheduler.placement import Placement, Placer
 from scheduler.registry import ExecutorRegistry, ExecutorReport
+from scheduler.streams import StreamEntry, to_pending
 
 BLOCK = 4
 
@@ -32,10 +34,14 @@ def cluster(*reports: ExecutorReport, load_cost_blocks: float = 1.0):
 
 
 def assign(
-    placer: Placer, num_prompt_tokens: int, hashes: list[int], session_owner: str | None
+    placer: Placer,
+    num_prompt_tokens: int,
+    hashes: list[int],
+    session_owner: str | None,
+    num_sequences: int = 1,
 ) -> Placement | None:
     """Chooses an executor and books it, as the scheduler does once the assignment is written."""
-    choice = placer.choose(num_prompt_tokens, hashes, session_owner)
+    choice = placer.choose(num_prompt_tokens, hashes, session_owner, num_sequences)
     if choice is not None:
         placer.book(choice, hashes)
     return choice
@@ -153,3 +159,25 @@ def test_a_session_held_by_a_draining_executor_and_a_peer_is_the_peers():
     assert registry.moving_kv_from("a") and not registry.moving_kv_from("b")
     _, registry = cluster(report("a", draining=True, session_ids=frozenset({"s1"})))
     assert not registry.moving_kv_from("a")  # no KvTransfer: nothing moves, nothing to wait for
+
+
+def test_a_request_of_more_sequences_than_an_executor_runs_goes_to_one_that_runs_them():
+    """n (or best_of) sequences run in one batch: an executor whose max_num_seqs is smaller
+    is passed over, even when it holds the session or is idler; none that runs them: None."""
+    placer, _ = cluster(report("small", max_num_seqs=2), report("big", running=5, max_num_seqs=8))
+    assert {assign(placer, 8, [], None, 4).executor_id for _ in range(3)} == {"big"}
+    assert assign(placer, 8, [], "small", 4).executor_id == "big"
+    assert assign(placer, 8, [], "small", 2).executor_id == "small"
+    assert assign(placer, 8, [], None, 9) is None
+    unreported, _ = cluster(report("old"))  # an executor that does not report max_num_seqs
+    assert assign(unreported, 8, [], None, 16).executor_id == "old"
+
+
+def test_the_scheduler_reads_a_requests_sequences_from_its_params():
+    params = inference_pb2.SamplingParams(n=2, best_of=5)
+    queued = internal_pb2.QueuedRequest(request_id="t/r", prompt_token_ids=[1], params=params)
+    entry = StreamEntry(entry_id="1-0", payload=queued.SerializeToString(), queued_unix_us=0)
+    assert to_pending(entry, block_size=BLOCK, now_s=0.0, queued_s=0.0).num_sequences == 5
+    queued.params.best_of = 0
+    entry = StreamEntry(entry_id="1-0", payload=queued.SerializeToString(), queued_unix_us=0)
+    assert to_pending(entry, block_size=BLOCK, now_s=0.0, queued_s=0.0).num_sequences == 2
