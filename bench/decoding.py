@@ -8,14 +8,16 @@ tokens/s ratio, with the KV blocks each held at its peak. With prefix caching (t
 default) the separate requests admitted a step after the first ones reuse their prompt
 blocks, so the group saves less there than against `--no-prefix-caching`.
 
-`kvgate bench engine spec`: one stream's decode tokens/s with and without speculative
-decoding (n-gram by default; any --speculative-config, a draft model's too), on a prompt the
-model quotes back (the opening of Lewis Carroll's "Alice's Adventures in Wonderland", 1865,
-public domain) and on one it answers with new text. Two engines of one configuration but
---speculative-config run the same greedy request in interleaved rounds; a round's rate counts
-the tokens after the first one (the prompt's step is not decoding) over the time they took.
-Both must produce the same tokens (else the command fails); the speculating engine's proposed
-and accepted counts give the acceptance.
+`kvgate bench engine spec`: decode tokens/s with and without speculative decoding (n-gram by
+default; any --speculative-config, a draft model's too): one stream on a prompt the model
+quotes back (as many paragraphs of the opening of Lewis Carroll's "Alice's Adventures in
+Wonderland", 1865, public domain, bench/texts/, as fit --quote-tokens: about 1,000 tokens on
+SmolLM2), one on a prompt it answers with new text, and `make bench-engine`'s random-token
+workload at 1 and 64 streams. Two engines of one configuration but --speculative-config run
+the same greedy requests in interleaved rounds; a one-stream round's rate counts the tokens
+after the first one (the prompt's step is not decoding) over the time they took, a batch's
+all its output tokens over its whole run. Both must produce the same tokens (else the
+command fails); the speculating engine's proposed and accepted counts give the acceptance.
 
 `kvgate bench serve structured`: what a JSON schema costs, on one stack and one Engine.
 
@@ -208,22 +210,26 @@ def choices_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- speculative decoding --------------------------------------------------------------
 
-PASSAGE = (
-    "Alice was beginning to get very tired of sitting by her sister on the bank, and of "
-    "having nothing to do: once or twice she had peeped into the book her sister was "
-    "reading, but it had no pictures or conversations in it, 'and what is the use of a "
-    "book,' thought Alice 'without pictures or conversations?' So she was considering in "
-    "her own mind (as well as she could, for the hot day made her feel very sleepy and "
-    "stupid), whether the pleasure of making a daisy-chain would be worth the trouble of "
-    "getting up and picking the daisies, when suddenly a White Rabbit with pink eyes ran "
-    "close by her."
-)
-PROMPTS = {
-    # the model copies text it was given: proposals from the prompt are accepted
-    "quote": f"{PASSAGE}\n\nThe same text, copied word for word:\n\n{PASSAGE[:40]}",
-    # the model writes new text: few proposals, the rule keeps it from paying for them
-    "story": "Write a short story about a lighthouse keeper who finds a strange map.\n\n",
-}
+# Public domain (Lewis Carroll, 1865): the opening of Alice's Adventures in Wonderland.
+TEXT = Path(__file__).parent / "texts" / "alice_chapter1.txt"
+QUOTE_ASK = "\n\nThe same text, copied word for word:\n\n"
+STORY = "Write a short story about a lighthouse keeper who finds a strange map.\n\n"
+RANDOM_STREAMS = (1, 64)  # `make bench-engine`'s random-token workload: one stream, and 64
+RANDOM_PROMPT_LEN = 128
+
+
+def quote_prompt(text: ModelText, budget: int) -> list[int]:
+    """The model copies text it was given (proposals from the prompt are accepted): as many
+    paragraphs of TEXT as fit `budget` tokens with the ask and the copy's first words."""
+    paragraphs = TEXT.read_text().split("\n\n")
+    best: list[int] = []
+    for count in range(1, len(paragraphs) + 1):
+        passage = "\n\n".join(paragraphs[:count])
+        tokens = text.encode(f"{passage}{QUOTE_ASK}{passage[:40]}")
+        if len(tokens) > budget:
+            break
+        best = tokens
+    return best
 
 
 def decode_tokens(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple:
@@ -240,6 +246,20 @@ def decode_tokens(engine: Engine, prompt: list[int], params: SamplingParams) -> 
     return tokens, (len(tokens) - 1) / (time.perf_counter() - start)
 
 
+def batch_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple:
+    """(every request's tokens, output tokens/s of the whole batch from its first step)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}", prompt, params)
+    tokens: dict[str, list[int]] = {f"bench-{i}": [] for i in range(len(prompts))}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    harness.sync_device(engine.config.device)
+    outputs = list(tokens.values())
+    return outputs, sum(map(len, outputs)) / (time.perf_counter() - start)
+
+
 def spec_run(args: argparse.Namespace) -> dict:
     if args.device == "cpu":
         retain_freed_memory()  # as every CPU Engine sets it: both peers measure alike
@@ -251,9 +271,16 @@ def spec_run(args: argparse.Namespace) -> dict:
     }
     text = ModelText(path)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    budget = min(args.quote_tokens, text.limits.max_model_len - args.output_len)
+    prompts = {"quote": quote_prompt(text, budget), "story": text.encode(STORY)}
     workloads = {
-        name: _spec_workload(engines, text.encode(p), params, args) for name, p in PROMPTS.items()
+        name: _spec_workload(engines, [prompt], params, args) for name, prompt in prompts.items()
     }
+    for streams in RANDOM_STREAMS:
+        random = Workload(streams, RANDOM_PROMPT_LEN, args.output_len, seed=streams)
+        workloads[f"random_{streams}"] = _spec_workload(
+            engines, random.prompts(text.limits.vocab_size), params, args
+        )
     return {
         "model": args.model,
         "device": args.device,
@@ -266,12 +293,17 @@ def spec_run(args: argparse.Namespace) -> dict:
     }
 
 
-def _spec_workload(engines: dict, prompt: list[int], params: SamplingParams, args) -> dict:
-    outputs: dict[str, list[int]] = {}
+def _spec_workload(engines: dict, prompts: list[list[int]], params: SamplingParams, args) -> dict:
+    """Both engines take turns on `prompts`: one stream's decode tokens/s (from its first
+    token), or a batch's output tokens/s."""
+    outputs: dict[str, list] = {}
     before = engines["spec"].stats()
 
     def measure(name: str) -> float:
-        outputs[name], rate = decode_tokens(engines[name], prompt, params)
+        if len(prompts) == 1:
+            outputs[name], rate = decode_tokens(engines[name], prompts[0], params)
+        else:
+            outputs[name], rate = batch_tokens(engines[name], prompts, params)
         return rate
 
     best, samples = best_rates({name: lambda n=name: measure(n) for name in engines}, args.repeats)
@@ -279,7 +311,8 @@ def _spec_workload(engines: dict, prompt: list[int], params: SamplingParams, arg
     proposed = after.num_spec_proposed_tokens - before.num_spec_proposed_tokens
     accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
     return {
-        "prompt_tokens": len(prompt),
+        "streams": len(prompts),
+        "prompt_tokens": len(prompts[0]),
         "off_tokens_per_s": best["off"],
         "spec_tokens_per_s": best["spec"],
         "speedup": best["spec"] / best["off"],
@@ -294,10 +327,10 @@ def _spec_workload(engines: dict, prompt: list[int], params: SamplingParams, arg
 
 
 def spec_summarize(result: dict) -> None:
-    print(f"{result['model']}, one greedy stream of {result['output_len']} tokens, spec: "
+    print(f"{result['model']}, greedy streams of {result['output_len']} tokens, spec: "
           f"{result['speculative_config']}")  # fmt: skip
     for name, w in result["workloads"].items():
-        print(f"  {name:<6} ({w['prompt_tokens']:4d}-token prompt) off "
+        print(f"  {name:<9} ({w['streams']:2d} x {w['prompt_tokens']:4d}-token prompt) off "
               f"{w['off_tokens_per_s']:7.1f} tok/s, spec {w['spec_tokens_per_s']:7.1f} tok/s: "
               f"{w['speedup']:.2f}x best, {w['speedup_median']:.2f}x median; accepted "
               f"{w['accepted_tokens']}/{w['proposed_tokens']} "
@@ -315,7 +348,11 @@ def spec_add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvgate bench engine spec`."""
     harness.add_model(parser, "smollm2", "checkpoint folder, GGUF file or smollm2")
     harness.add_device(parser)
-    harness.add_output_len(parser, 64, "tokens of the stream")
+    harness.add_output_len(parser, 64, "tokens of each stream")
+    parser.add_argument(
+        "--quote-tokens", type=int, default=1500,
+        help="most prompt tokens of the quoting workload (paragraphs of bench/texts/ that fit)",
+    )  # fmt: skip
     parser.add_argument(
         "--speculative-config",
         default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '

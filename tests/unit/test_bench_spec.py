@@ -18,7 +18,9 @@ def test_spec_benchmark_writes_both_peers_and_the_acceptance(tmp_path, capsys):
     status = main(["engine", "spec", *flags, "--out", str(out)])
     assert status == 0, capsys.readouterr().err
     workloads = json.loads(out.read_text())["workloads"]
-    assert set(workloads) == {"quote", "story"}
+    assert set(workloads) == {"quote", "story", "random_1", "random_64"}
+    assert [workloads[f"random_{n}"]["streams"] for n in (1, 64)] == [1, 64]
+    assert 100 < workloads["quote"]["prompt_tokens"] <= 512 - 32, "paragraphs that fit"
     for name, w in workloads.items():
         assert w["same_tokens"], f"{name}: speculation changed the tokens"
         assert w["off_tokens_per_s"] > 0 and w["spec_tokens_per_s"] > 0, w
