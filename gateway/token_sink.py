@@ -287,7 +287,7 @@ class TokenRouter:
                 continue
             tracked.owner = None if entry.finished or entry.moved else connection
             tracked.run = entry.run
-            tracked.num_taken = entry.offset + len(entry.token_ids)
+            tracked.num_taken = max(tracked.num_taken, entry.offset + len(entry.token_ids))
             tracked.attempt = entry.attempt
             tracked.inbox.put_nowait(update_from_pb(connection.executor_id, entry))
             if entry.moved and not entry.finished:  # a drain handed it on: it runs again
