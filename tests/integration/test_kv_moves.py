@@ -448,11 +448,14 @@ def test_a_failed_rebalance_keeps_the_session_where_it_was(stack_factory, model_
 
 # ---- the default chat model ---------------------------------------------------------------
 
-# 2 streams and 4 sessions in CI; the issue's 20 and 100, by hand (pytest -s prints the drain's
-# seconds): KVGATE_SMOLLM2_DRAIN=20,100 pytest -s tests/integration/test_kv_moves.py -k smollm2
-SMOLLM2_STREAMS, SMOLLM2_SESSIONS = map(
-    int, os.environ.get("KVGATE_SMOLLM2_DRAIN", "2,4").split(",")
-)
+# 2 streams and 4 sessions in CI, executor-1's steps held to 0.5 s each while executor-0
+# drains; by hand another size and hold (pytest -s prints the drain's seconds), e.g. the
+# issue's 20 and 100: KVGATE_SMOLLM2_DRAIN=20,100,0.1 pytest -s tests/integration/test_kv_moves.py
+# -k smollm2. While executor-1 runs requests it writes incoming KV between its steps, 4 MiB a
+# step (executor/engine_gate.py), so its step time bounds how fast it takes a drain's KV.
+_DRAIN = os.environ.get("KVGATE_SMOLLM2_DRAIN", "2,4,0.5").split(",")
+SMOLLM2_STREAMS, SMOLLM2_SESSIONS = int(_DRAIN[0]), int(_DRAIN[1])
+SMOLLM2_HELD_STEP_S = float(_DRAIN[2]) if len(_DRAIN) > 2 else 0.5
 SMOLLM2_TOKENS = 96  # at executor-0's 0.3 s a step, 29 s: longer than executor-1 takes to start
 SMOLLM2_FACTS = ["the sea", "a forest", "the moon", "a city", "rain", "bread", "music", "snow"]
 
@@ -493,7 +496,8 @@ def test_smollm2_a_drain_moves_its_streams_and_sessions(
         timeout_s=120.0,
     )
     # executor-1 crawls until executor-0 has exited: what it got cannot end before that.
-    stack.start_executor("executor-1", extra_env={"KVGATE_FAULTS": f"slow_while_file={held}:0.5"})
+    held_fault = f"slow_while_file={held}:{SMOLLM2_HELD_STEP_S}"
+    stack.start_executor("executor-1", extra_env={"KVGATE_FAULTS": held_fault})
     assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
     signalled = time.monotonic()
     stack.procs["executor-0"].send_signal(signal.SIGTERM)
