@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
 
-from bench.decoding import PROMPTS
+from bench.decoding import quote_prompt
 from common.model_text import ModelText
 from common.sampling_params import SamplingParams
 from deploy.models import default_gguf_path
@@ -119,13 +119,17 @@ def test_random_llama_greedy_identical_and_accepted(tmp_path):
     assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens, stats  # rejections too
 
 
+# The first two paragraphs of the quoting benchmark's text (155 tokens on SmolLM2)
+QUOTE_TOKENS = 200
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_smollm2_quantized_greedy_identical_and_accepted(quantization):
     """SmolLM2 quoting its prompt, weights quantized by the engine (the GGUF as loaded is
     test_speculative.py's test_smollm2_quoting_greedy_identical_and_accepted)."""
     path = default_gguf_path()
     assert path.is_file(), f"{path} is missing: `make setup` fetches it (deploy/fetch_model.py)"
-    prompt = ModelText(str(path)).encode(PROMPTS["quote"])
+    prompt = quote_prompt(ModelText(str(path)), QUOTE_TOKENS)
     with one_torch_thread():
         (plain, spec), stats = greedy_twice(
             path, prompt, 24, kv_cache_gib=0.05, quantization=quantization
