@@ -4,8 +4,16 @@ A smaller model with the target's tokenizer runs in the same engine with its own
 cache. Each running request the rule lets propose has a shadow sequence in the draft's cache
 holding the same tokens; a step first brings the shadow up to the request's tokens (keeping the
 K/V of the common prefix, so only what the target accepted since is computed), then runs k
-greedy decode steps of the draft for all shadows together. The proposals are deterministic
-(a one-hot q), so the verifier of engine/speculative.py keeps the output exactly the target's.
+decode steps of the draft for all shadows together.
+
+For a greedy or seeded request the draft proposes its own argmax (a one-hot q): the verifier
+of engine/speculative.py keeps a proposal when the target samples the same token, so a
+seeded request's tokens stay those of a run without proposals. For an unseeded sampled
+request the draft samples each proposal from its own distribution q (the request's
+temperature, min_p, top_k and top_p applied to the draft's logits) and keeps q; the
+sampler keeps the proposal with probability min(1, p / q) under the target's p, else draws
+from max(0, p - q) (engine/sampler.py `verify_draft`): the output has the target's
+distribution, and a draft close to the target is accepted more often than its argmax.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, common_prefix_len
 from engine.model_runner import ModelRunner
 from engine.request import Request
+from engine.sampler import filtered_probs
 from engine.speculative import cut_at_stop, proposal_room, proposes
 from engine.speculative_config import SpeculativeConfig
 from engine.step_scheduler import ScheduledRequest, SchedulerOutput
@@ -63,10 +72,13 @@ class DraftProposer:
         self.max_model_len = min(max_model_len, self.runner.max_model_len)
         self.eos_token_ids = set(eos_token_ids)
         self.shadows: dict[str, Request] = {}
+        # The last proposals' q, [k, vocab] by request id, for unseeded sampled requests
+        self.draft_probs: dict[str, torch.Tensor] = {}
 
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
         """Proposals by request id, for decoding requests only (one token left to compute)."""
         self._forget_gone(running)
+        self.draft_probs = {}
         rooms = {}
         for req in running:
             if not proposes(self.config, req, len(running)):
@@ -78,7 +90,7 @@ class DraftProposer:
         if not rooms:
             return {}
         running_by_id = {req.request_id: req for req in running}
-        drafted = self._draft(rooms).items()
+        drafted = self._draft(rooms, running_by_id).items()
         proposals = {i: cut_at_stop(t, running_by_id[i], self.eos_token_ids) for i, t in drafted}
         return {request_id: tokens for request_id, tokens in proposals.items() if tokens}
 
@@ -100,9 +112,12 @@ class DraftProposer:
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, common, req.num_tokens - 1)
         self.kv_cache.trim_slots(shadow)
 
-    def _draft(self, rooms: dict[str, int]) -> dict[str, list[int]]:
-        """k greedy steps of the draft over every shadow in `rooms`; their new tokens."""
+    def _draft(self, rooms: dict[str, int], running: dict[str, Request]) -> dict[str, list[int]]:
+        """k steps of the draft over every shadow in `rooms`; their new tokens (argmax, or
+        sampled from q for an unseeded sampled request, whose q go to `draft_probs`)."""
         proposals: dict[str, list[int]] = {request_id: [] for request_id in rooms}
+        sampled = {i for i in rooms if is_sampled_freely(running[i])}
+        q_rows: dict[str, list[torch.Tensor]] = {i: [] for i in sampled}
         for step in range(max(rooms.values())):
             shadows = [self.shadows[i] for i, room in rooms.items() if room > step]
             shadows = [s for s in shadows if self._allocate(s)]
@@ -114,11 +129,18 @@ class DraftProposer:
             logits = self.runner.execute(
                 SchedulerOutput(scheduled, sum(s.num_new_tokens for s in scheduled))
             )
-            token_ids = torch.argmax(logits[:, : self.vocab_size], dim=-1).tolist()
-            for s, token_id in zip(scheduled, token_ids, strict=True):
+            logits = logits[:, : self.vocab_size].float()
+            token_ids = torch.argmax(logits, dim=-1).tolist()
+            for row, s in enumerate(scheduled):
+                request_id = s.request.request_id
+                if request_id in sampled:
+                    q = filtered_probs(logits[row : row + 1], [running[request_id].params])[0]
+                    token_ids[row] = int(torch.multinomial(q, 1))
+                    q_rows[request_id].append(q)
                 s.request.num_computed_tokens = s.request.num_tokens
-                s.request.all_token_ids.append(token_id)
-                proposals[s.request.request_id].append(token_id)
+                s.request.all_token_ids.append(token_ids[row])
+                proposals[request_id].append(token_ids[row])
+        self.draft_probs = {i: torch.stack(rows) for i, rows in q_rows.items() if rows}
         return proposals
 
     def _allocate(self, shadow: Request) -> bool:
@@ -127,6 +149,11 @@ class DraftProposer:
             return True
         self.kv_cache.free(self.shadows.pop(shadow.request_id))
         return False
+
+
+def is_sampled_freely(req: Request) -> bool:
+    """A sampled request without a seed: its proposals are sampled from the draft's q."""
+    return not req.params.is_greedy and req.generator is None
 
 
 def _check_same_tokenizer(draft: str, target: str) -> int:

@@ -475,7 +475,23 @@ class Engine:
             output_token_ids=[r.output_token_ids + ahead for r, ahead in rows],
             generators=[r.generator for r in reqs],
             token_bitmask=self.structured.bitmask(reqs, [ahead for _, ahead in rows]),
+            draft_probs=self._draft_probs(sampling),
         )
+
+    def _draft_probs(
+        self, sampling: list[tuple[Request, list[int]]]
+    ) -> list[tuple[int, torch.Tensor] | None] | None:
+        """SamplingBatch.draft_probs: the draft's q of each proposal it sampled (see
+        engine/draft.py); None when no row verifies one."""
+        drafted = getattr(self.proposer, "draft_probs", None)
+        if not drafted:
+            return None
+        rows: list[tuple[int, torch.Tensor] | None] = []
+        for req, proposed in sampling:
+            q = drafted.get(req.request_id)
+            rows += [None if q is None else (token, q[j]) for j, token in enumerate(proposed)]
+            rows.append(None)  # the row after the proposals samples as usual
+        return rows
 
     def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.params

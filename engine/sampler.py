@@ -57,6 +57,11 @@ class SamplingBatch:
     # int32 [num_rows, ceil(vocab_size / 32)] on the CPU, bit i of word j allowing token
     # 32 * j + i (llguidance's layout), all ones for rows without a constraint; None: no row has one
     token_bitmask: torch.Tensor | None = None
+    # Per row, for a row that verifies a token a draft model sampled: (that token, the
+    # draft's probabilities it was sampled from, [vocab]); None: the row samples as usual.
+    # Such a row keeps the token with probability min(1, p / q), else samples max(0, p - q)
+    # normalised: its token then has the target's distribution p (speculative sampling).
+    draft_probs: list[tuple[int, torch.Tensor] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -143,10 +148,29 @@ class Sampler:
         if not rows:
             return token_ids
         row_index = torch.tensor(rows, device=logits.device)
-        probs = _filtered_probs(logits[row_index], [batch.params[i] for i in rows])
+        probs = filtered_probs(logits[row_index], [batch.params[i] for i in rows])
         races = _exponentials(probs, [batch.generators[i] for i in rows])
         token_ids[row_index] = (probs / races).argmax(dim=-1)
+        for position, row in enumerate(rows):
+            draft = batch.draft_probs[row] if batch.draft_probs else None
+            if draft is not None:
+                token_ids[row] = verify_draft(probs[position], *draft)
         return token_ids
+
+
+def verify_draft(probs: torch.Tensor, token_id: int, draft_probs: torch.Tensor) -> int:
+    """Speculative sampling of one position: the draft's `token_id`, sampled from
+    `draft_probs` (q), kept with probability min(1, p / q) under the target's `probs` (p);
+    else a token drawn from max(0, p - q) normalised, which is never `token_id`. The token
+    returned has distribution p whatever q is."""
+    q = torch.zeros_like(probs)
+    q[: draft_probs.shape[-1]] = draft_probs[: probs.shape[-1]].to(probs)
+    if torch.rand((), device=probs.device) * q[token_id] < probs[token_id]:
+        return token_id
+    residual = (probs - q).clamp_(min=0.0)
+    if residual.sum() <= 0.0:  # p == q up to rounding: p's own draw
+        residual = probs
+    return int(torch.multinomial(residual, 1))
 
 
 def apply_logit_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -301,7 +325,7 @@ def _repetition_penalized(
     return torch.where(seen, scaled, logits)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then min_p, top_k and top_p masks; the probabilities to sample from."""
     device = logits.device
     logits = logits / _column(params, "temperature", device)

@@ -5,11 +5,14 @@ thousand mixed requests give back every block."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from scipy.stats import chi2_contingency
 from transformers import AutoTokenizer
 
@@ -92,6 +95,54 @@ def test_sampled_distribution_with_proposals_is_the_targets(tokenizer):
     cool, _ = sampled_positions(prompt, cooler, None, torch_seed=3, n=n)
     p = chi_square_p([t[1] for t in plain], [t[1] for t in cool])
     assert p < SIGNIFICANCE, f"temperature 1 vs 0.7 told apart only with p = {p:.2e}"
+
+
+def draft_config(model) -> SpeculativeConfig:
+    """A draft model proposing 4 tokens for every request, whatever the batch."""
+    spec = SpeculativeConfig.from_json(
+        json.dumps({"model": str(model), "num_speculative_tokens": 4})
+    )
+    return replace(spec, min_acceptance_rate=0.0, disable_by_batch_size=1 << 20)
+
+
+def cooled_draft(folder) -> str:
+    """stories260K with its final norm scaled by 0.7: the same tokenizer, flatter logits, so
+    its q differs from the target's p and some of its sampled proposals are rejected."""
+    shutil.copytree(STORIES_260K, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 0.7
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_a_draft_models_sampled_proposals_keep_the_targets_distribution(tokenizer, tmp_path):
+    """1200 unseeded continuations at temperature 1 drafted by a model whose q is not the
+    target's p: the draft samples each proposal from q, the sampler keeps it with probability
+    min(1, p / q) or draws from max(0, p - q); proposals are accepted and rejected, and each
+    position has the distribution of a run without proposals."""
+    prompt, n = tokenizer(RETOLD).input_ids, 1200
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    plain, _ = sampled_positions(prompt, params, None, torch_seed=1, n=n)
+    spec = draft_config(cooled_draft(tmp_path / "draft"))
+    drafted, engine = sampled_positions(prompt, params, spec, torch_seed=2, n=n)
+    stats = engine.stats()
+    assert stats.num_spec_accepted_tokens >= n // 4, stats
+    assert stats.num_spec_proposed_tokens > stats.num_spec_accepted_tokens, stats
+    for position in range(1, 4):
+        p = chi_square_p([t[position] for t in plain], [t[position] for t in drafted])
+        assert p > SIGNIFICANCE, f"position {position}: p = {p:.2e}"
+
+
+def test_a_draft_that_is_the_target_has_its_sampled_proposals_all_but_always_accepted(tokenizer):
+    """Drafting for itself at temperature 1, unseeded, the draft's q is the target's p (up to
+    rounding), so min(1, p / q) keeps nearly every proposal; proposing the draft's argmax
+    instead would keep one only as often as the target samples that token."""
+    prompt = tokenizer(STORY).input_ids
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    _, engine = sampled_positions(prompt, params, draft_config(STORIES_260K), torch_seed=4, n=16)
+    stats = engine.stats()
+    assert stats.num_spec_proposed_tokens >= 16 * 4, stats
+    assert stats.num_spec_accepted_tokens >= 0.95 * stats.num_spec_proposed_tokens, stats
 
 
 # ---- greedy identity on other models ---------------------------------------------------------
