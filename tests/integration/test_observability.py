@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -61,8 +62,15 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
-def stack(stack_factory) -> Stack:
-    return stack_factory(log_format="json")
+def slow_file(tmp_path_factory) -> Path:
+    """While this file exists each step of the executor takes 0.05 s (engine/faults.py)."""
+    return tmp_path_factory.mktemp("faults") / "slow"
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory, slow_file) -> Stack:
+    faults = {"KVGATE_FAULTS": f"slow_while_file={slow_file}:0.05"}
+    return stack_factory(log_format="json", executor_env=faults)
 
 
 def parse(text: str) -> Samples:
@@ -165,7 +173,9 @@ def test_gateway_metrics_count_calls_tokens_and_latencies(stack: Stack) -> None:
 IDLE_CHAT_DEADLINE_S = 5.0
 
 
-def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack: Stack) -> None:
+def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(
+    stack: Stack, slow_file: Path
+) -> None:
     calls = "kvgate_gateway_requests_total"
     before = parse(scrape(stack, "gateway"))
     open_chats = value(before, "kvgate_gateway_active_streams", method="Chat", api=KVGATE)
@@ -190,12 +200,19 @@ def test_calls_closed_cancelled_or_past_their_deadline_count_by_their_code(stack
         chat = client.chat()
         assert chat.ask("Tell me a story.", max_tokens=4).token_ids, "the turn produced tokens"
         chat.close(wait_s=30.0)  # a loaded machine may take its time; the client waits
+        # Slowed, the request is still streaming when the cancel arrives (at full speed its
+        # 400 tokens can end within a loaded client's pause between first chunk and cancel).
         params = sampling_params(max_tokens=400, ignore_eos=True)
-        call = client.stub.Generate(
-            inference_pb2.GenerateRequest(prompt="Once upon a time", params=params), timeout=60.0
-        )
-        next(call)  # the first chunk: the request is running
-        call.cancel()
+        slow_file.touch()
+        try:
+            call = client.stub.Generate(
+                inference_pb2.GenerateRequest(prompt="Once upon a time", params=params),
+                timeout=60.0,
+            )
+            next(call)  # the first chunk: the request is running
+            call.cancel()
+        finally:
+            slow_file.unlink()
         with pytest.raises(grpc.RpcError) as raised:
             next(idle_chat)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
